@@ -1,0 +1,3 @@
+from omni_prefix_cache.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,145 @@
+"""Shared types, configuration, errors and the per-model cache policy.
+
+Names and behaviour match upstream vLLM-Omni's ``prefix_cache.interface`` so
+engines can switch imports without other edits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, NamedTuple, TypeAlias
+
+import torch
+
+# Identities: plain str/int at runtime, but never interchangeable.
+TensorName: TypeAlias = str  # which cached tensor (hidden or an mm name)
+ReqId: TypeAlias = str  # vLLM request id
+Tid: TypeAlias = int  # WriteTask handle
+StepId: TypeAlias = int  # save_outputs id, consumed exactly once
+
+# Pool key reserved for hidden states; mm keys are flat dotted names.
+HIDDEN_KEY: TensorName = "__hidden_states__"
+
+
+def is_hidden_key(key: TensorName) -> bool:
+    return key == HIDDEN_KEY
+
+
+def without_hidden(keys: Iterable[TensorName]) -> set[TensorName]:
+    """The mm names among ``keys`` (everything but the hidden key)."""
+    return {k for k in keys if k != HIDDEN_KEY}
+
+
+class WriteSchedule(Enum):
+    """When a WriteTask's rows travel to the CPU pool."""
+
+    # Immediately cached keys: the device->host copy is launched at save into
+    # a staging page; the committer waits it and writes the pool. The next
+    # save waits for these writes (a reused slot must be pool-complete).
+    JOIN_NEXT_STEP = "join_next_step"
+    # Deferred mm keys: rows stay in a device clone until finish/abort, or
+    # until the GPU-byte budget forces the oldest pending task to copy.
+    JOIN_ON_FINISH = "join_on_finish"
+
+
+@dataclass(frozen=True)
+class PrefixCacheConfig:
+    """Sizing and flow-control knobs."""
+
+    num_blocks: int
+    block_size: int
+    # Device-clone byte budget for JOIN_ON_FINISH writes; over it, the oldest
+    # pending task is forced to copy.
+    gpu_staging_bytes: int = 512 * 1024 * 1024
+    # Staging pages, each holding one whole step (not one request).
+    staging_depth: int = 4
+    staging_capacity_tokens: int = 1024
+    # How long save waits for a free page and join waits for the committer.
+    staging_claim_timeout_s: float = 30.0
+    # Device->host piece size for JOIN_ON_FINISH copies.
+    copy_chunk_bytes: int = 16 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "staging_depth", "staging_capacity_tokens", "copy_chunk_bytes"):
+            if int(getattr(self, name)) <= 0:
+                raise OmniPrefixCacheUnmatchError(f"PrefixCacheConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.gpu_staging_bytes < 0 or self.staging_claim_timeout_s < 0:
+            raise OmniPrefixCacheUnmatchError("PrefixCacheConfig: gpu_staging_bytes and staging_claim_timeout_s must be >= 0")
+
+    @classmethod
+    def from_vllm_config(
+        cls,
+        *,
+        num_blocks: int,
+        block_size: int,
+        scheduler_config: Any = None,
+        model_config: Any = None,
+    ) -> PrefixCacheConfig:
+        """Size staging pages from the running scheduler.
+
+        A page holds one step, so its capacity is ``max_num_batched_tokens``
+        (falling back to ``max_model_len``, then 1024). ``staging_depth`` keeps
+        its default: it bounds unconsumed step ids, not sequences. A step
+        larger than the capacity raises at save; nothing is clamped.
+        """
+        batched = getattr(scheduler_config, "max_num_batched_tokens", None)
+        model_len = getattr(scheduler_config, "max_model_len", None)
+        if not model_len and model_config is not None:
+            model_len = getattr(model_config, "max_model_len", None)
+        try:
+            capacity = int(batched or model_len or 1024)
+        except (TypeError, ValueError):
+            capacity = 1024
+        return cls(num_blocks=num_blocks, block_size=block_size, staging_capacity_tokens=max(1, capacity))
+
+
+class StageCacheOutputs(NamedTuple):
+    """Per-request merged outputs of one materialized step."""
+
+    hidden_states: dict[ReqId, torch.Tensor] | None  # None when the policy skips hidden
+    mm_outputs: dict[TensorName, dict[ReqId, Any]]
+
+
+class OmniPrefixCacheUnmatchError(RuntimeError):
+    """A contract, configuration or KV-occupancy break. Never a miss.
+
+    Raised for hits on absent slots, step ids consumed twice or never saved,
+    steps larger than a staging page, failed writes, and every other broken
+    rule; the message names the request, key, slots or step involved.
+    """
+
+
+class OmniPrefixCacheStagingTimeoutError(OmniPrefixCacheUnmatchError):
+    """A save waited for a free staging page and timed out."""
+
+
+@dataclass(frozen=True)
+class ModelCachePolicy:
+    """What one model caches: hidden states or not, and its deferred mm keys."""
+
+    needs_full_hidden_states: bool = True
+    # Token-major mm keys kept on the device clone until finish/abort.
+    deferred_keys: frozenset[TensorName] = frozenset()
+
+    @property
+    def hidden_key(self) -> TensorName | None:
+        """HIDDEN_KEY when this model caches hidden states, else None."""
+        return HIDDEN_KEY if self.needs_full_hidden_states else None
+
+    def get_hit_keys(self, keys: Iterable[TensorName]) -> list[TensorName]:
+        """Keys to serve for a hit: hidden first (if cached), then mm sorted."""
+        mm = sorted(without_hidden(keys))
+        return [HIDDEN_KEY, *mm] if self.needs_full_hidden_states else mm
+
+    def skip_immediate_mm(self, key: TensorName) -> bool:
+        """True for keys the immediate (JOIN_NEXT_STEP) mm path must not take."""
+        return is_hidden_key(key) or key in self.deferred_keys
+
+    @classmethod
+    def from_model(cls, model: Any) -> ModelCachePolicy:
+        """Read the legacy per-model attributes."""
+        deferred = frozenset(getattr(model, "deferred_prefix_cache_mm_keys", ()) or ())
+        needs = bool(getattr(model, "requires_full_prefix_cached_hidden_states", True))
+        return cls(needs_full_hidden_states=needs, deferred_keys=deferred)

@@ -1,0 +1,149 @@
+"""Compile a spec into the runtime's hot-path form.
+
+One generated ``IntEnum`` per machine and tuple-indexed move tables, so a
+legal-move lookup is a tuple index plus a dict get (about 0.05 us) instead of
+a ``transitions`` trigger (about 6 us) or a per-object machine (50-900 us to
+build). Guards and effects are bound to the runtime's handler callables here;
+the runtime never holds a transition table of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+from omni_prefix_cache.specs.loader import MachineSpec, MoveSpec, SpecError
+
+
+class SpecState(IntEnum):
+    """Base of every state enum generated from a spec."""
+
+    @property
+    def is_terminal(self) -> bool:
+        """True for the spec's final states."""
+        return self in type(self).final_states  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class CompiledMove:
+    """One (source, trigger) move with its handlers bound."""
+
+    trigger: str
+    source: SpecState
+    dest: SpecState
+    guards: tuple[Callable[..., Any], ...]
+    effects: tuple[Callable[..., Any], ...]
+    spec: MoveSpec
+
+
+# Marks a (source, dest) pair reached by more than one trigger.
+_AMBIGUOUS: Any = object()
+
+
+class CompiledMachine:
+    """Immutable move tables for one spec.
+
+    ``move(state, trigger)`` and ``move_to(state, dest)`` return the move or
+    None when the spec declares none; they never evaluate guards or run
+    effects (the runtime does both, under whatever lock it holds).
+    """
+
+    def __init__(self, spec: MachineSpec, state_enum: type[SpecState], moves: list[CompiledMove]):
+        self.spec = spec
+        self.State = state_enum
+        n = len(spec.states)
+        by_trigger: list[dict[str, CompiledMove]] = [{} for _ in range(n)]
+        by_dest: list[list[Any]] = [[None] * n for _ in range(n)]
+        for m in moves:
+            by_trigger[m.source][m.trigger] = m
+            cell = by_dest[m.source][m.dest]
+            by_dest[m.source][m.dest] = m if cell is None else _AMBIGUOUS
+        self._by_trigger = tuple(by_trigger)
+        self._by_dest = tuple(tuple(row) for row in by_dest)
+        self.moves = tuple(moves)
+        self.triggers = spec.triggers
+        self.initial = state_enum[spec.initial]
+        self.final: frozenset[SpecState] = frozenset(state_enum[s] for s in spec.final_states)
+
+    def move(self, state: int, trigger: str) -> CompiledMove | None:
+        return self._by_trigger[state].get(trigger)
+
+    def move_to(self, state: int, dest: int) -> CompiledMove | None:
+        """The unique move from ``state`` to ``dest``; None if there is none.
+
+        Raises SpecError if several triggers join the pair (name the trigger).
+        """
+        m = self._by_dest[state][dest]
+        if m is _AMBIGUOUS:
+            raise SpecError(
+                f"{self.spec.origin}: {self.State(state).name} -> {self.State(dest).name} is reached by "
+                "several triggers; call move() with the trigger"
+            )
+        return m
+
+    def transition_matrix(self, trigger: str) -> tuple[int, ...]:
+        """Destination per source state for ``trigger``; -1 where illegal."""
+        return tuple(
+            int(m.dest) if (m := self._by_trigger[s].get(trigger)) is not None else -1
+            for s in range(len(self.State))
+        )
+
+    def sources(self, trigger: str) -> tuple[SpecState, ...]:
+        return tuple(self.State(s) for s in range(len(self.State)) if trigger in self._by_trigger[s])
+
+    def tagged(self, tag: str) -> frozenset[SpecState]:
+        return frozenset(self.State[s] for s in self.spec.tagged(tag))
+
+
+def make_state_enum(spec: MachineSpec, module: str | None = None) -> type[SpecState]:
+    """Generate the spec's ``IntEnum`` (values in declaration order)."""
+    members = [(name, i) for i, name in enumerate(spec.state_names)]
+    enum_cls = SpecState(spec.enum_name, members, module=module, qualname=spec.enum_name)  # type: ignore[call-overload]
+    enum_cls.final_states = frozenset(enum_cls[s] for s in spec.final_states)
+    return enum_cls
+
+
+def compile_machine(
+    spec: MachineSpec,
+    *,
+    guards: Mapping[str, Callable[..., Any]] | None = None,
+    effects: Mapping[str, Callable[..., Any]] | None = None,
+    module: str | None = None,
+    state_enum: type[SpecState] | None = None,
+) -> CompiledMachine:
+    """Bind ``spec`` to the runtime's handlers.
+
+    Raises SpecError (naming the spec file and the name) when the spec uses a
+    guard or effect the runtime does not register, or the runtime registers
+    one the spec never declares: both sides must list the same names.
+    """
+    guards = dict(guards or {})
+    effects = dict(effects or {})
+    for kind, declared, registered in (
+        ("guard", spec.guard_names, set(guards)),
+        ("effect", spec.effect_names, set(effects)),
+    ):
+        missing = sorted(declared - registered)
+        if missing:
+            raise SpecError(f"{spec.origin}: {kind}s {missing} are not registered by the runtime")
+        extra = sorted(registered - declared)
+        if extra:
+            raise SpecError(f"{spec.origin}: the runtime registers {kind}s {extra} that the spec does not declare")
+    enum_cls = state_enum or make_state_enum(spec, module)
+    if tuple(m.name for m in enum_cls) != spec.state_names:
+        raise SpecError(f"{spec.origin}: state enum {enum_cls.__name__} does not match the spec's states")
+    moves = [
+        CompiledMove(
+            trigger=m.trigger,
+            source=enum_cls[src],
+            dest=enum_cls[m.dest],
+            guards=tuple(guards[g] for g in m.guards),
+            effects=tuple(effects[e] for e in m.effects),
+            spec=m,
+        )
+        for m in spec.moves
+        for src in m.source
+    ]
+    return CompiledMachine(spec, enum_cls, moves)

@@ -1,0 +1,80 @@
+"""Render every spec as a graphviz diagram (``make diagrams``).
+
+The structure (states, moves, guards, effects) is read from the
+``transitions`` machine built from the spec; the prose (meanings,
+description) from the spec itself. Output is deterministic so a committed
+``.dot`` can be compared byte for byte with a fresh render.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import textwrap
+from pathlib import Path
+
+import graphviz
+
+from omni_prefix_cache.specs.loader import MachineSpec, load_all_specs
+from omni_prefix_cache.specs.oracle import build_oracle
+
+
+def _wrap(text: str, width: int = 34) -> str:
+    return "\n".join(textwrap.wrap(text, width)) or text
+
+
+def render_dot(spec: MachineSpec) -> str:
+    """The DOT source for one spec."""
+    machine, _ = build_oracle(spec)
+    meaning = {s.name: s.meaning for s in spec.states}
+    g = graphviz.Digraph(name=spec.name)
+    g.attr(rankdir="LR", labelloc="t", fontname="Helvetica", fontsize="12")
+    g.attr(label=f"{spec.name} ({spec.enum_name})\n{_wrap(spec.description, 90)}")
+    g.attr("node", shape="box", style="rounded", fontname="Helvetica", fontsize="10")
+    g.attr("edge", fontname="Helvetica", fontsize="9")
+    g.node("__start__", label="", shape="point", width="0.15")
+    for name, state in machine.states.items():
+        extra = {"peripheries": "2", "style": "rounded,bold"} if state.final else {}
+        suffix = "\n(final)" if state.final else ""
+        g.node(name, label=f"{name}\n{_wrap(meaning[name])}{suffix}", **extra)
+    g.edge("__start__", machine.initial)
+    by_trigger = {m.trigger: [] for m in spec.moves}
+    for m in spec.moves:
+        by_trigger[m.trigger].append(m)
+    for trigger, event in machine.events.items():
+        for source, transitions in event.transitions.items():
+            for t in transitions:
+                guards = [c.func for c in t.conditions]
+                label = trigger + (f" [{', '.join(guards)}]" if guards else "")
+                if t.after:
+                    label += f" / {', '.join(t.after)}"
+                g.edge(source, t.dest, label=label)
+    return g.source
+
+
+def write_diagrams(out_dir: Path, *, svg: bool = True) -> list[Path]:
+    """Write ``<name>.dot`` (and ``.svg`` when graphviz's ``dot`` exists)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    dot_bin = shutil.which("dot")
+    for name, spec in load_all_specs().items():
+        dot_path = out_dir / f"{name}.dot"
+        dot_path.write_text(render_dot(spec))
+        written.append(dot_path)
+        if svg:
+            if dot_bin is None:
+                raise RuntimeError("graphviz 'dot' not found: apt-get install -y graphviz")
+            svg_path = out_dir / f"{name}.svg"
+            subprocess.run([dot_bin, "-Tsvg", "-o", str(svg_path), str(dot_path)], check=True)
+            written.append(svg_path)
+    return written
+
+
+def stale_diagrams(out_dir: Path) -> list[str]:
+    """Names whose committed ``.dot`` differs from a fresh render."""
+    stale = []
+    for name, spec in load_all_specs().items():
+        path = out_dir / f"{name}.dot"
+        if not path.is_file() or path.read_text() != render_dot(spec):
+            stale.append(name)
+    return stale

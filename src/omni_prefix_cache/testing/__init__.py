@@ -1,0 +1,1 @@
+"""Test support: spec-driven test generation, reference models, mutants."""
