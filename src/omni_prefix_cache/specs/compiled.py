@@ -35,6 +35,10 @@ class CompiledMove:
     dest: SpecState
     guards: tuple[Callable[..., Any], ...]
     effects: tuple[Callable[..., Any], ...]
+    # ``effects`` split by the spec's ``deferrable`` list: a caller deferring
+    # runs ``undeferrable`` now and ``deferrable`` once its record is public.
+    undeferrable: tuple[Callable[..., Any], ...]
+    deferrable: tuple[Callable[..., Any], ...]
     spec: MoveSpec
 
 
@@ -86,8 +90,7 @@ class CompiledMachine:
     def transition_matrix(self, trigger: str) -> tuple[int, ...]:
         """Destination per source state for ``trigger``; -1 where illegal."""
         return tuple(
-            int(m.dest) if (m := self._by_trigger[s].get(trigger)) is not None else -1
-            for s in range(len(self.State))
+            int(m.dest) if (m := self._by_trigger[s].get(trigger)) is not None else -1 for s in range(len(self.State))
         )
 
     def sources(self, trigger: str) -> tuple[SpecState, ...]:
@@ -141,6 +144,8 @@ def compile_machine(
             dest=enum_cls[m.dest],
             guards=tuple(guards[g] for g in m.guards),
             effects=tuple(effects[e] for e in m.effects),
+            undeferrable=tuple(effects[e] for e in m.effects if e not in m.deferrable),
+            deferrable=tuple(effects[e] for e in m.effects if e in m.deferrable),
             spec=m,
         )
         for m in spec.moves

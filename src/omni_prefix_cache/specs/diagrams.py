@@ -38,16 +38,17 @@ def render_dot(spec: MachineSpec) -> str:
         suffix = "\n(final)" if state.final else ""
         g.node(name, label=f"{name}\n{_wrap(meaning[name])}{suffix}", **extra)
     g.edge("__start__", machine.initial)
-    by_trigger = {m.trigger: [] for m in spec.moves}
-    for m in spec.moves:
-        by_trigger[m.trigger].append(m)
+    deferrable = {(m.trigger, src): set(m.deferrable) for m in spec.moves for src in m.source}
+    if any(deferrable.values()):
+        g.node("__note__", label="* effect may run after the caller publishes its record", shape="plaintext")
     for trigger, event in machine.events.items():
         for source, transitions in event.transitions.items():
             for t in transitions:
                 guards = [c.func for c in t.conditions]
                 label = trigger + (f" [{', '.join(guards)}]" if guards else "")
                 if t.after:
-                    label += f" / {', '.join(t.after)}"
+                    late = deferrable[(trigger, source)]
+                    label += " / " + ", ".join(f"{e}*" if e in late else e for e in t.after)
                 g.edge(source, t.dest, label=label)
     return g.source
 

@@ -6,8 +6,9 @@ A spec is a YAML mapping in the dict shape ``transitions.Machine`` accepts
 
 - ``name`` / ``enum`` / ``description`` at the top level;
 - per state: ``meaning`` (one line), ``initial``, ``tags``;
-- per move: ``meaning`` and ``deferrable`` (its effects may run later, once
-  the caller has published a record the woken waiters must find);
+- per move: ``meaning`` and ``deferrable``: the subset of its effects that a
+  caller may run later, once it has published a record the woken waiters
+  must find (e.g. a failure record before the failure wakes joiners);
 - ``invariants``: a list of ``{name, meaning}``.
 
 Validation here is structural. Whether every guard/effect name is one the
@@ -58,7 +59,7 @@ class MoveSpec:
     guards: tuple[str, ...]
     effects: tuple[str, ...]
     meaning: str
-    deferrable: bool
+    deferrable: tuple[str, ...]
 
     @property
     def label(self) -> str:
@@ -229,15 +230,19 @@ def parse_spec(data: Mapping[str, Any], origin: str = "<spec>") -> MachineSpec:
         meaning = raw.get("meaning")
         if not isinstance(meaning, str) or not meaning.strip():
             raise _fail(origin, where, "needs a one-line 'meaning'")
+        effects = _names(raw.get("after"), origin, where, "after")
+        deferrable = _names(raw.get("deferrable"), origin, where, "deferrable")
+        if not set(deferrable) <= set(effects):
+            raise _fail(origin, where, f"deferrable {sorted(set(deferrable) - set(effects))} are not among its effects")
         moves.append(
             MoveSpec(
                 trigger=trigger,
                 source=source,
                 dest=dest,
                 guards=_names(raw.get("conditions"), origin, where, "conditions"),
-                effects=_names(raw.get("after"), origin, where, "after"),
+                effects=effects,
                 meaning=meaning.strip(),
-                deferrable=bool(raw.get("deferrable", False)),
+                deferrable=deferrable,
             )
         )
 

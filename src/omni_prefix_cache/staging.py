@@ -1,0 +1,223 @@
+"""Staging pages: the reusable host landing zone for one whole step.
+
+Holders move through the ``staging_holder`` spec (spec/staging_holder.yaml):
+a step claims a free page at save, each immediate write binds to the page
+its step holds, and every holder is released exactly once (materialize or
+discard, a failed save, the write's pool write, or its failure). A page is
+free exactly when no holder holds it. This is not the CPU block pool.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+import torch
+
+from omni_prefix_cache.interface import (
+    OmniPrefixCacheStagingTimeoutError,
+    OmniPrefixCacheUnmatchError,
+    TensorName,
+)
+from omni_prefix_cache.specs import compile_machine, load_spec
+
+
+class StagingBufferHolder(NamedTuple):
+    """One owner of a staging page: a step (``for_step``) or a task (``for_task``)."""
+
+    kind: Literal["step", "task"]
+    owner_id: int
+
+    @classmethod
+    def for_step(cls, step_id: int) -> StagingBufferHolder:
+        return cls("step", step_id)
+
+    @classmethod
+    def for_task(cls, tid: int) -> StagingBufferHolder:
+        return cls("task", tid)
+
+
+# ------------------------------------------------------ spec guards / effects
+# Signature (pool, page, holder); called with the pool's condition held.
+
+
+def _is_step_holder(pool: StagingBufferPool, page: int, holder: StagingBufferHolder) -> bool:
+    return holder.kind == "step"
+
+
+def _is_task_holder(pool: StagingBufferPool, page: int, holder: StagingBufferHolder) -> bool:
+    return holder.kind == "task"
+
+
+def _page_free(pool: StagingBufferPool, page: int, holder: StagingBufferHolder) -> bool:
+    return not pool._busy[page]
+
+
+def _page_busy(pool: StagingBufferPool, page: int, holder: StagingBufferHolder) -> bool:
+    return bool(pool._busy[page])
+
+
+def _wake_claimers_if_free(pool: StagingBufferPool, page: int, holder: StagingBufferHolder) -> None:
+    if not pool._busy[page]:
+        pool._page_freed.notify_all()
+
+
+HOLDER_MACHINE = compile_machine(
+    load_spec("staging_holder"),
+    guards={
+        "is_step_holder": _is_step_holder,
+        "is_task_holder": _is_task_holder,
+        "page_free": _page_free,
+        "page_busy": _page_busy,
+    },
+    effects={"wake_claimers_if_free": _wake_claimers_if_free},
+    module=__name__,
+)
+HolderState = HOLDER_MACHINE.State
+# Triggers that release a holder, by who releases it.
+RELEASE_TRIGGERS = frozenset(m.trigger for m in HOLDER_MACHINE.moves if m.dest is HolderState.RELEASED)
+
+
+class StagingBufferPool:
+    """``depth`` pages of ``capacity`` rows per key, shared by all keys.
+
+    ``_busy[page]`` is the set of holders holding the page. The holder
+    lifecycle is the compiled spec; this class holds no table of its own.
+    All methods are thread-safe (one condition guards the pool).
+    """
+
+    def __init__(self, depth: int, capacity: int, *, pin_memory: bool = False):
+        self.depth = depth
+        self.capacity = capacity
+        self.pin_memory = pin_memory
+        self._bufs: dict[TensorName, torch.Tensor] = {}
+        self._busy: list[set[StagingBufferHolder]] = [set() for _ in range(depth)]
+        self._page_of: dict[StagingBufferHolder, int] = {}
+        self._page_freed = threading.Condition()
+        self._closed = False
+
+    # ----------------------------------------------------------- holder moves
+
+    def holder_state(self, holder: StagingBufferHolder) -> Any:
+        """HELD while the holder holds a page; UNHELD otherwise. (Holder ids
+        are never reused, so a released holder reads as UNHELD here.)"""
+        return HolderState.HELD if holder in self._page_of else HolderState.UNHELD
+
+    def _apply(self, trigger: str, page: int, holder: StagingBufferHolder) -> bool:
+        """Fire ``trigger`` for ``holder`` on ``page`` under the condition.
+        Raises if the spec has no such move; False if a guard refuses."""
+        move = HOLDER_MACHINE.move(self.holder_state(holder), trigger)
+        if move is None:
+            raise OmniPrefixCacheUnmatchError(
+                f"staging page {page}: {holder.kind} {holder.owner_id} cannot {trigger} "
+                f"from {self.holder_state(holder).name}"
+            )
+        if not all(guard(self, page, holder) for guard in move.guards):
+            return False
+        if move.dest is HolderState.HELD:
+            self._busy[page].add(holder)
+            self._page_of[holder] = page
+        else:
+            self._busy[page].discard(holder)
+            del self._page_of[holder]
+        for effect in move.effects:
+            effect(self, page, holder)
+        return True
+
+    def claim(self, holder: StagingBufferHolder, timeout: float) -> int:
+        """Claim a free page for a step holder; waits up to ``timeout``
+        seconds (<= 0: no wait). Raises OmniPrefixCacheStagingTimeoutError
+        naming the holders that keep every page busy, or
+        OmniPrefixCacheUnmatchError once the pool is closed."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._page_freed:
+            while True:
+                if self._closed:
+                    raise OmniPrefixCacheUnmatchError("staging pool shut down while waiting for a page")
+                for page in range(self.depth):
+                    if self._apply("claim", page, holder):
+                        return page
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    steps = sorted(h.owner_id for b in self._busy for h in b if h.kind == "step")
+                    tasks = sorted(h.owner_id for b in self._busy for h in b if h.kind == "task")
+                    raise OmniPrefixCacheStagingTimeoutError(
+                        f"no free staging page after {timeout:g}s for step {holder.owner_id}: "
+                        f"unconsumed step contexts {steps}, unwritten tasks {tasks} "
+                        "(materialize or discard_step every step id)"
+                    )
+                self._page_freed.wait(timeout=remaining)
+
+    def bind(self, page: int, holder: StagingBufferHolder) -> None:
+        """A task holder joins the (busy) page its step holds."""
+        with self._page_freed:
+            if not self._apply("bind", page, holder):
+                raise OmniPrefixCacheUnmatchError(
+                    f"staging page {page}: task {holder.owner_id} cannot bind to a page no step holds"
+                )
+
+    def release(self, page: int, holder: StagingBufferHolder, trigger: str = "consume") -> None:
+        """Release ``holder`` from ``page`` by ``trigger`` (consume, abandon,
+        written, fail). Raises if the holder does not hold that page."""
+        with self._page_freed:
+            if self._page_of.get(holder) != page and holder in self._page_of:
+                raise OmniPrefixCacheUnmatchError(
+                    f"staging: {holder.kind} {holder.owner_id} holds page {self._page_of[holder]}, not {page}"
+                )
+            if not self._apply(trigger, page, holder):
+                raise OmniPrefixCacheUnmatchError(
+                    f"staging page {page}: {trigger} does not release a {holder.kind} holder"
+                )
+
+    def release_many(self, items: list[tuple[int, StagingBufferHolder]], trigger: str) -> None:
+        """``release`` for several (page, holder) pairs under one lock."""
+        with self._page_freed:
+            for page, holder in items:
+                if self._page_of.get(holder) != page:
+                    raise OmniPrefixCacheUnmatchError(
+                        f"staging page {page}: {holder.kind} {holder.owner_id} cannot {trigger}: not held there"
+                    )
+                self._apply(trigger, page, holder)
+
+    def holds(self, holder: StagingBufferHolder) -> bool:
+        with self._page_freed:
+            return holder in self._page_of
+
+    def close(self) -> None:
+        """Wake every waiting claim; later claims raise."""
+        with self._page_freed:
+            self._closed = True
+            self._page_freed.notify_all()
+
+    def holders(self) -> list[StagingBufferHolder]:
+        """Every holder currently holding a page (diagnostics)."""
+        with self._page_freed:
+            return list(self._page_of)
+
+    # ----------------------------------------------------------------- buffers
+
+    def _buf(self, key: TensorName, width: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._bufs.get(key)
+        if buf is None or buf.shape[-1] != width or buf.dtype != dtype:
+            buf = torch.empty((self.depth * self.capacity, width), dtype=dtype, pin_memory=self.pin_memory)
+            self._bufs[key] = buf
+        return buf
+
+    def views(self, page: int, key: TensorName, n: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``[0:n)`` of ``page`` for ``key`` (allocating the key's pages lazily)."""
+        base = page * self.capacity
+        return self._buf(key, width, dtype)[base : base + n]
+
+
+@dataclass(eq=False)
+class StepD2HClaim:
+    """One step's landing in the staging pool (returned by stage_step_host).
+
+    ``event`` completes the device-to-host copy; None when already complete.
+    """
+
+    staging_slot: int
+    views: dict[TensorName, torch.Tensor]
+    event: Any = None

@@ -1,0 +1,354 @@
+"""WriteTask: one write of (slot, key) rows for a single request.
+
+Its lifecycle is the ``write_task`` spec (spec/write_task.yaml): the state
+enum ``TaskState`` is generated from it and every move goes through the
+compiled table. The wait events ``host_ready`` and ``done`` are set only by
+the effects the spec declares on a move, never directly.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, ReqId, TensorName, Tid, WriteSchedule
+from omni_prefix_cache.specs import compile_machine, load_spec
+
+# Guards the one-time creation of a TaskEvent's condition (see TaskEvent.wait).
+_EVENT_COND_INIT = threading.Lock()
+
+
+class TaskEvent:
+    """A one-shot event that is cheap until somebody waits on it.
+
+    ``threading.Event()`` costs about 6 us to build here and each task needs
+    two, while most tasks are never waited on. The condition is created on
+    the first ``wait``; ``set`` notifies only if one exists. Same
+    ``is_set`` / ``set`` / ``wait`` contract as ``threading.Event``
+    (no ``clear``: task events never reset).
+    """
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._cond: threading.Condition | None = None
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def set(self) -> None:
+        self._flag = True
+        cond = self._cond
+        if cond is not None:
+            with cond:
+                cond.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until set or ``timeout`` seconds pass; True if set."""
+        if self._flag:
+            return True
+        with _EVENT_COND_INIT:
+            if self._cond is None:
+                self._cond = threading.Condition(threading.Lock())
+        cond = self._cond
+        with cond:
+            # The predicate is re-read under the condition's lock, so a set()
+            # that raced the creation above is never missed.
+            return cond.wait_for(lambda: self._flag, timeout)
+
+
+@dataclass(eq=False)
+class _BudgetTicket:
+    """The GPU-byte charge of one device clone shared by several writes.
+
+    Charged once by ``reserve``; uncharged once, when the last task pinned
+    on it releases. Holds no tensors.
+    """
+
+    nbytes: int
+    tids: set[Tid] = field(default_factory=set)
+    _freed: bool = False
+
+    def release(self, tid: Tid) -> int:
+        """Unpin ``tid``; return the bytes to uncharge: ``nbytes`` exactly
+        once (when the last holder leaves), else 0. Idempotent per tid."""
+        self.tids.discard(tid)
+        if self.tids or self._freed:
+            return 0
+        self._freed = True
+        return self.nbytes
+
+
+@dataclass(eq=False)
+class _WriteChunk:
+    """One save's slots and tensors appended onto a WriteTask."""
+
+    slots_cpu: torch.Tensor  # int64 KV slot ids, in token order
+    tensors: dict[TensorName, torch.Tensor]  # the frozen clone (device, or CPU)
+    host: dict[TensorName, torch.Tensor] = field(default_factory=dict)  # host rows [0:n)
+    budget: _BudgetTicket | None = None  # charge of the clone `tensors` views
+
+
+# --------------------------------------------------------------- spec effects
+# Each runs under the task's lock, as part of the move that declares it.
+
+
+def _drop_device_clone(task: WriteTask) -> None:
+    for chunk in task.chunks:
+        chunk.tensors = {}
+
+
+def _set_host_ready(task: WriteTask) -> None:
+    task.host_ready.set()
+
+
+def _set_done(task: WriteTask) -> None:
+    task.done.set()
+
+
+WRITE_TASK_MACHINE = compile_machine(
+    load_spec("write_task"),
+    effects={
+        "drop_device_clone": _drop_device_clone,
+        "set_host_ready": _set_host_ready,
+        "set_done": _set_done,
+    },
+    module=__name__,
+)
+TaskState = WRITE_TASK_MACHINE.State
+# States in which a task still accepts chunks (the spec's accepts_chunks tag).
+_ACCEPTS_CHUNKS = WRITE_TASK_MACHINE.tagged("accepts_chunks")
+
+
+def illegal_move(task: WriteTask, to: Any) -> OmniPrefixCacheUnmatchError:
+    name = to.name if hasattr(to, "name") else str(to)
+    return OmniPrefixCacheUnmatchError(f"task {task.tid}: illegal transition {task.state.name} -> {name}")
+
+
+@dataclass(eq=False)
+class WriteTask:
+    """One write of (slot, key) rows for one request (``req_id``'s
+    ``write_n``-th write). May cover several keys and, for deferred writes,
+    several chunks (one per save).
+
+    ``state`` is the single source of truth; it moves only through the
+    compiled ``write_task`` spec. ``lock`` covers ``state``, ``reassigned``,
+    chunk appends, host/clone swaps and ``slot_to_row``.
+    """
+
+    tid: Tid
+    req_id: ReqId
+    write_n: int
+    schedule: WriteSchedule
+    chunks: list[_WriteChunk]
+    # Compute-stream event after the on-device clone; copy and read lanes
+    # wait it before touching chunk tensors (a later CUDA-graph replay
+    # overwrites the static buffers the clone was taken from).
+    freeze_event: Any = None
+    state: Any = TaskState.PENDING
+    # Rows of this write taken over by a newer write; skipped at pool write.
+    reassigned: dict[TensorName, torch.Tensor] = field(default_factory=dict)
+    host_ready: TaskEvent = field(default_factory=TaskEvent)
+    done: TaskEvent = field(default_factory=TaskEvent)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    # Budget flush picks the pending task with the oldest of these.
+    enqueued_time: float = field(default_factory=time.monotonic)
+    # Immediate path: the staging page this write views, and the step's
+    # device-to-host event (None once complete or on CPU).
+    staging_slot: int | None = None
+    step_d2h_event: Any = None
+    _slot_to_row: dict[int, tuple[int, int]] | None = None
+    # Effects a deferred ``fail`` still owes (run by wake_failed_waiters).
+    _owed_wakes: tuple[Any, ...] = ()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def _move_locked(self, to: Any, *, defer: bool = False) -> None:
+        move = WRITE_TASK_MACHINE.move_to(self.state, to)
+        if move is None:
+            raise illegal_move(self, to)
+        self.state = move.dest
+        if defer:
+            for effect in move.undeferrable:
+                effect(self)
+            self._owed_wakes = move.deferrable
+        else:
+            for effect in move.effects:
+                effect(self)
+
+    def transition(self, to: Any) -> None:
+        """Move to ``to``; raises OmniPrefixCacheUnmatchError unless the spec
+        declares the move from the current state. Any thread."""
+        with self.lock:
+            self._move_locked(to)
+
+    def try_transition(self, to: Any) -> bool:
+        """Move to ``to`` if the spec allows it from the current state."""
+        with self.lock:
+            if WRITE_TASK_MACHINE.move_to(self.state, to) is None:
+                return False
+            self._move_locked(to)
+            return True
+
+    def claim_copy(self) -> bool:
+        """QUEUED -> COPYING. Of racing callers exactly one gets True."""
+        return self.try_transition(TaskState.COPYING)
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.state in WRITE_TASK_MACHINE.final
+
+    def append_chunk(self, chunk: _WriteChunk, freeze_event: Any = None) -> Any:
+        """Grow the write by one save's rows. Returns None if appended, else
+        the state that closed the task (the caller opens a new task).
+
+        The newest ``freeze_event`` covers every earlier clone: events on one
+        compute stream complete in order.
+        """
+        with self.lock:
+            if self.state not in _ACCEPTS_CHUNKS:
+                return self.state
+            self.chunks.append(chunk)
+            self._slot_to_row = None
+            if freeze_event is not None:
+                self.freeze_event = freeze_event
+            return None
+
+    def set_host_tensor(self, rows: list[tuple[_WriteChunk, TensorName, torch.Tensor]]) -> None:
+        """COPYING -> HOST_READY after installing the copied host rows."""
+        with self.lock:
+            for chunk, key, tensor in rows:
+                chunk.host[key] = tensor
+            self._move_locked(TaskState.HOST_READY)
+
+    def mark_host_ready(self) -> None:
+        """COPYING -> HOST_READY for staging views: waits the step's
+        device-to-host event first (outside the task lock)."""
+        if self.step_d2h_event is not None:
+            self.step_d2h_event.synchronize()
+        with self.lock:
+            self._move_locked(TaskState.HOST_READY)
+
+    def mark_failed(self, *, defer_wake: bool = False) -> bool:
+        """Any non-terminal state -> FAILED. False if already terminal.
+
+        ``defer_wake``: run only the undeferrable effects now; the caller
+        publishes its failure record, then calls ``wake_failed_waiters``.
+        """
+        with self.lock:
+            if self.is_terminal:
+                return False
+            self._move_locked(TaskState.FAILED, defer=defer_wake)
+            return True
+
+    def wake_failed_waiters(self) -> None:
+        """Run the wake effects a deferred ``fail`` still owes."""
+        with self.lock:
+            owed, self._owed_wakes = self._owed_wakes, ()
+            for effect in owed:
+                effect(self)
+
+    def mark_done(self) -> None:
+        """HOST_READY -> WRITTEN (the completion record is already public)."""
+        self.transition(TaskState.WRITTEN)
+
+    def clear_tensors(self) -> None:
+        """Drop the device clone without a move (host rows untouched)."""
+        with self.lock:
+            _drop_device_clone(self)
+
+    # ------------------------------------------------------------ ownership
+
+    def add_reassigned(self, key: TensorName, slots: torch.Tensor) -> None:
+        """Record that a newer write took these (slot, key) rows over."""
+        with self.lock:
+            prev = self.reassigned.get(key)
+            self.reassigned[key] = slots.clone() if prev is None else torch.cat([prev, slots])
+
+    def reassigned_intersects(self, chunk: _WriteChunk) -> bool:
+        """True if the chunk would re-add a (key, slot) this write already
+        lost; the caller opens a fresh write instead of appending."""
+        with self.lock:
+            if not self.reassigned:
+                return False
+            new = set(chunk.slots_cpu.tolist())
+            for key in chunk.tensors:
+                taken = self.reassigned.get(key)
+                if taken is not None and not new.isdisjoint(taken.tolist()):
+                    return True
+            return False
+
+    # ------------------------------------------------------------ reading rows
+
+    def get_host_tensor(self, si: int, key: TensorName) -> torch.Tensor | None:
+        """Chunk ``si``'s host rows for ``key`` if copied, else its device
+        clone, read in one snapshot under the lock."""
+        with self.lock:
+            chunk = self.chunks[si]
+            src = chunk.host.get(key)
+            return chunk.tensors.get(key) if src is None else src
+
+    def slot_to_row(self) -> dict[int, tuple[int, int]]:
+        """slot -> (chunk index, row); a later chunk wins for a slot written twice."""
+        with self.lock:
+            if self._slot_to_row is None:
+                table: dict[int, tuple[int, int]] = {}
+                for si, chunk in enumerate(self.chunks):
+                    for ri, slot in enumerate(chunk.slots_cpu.tolist()):
+                        table[slot] = (si, ri)
+                self._slot_to_row = table
+            return self._slot_to_row
+
+    def scatter_rows(self) -> list[tuple[TensorName, torch.Tensor, torch.Tensor]]:
+        """``(key, slots, host_rows)`` to write, one entry per key.
+
+        Slots in ``reassigned`` are left out; a slot written by two chunks
+        (preempt and resume onto the same block) keeps the later chunk's row.
+        """
+        with self.lock:
+            reassigned = dict(self.reassigned)
+        per_key: dict[TensorName, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for chunk in self.chunks:
+            for key, host in chunk.host.items():
+                per_key.setdefault(key, []).append((chunk.slots_cpu, host))
+        out: list[tuple[TensorName, torch.Tensor, torch.Tensor]] = []
+        for key, parts in per_key.items():
+            if len(parts) == 1:
+                slots, host = parts[0]
+            else:
+                slots = torch.cat([p[0] for p in parts])
+                host = torch.cat([p[1] for p in parts], dim=0)
+                slots, host = _keep_last_write(slots, host)
+            taken = reassigned.get(key)
+            if taken is not None and taken.numel():
+                gone = set(taken.tolist())
+                keep = [i for i, s in enumerate(slots.tolist()) if s not in gone]
+                if not keep:
+                    continue
+                if len(keep) < slots.numel():
+                    idx = torch.tensor(keep, dtype=torch.int64)
+                    slots, host = slots.index_select(0, idx), host.index_select(0, idx)
+            out.append((key, slots, host))
+        return out
+
+    def budget_tickets(self) -> list[_BudgetTicket]:
+        """The distinct tickets across this task's chunks (by identity)."""
+        seen: dict[int, _BudgetTicket] = {}
+        for chunk in self.chunks:
+            if chunk.budget is not None:
+                seen.setdefault(id(chunk.budget), chunk.budget)
+        return list(seen.values())
+
+
+def _keep_last_write(slots: torch.Tensor, host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop earlier rows of any slot that appears twice (in order of first
+    appearance of each slot's last write)."""
+    order = slots.tolist()
+    last = {s: i for i, s in enumerate(order)}
+    if len(last) == len(order):
+        return slots, host
+    idx = torch.tensor(sorted(last.values()), dtype=torch.int64)
+    return slots.index_select(0, idx), host.index_select(0, idx)

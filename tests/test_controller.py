@@ -1,0 +1,389 @@
+"""Controller tests beyond the seed suite: the threaded committer on CPU,
+failure isolation, shutdown, test-driven committer steps, and eager
+batching. Randomised tests take a seed and print it on failure."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from omni_prefix_cache.block_pool import PrefixBlockPool
+from omni_prefix_cache.controller import (
+    OmniPrefixCacheController,
+    StagingBufferHolder,
+    TaskState,
+    WriteTask,
+    _BudgetTicket,
+    _WriteChunk,
+)
+from omni_prefix_cache.copy_engine import CpuCopyEngine
+from omni_prefix_cache.interface import HIDDEN_KEY, OmniPrefixCacheUnmatchError, PrefixCacheConfig, WriteSchedule
+
+NUM_BLOCKS, BLOCK_SIZE, WIDTH = 16, 4, 3
+NUM_SLOTS = NUM_BLOCKS * BLOCK_SIZE
+
+
+class FlakyPool(PrefixBlockPool):
+    """A pool whose write raises for any slot in ``poison``."""
+
+    def __init__(self, config: PrefixCacheConfig):
+        super().__init__(config)
+        self.poison: set[int] = set()
+        self.writes: list[tuple[str, list[int]]] = []
+
+    def write(self, key, slots, host):
+        self.writes.append((key, slots.tolist()))
+        if self.poison & set(slots.tolist()):
+            raise RuntimeError(f"injected pool write failure on {sorted(self.poison & set(slots.tolist()))}")
+        super().write(key, slots, host)
+
+
+class FlakyEngine(CpuCopyEngine):
+    """A CPU copy engine whose device-to-host copy raises for rows equal to ``poison_value``."""
+
+    def __init__(self) -> None:
+        self.poison_value: float | None = None
+
+    def to_host(self, src):
+        if self.poison_value is not None and bool((src == self.poison_value).any()):
+            raise RuntimeError("injected copy failure")
+        return super().to_host(src)
+
+
+def make(eager=False, committer="thread", timeout=5.0, budget=1 << 30, engine=None):
+    cfg = PrefixCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK_SIZE,
+        staging_claim_timeout_s=timeout,
+        gpu_staging_bytes=budget,
+        staging_depth=2,
+        staging_capacity_tokens=NUM_SLOTS,
+    )
+    pool = FlakyPool(cfg)
+    pool.ensure_key(HIDDEN_KEY, torch.float32, WIDTH)
+    ctrl = OmniPrefixCacheController(pool, cfg, eager=eager, committer=committer, engine=engine)
+    return ctrl, pool
+
+
+def rows_for(slots: list[int], salt: float = 0.0) -> torch.Tensor:
+    return torch.tensor(slots, dtype=torch.float32)[:, None].expand(len(slots), WIDTH) + salt
+
+
+def deferred_task(ctrl, tid, slots, salt=0.0, ticket=None):
+    """A JOIN_ON_FINISH task whose 'device clone' is a CPU tensor."""
+    clone = rows_for(slots, salt)
+    ticket = ticket or _BudgetTicket(nbytes=clone.numel() * clone.element_size())
+    ctrl.reserve(ticket.nbytes)
+    chunk = _WriteChunk(slots_cpu=torch.tensor(slots), tensors={HIDDEN_KEY: clone}, budget=ticket)
+    task = WriteTask(tid=tid, req_id=f"r{tid}", write_n=1, schedule=WriteSchedule.JOIN_ON_FINISH, chunks=[chunk])
+    ctrl.pin_budget(ticket, tid)
+    return task
+
+
+def staged_task(ctrl, tid, slots, page, salt=0.0):
+    """A JOIN_NEXT_STEP task viewing rows already landed on a staging page."""
+    host = rows_for(slots, salt)
+    chunk = _WriteChunk(slots_cpu=torch.tensor(slots), tensors={}, host={HIDDEN_KEY: host})
+    task = WriteTask(
+        tid=tid, req_id=f"r{tid}", write_n=1, schedule=WriteSchedule.JOIN_NEXT_STEP, chunks=[chunk], staging_slot=page
+    )
+    return task
+
+
+def test_threaded_committer_writes_everything_while_another_thread_escalates_and_joins():
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    ctrl, pool = make()
+    n_tasks = 60
+    plan = [rng.sample(range(NUM_SLOTS), rng.randint(1, 4)) for _ in range(n_tasks)]
+    # Each slot's final value is set by the last task writing it; keep slots
+    # unique across tasks so the expected pool is order-independent.
+    used: set[int] = set()
+    for i, slots in enumerate(plan):
+        plan[i] = [s for s in slots if s not in used] or []
+        used.update(plan[i])
+    plan = [p for p in plan if p]
+    submitted: list[int] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    done_submitting = threading.Event()
+
+    def producer() -> None:
+        try:
+            for tid, slots in enumerate(plan, start=1):
+                task = deferred_task(ctrl, tid, slots, salt=0.5)
+                ctrl.submit(task, queued=rng.random() < 0.5)
+                with lock:
+                    submitted.append(tid)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        finally:
+            done_submitting.set()
+
+    def racer() -> None:
+        local = random.Random(seed + 1)
+        try:
+            while not done_submitting.is_set() or local.random() < 0.5:
+                with lock:
+                    pick = local.sample(submitted, min(3, len(submitted))) if submitted else []
+                ctrl.escalate(pick)
+                if pick and local.random() < 0.3:
+                    ctrl.join(pick)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=producer), threading.Thread(target=racer)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors, f"seed={seed}: {errors!r}"
+    ctrl.escalate(submitted)
+    ctrl.join(submitted)
+    try:
+        states = {tid: ctrl.get_task(tid).state for tid in submitted if ctrl.get_task(tid)}
+        assert all(s is TaskState.WRITTEN for s in states.values()), f"seed={seed}: {states}"
+        for slots in plan:
+            got = pool.rows(HIDDEN_KEY, torch.tensor(slots))
+            assert torch.equal(got, rows_for(slots, 0.5)), f"seed={seed} slots={slots}"
+        assert ctrl._staged_bytes == 0, f"seed={seed}"
+        assert sorted(ctrl.drain_completed()) == sorted(submitted), f"seed={seed}"
+    finally:
+        ctrl.shutdown()
+
+
+def test_failing_copy_fails_only_its_task_and_committer_keeps_serving():
+    engine = FlakyEngine()
+    engine.poison_value = 999.0
+    ctrl, pool = make(engine=engine)
+    try:
+        bad = deferred_task(ctrl, 1, [0, 1], salt=999.0 - 0.0)
+        # rows_for([0, 1], 999) contains 999.0 in slot 0's row: the copy raises.
+        good = deferred_task(ctrl, 2, [4, 5])
+        ctrl.submit(bad, queued=True)
+        ctrl.submit(good, queued=True)
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="task 1 .*write failed"):
+            ctrl.join([1])
+        ctrl.join([2])
+        assert bad.state is TaskState.FAILED and good.state is TaskState.WRITTEN
+        assert ctrl.drain_failed() == [1]
+        assert ctrl._staged_bytes == 0
+        later = deferred_task(ctrl, 3, [8])
+        ctrl.submit(later)
+        ctrl.join([3])
+        assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([8])), rows_for([8]))
+    finally:
+        ctrl.shutdown()
+
+
+def test_failing_pool_write_fails_only_its_task_and_releases_its_staging_hold():
+    ctrl, pool = make()
+    try:
+        step = StagingBufferHolder.for_step(1)
+        claim = ctrl.stage_step_host({}, 0, None, step)
+        bad = staged_task(ctrl, 1, [2, 3], claim.staging_slot)
+        good = staged_task(ctrl, 2, [6, 7], claim.staging_slot)
+        pool.poison = {3}
+        for task in (bad, good):
+            ctrl.register(task)
+            ctrl.staging_bind(claim.staging_slot, StagingBufferHolder.for_task(task.tid))
+        ctrl.dispatch([bad, good])
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="write failed"):
+            ctrl.join([1])
+        ctrl.join([2])
+        assert bad.state is TaskState.FAILED and good.state is TaskState.WRITTEN
+        # Both task holds are gone (written / failed); only the step still holds the page.
+        assert ctrl._staging_pool._busy[claim.staging_slot] == {step}
+        ctrl.staging_release(claim.staging_slot, step)
+        assert not any(ctrl._staging_pool._busy)
+        pool.poison = set()
+        again = staged_task(ctrl, 3, [3], None)
+        ctrl.submit(again)
+        ctrl.join([3])
+        assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([3])), rows_for([3]))
+    finally:
+        ctrl.shutdown()
+
+
+def test_shutdown_with_queued_work_writes_it_and_does_not_hang():
+    ctrl, pool = make(committer="manual")
+    tasks = [deferred_task(ctrl, tid, [tid]) for tid in range(1, 6)]
+    for task in tasks[:3]:
+        ctrl.submit(task, queued=True)
+    for task in tasks[3:]:
+        ctrl.submit(task, queued=False)  # pending deferred writes: never queued
+    ctrl.committer_claim()
+    ctrl.committer_copy()
+    ctrl.committer_write()  # task 1 written before shutdown
+    ctrl.shutdown()
+    assert [t.state for t in tasks] == [TaskState.WRITTEN] * 3 + [TaskState.FAILED] * 2
+    assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([1, 2, 3])), rows_for([1, 2, 3]))
+    assert ctrl._staged_bytes == 0
+    assert all(t.done.is_set() for t in tasks)
+
+
+def test_threaded_shutdown_drains_queue_before_exit():
+    ctrl, pool = make()
+    gate = threading.Event()
+
+    class SlowEngine(CpuCopyEngine):
+        def to_host(self, src):
+            gate.wait(5)
+            return super().to_host(src)
+
+    ctrl._engine = SlowEngine()
+    tasks = [deferred_task(ctrl, tid, [tid]) for tid in range(1, 4)]
+    for task in tasks:
+        ctrl.submit(task)
+    closer = threading.Thread(target=ctrl.shutdown)
+    closer.start()
+    gate.set()
+    closer.join(timeout=10)
+    assert not closer.is_alive()
+    assert all(t.state is TaskState.WRITTEN for t in tasks)
+    assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([1, 2, 3])), rows_for([1, 2, 3]))
+
+
+def test_manual_committer_escalate_between_claim_and_copy_does_not_requeue():
+    ctrl, pool = make(committer="manual")
+    task = deferred_task(ctrl, 1, [0, 1])
+    ctrl.submit(task, queued=True)
+    assert ctrl.committer_claim() == 1
+    assert task.state is TaskState.COPYING
+    ctrl.escalate([1])
+    assert not ctrl._queue_hi and not ctrl._queue_lo
+    assert ctrl.committer_copy() == 1 and task.state is TaskState.HOST_READY
+    assert ctrl.committer_write() == [1]
+    assert task.state is TaskState.WRITTEN
+    assert ctrl.committer_step() is None
+    ctrl.shutdown()
+
+
+def test_manual_committer_serves_high_priority_first():
+    ctrl, _ = make(committer="manual")
+    low = deferred_task(ctrl, 1, [0])
+    ctrl.submit(low, queued=True)  # deferred -> low queue
+    pending = deferred_task(ctrl, 2, [1])
+    ctrl.submit(pending, queued=False)
+    ctrl.escalate([2])
+    assert ctrl.committer_claim() == 2
+    assert ctrl.committer_claim() == 1
+    ctrl.shutdown()
+
+
+def test_fail_while_claimed_is_not_resurrected_by_the_copy_stage():
+    ctrl, _ = make(committer="manual")
+    task = deferred_task(ctrl, 1, [0])
+    ctrl.submit(task)
+    ctrl.committer_claim()
+    ctrl._fail_task(1)
+    assert ctrl.committer_copy() is None  # the failure dropped its claim
+    assert task.state is TaskState.FAILED and ctrl._staged_bytes == 0
+    ctrl.shutdown()
+
+
+def test_eager_dispatch_writes_pool_once_per_key_for_a_batch():
+    ctrl, pool = make(eager=True)
+    step = StagingBufferHolder.for_step(1)
+    claim = ctrl.stage_step_host({}, 0, None, step)
+    tasks = [staged_task(ctrl, tid, [tid * 2, tid * 2 + 1], claim.staging_slot) for tid in range(1, 5)]
+    for task in tasks:
+        ctrl.register(task)
+        ctrl.staging_bind(claim.staging_slot, StagingBufferHolder.for_task(task.tid))
+    ctrl.dispatch(tasks)
+    assert len(pool.writes) == 1 and sorted(pool.writes[0][1]) == list(range(2, 10))
+    assert all(t.state is TaskState.WRITTEN for t in tasks)
+    assert ctrl._staging_pool._busy[claim.staging_slot] == {step}
+    assert torch.equal(pool.rows(HIDDEN_KEY, torch.arange(2, 10)), rows_for(list(range(2, 10))))
+
+
+def test_eager_batch_write_failure_is_attributed_to_the_failing_task_only():
+    ctrl, pool = make(eager=True)
+    tasks = [staged_task(ctrl, tid, [tid], None) for tid in range(1, 4)]
+    for task in tasks:
+        ctrl.register(task)
+    pool.poison = {2}
+    with pytest.raises(RuntimeError, match="injected pool write failure"):
+        ctrl.dispatch(tasks)
+    assert [t.state for t in tasks] == [TaskState.WRITTEN, TaskState.FAILED, TaskState.WRITTEN]
+    assert ctrl.drain_failed() == [2]
+
+
+def test_eager_batch_with_a_slot_written_twice_keeps_the_later_task():
+    ctrl, pool = make(eager=True)
+    first = staged_task(ctrl, 1, [5], None, salt=1.0)
+    second = staged_task(ctrl, 2, [5], None, salt=2.0)
+    for task in (first, second):
+        ctrl.register(task)
+    ctrl.dispatch([first, second])
+    assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([5])), rows_for([5], 2.0))
+
+
+def test_staging_release_twice_raises_naming_the_holder():
+    ctrl, _ = make(eager=True)
+    step = StagingBufferHolder.for_step(7)
+    claim = ctrl.stage_step_host({}, 0, None, step)
+    ctrl.staging_release(claim.staging_slot, step)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="step 7 cannot consume"):
+        ctrl.staging_release(claim.staging_slot, step)
+
+
+def test_task_cannot_bind_to_a_free_page():
+    ctrl, _ = make(eager=True)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="cannot bind"):
+        ctrl.staging_bind(0, StagingBufferHolder.for_task(3))
+
+
+def test_stats_counts_tasks_holders_and_bytes():
+    ctrl, _ = make(committer="manual")
+    task = deferred_task(ctrl, 1, [0, 1])
+    ctrl.submit(task, queued=False)
+    claim = ctrl.stage_step_host({}, 0, None, StagingBufferHolder.for_step(1))
+    stats = ctrl.stats()
+    assert stats["tasks_by_state"]["PENDING"] == 1
+    assert stats["holders"] == {"step": 1, "task": 0}
+    assert stats["staged_bytes"] == task.chunks[0].budget.nbytes
+    ctrl.staging_release(claim.staging_slot, StagingBufferHolder.for_step(1))
+    ctrl.shutdown()
+    assert ctrl.stats()["tasks_by_state"]["FAILED"] == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_engine_stages_and_copies_after_freeze_event():  # pragma: no cover - CUDA only
+    cfg = PrefixCacheConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, staging_capacity_tokens=NUM_SLOTS)
+    pool = PrefixBlockPool(cfg)
+    pool.ensure_key(HIDDEN_KEY, torch.float32, WIDTH)
+    ctrl = OmniPrefixCacheController(pool, cfg, eager=False)
+    try:
+        assert ctrl._engine.name == "cuda" and ctrl._staging_pool.pin_memory
+        src = rows_for([0, 1, 2, 3]).cuda()
+        freeze = torch.cuda.Event()
+        freeze.record()
+        step = StagingBufferHolder.for_step(1)
+        claim = ctrl.stage_step_host({HIDDEN_KEY: src}, 4, freeze, step)
+        assert claim.event is not None
+        claim.event.synchronize()
+        assert claim.views[HIDDEN_KEY].is_pinned()
+        assert torch.equal(claim.views[HIDDEN_KEY], src.cpu())
+        ticket = _BudgetTicket(nbytes=src.numel() * 4)
+        ctrl.reserve(ticket.nbytes)
+        clone = src.clone()
+        chunk = _WriteChunk(slots_cpu=torch.tensor([8, 9, 10, 11]), tensors={HIDDEN_KEY: clone}, budget=ticket)
+        task = WriteTask(tid=1, req_id="r", write_n=1, schedule=WriteSchedule.JOIN_ON_FINISH, chunks=[chunk])
+        task.freeze_event = torch.cuda.Event()
+        task.freeze_event.record()
+        ctrl.pin_budget(ticket, 1)
+        ctrl.submit(task, queued=False)
+        got = ctrl.fetch_host(task, torch.tensor([10, 8]), HIDDEN_KEY)
+        assert got.device.type == "cpu" and torch.equal(got, src.cpu()[[2, 0]])
+        ctrl.escalate([1])
+        ctrl.join([1])
+        assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([8, 9, 10, 11])), src.cpu())
+        assert ctrl._staged_bytes == 0
+        ctrl.staging_release(claim.staging_slot, step)
+    finally:
+        ctrl.shutdown()
