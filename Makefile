@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PYTEST ?= $(PYTHON) -m pytest
 
-.PHONY: setup diagrams diagrams-check test lint
+.PHONY: setup diagrams diagrams-check test lint demo simulate bench
 
 setup:
 	bash .ci/setup.sh
@@ -19,3 +19,20 @@ lint:
 
 test:
 	$(PYTEST) -q
+
+# Fresh machine -> install -> a verified serving simulation with defaults.
+demo:
+	bash .ci/setup.sh
+	$(PYTHON) -m omni_prefix_cache simulate
+
+# SIMFLAGS: e.g. SIMFLAGS="--eager --seed 3 --json"
+simulate:
+	$(PYTHON) -m omni_prefix_cache simulate $(SIMFLAGS)
+
+# BENCHFLAGS: e.g. BENCHFLAGS="--json" or BENCHFLAGS="--profile prefill_hits"
+bench:
+	$(PYTHON) -m omni_prefix_cache bench $(BENCHFLAGS)
+
+.PHONY: mutants
+mutants:
+	$(PYTHON) -m omni_prefix_cache.testing.mutant_catalogue

@@ -223,6 +223,10 @@ class OmniPrefixCacheController:
             self._wake.notify_all()
 
     def _dispatch_eager(self, tasks: list[WriteTask]) -> None:
+        # A task listed twice (e.g. escalate([t, t])) must run once: its
+        # second visit would find it HOST_READY in the open batch and queue
+        # its pool write and completion a second time.
+        tasks = list(dict.fromkeys(tasks))
         outer = getattr(self._batch, "open", None)
         batch = _PoolWriteBatch()
         self._batch.open = batch

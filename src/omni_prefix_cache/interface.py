@@ -64,9 +64,13 @@ class PrefixCacheConfig:
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "staging_depth", "staging_capacity_tokens", "copy_chunk_bytes"):
             if int(getattr(self, name)) <= 0:
-                raise OmniPrefixCacheUnmatchError(f"PrefixCacheConfig.{name} must be positive, got {getattr(self, name)}")
+                raise OmniPrefixCacheUnmatchError(
+                    f"PrefixCacheConfig.{name} must be positive, got {getattr(self, name)}"
+                )
         if self.gpu_staging_bytes < 0 or self.staging_claim_timeout_s < 0:
-            raise OmniPrefixCacheUnmatchError("PrefixCacheConfig: gpu_staging_bytes and staging_claim_timeout_s must be >= 0")
+            raise OmniPrefixCacheUnmatchError(
+                "PrefixCacheConfig: gpu_staging_bytes and staging_claim_timeout_s must be >= 0"
+            )
 
     @classmethod
     def from_vllm_config(

@@ -1,0 +1,248 @@
+"""vLLM integration points, duck-typed: vLLM is never imported here.
+
+- :class:`FullAttentionGroupView` reads vLLM's input batch (group 0 of its
+  block table) and turns a step's scheduled tokens into KV slot ids on the
+  CPU, without touching the device.
+- :func:`stage_prefix_cache_config` is the runner-side gate: it decides
+  whether a stage gets a prefix cache at all and refuses, loudly, the
+  configurations where slot ids would silently point at the wrong rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, PrefixCacheConfig, ReqId
+
+
+def _empty_slots() -> torch.Tensor:
+    return torch.empty((0,), dtype=torch.int64)
+
+
+class FullAttentionGroupView:
+    """Slot ids of the single full-attention KV group, computed on the CPU.
+
+    ``slot = block_table[row, pos // block_size] * block_size + pos % block_size``
+    for each scheduled position ``pos``, starting at the request's
+    ``num_computed_tokens``. Positions past the table's last column are
+    dropped (the caller checks that the slots cover the step).
+    """
+
+    def __init__(self, input_batch: Any, block_size: int) -> None:
+        """Bind to ``input_batch``; raise on layouts whose slots this math gets wrong.
+
+        Refused: hybrid kernel blocks (one allocator block split into several
+        kernel blocks per table column), decode/prefill context parallel
+        (tokens striped across ranks), more than one block table, and a
+        block table whose allocator block size differs from ``block_size``.
+        """
+        self.block_size = int(block_size)
+        if self.block_size <= 0:
+            raise OmniPrefixCacheUnmatchError(f"group view: block_size must be positive, got {block_size}")
+        self._input_batch = input_batch
+        tables = getattr(input_batch.block_table, "block_tables", None)
+        if tables is not None and len(tables) != 1:
+            raise OmniPrefixCacheUnmatchError(
+                f"group view: the omni prefix cache needs a single full-attention KV cache group; "
+                f"the input batch has {len(tables)} block tables"
+            )
+        group = input_batch.block_table[0]
+        blocks_per_kv_block = int(getattr(group, "blocks_per_kv_block", 1) or 1)
+        if bool(getattr(group, "use_hybrid_blocks", False)) or blocks_per_kv_block != 1:
+            raise OmniPrefixCacheUnmatchError(
+                "group view: hybrid kernel blocks are not supported (kernel_block_size differs from the KV "
+                f"block size, blocks_per_kv_block={blocks_per_kv_block}); slot ids would address the wrong rows"
+            )
+        dcp = int(getattr(group, "dcp_world_size", 1) or 1)
+        if dcp > 1:
+            raise OmniPrefixCacheUnmatchError(
+                f"group view: decode context parallel (dcp_world_size={dcp}) stripes tokens across ranks; "
+                "not supported by the omni prefix cache"
+            )
+        pcp = int(getattr(group, "pcp_world_size", 1) or 1)
+        if pcp > 1:
+            raise OmniPrefixCacheUnmatchError(
+                f"group view: prefill context parallel (pcp_world_size={pcp}) stripes tokens across ranks; "
+                "not supported by the omni prefix cache"
+            )
+        table_block_size = getattr(group, "kv_cache_block_size", None)
+        if table_block_size is None:
+            table_block_size = getattr(group, "block_size", None)
+        if table_block_size is not None and int(table_block_size) != self.block_size:
+            raise OmniPrefixCacheUnmatchError(
+                f"group view: block table block size {int(table_block_size)} does not match "
+                f"the prefix cache block size {self.block_size}"
+            )
+        self._group = group
+        # Power-of-two block sizes (vLLM's usual) map positions with shifts and masks.
+        bs = self.block_size
+        self._shift: int | None = bs.bit_length() - 1 if bs & (bs - 1) == 0 else None
+
+    def batch_req_ids(self) -> list[ReqId]:
+        """Request ids of the input batch in row order (empty rows skipped)."""
+        return [r for r in self._input_batch.req_ids if r is not None]
+
+    def step_slots_cpu(self, req_ids: Sequence[ReqId], num_scheduled: Mapping[ReqId, int]) -> torch.Tensor:
+        """Slot ids of this step's scheduled tokens, request after request.
+
+        For each request in ``req_ids`` with ``num_scheduled[req] > 0``: the
+        positions ``num_computed_tokens .. + num_scheduled`` mapped through
+        its block-table row. Returns a 1-D int64 CPU tensor (one gather for
+        the whole batch). Raises naming any request not in the input batch.
+        """
+        index_of = self._input_batch.req_id_to_index
+        rows: list[int] = []
+        counts: list[int] = []
+        for req_id in req_ids:
+            n = int(num_scheduled.get(req_id, 0))
+            if n <= 0:
+                continue
+            row = index_of.get(req_id)
+            if row is None:
+                raise OmniPrefixCacheUnmatchError(f"group view: request {req_id!r} is not in the input batch")
+            rows.append(int(row))
+            counts.append(n)
+        if not rows:
+            return _empty_slots()
+        table = self._table()
+        width = int(table.shape[1])
+        row_t = torch.tensor(rows, dtype=torch.int64)
+        start_t = self._computed_tokens().index_select(0, row_t).to(torch.int64)
+        if len(rows) == 1:
+            start, n = int(start_t[0]), counts[0]
+            positions = torch.arange(start, start + n, dtype=torch.int64)
+            return self._gather(table, rows[0] * width, positions, (start + n - 1) // self.block_size >= width)
+        # Per request (tiny tensors): its token count, the shift from a token's index in
+        # the step to its position in the request, and its row's flat base in the table.
+        count_t = torch.tensor(counts, dtype=torch.int64)
+        overflow = int(torch.div(start_t + count_t - 1, self.block_size, rounding_mode="floor").max()) >= width
+        first_token = torch.cumsum(count_t, 0) - count_t
+        per_request = torch.stack([start_t - first_token, row_t * width])
+        total = sum(counts)
+        per_token = torch.repeat_interleave(per_request, count_t, dim=1, output_size=total)
+        positions = per_token[0].add_(torch.arange(total, dtype=torch.int64))
+        return self._gather(table, per_token[1], positions, overflow)
+
+    def slots_for(self, req_id: ReqId, token_start: int, token_end: int) -> torch.Tensor:
+        """Slot ids of ``req_id``'s positions ``[token_start, token_end)`` (1-D int64)."""
+        if token_end <= token_start:
+            return _empty_slots()
+        row = self._input_batch.req_id_to_index.get(req_id)
+        if row is None:
+            raise OmniPrefixCacheUnmatchError(f"group view: request {req_id!r} is not in the input batch")
+        table = self._table()
+        width = int(table.shape[1])
+        positions = torch.arange(int(token_start), int(token_end), dtype=torch.int64)
+        return self._gather(table, int(row) * width, positions, (int(token_end) - 1) // self.block_size >= width)
+
+    def _computed_tokens(self) -> torch.Tensor:
+        # vLLM keeps a numpy array here; as_tensor shares its memory.
+        return torch.as_tensor(self._input_batch.num_computed_tokens_cpu)
+
+    def _table(self) -> torch.Tensor:
+        table = self._group.block_table.cpu
+        table = table if isinstance(table, torch.Tensor) else torch.as_tensor(table)
+        # vLLM's table is contiguous; a strided one is copied so one flat gather serves.
+        return table if table.is_contiguous() else table.contiguous()
+
+    def _gather(
+        self, table: torch.Tensor, row_base: torch.Tensor | int, positions: torch.Tensor, overflow: bool
+    ) -> torch.Tensor:
+        """``table[row, pos // bs] * bs + pos % bs`` per token, where ``row_base``
+        is ``row * width`` (one int, or one per token). Positions past the last
+        column are dropped when ``overflow`` says some may be."""
+        shift = self._shift
+        if shift is not None:
+            columns = positions >> shift
+        else:
+            columns = torch.div(positions, self.block_size, rounding_mode="floor")
+        if overflow:
+            inside = columns < int(table.shape[1])
+            positions, columns = positions[inside], columns[inside]
+            if isinstance(row_base, torch.Tensor):
+                row_base = row_base[inside]
+            if positions.numel() == 0:
+                return _empty_slots()
+        block_ids = table.view(-1).index_select(0, columns.add_(row_base)).to(torch.int64)
+        if shift is not None:
+            return block_ids.bitwise_left_shift_(shift).bitwise_or_(positions & (self.block_size - 1))
+        return block_ids.mul_(self.block_size).add_(positions % self.block_size)
+
+
+def _type_names(obj: Any) -> set[str]:
+    return {cls.__name__ for cls in type(obj).__mro__}
+
+
+def check_prefix_cache_kv_groups(groups: Sequence[Any]) -> Any:
+    """Return the only KV cache group; raise unless there is exactly one
+    and (when it declares a ``kv_cache_spec``) it is full attention."""
+    groups = list(groups)
+    if len(groups) != 1:
+        raise OmniPrefixCacheUnmatchError(
+            f"omni prefix cache needs a single full-attention KV cache group, got {len(groups)} groups"
+        )
+    spec = getattr(groups[0], "kv_cache_spec", None)
+    if spec is not None and "FullAttentionSpec" not in _type_names(spec):
+        raise OmniPrefixCacheUnmatchError(
+            f"omni prefix cache needs a single full-attention KV cache group, got {type(spec).__name__}"
+        )
+    return groups[0]
+
+
+def _is_kv_consumer(kv_transfer_config: Any) -> bool:
+    if kv_transfer_config is None:
+        return False
+    flag = getattr(kv_transfer_config, "is_kv_consumer", None)
+    if flag is not None:
+        return bool(flag)
+    return getattr(kv_transfer_config, "kv_role", None) in ("kv_consumer", "kv_both")
+
+
+def stage_prefix_cache_config(
+    *,
+    kv_cache_config: Any,
+    cache_config: Any,
+    kv_transfer_config: Any,
+    scheduler_config: Any,
+    model_config: Any,
+    is_pooling_model: bool,
+    speculative_config: Any,
+) -> PrefixCacheConfig | None:
+    """The stage's prefix cache config, or None when it gets no cache.
+
+    None when prefix caching is off or the stage is a pooling model. Raises
+    for a KV-consumer connector (rows for externally loaded KV never exist),
+    speculative decoding, prefix matching finer than a KV block, and
+    anything but exactly one full-attention KV cache group. Checked in that
+    order, so the refusals fire before the group check.
+    """
+    if not bool(getattr(cache_config, "enable_prefix_caching", False)) or is_pooling_model:
+        return None
+    if _is_kv_consumer(kv_transfer_config):
+        raise OmniPrefixCacheUnmatchError(
+            "omni prefix cache cannot run behind a KV connector that consumes KV (kv_consumer / kv_both): "
+            "hits on externally loaded blocks have no cached rows; disable prefix caching for this stage"
+        )
+    if speculative_config is not None:
+        method = getattr(speculative_config, "method", None)
+        raise OmniPrefixCacheUnmatchError(
+            f"omni prefix cache does not support speculative decoding (method={method!r}); "
+            "disable one of them for this stage"
+        )
+    block_size = int(cache_config.block_size)
+    unit = getattr(cache_config, "prefix_match_unit", None)
+    if unit is not None and (int(unit) <= 0 or int(unit) % block_size != 0):
+        raise OmniPrefixCacheUnmatchError(
+            f"omni prefix cache needs block-aligned prefix matching: prefix_match_unit={unit} is not a "
+            f"multiple of block_size={block_size}"
+        )
+    check_prefix_cache_kv_groups(getattr(kv_cache_config, "kv_cache_groups", ()))
+    return PrefixCacheConfig.from_vllm_config(
+        num_blocks=int(kv_cache_config.num_blocks),
+        block_size=block_size,
+        scheduler_config=scheduler_config,
+        model_config=model_config,
+    )

@@ -1,0 +1,265 @@
+"""The mutant catalogue: bugs this design has had (or that the seed suite
+documents), each re-injectable into the runtime by a patch that lives only
+here. The runtime carries no switch for any of them.
+
+``make mutants`` runs the generated and racing tests once per mutant with
+``OMNI_PREFIX_CACHE_MUTANT=<name>`` (tests/conftest.py applies it) and prints
+``killed K of N``. A mutant is killed when that run fails.
+
+(``testing.mutants`` is different: it mutates *specs*, for the generated
+state-machine tests.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+from unittest import mock
+
+ENV_VAR = "OMNI_PREFIX_CACHE_MUTANT"
+# The tests that must kill every mutant: generated and racing ones only.
+KILLER_TESTS = ("tests/test_race_controller.py", "tests/test_generated_specs.py", "tests/test_race_system.py")
+
+
+@dataclass(frozen=True, eq=False)
+class Mutant:
+    name: str
+    bug: str  # what goes wrong, in one line
+    patch: Callable[[contextlib.ExitStack], None]
+
+
+MUTANTS: dict[str, Mutant] = {}
+
+
+def _register(name: str, bug: str) -> Callable[[Callable[[contextlib.ExitStack], None]], Callable[..., None]]:
+    def deco(fn: Callable[[contextlib.ExitStack], None]) -> Callable[..., None]:
+        MUTANTS[name] = Mutant(name, bug, fn)
+        return fn
+
+    return deco
+
+
+def _set(stack: contextlib.ExitStack, owner: Any, attr: str, value: Any) -> None:
+    stack.enter_context(mock.patch.object(owner, attr, value))
+
+
+# ------------------------------------------------------------------ controller
+
+
+@_register("escalate_requeues_claimed", "escalate re-queues a task the committer already claimed (double copy)")
+def _escalate_requeues_claimed(stack: contextlib.ExitStack) -> None:
+    from omni_prefix_cache.controller import OmniPrefixCacheController, TaskState
+
+    original = OmniPrefixCacheController.escalate
+
+    def escalate(self: OmniPrefixCacheController, tids: list[int]) -> None:
+        with self._wake:
+            for tid in tids:
+                task = self._tasks.get(tid)
+                if task is not None and task.state is TaskState.COPYING:
+                    with task.lock:
+                        task.state = TaskState.QUEUED  # the old bug: no claim check
+                    self._queue_hi.appendleft(tid)
+        original(self, tids)
+
+    _set(stack, OmniPrefixCacheController, "escalate", escalate)
+
+
+@_register("done_before_completion_record", "`done` fires before the completion record is published")
+def _done_before_record(stack: contextlib.ExitStack) -> None:
+    from omni_prefix_cache.controller import OmniPrefixCacheController
+
+    def complete(self: OmniPrefixCacheController, task: Any) -> None:
+        self._release_task_slot(task, "written")
+        task.mark_done()
+        with self._lock:
+            self._completed.append(task.tid)
+
+    def complete_many(self: OmniPrefixCacheController, tasks: list[Any]) -> None:
+        for task in tasks:
+            complete(self, task)
+
+    _set(stack, OmniPrefixCacheController, "_complete", complete)
+    _set(stack, OmniPrefixCacheController, "_complete_many", complete_many)
+
+
+@_register("failure_wake_before_record", "failure waiters are woken before the failure record is published")
+def _failure_wake_before_record(stack: contextlib.ExitStack) -> None:
+    from omni_prefix_cache.controller import OmniPrefixCacheController
+
+    def fail_task(self: OmniPrefixCacheController, tid: int | None) -> None:
+        task = self._tasks.get(tid) if tid is not None else None
+        if task is None or not task.mark_failed(defer_wake=False):
+            return
+        self._release_staged_bytes(task)
+        with self._wake:
+            if tid in self._blocked:
+                self._blocked.remove(tid)
+            if tid in self._claimed:
+                self._claimed.remove(tid)
+        self._release_task_slot(task, "fail")
+        with self._lock:
+            self._failed.append(task.tid)
+
+    _set(stack, OmniPrefixCacheController, "_fail_task", fail_task)
+
+
+@_register("budget_uncharged_twice", "a budget ticket uncharges again when a task releases it twice")
+def _budget_uncharged_twice(stack: contextlib.ExitStack) -> None:
+    from omni_prefix_cache.write_task import _BudgetTicket
+
+    def release(self: _BudgetTicket, tid: int) -> int:
+        self.tids.discard(tid)
+        return 0 if self.tids else self.nbytes
+
+    _set(stack, _BudgetTicket, "release", release)
+
+
+@_register("committer_dies_on_exception", "a copy failure escapes the committer instead of failing its task")
+def _committer_dies(stack: contextlib.ExitStack) -> None:
+    from omni_prefix_cache.controller import OmniPrefixCacheController
+
+    def committer_copy(self: OmniPrefixCacheController) -> int | None:
+        with self._wake:
+            if not self._claimed:
+                return None
+            tid = self._claimed.popleft()
+        task = self._tasks.get(tid)
+        if task is not None:
+            self._copy_task(task)
+            with self._wake:
+                self._blocked.append(tid)
+        return tid
+
+    _set(stack, OmniPrefixCacheController, "committer_copy", committer_copy)
+
+
+@_register("pool_write_failure_wrong_task", "a pool-write failure is charged to another task")
+def _pool_write_failure_wrong_task(stack: contextlib.ExitStack) -> None:
+    from omni_prefix_cache.controller import OmniPrefixCacheController, TaskState
+
+    def scatter_host_ready(self: OmniPrefixCacheController) -> list[int]:
+        with self._wake:
+            ready = [tid for tid in self._blocked if (t := self._tasks.get(tid)) and t.state is TaskState.HOST_READY]
+            for tid in ready:
+                self._blocked.remove(tid)
+        for tid in ready:
+            try:
+                self._scatter(self._tasks[tid])
+            except BaseException:
+                others = [t for t, task in self._tasks.items() if t != tid and not task.is_terminal]
+                self._fail_task(min(others) if others else None)
+        return ready
+
+    _set(stack, OmniPrefixCacheController, "_scatter_host_ready", scatter_host_ready)
+
+
+@_register("eager_failure_leaves_later_tasks", "a failed eager dispatch leaves the batch's later tasks unfailed")
+def _eager_failure_leaves_later(stack: contextlib.ExitStack) -> None:
+    from omni_prefix_cache.controller import OmniPrefixCacheController, _PoolWriteBatch
+
+    def dispatch_eager(self: OmniPrefixCacheController, tasks: list[Any]) -> None:
+        batch = _PoolWriteBatch()
+        self._batch.open = batch
+        try:
+            for task in tasks:
+                self._run_eager(task)
+        finally:
+            self._batch.open = None
+            self._flush_batch(batch, reraise=False)
+
+    _set(stack, OmniPrefixCacheController, "_dispatch_eager", dispatch_eager)
+
+
+@_register("task_holder_released_at_drain", "a task's staging hold is released at drain, not at its pool write")
+def _holder_released_at_drain(stack: contextlib.ExitStack) -> None:
+    from omni_prefix_cache.controller import OmniPrefixCacheController
+    from omni_prefix_cache.staging import StagingBufferHolder
+
+    original_drain = OmniPrefixCacheController.drain_completed
+
+    def complete_many(self: OmniPrefixCacheController, tasks: list[Any]) -> None:
+        with self._lock:
+            self._completed.extend(t.tid for t in tasks)
+        for task in tasks:
+            task.mark_done()
+
+    def complete(self: OmniPrefixCacheController, task: Any) -> None:
+        complete_many(self, [task])
+
+    def drain_completed(self: OmniPrefixCacheController) -> list[int]:
+        tasks = [self._tasks.get(tid) for tid in list(self._completed)]
+        out = original_drain(self)
+        for task in tasks:
+            if task is not None and task.staging_slot is not None:
+                holder = StagingBufferHolder.for_task(task.tid)
+                if self._staging_pool.holds(holder):
+                    self._staging_pool.release(task.staging_slot, holder, "written")
+        return out
+
+    _set(stack, OmniPrefixCacheController, "_complete", complete)
+    _set(stack, OmniPrefixCacheController, "_complete_many", complete_many)
+    _set(stack, OmniPrefixCacheController, "drain_completed", drain_completed)
+
+
+# ------------------------------------------------------------------ runner
+
+
+@contextlib.contextmanager
+def applied(name: str) -> Iterator[Mutant]:
+    """Apply mutant ``name`` for the duration of the block."""
+    try:
+        mutant = MUTANTS[name]
+    except KeyError:
+        raise KeyError(f"unknown mutant {name!r}; known: {', '.join(sorted(MUTANTS))}") from None
+    with contextlib.ExitStack() as stack:
+        mutant.patch(stack)
+        yield mutant
+
+
+def run_catalogue(names: list[str] | None = None, tests: tuple[str, ...] = KILLER_TESTS) -> int:
+    """Run ``tests`` once per mutant; print a table and ``killed K of N``.
+    Returns 0 when every mutant was killed."""
+    chosen = names or sorted(MUTANTS)
+    present = [t for t in tests if os.path.exists(t)]
+    killed = 0
+    print(f"mutant catalogue: {len(chosen)} mutants against {', '.join(present)}")
+    for name in chosen:
+        env = dict(os.environ, **{ENV_VAR: name, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "mutants")})
+        start = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *present],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        dead = proc.returncode == 1
+        killed += dead
+        verdict = "killed" if dead else ("SURVIVED" if proc.returncode == 0 else f"error rc={proc.returncode}")
+        first = next((ln for ln in proc.stdout.splitlines() if ln.startswith("FAILED")), "")
+        print(f"  {name:38s} {verdict:9s} {time.monotonic() - start:6.1f}s  {first[:90]}")
+    print(f"killed {killed} of {len(chosen)}")
+    return 0 if killed == len(chosen) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="run the generated and racing tests against each mutant")
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the catalogue and exit")
+    args = parser.parse_args(argv)
+    if args.list:
+        for m in MUTANTS.values():
+            print(f"{m.name:38s} {m.bug}")
+        return 0
+    return run_catalogue(args.names or None)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
