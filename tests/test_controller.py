@@ -387,3 +387,21 @@ def test_cuda_engine_stages_and_copies_after_freeze_event():  # pragma: no cover
         ctrl.staging_release(claim.staging_slot, step)
     finally:
         ctrl.shutdown()
+
+
+def test_on_demand_committer_runs_steps_when_joined_and_only_then():
+    ctrl, pool = make(committer="on_demand", timeout=0.0)
+    first = deferred_task(ctrl, 1, [0])
+    second = deferred_task(ctrl, 2, [1])
+    pending = deferred_task(ctrl, 3, [2])
+    ctrl.submit(first)
+    ctrl.submit(second)
+    ctrl.submit(pending, queued=False)
+    assert first.state is TaskState.QUEUED  # nothing runs until someone joins
+    ctrl.join([1])
+    assert first.state is TaskState.WRITTEN
+    assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([0])), rows_for([0]))
+    # A pending write is never queued, so an idle committer cannot finish it.
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="task 3 .*did not reach done.*state=PENDING"):
+        ctrl.join([3])
+    ctrl.shutdown()

@@ -17,6 +17,11 @@ Three ways to run the committer:
     manual    (eager=False, committer="manual")  no thread; a test drives
                              ``committer_claim`` / ``committer_copy`` /
                              ``committer_write`` to pick the interleaving.
+    on_demand (eager=False, committer="on_demand")  as manual, but a join
+                             first runs committer steps on the joining
+                             thread until the awaited event fires or the
+                             committer is idle: single-threaded runs of the
+                             whole manager whose interleaving a test picks.
     eager     (eager=True)   ``dispatch`` runs copy and pool write inline.
 
 Every task and holder move goes through the compiled specs (``write_task``,
@@ -91,10 +96,10 @@ class OmniPrefixCacheController:
         eager: bool | None = None,
         *,
         engine: CopyEngine | None = None,
-        committer: Literal["thread", "manual"] = "thread",
+        committer: Literal["thread", "manual", "on_demand"] = "thread",
     ):
-        if committer not in ("thread", "manual"):
-            raise OmniPrefixCacheUnmatchError(f"committer must be 'thread' or 'manual', got {committer!r}")
+        if committer not in ("thread", "manual", "on_demand"):
+            raise OmniPrefixCacheUnmatchError(f"committer must be 'thread', 'manual' or 'on_demand', got {committer!r}")
         self._pool = pool
         self._config = config
         self._eager = (not torch.cuda.is_available()) if eager is None else bool(eager)
@@ -337,6 +342,10 @@ class OmniPrefixCacheController:
             task = self._tasks.get(tid)
             if task is None:
                 continue  # drained: already written
+            if self._committer_mode == "on_demand" and not self._eager:
+                with torch.inference_mode():
+                    while not getattr(task, event).is_set() and self.committer_step() is not None:
+                        pass
             if not getattr(task, event).wait(max(0.0, deadline - time.monotonic())):
                 raise OmniPrefixCacheUnmatchError(
                     f"task {tid} ({task.schedule.value}) did not reach {event} within {timeout:g}s "
@@ -377,7 +386,7 @@ class OmniPrefixCacheController:
             self._wake.notify_all()
         if self._worker is not None:
             self._worker.join(timeout=5.0)
-        elif not self._eager and self._committer_mode == "manual":
+        elif not self._eager:
             while self.committer_step() is not None:
                 pass
         for task in list(self._tasks.values()):
