@@ -405,3 +405,15 @@ def test_on_demand_committer_runs_steps_when_joined_and_only_then():
     with pytest.raises(OmniPrefixCacheUnmatchError, match="task 3 .*did not reach done.*state=PENDING"):
         ctrl.join([3])
     ctrl.shutdown()
+
+
+def test_committer_step_finishes_a_claimed_copy_before_anything_else():
+    # Found by the system race test: a join driving an on-demand committer
+    # gave up on a task a test had claimed but not copied.
+    ctrl, _ = make(committer="on_demand", timeout=0.0)
+    task = deferred_task(ctrl, 1, [0])
+    ctrl.submit(task)
+    assert ctrl.committer_claim() == 1
+    ctrl.join([1])
+    assert task.state is TaskState.WRITTEN
+    ctrl.shutdown()

@@ -503,9 +503,12 @@ class OmniPrefixCacheController:
         return self._scatter_host_ready()
 
     def committer_step(self) -> str | None:
-        """One unit of committer work on the calling thread: pending pool
-        writes first, else claim and copy one task. Returns "write", "copy"
-        or None when idle."""
+        """One unit of committer work on the calling thread: a claimed
+        task's copy stage first, then pending pool writes, else claim and
+        copy one task. Returns "copy", "write" or None when idle."""
+        if self._claimed:
+            self.committer_copy()
+            return "copy"
         if self._scatter_host_ready():
             return "write"
         if self.committer_claim() is not None:

@@ -1,0 +1,265 @@
+"""A small engine that a Hypothesis state machine can steer, step by step.
+
+It owns what vLLM would: requests and their tokens, KV blocks with prefix
+hashes (the simulation's allocator: hashes registered at schedule time, an
+LRU free list whose reuse is the eviction), the batch view, and the rows a
+forward produces (a pure function of each position's token prefix). From
+that it knows, with no cache at all, exactly which rows every materialize
+must return: the reference model of the racing system tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omni_prefix_cache.interface import HIDDEN_KEY
+from omni_prefix_cache.simulate.batch import SimGroupView
+from omni_prefix_cache.simulate.blocks import BlockAllocator
+from omni_prefix_cache.simulate.rows import PrefixHashes, block_hash, mix64, rows_from_hashes
+
+VOCAB = 50
+
+
+@dataclass(eq=False)
+class ModelRequest:
+    rid: str
+    tokens: list[int]
+    hashes: PrefixHashes
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0
+    cached_blocks: int = 0  # leading full blocks whose hash is registered
+    live: bool = False  # the manager saw it as new and was not told it finished
+    running: bool = False
+    emit_new: bool = True  # appears in scheduled_new_reqs at its next schedule
+
+    def full_block_hashes(self, block_size: int, upto: int) -> list[int]:
+        out: list[int] = []
+        parent = None
+        for i in range(upto // block_size):
+            parent = block_hash(parent, self.tokens[i * block_size : (i + 1) * block_size])
+            out.append(parent)
+        return out
+
+
+@dataclass(frozen=True)
+class NewReq:
+    req_id: str
+    num_computed_tokens: int
+    block_ids: tuple[list[int], ...]
+
+
+@dataclass
+class SchedOut:
+    scheduled_new_reqs: list[NewReq]
+    finished_req_ids: set[str]
+    num_scheduled_tokens: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Expect:
+    """Rows ``[start, end)`` of ``rid`` that materialize must return."""
+
+    rid: str
+    start: int
+    end: int
+    hashes: torch.Tensor  # prefix hashes of positions [start, end)
+    hit: bool = False  # a manager prefix hit: the rows before this step come from the cache
+
+
+@dataclass
+class PlannedStep:
+    out: SchedOut
+    order: list[str]
+    hidden: torch.Tensor
+    mm: dict[str, torch.Tensor]
+    n: int
+    expects: list[Expect]
+
+
+class ServingModel:
+    """Requests, KV blocks and expected rows. Single-threaded."""
+
+    def __init__(self, num_blocks: int, block_size: int, widths: dict[str, int], prefixes: Sequence[Sequence[int]]):
+        self.block_size = block_size
+        self.widths = widths
+        self.alloc = BlockAllocator(num_blocks, block_size)
+        self.view = SimGroupView(block_size)
+        self.prefixes = [list(p) for p in prefixes]
+        self.requests: dict[str, ModelRequest] = {}
+        self.finished_pending: set[str] = set()  # announced at the next step
+        self.step_no = 0
+        self._next = 0
+
+    # ------------------------------------------------------------ lifecycle
+
+    def arrive(self, prefix: int, tail: Sequence[int]) -> str:
+        rid = f"q{self._next}"
+        self._next += 1
+        tokens = self.prefixes[prefix % len(self.prefixes)] + list(tail)
+        hashes = PrefixHashes(len(tokens) + 8)
+        hashes.extend(tokens)
+        self.requests[rid] = ModelRequest(rid, tokens, hashes)
+        return rid
+
+    def waiting(self) -> list[ModelRequest]:
+        return [r for r in self.requests.values() if not r.running]
+
+    def running(self) -> list[ModelRequest]:
+        return [r for r in self.requests.values() if r.running]
+
+    def end(self, rid: str) -> None:
+        """Finish or abort: free the blocks now, announce at the next step."""
+        req = self.requests.pop(rid)
+        if req.blocks:
+            self.alloc.free(req.blocks)
+        if req.live:
+            self.finished_pending.add(rid)
+
+    def preempt(self, rid: str) -> None:
+        """Free a running request's blocks; it resumes later from a hit or 0
+        (still live for the manager: not a hit, rows from where it resumes)."""
+        req = self.requests[rid]
+        self.alloc.free(req.blocks)
+        req.blocks, req.computed, req.cached_blocks = [], 0, 0
+        req.running, req.emit_new = False, True
+
+    # ------------------------------------------------------------ one step
+
+    def schedule(
+        self, admit: Callable[[ModelRequest], int], run: Callable[[ModelRequest], int], capacity: int
+    ) -> PlannedStep | None:
+        """Build one step. ``run(req)`` / ``admit(req)`` say how many tokens
+        to schedule for a running / waiting request (0 = skip). Returns None
+        when nothing got scheduled (the finished ids stay pending)."""
+        budget = capacity
+        entries: list[tuple[ModelRequest, int, int, bool]] = []  # req, start, n, manager hit
+        new_reqs: list[NewReq] = []
+        for req in self.running():
+            n = min(run(req), len(req.tokens) - req.computed, budget)
+            if n <= 0 or not self._grow(req, req.computed + n):
+                continue
+            if req.emit_new:  # streaming continuation: re-enters the new list
+                new_reqs.append(NewReq(req.rid, req.computed, (list(req.blocks),)))
+                req.emit_new = False
+            entries.append((req, req.computed, n, False))
+            budget -= n
+        for req in self.waiting():
+            want = admit(req)
+            if want <= 0 or budget <= 0:
+                continue
+            hit_blocks = self.alloc.lookup_prefix(req.full_block_hashes(self.block_size, len(req.tokens)), len(req.tokens))
+            hit = len(hit_blocks) * self.block_size
+            n = min(want, len(req.tokens) - hit, budget)
+            need = -(-(hit + n) // self.block_size) - len(hit_blocks)
+            # Reviving a free-listed hit block takes it off the free list too.
+            revived = sum(1 for b in hit_blocks if self.alloc.is_free(b))
+            if n <= 0 or not self.alloc.can_allocate(need + revived):
+                continue
+            self.alloc.touch(hit_blocks)
+            fresh = self.alloc.allocate(need)
+            assert fresh is not None, "allocator refused blocks it said it had"
+            req.blocks = hit_blocks + fresh
+            req.computed, req.cached_blocks, req.running = hit, len(hit_blocks), True
+            manager_hit = hit > 0 and not req.live
+            new_reqs.append(NewReq(req.rid, hit, (list(req.blocks),)))
+            req.emit_new = False
+            req.live = True
+            entries.append((req, hit, n, manager_hit))
+            self._register_full_blocks(req, hit + n)
+            budget -= n
+        if not entries:
+            return None
+        for req, start, n, _ in entries:
+            self._register_full_blocks(req, start + n)
+        order = [e[0].rid for e in entries]
+        self.view.set_step(order, {r.rid: r.blocks for r, *_ in entries}, {r.rid: s for r, s, *_ in entries})
+        finished, self.finished_pending = self.finished_pending, set()
+        out = SchedOut(new_reqs, finished, {r.rid: n for r, _, n, _ in entries})
+        spans = [req.hashes.span(start, start + n) for req, start, n, _ in entries]
+        hashes = torch.cat(spans)
+        hidden = rows_from_hashes(hashes, HIDDEN_KEY, self.widths[HIDDEN_KEY], torch.float32)
+        mm = {k: rows_from_hashes(hashes, k, w, torch.float32) for k, w in self.widths.items() if k != HIDDEN_KEY}
+        expects = [
+            Expect(req.rid, 0 if hit else start, start + n, req.hashes.span(0 if hit else start, start + n).clone(), hit)
+            for req, start, n, hit in entries
+        ]
+        for req, start, n, _ in entries:
+            req.computed = start + n
+            if req.computed == len(req.tokens):  # sampled the next token
+                nxt = mix64(int(req.hashes.span(req.computed - 1, req.computed)[0]) & 0xFFFFFFFF) % VOCAB
+                req.tokens.append(nxt)
+                req.hashes.extend([nxt])
+        self.step_no += 1
+        return PlannedStep(out, order, hidden, mm, int(hashes.numel()), expects)
+
+    def _grow(self, req: ModelRequest, upto: int) -> bool:
+        need = -(-upto // self.block_size) - len(req.blocks)
+        if need > 0:
+            got = self.alloc.allocate(need)
+            if got is None:
+                return False
+            req.blocks += got
+        return True
+
+    def _register_full_blocks(self, req: ModelRequest, upto: int) -> None:
+        hashes = req.full_block_hashes(self.block_size, upto)
+        for i in range(req.cached_blocks, len(hashes)):
+            self.alloc.cache(req.blocks[i], hashes[i], self.step_no)
+        req.cached_blocks = max(req.cached_blocks, len(hashes))
+
+    def expected_rows(self, exp: Expect, key: str) -> torch.Tensor:
+        return rows_from_hashes(exp.hashes, key, self.widths[key], torch.float32)
+
+
+class LazyExecutor:
+    """A stand-in for the manager's prefetch pool: jobs wait until a test
+    runs them (``run_next``) or someone asks for their result, so the
+    interleaving of prefetches with everything else is the test's choice."""
+
+    def __init__(self) -> None:
+        self.pending: list[_LazyFuture] = []
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        fut = _LazyFuture(self, fn, args, kwargs)
+        self.pending.append(fut)
+        return fut
+
+    def run_next(self) -> bool:
+        while self.pending:
+            fut = self.pending.pop(0)
+            if fut.run_now():
+                return True
+        return False
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        for fut in self.pending:
+            fut.cancel()
+        self.pending.clear()
+
+
+class _LazyFuture(Future):
+    def __init__(self, owner: LazyExecutor, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        super().__init__()
+        self._owner, self._job = owner, (fn, args, kwargs)
+
+    def run_now(self) -> bool:
+        if not self.set_running_or_notify_cancel():
+            return False
+        fn, args, kwargs = self._job
+        try:
+            self.set_result(fn(*args, **kwargs))
+        except BaseException as exc:
+            self.set_exception(exc)
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            if self in self._owner.pending:
+                self._owner.pending.remove(self)
+            self.run_now()
+        return super().result(timeout)
