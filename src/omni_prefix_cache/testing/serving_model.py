@@ -152,7 +152,8 @@ class ServingModel:
             want = admit(req)
             if want <= 0 or budget <= 0:
                 continue
-            hit_blocks = self.alloc.lookup_prefix(req.full_block_hashes(self.block_size, len(req.tokens)), len(req.tokens))
+            known = len(req.tokens)
+            hit_blocks = self.alloc.lookup_prefix(req.full_block_hashes(self.block_size, known), known)
             hit = len(hit_blocks) * self.block_size
             n = min(want, len(req.tokens) - hit, budget)
             need = -(-(hit + n) // self.block_size) - len(hit_blocks)
@@ -184,10 +185,10 @@ class ServingModel:
         hashes = torch.cat(spans)
         hidden = rows_from_hashes(hashes, HIDDEN_KEY, self.widths[HIDDEN_KEY], torch.float32)
         mm = {k: rows_from_hashes(hashes, k, w, torch.float32) for k, w in self.widths.items() if k != HIDDEN_KEY}
-        expects = [
-            Expect(req.rid, 0 if hit else start, start + n, req.hashes.span(0 if hit else start, start + n).clone(), hit)
-            for req, start, n, hit in entries
-        ]
+        expects = []
+        for req, start, n, hit in entries:
+            first = 0 if hit else start
+            expects.append(Expect(req.rid, first, start + n, req.hashes.span(first, start + n).clone(), hit))
         for req, start, n, _ in entries:
             req.computed = start + n
             if req.computed == len(req.tokens):  # sampled the next token
