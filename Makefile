@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PYTEST ?= $(PYTHON) -m pytest
 
-.PHONY: setup diagrams diagrams-check test lint demo simulate bench
+.PHONY: setup diagrams diagrams-check test lint demo simulate bench check
 
 setup:
 	bash .ci/setup.sh
@@ -36,3 +36,13 @@ bench:
 .PHONY: mutants
 mutants:
 	$(PYTHON) -m omni_prefix_cache.testing.mutant_catalogue
+
+# Bounded exhaustive check of the composed model (the CI bound, about a minute).
+# CHECKFLAGS: e.g. CHECKFLAGS="--tasks 3 --steps 3" or CHECKFLAGS="--broken escalate-requeues-copying"
+check:
+	$(PYTHON) -m omni_prefix_cache check $(CHECKFLAGS)
+
+.PHONY: fuzz
+DURATION ?= 600
+fuzz:
+	$(PYTHON) tests/fuzz.py --duration $(DURATION)
