@@ -1,0 +1,357 @@
+"""The serving simulation: allocator and prefix-hash rules, scheduler behaviour,
+the oracle (including that it can fail), runs against the real manager in
+eager and threaded mode, and a bench smoke test."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from omni_prefix_cache.interface import HIDDEN_KEY, StageCacheOutputs
+from omni_prefix_cache.simulate import SimConfig, WorkloadConfig, run_simulation
+from omni_prefix_cache.simulate.batch import PersistentBatch, SimGroupView
+from omni_prefix_cache.simulate.blocks import BlockAllocator
+from omni_prefix_cache.simulate.oracle import Oracle, RowExpectation
+from omni_prefix_cache.simulate.reference import ReferenceManager
+from omni_prefix_cache.simulate.report import format_table, percentile, summary
+from omni_prefix_cache.simulate.rows import PrefixHashes, block_hash, rows_from_hashes
+from omni_prefix_cache.simulate.scheduler import Scheduler, Status
+from omni_prefix_cache.simulate.workload import FollowupSpec, RequestSpec, generate_trace
+
+HAS_MANAGER = importlib.util.find_spec("omni_prefix_cache.manager") is not None
+needs_manager = pytest.mark.skipif(not HAS_MANAGER, reason="omni_prefix_cache.manager not available")
+
+SMALL = SimConfig(steps=400, workload=WorkloadConfig(arrival_steps=40))
+
+
+def _reference(config: Any, view: Any, eager: bool) -> ReferenceManager:
+    return ReferenceManager(config, view, eager=eager)
+
+
+# ------------------------------------------------------------ rows and hashes
+
+
+def test_rows_are_a_function_of_the_token_prefix() -> None:
+    a, b = PrefixHashes(), PrefixHashes()
+    a.extend([1, 2, 3, 4])
+    b.extend([1, 2])
+    b.extend([3, 9])
+    assert torch.equal(a.span(0, 3), b.span(0, 3))
+    assert int(a.span(3, 4)) != int(b.span(3, 4))
+    ra = rows_from_hashes(a.span(0, 4), HIDDEN_KEY, 8, torch.float32)
+    rb = rows_from_hashes(b.span(0, 4), HIDDEN_KEY, 8, torch.float32)
+    assert torch.equal(ra[:3], rb[:3]) and not torch.equal(ra[3], rb[3])
+    # Different keys, different rows; bf16 holds the values exactly.
+    assert not torch.equal(ra, rows_from_hashes(a.span(0, 4), "k", 8, torch.float32))
+    bf = rows_from_hashes(a.span(0, 4), "k", 8, torch.bfloat16)
+    assert torch.equal(bf.float().to(torch.bfloat16), bf)
+
+
+def test_block_hash_chains_parent() -> None:
+    h0 = block_hash(None, [1, 2, 3, 4])
+    assert block_hash(None, [1, 2, 3, 4]) == h0
+    assert block_hash(h0, [5, 6, 7, 8]) != block_hash(None, [5, 6, 7, 8])
+
+
+# ------------------------------------------------------------ allocator
+
+
+def test_allocator_lru_free_list_keeps_hashes_until_reallocated() -> None:
+    alloc = BlockAllocator(num_blocks=4, block_size=4)
+    blocks = alloc.allocate(2)
+    assert blocks == [0, 1]
+    alloc.cache(0, 111, step=0)
+    alloc.cache(1, 222, step=0)
+    alloc.free(blocks)  # tail first: block 1, then block 0
+    assert alloc.num_free == 4
+    assert alloc.lookup_prefix([111, 222], num_tokens=9) == [0, 1]
+    got = alloc.allocate(3)  # 2, 3 were free before; then block 1 (freed first) is evicted
+    assert got == [2, 3, 1]
+    assert alloc.block_hash(1) is None and alloc.block_hash(0) == 111
+    assert alloc.lookup_prefix([111, 222], num_tokens=9) == [0]
+    assert alloc.stats.evicted_hashes == 1
+    alloc.check_invariants()
+
+
+def test_allocator_hit_revives_free_block_and_never_covers_whole_prompt() -> None:
+    alloc = BlockAllocator(num_blocks=3, block_size=4)
+    b = alloc.allocate(2)
+    alloc.cache(b[0], 1, step=0)
+    alloc.cache(b[1], 2, step=0)
+    alloc.free(b)
+    # An 8-token prompt made of exactly these blocks hits only the first: one token is recomputed.
+    assert alloc.lookup_prefix([1, 2], num_tokens=8) == [b[0]]
+    assert alloc.lookup_prefix([1, 2], num_tokens=9) == b
+    alloc.touch([b[0]])
+    assert not alloc.is_free(b[0]) and alloc.ref_count(b[0]) == 1
+    assert alloc.stats.revived_from_free == 1
+    # The hit stops at the first uncached block even if later ones are cached.
+    assert alloc.lookup_prefix([9, 2], num_tokens=100) == []
+    alloc.check_invariants()
+
+
+def test_allocator_shared_block_freed_only_by_last_reference() -> None:
+    alloc = BlockAllocator(num_blocks=2, block_size=4)
+    (b,) = alloc.allocate(1)
+    alloc.touch([b])
+    alloc.free([b])
+    assert not alloc.is_free(b)
+    alloc.free([b])
+    assert alloc.is_free(b)
+    with pytest.raises(ValueError):
+        alloc.free([b])
+
+
+# ------------------------------------------------------------ scheduler
+
+
+def _spec(rid: str, step: int, prompt: tuple[int, ...], out: int = 2, **kw: Any) -> RequestSpec:
+    return RequestSpec(rid, step, (prompt,), max_output=out, **kw)
+
+
+def test_same_step_identical_prompts_hit_blocks_computed_this_step() -> None:
+    prompt = tuple(range(100, 110))  # 10 tokens, block size 4: 2 full blocks
+    sched = Scheduler([_spec("a", 0, prompt), _spec("b", 0, prompt)], 16, 4, token_budget=64, max_num_seqs=4)
+    plan = sched.schedule(0)
+    by = {e.req.req_id: e for e in plan.entries}
+    assert by["a"].manager_hit == 0 and by["a"].n == 10
+    assert by["b"].manager_hit == 8 and by["b"].n == 2 and by["b"].start == 8
+    assert by["b"].req.blocks[:2] == by["a"].req.blocks[:2]
+    assert {n.req_id: n.num_computed_tokens for n in plan.output.scheduled_new_reqs} == {"a": 0, "b": 8}
+    assert sched.stats.same_step_hits == 1
+
+
+def test_full_prompt_cached_still_recomputes_last_block() -> None:
+    prompt = tuple(range(8))  # exactly two blocks
+    sched = Scheduler([_spec("a", 0, prompt, out=1), _spec("b", 2, prompt)], 16, 4, token_budget=64, max_num_seqs=4)
+    sched.update(sched.schedule(0))  # a: prefill, samples its only token, finishes
+    sched.update(sched.schedule(1))
+    plan = sched.schedule(2)
+    (e,) = plan.entries
+    assert e.req.req_id == "b" and e.manager_hit == 4 and e.n == 4
+
+
+def test_chunked_prefill_and_decode_under_budget() -> None:
+    sched = Scheduler([_spec("a", 0, tuple(range(10)), out=3)], 16, 4, token_budget=4, max_num_seqs=4)
+    sizes = []
+    for step in range(8):
+        plan = sched.schedule(step)
+        sizes.append([e.n for e in plan.entries])
+        sched.update(plan)
+    assert sizes[:5] == [[4], [4], [2], [1], [1]]
+    assert sched.requests["a"].status is Status.DONE and sched.stats.finished == 1
+    assert sizes[5:] == [[], [], []]
+
+
+def test_preempted_request_resumes_as_live_new_entry() -> None:
+    # Two requests, 4 blocks of 4: b's growth preempts b itself first, then a resumes later.
+    specs = [_spec("a", 0, tuple(range(8)), out=6), _spec("b", 0, tuple(range(50, 58)), out=6)]
+    sched = Scheduler(specs, 5, 4, token_budget=64, max_num_seqs=4)
+    seen_preempt = False
+    for step in range(40):
+        plan = sched.schedule(step)
+        for e in plan.entries:
+            if e.new_entry is not None and e.req.preempted:
+                seen_preempt = True
+                assert e.manager_hit == 0  # the manager still knows it: never a hit
+                assert e.new_entry.num_computed_tokens == e.start
+        sched.update(plan)
+        sched.alloc.check_invariants()
+        if sched.idle:
+            break
+    assert seen_preempt and sched.stats.preemptions >= 1 and sched.idle
+
+
+def test_streaming_continuation_reenters_with_its_own_count() -> None:
+    spec = RequestSpec("s", 0, (tuple(range(6)), tuple(range(6, 11))), max_output=1, segment_gap=1)
+    sched = Scheduler([spec], 16, 4, token_budget=64, max_num_seqs=4)
+    p0 = sched.schedule(0)
+    sched.update(p0)
+    assert sched.requests["s"].status is Status.AWAITING_INPUT
+    p1 = sched.schedule(1)
+    assert not p1.entries
+    sched.update(p1)
+    p2 = sched.schedule(2)
+    (e,) = p2.entries
+    assert e.new_entry is not None and e.new_entry.num_computed_tokens == 6 and e.manager_hit == 0
+    assert e.start == 6 and e.n == 5
+
+
+def test_followup_turn_hits_first_turn_prompt_and_answer() -> None:
+    first = tuple(range(200, 220))
+    spec = RequestSpec("c", 0, (first,), max_output=6, followup=FollowupSpec(delay=0, extra=(1, 2, 3), max_output=1))
+    sched = Scheduler([spec], 32, 4, token_budget=64, max_num_seqs=4)
+    hit = None
+    for step in range(20):
+        plan = sched.schedule(step)
+        for e in plan.entries:
+            if e.req.req_id == "c.2":
+                hit = e.manager_hit
+        sched.update(plan)
+    # 20 prompt + 6 sampled tokens (the last never computed): 25 computed -> 6 full blocks cached.
+    assert hit == 24
+
+
+def test_trace_is_deterministic() -> None:
+    assert generate_trace(WorkloadConfig(arrival_steps=30), 7) == generate_trace(WorkloadConfig(arrival_steps=30), 7)
+
+
+def test_persistent_batch_condenses_from_the_tail() -> None:
+    pb = PersistentBatch()
+    assert pb.update(["a", "b", "c", "d"]) == ["a", "b", "c", "d"]
+    assert pb.update(["a", "c", "d"]) == ["a", "d", "c"]
+    assert pb.update(["a", "d", "c", "e"]) == ["a", "d", "c", "e"]
+
+
+def test_group_view_maps_positions_through_block_table() -> None:
+    view = SimGroupView(block_size=4)
+    view.set_step(["x", "y"], {"x": [7, 2], "y": [5]}, {"x": 3, "y": 0})
+    assert view.batch_req_ids() == ["x", "y"]
+    got = view.step_slots_cpu(["x", "y"], {"x": 2, "y": 2})
+    assert got.tolist() == [7 * 4 + 3, 2 * 4 + 0, 20, 21]
+
+
+# ------------------------------------------------------------ oracle + reference
+
+
+def test_simulation_against_reference_manager_is_clean() -> None:
+    res = run_simulation(SMALL, manager_factory=_reference)
+    assert res.error is None, res.error
+    assert res.mismatches == 0, res.mismatch_details
+    st = res.scheduler
+    assert st["hits"] > 0 and st["preemptions"] > 0 and st["stream_reentries"] > 0 and st["reused_ids"] > 0
+    assert res.rows_from_cache > 0 and res.rows_checked > res.tokens
+
+
+class _Corrupting:
+    """Delegates to a manager; corrupts one cached-prefix row of the first hit it returns."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.corrupted: str | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def materialize(self, step_id: int, req_ids: list[str]) -> StageCacheOutputs:
+        outs = self._inner.materialize(step_id, req_ids)
+        if self.corrupted is None and outs.hidden_states:
+            for rid, t in outs.hidden_states.items():
+                if t.shape[0] > 16:
+                    t = t.clone()
+                    t[0, 0] += 1.0
+                    outs.hidden_states[rid] = t
+                    self.corrupted = rid
+                    break
+        return outs
+
+
+@pytest.mark.parametrize("inner", ["reference", pytest.param("manager", marks=needs_manager)])
+def test_oracle_reports_a_corrupted_row(inner: str) -> None:
+    made: list[_Corrupting] = []
+
+    def factory(config: Any, view: Any, eager: bool) -> Any:
+        if inner == "reference":
+            base = ReferenceManager(config, view, eager=eager)
+        else:
+            from omni_prefix_cache.manager import OmniPrefixCacheManager
+
+            base = OmniPrefixCacheManager(config, view, eager=eager)
+        made.append(_Corrupting(base))
+        return made[0]
+
+    res = run_simulation(SMALL, manager_factory=factory)
+    assert made[0].corrupted is not None
+    assert res.mismatches == 1 and not res.ok
+    assert made[0].corrupted in res.mismatch_details[0] and "position 0" in res.mismatch_details[0]
+    assert "FAILED" in format_table(res)
+
+
+@pytest.mark.parametrize("lag", [False, True])
+def test_static_forward_buffers_catch_a_manager_that_keeps_views(lag: bool) -> None:
+    def factory(config: Any, view: Any, eager: bool) -> ReferenceManager:
+        return ReferenceManager(config, view, eager=eager, alias_live=True)
+
+    res = run_simulation(replace(SMALL, eager=not lag, lag=lag), manager_factory=factory)
+    # Inline materialize reads before the next forward: views are still right. Lagged: they are not.
+    assert (res.mismatches > 0) is lag, res.mismatch_details
+
+
+def test_oracle_flags_shape_and_missing_request() -> None:
+    h = PrefixHashes()
+    h.extend(range(6))
+    oracle = Oracle({HIDDEN_KEY: 4}, torch.float32)
+    exp = [RowExpectation("a", 0, 6, 4, h.span(0, 6)), RowExpectation("b", 2, 4, 0, h.span(2, 4))]
+    rows = oracle.expected(exp)[HIDDEN_KEY]
+    assert oracle.check(0, 0, exp, StageCacheOutputs({"a": rows[0], "b": rows[1]}, {})) == 0
+    assert oracle.check(1, 1, exp, StageCacheOutputs({"a": rows[0][2:]}, {})) == 2
+    assert "shape" in str(oracle.details[0]) and "missing" in str(oracle.details[1])
+    tag = [torch.tensor([1.0, 2.0])]
+    good = StageCacheOutputs({"a": rows[0], "b": rows[1]}, {"ref": {"a": [tag[0].clone()], "b": [tag[0].clone()]}})
+    assert oracle.check(2, 2, exp, good, {"ref": tag}) == 0
+    bad = StageCacheOutputs({"a": rows[0], "b": rows[1]}, {"ref": {"a": [tag[0] + 1], "b": tag[0]}})
+    assert oracle.check(3, 3, exp, bad, {"ref": tag}) == 2
+
+
+def test_report_summary_is_json_and_percentiles() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile(list(map(float, range(1, 101))), 99) == 99.0
+    res = run_simulation(replace(SMALL, steps=30), manager_factory=_reference)
+    s = summary(res)
+    json.dumps(s, default=str)
+    for key in ("steps", "tokens", "hit_rate", "engine_us_p50", "materialize_us_p99", "mismatches", "leaks"):
+        assert key in s
+
+
+# ------------------------------------------------------------ real manager
+
+
+@needs_manager
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "threaded"])
+def test_short_simulation_has_no_mismatch_or_leak(eager: bool) -> None:
+    res = run_simulation(replace(SMALL, eager=eager))
+    assert res.error is None, res.error
+    assert res.mismatches == 0, res.mismatch_details
+    assert res.leaks and not res.leaked, res.leaks
+    assert res.view_off_thread_calls == 0
+    assert res.scheduler["hits"] > 0 and res.rows_from_cache > 0
+    assert res.config["lag"] is (not eager)
+
+
+@needs_manager
+def test_cli_simulate_json_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    from omni_prefix_cache.cli import main
+
+    rc = main(["simulate", "--eager", "--arrival-steps", "15", "--json", "--quiet", "--torch-threads", "0"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["ok"] and out["mismatches"] == 0
+
+
+@needs_manager
+def test_bench_smoke_report_has_fields() -> None:
+    from omni_prefix_cache.bench import format_report, run_bench
+
+    rep = run_bench(["decode"], iters=3, warmup=1, sweep=False)
+    d = rep.to_dict()
+    (r,) = d["results"]
+    for key in (
+        "engine_us_p50",
+        "engine_us_p90",
+        "materialize_us_p50",
+        "materialize_us_p90",
+        "engine_floor_us",
+        "engine_ratio",
+        "materialize_ratio",
+        "tokens_per_s",
+        "engine_target",
+        "engine_met",
+    ):
+        assert key in r
+    assert r["steps"] == 3 and d["mode"] == "eager"
+    assert "decode" in format_report(rep)
