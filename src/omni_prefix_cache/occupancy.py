@@ -1,0 +1,343 @@
+"""Slot occupancy per (slot, key), driven by the compiled ``slot_occupancy`` spec.
+
+Each pool key has three tables with one row per KV slot: ``state`` (int8, a
+``SlotState``), ``tids`` (the owning write task, -1 when none) and
+``slot_version`` (bumped each time a committed slot is reused). A move is
+applied to a whole slot tensor at once: the source states are gathered, the
+spec's move table says where each group goes, guards filter rows and effects
+run once per source-state group. Nothing here loops over slots in Python on
+the common path.
+
+Threading: a ``SlotOccupancy`` has no lock of its own. The manager calls it
+under its state lock only (the hooks it installs run under that lock too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, TensorName, Tid
+from omni_prefix_cache.specs import CompiledMove, compile_machine, load_spec
+
+# Slots listed in an error message before it summarises the rest.
+_MAX_LISTED = 16
+_NO_OWNER = -1
+
+
+class SlotGroup(NamedTuple):
+    """The rows of one vectorised move that share a source state.
+
+    ``owners`` is per row: the new owner for ``map``, the writer whose pool
+    write is being settled for ``commit`` / ``drop``.
+    """
+
+    key: TensorName
+    slots: torch.Tensor  # int64 KV slot ids
+    owners: torch.Tensor  # int64 tids, same length as slots
+
+
+@dataclass(eq=False)
+class KeySlots:
+    """The occupancy tables of one pool key (what ``get_slot_status`` returns)."""
+
+    state: torch.Tensor  # int8 SlotState per slot
+    tids: torch.Tensor  # int64 owner tid per slot, -1 when not IN_TRANSIT
+    slot_version: torch.Tensor  # int64, +1 per reuse of a committed slot
+
+
+# ------------------------------------------------------------ spec handlers
+# Signature (occupancy, group). Guards return a bool mask over the group's
+# rows; effects mutate the tables or call the occupancy's hooks.
+
+
+def _owned_by_writer(occ: SlotOccupancy, group: SlotGroup) -> torch.Tensor:
+    return occ._keys[group.key].tids.index_select(0, group.slots) == group.owners
+
+
+def _set_owner(occ: SlotOccupancy, group: SlotGroup) -> None:
+    occ._keys[group.key].tids.index_copy_(0, group.slots, group.owners)
+
+
+def _clear_owner(occ: SlotOccupancy, group: SlotGroup) -> None:
+    occ._keys[group.key].tids.index_fill_(0, group.slots, _NO_OWNER)
+
+
+def _bump_version(occ: SlotOccupancy, group: SlotGroup) -> None:
+    # Gather-add-scatter: a slot listed twice in one map is still one reuse.
+    versions = occ._keys[group.key].slot_version
+    versions[group.slots] = versions.index_select(0, group.slots) + 1
+
+
+def _reassign_from_old_owner(occ: SlotOccupancy, group: SlotGroup) -> None:
+    # Runs before set_owner (spec order), so `tids` still names the old owner.
+    old = occ._keys[group.key].tids.index_select(0, group.slots)
+    taken = old != group.owners  # a task remapping its own slot loses nothing
+    if not bool(taken.any()):
+        return
+    old, slots = old[taken], group.slots[taken]
+    hook = occ.on_reassign
+    if hook is None:
+        return
+    for tid in dict.fromkeys(old.tolist()):  # usually one or two owners
+        hook(int(tid), group.key, slots[old == tid])
+
+
+def _preserve_pending_reads(occ: SlotOccupancy, group: SlotGroup) -> None:
+    hook = occ.on_reuse
+    if hook is not None:
+        hook(group.key, group.slots)
+
+
+SLOT_MACHINE = compile_machine(
+    load_spec("slot_occupancy"),
+    guards={"owned_by_writer": _owned_by_writer},
+    effects={
+        "set_owner": _set_owner,
+        "reassign_from_old_owner": _reassign_from_old_owner,
+        "preserve_pending_reads": _preserve_pending_reads,
+        "bump_version": _bump_version,
+        "clear_owner": _clear_owner,
+    },
+    module=__name__,
+)
+SlotState = SLOT_MACHINE.State
+ABSENT = int(SlotState.ABSENT)
+IN_TRANSIT = int(SlotState.IN_TRANSIT)
+COMMITTED = int(SlotState.COMMITTED)
+
+# Hooks the manager installs. on_reassign(old_tid, key, slots): a newer write
+# took these in-transit rows from old_tid. on_reuse(key, slots): these
+# committed rows are about to be overwritten by a new tenant.
+ReassignHook = Callable[[Tid, TensorName, torch.Tensor], None]
+ReuseHook = Callable[[TensorName, torch.Tensor], None]
+
+
+def _describe(slots: torch.Tensor) -> str:
+    listed = slots[:_MAX_LISTED].tolist()
+    more = int(slots.numel()) - len(listed)
+    return f"{listed}" + (f" (+{more} more)" if more > 0 else "")
+
+
+class SlotOccupancy:
+    """Occupancy tables for every pool key, moved by the compiled spec.
+
+    ``state`` maps key -> int8 state tensor (the seed suite reads it
+    directly). Callers hold the manager's state lock for every method.
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        *,
+        on_reassign: ReassignHook | None = None,
+        on_reuse: ReuseHook | None = None,
+    ) -> None:
+        if int(num_slots) <= 0:
+            raise OmniPrefixCacheUnmatchError(f"slot occupancy: num_slots must be positive, got {num_slots}")
+        self.num_slots = int(num_slots)
+        self.on_reassign = on_reassign
+        self.on_reuse = on_reuse
+        self._keys: dict[TensorName, KeySlots] = {}
+        self.state: dict[TensorName, torch.Tensor] = {}
+        n_states = len(SlotState)
+        # Per trigger: the move from each source state (None where the spec
+        # declares none), and the source states that make it illegal.
+        self._moves: dict[str, tuple[CompiledMove | None, ...]] = {}
+        self._illegal: dict[str, tuple[int, ...]] = {}
+        for trigger in SLOT_MACHINE.triggers:
+            row = tuple(SLOT_MACHINE.move(s, trigger) for s in range(n_states))
+            self._moves[trigger] = row
+            self._illegal[trigger] = tuple(s for s, m in enumerate(row) if m is None)
+
+    # ------------------------------------------------------------ keys
+
+    def add_key(self, key: TensorName) -> KeySlots:
+        """Open ``key``'s tables (all ABSENT, no owner, version 0); idempotent.
+        Manager, under its state lock, when the pool key is published."""
+        table = self._keys.get(key)
+        if table is None:
+            table = KeySlots(
+                state=torch.full((self.num_slots,), ABSENT, dtype=torch.int8),
+                tids=torch.full((self.num_slots,), _NO_OWNER, dtype=torch.int64),
+                slot_version=torch.zeros((self.num_slots,), dtype=torch.int64),
+            )
+            self._keys[key] = table
+            self.state[key] = table.state
+        return table
+
+    def has_key(self, key: TensorName) -> bool:
+        return key in self._keys
+
+    def keys(self) -> list[TensorName]:
+        """Open keys, in opening order."""
+        return list(self._keys)
+
+    def get_slot_status(self, key: TensorName) -> KeySlots:
+        """The tables of ``key``; raises OmniPrefixCacheUnmatchError naming an unknown key."""
+        table = self._keys.get(key)
+        if table is None:
+            raise OmniPrefixCacheUnmatchError(f"slot occupancy: unknown key {key!r} (open: {sorted(self._keys)})")
+        return table
+
+    # ------------------------------------------------------------ moves
+
+    def apply(self, trigger: str, key: TensorName, slots: torch.Tensor, owners: torch.Tensor | int) -> int:
+        """Fire ``trigger`` on every row of ``slots`` for ``key``; returns how
+        many rows moved (a row a guard refuses stays where it is).
+
+        Raises OmniPrefixCacheUnmatchError naming the key, the trigger, the
+        source state and the offending slots if the spec declares no such
+        move for any row; nothing is changed then. Under the state lock.
+        """
+        table = self.get_slot_status(key)
+        moves = self._moves.get(trigger)
+        if moves is None:
+            raise OmniPrefixCacheUnmatchError(f"slot occupancy: unknown trigger {trigger!r} for key {key!r}")
+        slots = self._as_slots(key, slots)
+        n = int(slots.numel())
+        if n == 0:
+            return 0
+        owners = self._as_owners(owners, n)
+        src = table.state.index_select(0, slots)
+        for bad in self._illegal[trigger]:
+            mask = src == bad
+            if bool(mask.any()):
+                raise OmniPrefixCacheUnmatchError(
+                    f"slot occupancy {key!r}: {trigger} is illegal from {SlotState(bad).name} "
+                    f"for slots {_describe(slots[mask])} (spec slot_occupancy)"
+                )
+        moved = 0
+        for move, group in self._groups(key, moves, src, slots, owners):
+            for guard in move.guards:
+                ok = guard(self, group)
+                if not bool(ok.all()):
+                    group = SlotGroup(key, group.slots[ok], group.owners[ok])
+            if group.slots.numel() == 0:
+                continue
+            table.state.index_fill_(0, group.slots, int(move.dest))
+            for effect in move.effects:
+                effect(self, group)
+            moved += int(group.slots.numel())
+        return moved
+
+    def _groups(
+        self,
+        key: TensorName,
+        moves: tuple[CompiledMove | None, ...],
+        src: torch.Tensor,
+        slots: torch.Tensor,
+        owners: torch.Tensor,
+    ) -> Iterator[tuple[CompiledMove, SlotGroup]]:
+        """Split rows by source state. Every group is cut from the state
+        snapshot taken before any group moves, so a group's move never
+        re-routes another group's rows."""
+        lo, hi = int(src.min()), int(src.max())
+        if lo == hi:  # the common case: every row starts in one state
+            move = moves[lo]
+            if move is not None:
+                yield move, SlotGroup(key, slots, owners)
+            return
+        cut: list[tuple[CompiledMove, SlotGroup]] = []
+        for state in range(lo, hi + 1):
+            move = moves[state]
+            if move is None:
+                continue
+            mask = src == state
+            if bool(mask.any()):
+                cut.append((move, SlotGroup(key, slots[mask], owners[mask])))
+        yield from cut
+
+    def map(self, key: TensorName, slots: torch.Tensor, owners: torch.Tensor | int) -> int:
+        """A write maps ``slots`` (ABSENT/IN_TRANSIT/COMMITTED -> IN_TRANSIT,
+        owned by ``owners``). Takeover records reassigned rows on the old
+        owner; reuse of a committed slot preserves pending reads and bumps
+        its version. Under the state lock."""
+        return self.apply("map", key, slots, owners)
+
+    def commit(self, key: TensorName, slots: torch.Tensor, writers: torch.Tensor | int) -> int:
+        """Strict ``commit``: every row must be IN_TRANSIT (else raises);
+        rows now owned by another write stay. Under the state lock."""
+        return self.apply("commit", key, slots, writers)
+
+    def drop(self, key: TensorName, slots: torch.Tensor, writers: torch.Tensor | int) -> int:
+        """Strict ``drop`` (the writer failed): IN_TRANSIT -> ABSENT for rows
+        it still owns. Under the state lock."""
+        return self.apply("drop", key, slots, writers)
+
+    def settle(self, trigger: str, key: TensorName, slots: torch.Tensor, writers: torch.Tensor | int) -> int:
+        """``commit`` or ``drop`` for a drained write's own rows.
+
+        A write's rows leave IN_TRANSIT only through its own commit/drop, so
+        a row of it that is not IN_TRANSIT any more was taken over and
+        already settled by its newer owner: such rows are left out before
+        the strict move (the guard still refuses in-transit rows another
+        write owns). Manager, under the state lock, once per key per drain.
+        """
+        if trigger not in ("commit", "drop"):
+            raise OmniPrefixCacheUnmatchError(f"slot occupancy: settle takes commit or drop, not {trigger!r}")
+        table = self.get_slot_status(key)
+        slots = self._as_slots(key, slots)
+        if slots.numel() == 0:
+            return 0
+        owners = self._as_owners(writers, int(slots.numel()))
+        live = table.state.index_select(0, slots) == IN_TRANSIT
+        if not bool(live.all()):
+            slots, owners = slots[live], owners[live]
+        return self.apply(trigger, key, slots, owners)
+
+    # ------------------------------------------------------------ checks
+
+    def check_invariants(self, live_tids: set[Tid] | None = None) -> None:
+        """Raise OmniPrefixCacheUnmatchError naming the key and slots that
+        break a declared invariant: ``owner_iff_in_transit`` always,
+        ``owner_is_live_task`` when ``live_tids`` is given. (Version
+        monotonicity is a property of the moves; tests check it across them.)"""
+        for key, table in self._keys.items():
+            in_transit = table.state == IN_TRANSIT
+            owned = table.tids != _NO_OWNER
+            bad = (in_transit != owned).nonzero().flatten()
+            if bad.numel():
+                raise OmniPrefixCacheUnmatchError(
+                    f"slot occupancy {key!r}: owner_iff_in_transit broken at slots {_describe(bad)}"
+                )
+            if live_tids is not None and bool(in_transit.any()):
+                owners = table.tids[in_transit]
+                dead = sorted(set(owners.tolist()) - set(live_tids))
+                if dead:
+                    raise OmniPrefixCacheUnmatchError(
+                        f"slot occupancy {key!r}: owner_is_live_task broken: owners {dead[:_MAX_LISTED]} are not live"
+                    )
+
+    # ------------------------------------------------------------ helpers
+
+    def _as_slots(self, key: TensorName, slots: torch.Tensor) -> torch.Tensor:
+        if not isinstance(slots, torch.Tensor):
+            slots = torch.as_tensor(slots, dtype=torch.int64)
+        if slots.dtype != torch.int64:
+            if slots.dtype.is_floating_point or slots.dtype == torch.bool:
+                raise OmniPrefixCacheUnmatchError(f"slot occupancy {key!r}: slots must be integers, got {slots.dtype}")
+            slots = slots.to(torch.int64)
+        if slots.ndim != 1:
+            slots = slots.reshape(-1)
+        if slots.numel():
+            lo, hi = int(slots.min()), int(slots.max())
+            if lo < 0 or hi >= self.num_slots:
+                bad = slots[(slots < 0) | (slots >= self.num_slots)]
+                raise OmniPrefixCacheUnmatchError(
+                    f"slot occupancy {key!r}: slots {_describe(bad)} outside [0, {self.num_slots})"
+                )
+        return slots
+
+    @staticmethod
+    def _as_owners(owners: torch.Tensor | int, n: int) -> torch.Tensor:
+        if isinstance(owners, torch.Tensor):
+            if owners.numel() == 1 and n != 1:
+                return torch.full((n,), int(owners.reshape(())), dtype=torch.int64)
+            if int(owners.numel()) != n:
+                raise OmniPrefixCacheUnmatchError(f"slot occupancy: {owners.numel()} owners for {n} slots")
+            return owners.to(torch.int64).reshape(-1)
+        return torch.full((n,), int(owners), dtype=torch.int64)
