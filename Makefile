@@ -17,7 +17,9 @@ lint:
 	$(PYTHON) -m ruff check src tests spec
 	$(PYTHON) -m ruff format --check src tests spec
 
+# The CI bound of the exhaustive model check (~15-60 s), then the test suite.
 test:
+	$(PYTHON) -m omni_prefix_cache check
 	$(PYTEST) -q
 
 # Fresh machine -> install -> a verified serving simulation with defaults.

@@ -417,3 +417,33 @@ def test_committer_step_finishes_a_claimed_copy_before_anything_else():
     ctrl.join([1])
     assert task.state is TaskState.WRITTEN
     ctrl.shutdown()
+
+
+def test_released_holder_is_released_not_unheld_and_cannot_hold_again():
+    ctrl, _ = make(eager=True)
+    pool = ctrl._staging_pool
+    step = StagingBufferHolder.for_step(4)
+    assert pool.holder_state(step).name == "UNHELD"
+    claim = ctrl.stage_step_host({}, 0, None, step)
+    assert pool.holder_state(step).name == "HELD"
+    ctrl.staging_release(claim.staging_slot, step)
+    assert pool.holder_state(step).name == "RELEASED"
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="step 4 cannot claim from RELEASED"):
+        ctrl.stage_step_host({}, 0, None, step)
+    # An id below one that already held a page had its turn too.
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="step 2 cannot claim from RELEASED"):
+        ctrl.stage_step_host({}, 0, None, StagingBufferHolder.for_step(2))
+    assert not any(pool._busy)
+
+
+def test_set_host_tensor_on_an_illegal_move_installs_nothing():
+    task = WriteTask(
+        tid=9,
+        req_id="r",
+        write_n=1,
+        schedule=WriteSchedule.JOIN_ON_FINISH,
+        chunks=[_WriteChunk(slots_cpu=torch.tensor([0]), tensors={HIDDEN_KEY: rows_for([0])})],
+    )
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="task 9: illegal transition PENDING -> HOST_READY"):
+        task.set_host_tensor([(task.chunks[0], HIDDEN_KEY, rows_for([0]))])
+    assert task.chunks[0].host == {} and task.state is TaskState.PENDING

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import event
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
 
@@ -28,10 +28,11 @@ from omni_prefix_cache.controller import TaskState
 from omni_prefix_cache.interface import HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheUnmatchError, PrefixCacheConfig
 from omni_prefix_cache.manager import OmniPrefixCacheManager
 from omni_prefix_cache.occupancy import SlotState
-from omni_prefix_cache.testing.serving_model import LazyExecutor, ServingModel
+from omni_prefix_cache.simulate.rows import rows_from_hashes
+from omni_prefix_cache.testing.serving_model import LazyExecutor, RecentFirstAllocator, ServingModel
 
-NUM_BLOCKS, BLOCK_SIZE, CAPACITY, DEPTH = 10, 2, 12, 3
-IMMEDIATE, DEFERRED = "talker.h", "codes.audio"
+NUM_BLOCKS, BLOCK_SIZE, CAPACITY, DEPTH = 8, 2, 12, 3
+IMMEDIATE, DEFERRED, LEFTOVER = "talker.h", "codes.audio", "codes.ref"
 WIDTHS = {HIDDEN_KEY: 4, IMMEDIATE: 3, DEFERRED: 2}
 PREFIXES = [[1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [7, 8, 9, 10]]
 
@@ -59,9 +60,13 @@ class SystemRace(RuleBasedStateMachine):
         self.mgr._prefetch = self.prefetch = LazyExecutor()
         self.ctrl = self.mgr._controller
         self.expects: dict[int, list] = {}
+        self.step_sizes: dict[int, int] = {}
         self.poison: dict[str, set[int]] = {"copy": set(), "write": set()}
         self._wrap_failure_points()
         self.dead = False  # a write failed: every facade entry must now raise
+        self.violations: list[str] = []
+        self.previous_immediate: list[int] = []
+        self._probe_lock_discipline()
         self.checked = 0
 
     def _wrap_failure_points(self) -> None:
@@ -80,6 +85,17 @@ class SystemRace(RuleBasedStateMachine):
 
         ctrl._copy_task = failing_copy
         ctrl._scatter = failing_scatter
+
+    def _probe_lock_discipline(self) -> None:
+        """Record any join that runs while the manager's state lock is held."""
+        wait, mgr = self.ctrl._wait_tasks, self.mgr
+
+        def probed(tids, event):
+            if mgr._state_lock.locked():
+                self.violations.append(f"join({event}) of tasks {list(tids)} under the state lock")
+            return wait(tids, event)
+
+        self.ctrl._wait_tasks = probed
 
     def teardown(self) -> None:
         self._quiesce_and_check_nothing_leaked()
@@ -104,6 +120,10 @@ class SystemRace(RuleBasedStateMachine):
                 return None
             raise
 
+    @staticmethod
+    def _leftover(n: int) -> torch.Tensor:
+        return torch.arange((n + 3) * 2, dtype=torch.float32).reshape(n + 3, 2)
+
     def _check_outputs(self, sid: int, outs) -> None:
         for exp in self.expects.pop(sid):
             for key in WIDTHS:
@@ -112,15 +132,20 @@ class SystemRace(RuleBasedStateMachine):
                 assert got.shape == want.shape, f"step {sid} req {exp.rid} key {key}: {tuple(got.shape)}"
                 assert torch.equal(got, want), f"step {sid} req {exp.rid} key {key} rows [{exp.start},{exp.end})"
                 self.checked += 1
+            want = self._leftover(self.step_sizes[sid])
+            assert torch.equal(outs.mm_outputs[LEFTOVER][exp.rid], want), f"step {sid} req {exp.rid} leftover"
             event("materialized a prefix hit" if exp.hit else "materialized a step's own rows")
 
     # ------------------------------------------------------------ engine protocol
 
-    @initialize(prefixes=st.lists(st.integers(0, 2), min_size=2, max_size=3))
-    def first_arrivals(self, prefixes):
-        """Requests already waiting when the engine starts (prompts often shared)."""
-        for i, prefix in enumerate(prefixes):
-            self.model.arrive(prefix, [20 + i] * i)
+    @initialize(prefixes=st.lists(st.integers(0, 2), min_size=2, max_size=3), recent_first=st.booleans())
+    def first_arrivals(self, prefixes, recent_first):
+        """Requests already waiting when the engine starts (prompts often
+        shared), and which freed block the engine reuses first."""
+        if recent_first:
+            self.model.alloc = RecentFirstAllocator(NUM_BLOCKS, BLOCK_SIZE)
+        for prefix in prefixes:  # equal prefixes give identical prompts
+            self.model.arrive(prefix, [21, 22][:prefix])
 
     @precondition(lambda self: len(self.expects) < DEPTH)
     @rule(target=steps, data=st.data())
@@ -137,14 +162,23 @@ class SystemRace(RuleBasedStateMachine):
         self._facade(self.mgr.new_step_starts, planned.out)
         if self.dead:
             return None
+        # A leftover that is not token-major: every request gets it whole.
+        mm = dict(planned.mm, **{LEFTOVER: self._leftover(planned.n)})
         sid = self._facade(
             lambda: self.mgr.save_outputs(
-                planned.hidden, planned.mm, num_tokens_unpadded=planned.n, num_tokens_padded=planned.n
+                planned.hidden, mm, num_tokens_unpadded=planned.n, num_tokens_padded=planned.n
             )
         )
         if sid is None:
             return None
+        # The save barrier: the previous save's immediate writes are in the pool.
+        for tid in self.previous_immediate:
+            task = self.ctrl.get_task(tid)
+            if task is not None and not task.is_terminal:
+                self.violations.append(f"step {sid} saved before task {tid} of the previous step was written")
+        self.previous_immediate = list(self.mgr._join_next_step_tids)
         self.expects[sid] = planned.expects
+        self.step_sizes[sid] = planned.n
         return sid
 
     @rule(sid=consumes(steps), discard=st.booleans())
@@ -164,16 +198,20 @@ class SystemRace(RuleBasedStateMachine):
             return
         self._check_outputs(sid, outs)
 
-    @rule(action=st.sampled_from(["arrive", "finish", "abort", "preempt"]), data=st.data())
+    @rule(action=st.sampled_from(["arrive", "arrive_pair", "finish", "abort", "preempt"]), data=st.data())
     def engine_event(self, action, data):
-        """Between steps: a request arrives (prompts share system prefixes),
+        """Between steps: a request (or an identical pair) arrives (prompts share system prefixes),
         finishes after decoding, aborts (even mid-prefill), or is preempted
         under KV pressure (its blocks recycle; it resumes later)."""
         model = self.model
-        if action == "arrive":
+        if action in ("arrive", "arrive_pair"):
+            # A pair is two identical prompts: admitted together, the second
+            # hits blocks the first computes in the same step.
             if len(model.requests) < 6:
                 prefix = data.draw(st.integers(0, 2), label="prefix")
-                model.arrive(prefix, data.draw(st.lists(st.integers(20, 24), max_size=4), label="tail"))
+                tail = data.draw(st.lists(st.integers(20, 24), max_size=4), label="tail")
+                for _ in range(2 if action == "arrive_pair" else 1):
+                    model.arrive(prefix, tail)
             return
         if action == "finish":
             pool = [r.rid for r in model.running() if r.computed > len(r.tokens) - 2 and len(r.tokens) > 4]
@@ -221,6 +259,10 @@ class SystemRace(RuleBasedStateMachine):
                 self.poison[action.split()[1]].add(data.draw(st.sampled_from(alive), label=action))
 
     # ------------------------------------------------------------ invariants
+
+    @invariant()
+    def no_join_under_state_lock_and_save_waits_previous_writes(self):
+        assert not self.violations, self.violations
 
     @invariant()
     def failure_is_sticky(self):
@@ -287,7 +329,20 @@ class SystemRace(RuleBasedStateMachine):
         assert not any(self.ctrl._staging_pool._busy), self.ctrl._staging_pool._busy
         assert self.ctrl._staged_bytes == 0
         assert not self.mgr._step_ctxs
+        if not self.dead:
+            self._check_cached_blocks_hold_their_rows()
         self.mgr.shutdown()
+
+    def _check_cached_blocks_hold_their_rows(self) -> None:
+        """Every block that still carries a prefix hash holds exactly its
+        content's rows in the pool, for every cached key: no lost, stale or
+        foreign rows behind a hash a later request could hit."""
+        for block, hashes in sorted(self.model.cached_blocks().items()):
+            slots = torch.arange(block * BLOCK_SIZE, (block + 1) * BLOCK_SIZE)
+            for key, width in WIDTHS.items():
+                want = rows_from_hashes(hashes, key, width, torch.float32)
+                got = self.mgr._pool.rows(key, slots)
+                assert torch.equal(got, want), f"block {block} key {key}: pool rows differ from its content"
 
 
 class _Sched:
@@ -304,5 +359,10 @@ class EagerSystemRace(SystemRace):
     EAGER = True
 
 
+# The system machines need more examples than the ci default to reach block
+# reuse under a same-step hit; about 20 s each on 2 cores.
+_more = settings(settings.default, max_examples=max(200, settings.default.max_examples))
 TestSystemRaceOnDemandCommitter = SystemRace.TestCase
+TestSystemRaceOnDemandCommitter.settings = _more
 TestSystemRaceEager = EagerSystemRace.TestCase
+TestSystemRaceEager.settings = _more

@@ -95,15 +95,26 @@ class StagingBufferPool:
         self._bufs: dict[TensorName, torch.Tensor] = {}
         self._busy: list[set[StagingBufferHolder]] = [set() for _ in range(depth)]
         self._page_of: dict[StagingBufferHolder, int] = {}
+        self._high_water: dict[str, int] = {}  # highest owner id per kind that ever held a page
         self._page_freed = threading.Condition()
         self._closed = False
 
     # ----------------------------------------------------------- holder moves
 
     def holder_state(self, holder: StagingBufferHolder) -> Any:
-        """HELD while the holder holds a page; UNHELD otherwise. (Holder ids
-        are never reused, so a released holder reads as UNHELD here.)"""
-        return HolderState.HELD if holder in self._page_of else HolderState.UNHELD
+        """HELD while the holder holds a page; RELEASED once it has let go;
+        UNHELD before it ever held one.
+
+        Step ids and tids come from counters, so each kind takes its first
+        hold in increasing id order: any id at or below the highest that
+        ever held a page has had its turn. That makes RELEASED exact with
+        no per-holder history (a late, lower id is refused as RELEASED).
+        """
+        if holder in self._page_of:
+            return HolderState.HELD
+        if holder.owner_id <= self._high_water.get(holder.kind, -1):
+            return HolderState.RELEASED
+        return HolderState.UNHELD
 
     def _apply(self, trigger: str, page: int, holder: StagingBufferHolder) -> bool:
         """Fire ``trigger`` for ``holder`` on ``page`` under the condition.
@@ -119,6 +130,8 @@ class StagingBufferPool:
         if move.dest is HolderState.HELD:
             self._busy[page].add(holder)
             self._page_of[holder] = page
+            if holder.owner_id > self._high_water.get(holder.kind, -1):
+                self._high_water[holder.kind] = holder.owner_id
         else:
             self._busy[page].discard(holder)
             del self._page_of[holder]

@@ -218,8 +218,11 @@ class WriteTask:
             return None
 
     def set_host_tensor(self, rows: list[tuple[_WriteChunk, TensorName, torch.Tensor]]) -> None:
-        """COPYING -> HOST_READY after installing the copied host rows."""
+        """COPYING -> HOST_READY after installing the copied host rows. An
+        illegal call raises before touching any chunk."""
         with self.lock:
+            if WRITE_TASK_MACHINE.move_to(self.state, TaskState.HOST_READY) is None:
+                raise illegal_move(self, TaskState.HOST_READY)
             for chunk, key, tensor in rows:
                 chunk.host[key] = tensor
             self._move_locked(TaskState.HOST_READY)

@@ -1,1 +1,12 @@
-"""Test support: spec-driven test generation, reference models, mutants."""
+"""Test support: spec-driven test generation, reference models, mutants.
+
+- ``stateful``: ``build_machine(adapter)`` turns any spec into a Hypothesis
+  ``RuleBasedStateMachine`` (one rule per trigger, Bundles of handles, the
+  spec's invariants) played against a runtime through a ``SpecAdapter``.
+- ``interpreter``: a generic runtime that runs a spec's compiled table.
+- ``adapters``: the adapters for the real runtime objects.
+- ``mutants``: spec copies with a move added or removed.
+- ``modelcheck``: the bounded exhaustive check of the composed model
+  (``omni-prefix-cache check``); needs no Hypothesis.
+- ``mutant_catalogue``: runtime bugs re-injected for ``make mutants``.
+"""

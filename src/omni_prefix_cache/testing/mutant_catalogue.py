@@ -36,11 +36,16 @@ class Mutant:
 
 
 MUTANTS: dict[str, Mutant] = {}
+# Real bugs the racing tests do not kill yet within the ci budget. Listed by
+# `make mutants` and runnable by name, but not counted until a test kills them.
+CANDIDATES: dict[str, Mutant] = {}
 
 
-def _register(name: str, bug: str) -> Callable[[Callable[[contextlib.ExitStack], None]], Callable[..., None]]:
+def _register(
+    name: str, bug: str, *, candidate: bool = False
+) -> Callable[[Callable[[contextlib.ExitStack], None]], Callable[..., None]]:
     def deco(fn: Callable[[contextlib.ExitStack], None]) -> Callable[..., None]:
-        MUTANTS[name] = Mutant(name, bug, fn)
+        (CANDIDATES if candidate else MUTANTS)[name] = Mutant(name, bug, fn)
         return fn
 
     return deco
@@ -209,16 +214,105 @@ def _holder_released_at_drain(stack: contextlib.ExitStack) -> None:
     _set(stack, OmniPrefixCacheController, "drain_completed", drain_completed)
 
 
+# ------------------------------------------------------------------ manager
+
+
+@_register(
+    "tombstone_drops_fresh_rows",
+    "a rewrite of a slot the write already lost is appended, not a new write",
+    candidate=True,  # needs preempt -> interim tenant -> resume on one block with a pending deferred write
+)
+def _tombstone_drops_fresh_rows(stack: contextlib.ExitStack) -> None:
+    from omni_prefix_cache.write_task import WriteTask
+
+    _set(stack, WriteTask, "reassigned_intersects", lambda self, chunk: False)
+
+
+@_register("leftover_sliced_by_ge", "leftover mm sliced whenever shape[0] >= n, not only when == n")
+def _leftover_sliced_by_ge(stack: contextlib.ExitStack) -> None:
+    import torch
+
+    from omni_prefix_cache import manager
+
+    original = manager._snapshot_leftover_mm_cpu
+
+    def snapshot(mm: Any, skip_keys: set[str], n: int) -> Any:
+        def cut(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] >= n:
+                return value[:n]
+            return value
+
+        return original({k: cut(v) for k, v in mm.items()}, skip_keys, n)
+
+    _set(stack, manager, "_snapshot_leftover_mm_cpu", snapshot)
+
+
+@_register("state_lock_across_join", "the manager's state lock is held across a join")
+def _state_lock_across_join(stack: contextlib.ExitStack) -> None:
+    from omni_prefix_cache.controller import OmniPrefixCacheController
+    from omni_prefix_cache.manager import OmniPrefixCacheManager
+
+    init, join = OmniPrefixCacheManager.__init__, OmniPrefixCacheController.join
+
+    def manager_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self._controller._mutant_lock = self._state_lock
+
+    def locked_join(self: OmniPrefixCacheController, tids: list[int]) -> None:
+        lock = getattr(self, "_mutant_lock", None)
+        if lock is None or lock.locked():
+            return join(self, tids)
+        with lock:
+            return join(self, tids)
+
+    _set(stack, OmniPrefixCacheManager, "__init__", manager_init)
+    _set(stack, OmniPrefixCacheController, "join", locked_join)
+
+
+@_register("save_skips_previous_write_barrier", "save does not wait for the previous step's pool writes")
+def _save_skips_barrier(stack: contextlib.ExitStack) -> None:
+    from omni_prefix_cache.manager import OmniPrefixCacheManager
+
+    save = OmniPrefixCacheManager.save_outputs
+
+    def save_outputs(self: Any, *args: Any, **kwargs: Any) -> int:
+        self._join_next_step_tids = []
+        return save(self, *args, **kwargs)
+
+    _set(stack, OmniPrefixCacheManager, "save_outputs", save_outputs)
+
+
+@_register("same_step_hit_planned_early", "a same-step hit is planned before its write is registered")
+def _same_step_hit_planned_early(stack: contextlib.ExitStack) -> None:
+    # Plan every hit at new_step_starts, even on ABSENT rows this step is
+    # about to compute, and never plan it again at save.
+    from omni_prefix_cache.manager import OmniPrefixCacheManager
+
+    plan = OmniPrefixCacheManager._plan_hit_locked
+    _set(stack, OmniPrefixCacheManager, "_plan_hit_locked", lambda self, hit, *, at_save: plan(self, hit, at_save=True))
+    _set(stack, OmniPrefixCacheManager, "_replan_same_step_hits_locked", lambda self, hits, split, slots: None)
+
+
+@_register(
+    "reused_block_hit_not_replanned",
+    "a hit on a block this step reallocates reads the old tenant's rows",
+    candidate=True,  # random search kills it in seconds (make fuzz); the fixed ci seed does not
+)
+def _reused_block_hit_not_replanned(stack: contextlib.ExitStack) -> None:
+    from omni_prefix_cache.manager import OmniPrefixCacheManager
+
+    _set(stack, OmniPrefixCacheManager, "_replan_same_step_hits_locked", lambda self, hits, split, slots: None)
+
+
 # ------------------------------------------------------------------ runner
 
 
 @contextlib.contextmanager
 def applied(name: str) -> Iterator[Mutant]:
     """Apply mutant ``name`` for the duration of the block."""
-    try:
-        mutant = MUTANTS[name]
-    except KeyError:
-        raise KeyError(f"unknown mutant {name!r}; known: {', '.join(sorted(MUTANTS))}") from None
+    mutant = MUTANTS.get(name) or CANDIDATES.get(name)
+    if mutant is None:
+        raise KeyError(f"unknown mutant {name!r}; known: {', '.join(sorted(MUTANTS | CANDIDATES))}")
     with contextlib.ExitStack() as stack:
         mutant.patch(stack)
         yield mutant
@@ -246,6 +340,8 @@ def run_catalogue(names: list[str] | None = None, tests: tuple[str, ...] = KILLE
         first = next((ln for ln in proc.stdout.splitlines() if ln.startswith("FAILED")), "")
         print(f"  {name:38s} {verdict:9s} {time.monotonic() - start:6.1f}s  {first[:90]}")
     print(f"killed {killed} of {len(chosen)}")
+    if names is None and CANDIDATES:
+        print(f"not yet killed by the racing tests (not counted): {', '.join(sorted(CANDIDATES))}")
     return 0 if killed == len(chosen) else 1
 
 
@@ -257,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for m in MUTANTS.values():
             print(f"{m.name:38s} {m.bug}")
+        for m in CANDIDATES.values():
+            print(f"{m.name:38s} {m.bug} (candidate: not yet killed)")
         return 0
     return run_catalogue(args.names or None)
 

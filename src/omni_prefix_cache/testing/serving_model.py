@@ -81,17 +81,46 @@ class PlannedStep:
     expects: list[Expect]
 
 
+class RecentFirstAllocator(BlockAllocator):
+    """Reuses the most recently freed block first. Which block an engine
+    recycles is not the cache's business; this order makes a block freed by
+    a preemption come straight back to an interim tenant, then to the
+    resumed request: the reuse races the cache must survive."""
+
+    def allocate(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        out: list[int] = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=True)
+            self._evict_hash(b)
+            self._ref[b] = 1
+            out.append(b)
+        self.stats.allocated += n
+        return out
+
+
 class ServingModel:
     """Requests, KV blocks and expected rows. Single-threaded."""
 
-    def __init__(self, num_blocks: int, block_size: int, widths: dict[str, int], prefixes: Sequence[Sequence[int]]):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        widths: dict[str, int],
+        prefixes: Sequence[Sequence[int]],
+        *,
+        recent_first: bool = False,
+    ):
         self.block_size = block_size
         self.widths = widths
-        self.alloc = BlockAllocator(num_blocks, block_size)
+        self.alloc = (RecentFirstAllocator if recent_first else BlockAllocator)(num_blocks, block_size)
         self.view = SimGroupView(block_size)
         self.prefixes = [list(p) for p in prefixes]
         self.requests: dict[str, ModelRequest] = {}
         self.finished_pending: set[str] = set()  # announced at the next step
+        # block -> prefix hashes of the tokens it holds, while it carries a hash
+        self.block_content: dict[int, torch.Tensor] = {}
         self.step_no = 0
         self._next = 0
 
@@ -209,9 +238,17 @@ class ServingModel:
 
     def _register_full_blocks(self, req: ModelRequest, upto: int) -> None:
         hashes = req.full_block_hashes(self.block_size, upto)
+        bs = self.block_size
         for i in range(req.cached_blocks, len(hashes)):
             self.alloc.cache(req.blocks[i], hashes[i], self.step_no)
+            self.block_content[req.blocks[i]] = req.hashes.span(i * bs, (i + 1) * bs).clone()
         req.cached_blocks = max(req.cached_blocks, len(hashes))
+
+    def cached_blocks(self) -> dict[int, torch.Tensor]:
+        """Blocks that still carry a prefix hash, with their content's hashes:
+        a later hit may be served from them, so the pool must hold exactly
+        these rows once every write has landed."""
+        return {b: h for b, h in self.block_content.items() if self.alloc.block_hash(b) is not None}
 
     def expected_rows(self, exp: Expect, key: str) -> torch.Tensor:
         return rows_from_hashes(exp.hashes, key, self.widths[key], torch.float32)

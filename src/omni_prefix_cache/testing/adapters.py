@@ -1,0 +1,740 @@
+"""Adapters that play the specs against the real runtime objects.
+
+- ``WriteTaskAdapter``: ``write_task`` on ``omni_prefix_cache.write_task.WriteTask``.
+- ``StagingHolderAdapter``: ``staging_holder`` on ``StagingBufferPool``.
+- ``SlotOccupancyAdapter``: ``slot_occupancy`` on ``SlotOccupancy``.
+- ``StepContextAdapter``: ``step_context`` on ``OmniPrefixCacheManager``.
+
+Each maps a trigger to the runtime call(s) that fire it (several APIs per
+trigger where the runtime has them, drawn at random), reads the runtime's
+state and the observable trace of every declared effect, and implements the
+spec's named invariants on the runtime.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+
+from omni_prefix_cache.interface import (
+    HIDDEN_KEY,
+    OmniPrefixCacheStagingTimeoutError,
+    OmniPrefixCacheUnmatchError,
+    WriteSchedule,
+)
+from omni_prefix_cache.specs.compiled import CompiledMove
+from omni_prefix_cache.specs.loader import MachineSpec, SpecError, load_spec
+from omni_prefix_cache.testing.specfacts import states_after
+from omni_prefix_cache.testing.stateful import (
+    Discrepancy,
+    EnvRule,
+    GeneratedMachine,
+    ModelWorld,
+    MoveCtx,
+    Outcome,
+    Refusal,
+    Refused,
+    SpecAdapter,
+)
+
+# ------------------------------------------------------------------ WriteTask
+
+# Runtime calls that fire each write_task trigger.
+_TASK_APIS: dict[str, tuple[str, ...]] = {
+    "enqueue": ("transition", "try_transition"),
+    "claim_copy": ("claim_copy", "transition"),
+    "host_ready": ("mark_host_ready", "set_host_tensor", "transition"),
+    "written": ("mark_done", "transition"),
+    "fail": ("mark_failed", "transition"),
+}
+# Calls that report a refusal by returning False instead of raising.
+_TASK_SOFT_APIS = frozenset({"try_transition", "claim_copy", "mark_failed"})
+# Effect name -> the task event it sets.
+_EVENT_OF = {"set_host_ready": "host_ready", "set_done": "done"}
+
+
+class _TaskSystem:
+    """The WriteTasks under test, plus what the harness saw them do."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[int, Any] = {}
+        self.claims: dict[int, int] = {}  # successful copy claims per tid
+        self.appended_in: dict[int, list[str]] = {}  # state at each accepted append
+
+
+class WriteTaskAdapter(SpecAdapter):
+    """``write_task`` against WriteTask.
+
+    Observed effects: ``set_host_ready`` / ``set_done`` as the task's
+    ``host_ready`` / ``done`` events, ``drop_device_clone`` as "no chunk
+    still holds clone tensors". Environment rules append chunks (accepted
+    only in ``accepts_chunks`` states) and race 2-3 threads on claim_copy.
+    """
+
+    handle_name = "task"
+    max_handles = 6
+
+    def __init__(self, spec: MachineSpec | None = None):
+        from omni_prefix_cache.write_task import TaskState
+
+        self.spec = spec or load_spec("write_task")
+        unknown = sorted(set(self.spec.triggers) - set(_TASK_APIS))
+        if unknown:
+            raise SpecError(f"{self.spec.origin}: WriteTask has no call for triggers {unknown}")
+        self.TaskState = TaskState
+        self.dest_of = {m.trigger: m.dest for m in self.spec.moves}
+        self.accepts = frozenset(self.spec.tagged("accepts_chunks"))
+        self.event_states = {
+            event: states_after(self.spec, lambda m, _e=effect: _e in m.effects) for effect, event in _EVENT_OF.items()
+        }
+        self.claimed_states = states_after(self.spec, lambda m: m.trigger == "claim_copy")
+
+    # ----------------------------------------------------------- system
+    def new_system(self) -> _TaskSystem:
+        return _TaskSystem()
+
+    @staticmethod
+    def _chunk(handle: int, n: int) -> Any:
+        from omni_prefix_cache.write_task import _WriteChunk
+
+        slots = torch.arange(2 * handle, 2 * handle + 2, dtype=torch.int64) + 100 * n
+        return _WriteChunk(slots_cpu=slots, tensors={HIDDEN_KEY: torch.full((2, 4), float(handle))})
+
+    def create(self, system: _TaskSystem, handle: int, args: Mapping[str, Any]) -> None:
+        from omni_prefix_cache.write_task import WriteTask
+
+        system.tasks[handle] = WriteTask(
+            tid=handle, req_id=f"r{handle}", write_n=1, schedule=args["schedule"], chunks=[self._chunk(handle, 0)]
+        )
+        system.claims[handle] = 0
+        system.appended_in[handle] = []
+
+    def fire(self, system: _TaskSystem, handle: int, trigger: str, args: Mapping[str, Any], defer: bool) -> None:
+        task = system.tasks[handle]
+        api = "mark_failed" if defer else args["api"]
+        dest = self.TaskState[self.dest_of[trigger]]
+        if api == "transition":
+            task.transition(dest)
+            ok = True
+        elif api == "try_transition":
+            ok = task.try_transition(dest)
+        elif api == "claim_copy":
+            ok = task.claim_copy()
+        elif api == "mark_host_ready":
+            task.mark_host_ready()
+            ok = True
+        elif api == "set_host_tensor":
+            task.set_host_tensor([(c, k, t.clone()) for c in task.chunks for k, t in c.tensors.items()])
+            ok = True
+        elif api == "mark_done":
+            task.mark_done()
+            ok = True
+        elif api == "mark_failed":
+            ok = task.mark_failed(defer_wake=defer)
+        else:  # pragma: no cover - _TASK_APIS lists every api
+            raise AssertionError(api)
+        if not ok:
+            raise Refused(f"{api} returned False")
+        if trigger == "claim_copy":
+            system.claims[handle] += 1
+
+    def wake(self, system: _TaskSystem, handle: int) -> None:
+        system.tasks[handle].wake_failed_waiters()
+
+    def read_state(self, system: _TaskSystem, handle: int) -> str:
+        return system.tasks[handle].state.name
+
+    def observe(self, system: _TaskSystem, handles: Sequence[int]) -> dict[Hashable, Any]:
+        out: dict[Hashable, Any] = {}
+        for h in handles:
+            task = system.tasks[h]
+            out[(h, "host_ready")] = task.host_ready.is_set()
+            out[(h, "done")] = task.done.is_set()
+            out[(h, "device_clone")] = any(c.tensors for c in task.chunks)
+            out[(h, "chunks")] = len(task.chunks)
+        return out
+
+    # ------------------------------------------------------------ model
+    def model_create(self, model: ModelWorld, handle: int, args: Mapping[str, Any]) -> None:
+        model.obs.update(
+            {
+                (handle, "host_ready"): False,
+                (handle, "done"): False,
+                (handle, "device_clone"): True,
+                (handle, "chunks"): 1,
+            }
+        )
+
+    def model_effects(self) -> dict[str, Callable[[MoveCtx], None]]:
+        def setter(key: str, value: bool) -> Callable[[MoveCtx], None]:
+            def run(ctx: MoveCtx) -> None:
+                ctx.model.obs[(ctx.handle, key)] = value
+
+            return run
+
+        return {
+            "drop_device_clone": setter("device_clone", False),
+            "set_host_ready": setter("host_ready", True),
+            "set_done": setter("done", True),
+        }
+
+    def create_args(self, data: Any, model: ModelWorld) -> dict[str, Any]:
+        return {"schedule": data.draw(st.sampled_from(list(WriteSchedule)), label="schedule")}
+
+    def trigger_args(self, data: Any, model: ModelWorld, handle: int, trigger: str) -> dict[str, Any]:
+        return {"api": data.draw(st.sampled_from(_TASK_APIS[trigger]), label="api")}
+
+    def refusal(self, trigger: str, args: Mapping[str, Any], outcome: Outcome) -> Refusal | None:
+        if args["api"] in _TASK_SOFT_APIS:
+            return Refusal(Refused)
+        return Refusal(OmniPrefixCacheUnmatchError, r"task \d+: illegal transition \w+ -> \w+")
+
+    # ------------------------------------------------------- environment
+    def env_rules(self) -> Sequence[EnvRule]:
+        def any_task(model: ModelWorld) -> bool:
+            return bool(model.states)
+
+        def append(machine: GeneratedMachine, data: Any) -> None:
+            handle = data.draw(st.sampled_from(sorted(machine.model.states)), label="task")
+            task = machine.system.tasks[handle]
+            state = machine.model.states[handle]
+            closed = task.append_chunk(self._chunk(handle, len(task.chunks)))
+            if (closed is None) != (state in self.accepts):
+                raise Discrepancy(f"append to task {handle} in {state}: runtime returned {closed!r}")
+            if closed is None:
+                machine.system.appended_in[handle].append(task.state.name)
+                machine.model.obs[(handle, "chunks")] += 1
+            elif closed.name != state:
+                raise Discrepancy(f"append to task {handle} in {state}: closing state reported as {closed.name}")
+
+        def race_claim(machine: GeneratedMachine, data: Any) -> None:
+            handle = data.draw(st.sampled_from(sorted(machine.model.states)), label="task")
+            racers = data.draw(st.integers(2, 3), label="racers")
+            task = machine.system.tasks[handle]
+            barrier = threading.Barrier(racers)
+            won: list[bool] = []
+
+            def claim() -> None:
+                barrier.wait()
+                won.append(task.claim_copy())
+
+            threads = [threading.Thread(target=claim) for _ in range(racers)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            outcome, move = machine.model_outcome(handle, "claim_copy", {})
+            expected = 1 if outcome == "moved" else 0
+            if sum(won) != expected:
+                raise Discrepancy(f"{racers} racing claim_copy on task {handle}: {sum(won)} winners, spec {expected}")
+            machine.system.claims[handle] += sum(won)
+            if move is not None and outcome == "moved":
+                machine.apply_model_move(handle, move, {})
+
+        return (EnvRule("append_chunk", append, any_task), EnvRule("race_claim_copy", race_claim, any_task))
+
+    # ------------------------------------------------------------ invariants
+    def invariants(self) -> Mapping[str, Callable[[GeneratedMachine], None]]:
+        def events_match_state(m: GeneratedMachine) -> None:
+            for h, task in m.system.tasks.items():
+                state = task.state.name
+                owed = self._owed_events(m.model, h)
+                for event, (always, sometimes) in self.event_states.items():
+                    is_set = getattr(task, event).is_set()
+                    if event in owed:
+                        continue
+                    if state in always and not is_set:
+                        raise Discrepancy(f"task {h} in {state}: {event} is not set")
+                    if state not in sometimes and is_set:
+                        raise Discrepancy(f"task {h} in {state}: {event} is set")
+
+        def append_only_before_copy(m: GeneratedMachine) -> None:
+            for h, task in m.system.tasks.items():
+                seen = m.system.appended_in[h]
+                if len(task.chunks) != 1 + len(seen):
+                    raise Discrepancy(f"task {h}: {len(task.chunks)} chunks, {len(seen)} appends accepted")
+                late = [s for s in seen if s not in self.accepts]
+                if late:
+                    raise Discrepancy(f"task {h}: chunks appended in {late}")
+
+        def single_copy_claim(m: GeneratedMachine) -> None:
+            always, _ = self.claimed_states
+            for h, task in m.system.tasks.items():
+                n = m.system.claims[h]
+                if n > 1 or (task.state.name in always and n != 1):
+                    raise Discrepancy(f"task {h} in {task.state.name}: {n} successful copy claims")
+
+        return {
+            "events_match_state": events_match_state,
+            "append_only_before_copy": append_only_before_copy,
+            "single_copy_claim": single_copy_claim,
+        }
+
+    @staticmethod
+    def _owed_events(model: ModelWorld, handle: int) -> set[str]:
+        """Events whose effect a deferred move still owes on ``handle``."""
+        move = model.owed.get(handle)
+        return set() if move is None else {_EVENT_OF[e] for e in move.spec.deferrable if e in _EVENT_OF}
+
+
+# -------------------------------------------------------------- staging pool
+
+
+class _CountingCondition(threading.Condition):
+    """A condition that counts ``notify_all`` calls (the pool's wakes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wakes = 0
+
+    def notify_all(self) -> None:
+        self.wakes += 1
+        super().notify_all()
+
+
+class _PoolSystem:
+    def __init__(self, depth: int, capacity: int):
+        from omni_prefix_cache.staging import StagingBufferPool
+
+        self.pool = StagingBufferPool(depth, capacity)
+        self.pool._page_freed = self.wakes = _CountingCondition()
+        self.kinds: dict[int, str] = {}
+        # Holder ids are issued at a handle's first move, as the runtime issues
+        # step ids and tids from counters: first holds come in id order.
+        self.holders: dict[int, Any] = {}
+        self.next_id: dict[str, int] = {"step": 0, "task": 0}
+
+    def holder(self, handle: int) -> Any:
+        """The handle's holder; one that never held a page gets the next id
+        tentatively (kept by ``issued`` only once a claim or bind succeeds)."""
+        from omni_prefix_cache.staging import StagingBufferHolder
+
+        if handle in self.holders:
+            return self.holders[handle]
+        kind = self.kinds[handle]
+        make = StagingBufferHolder.for_step if kind == "step" else StagingBufferHolder.for_task
+        return make(self.next_id[kind])
+
+    def issued(self, handle: int, holder: Any) -> None:
+        if handle not in self.holders:
+            self.holders[handle] = holder
+            self.next_id[holder.kind] += 1
+
+
+class StagingHolderAdapter(SpecAdapter):
+    """``staging_holder`` against StagingBufferPool over ``depth`` pages.
+
+    A handle is one holder (a step or a task holder). ``claim`` takes the
+    lowest free page (the model predicts it); ``bind`` draws the page; the
+    release triggers name the page the model says the holder holds (or a
+    drawn one when it holds none). Observed: each page's holder set, and
+    the number of claimer wakes (``wake_claimers_if_free``).
+
+    RELEASED is final on the pool too: a released holder that tries to
+    claim or bind again is refused.
+    """
+
+    handle_name = "holder"
+    max_handles = 6
+    retire_final = False
+
+    def __init__(self, spec: MachineSpec | None = None, depth: int = 2):
+        self.spec = spec or load_spec("staging_holder")
+        self.depth = depth
+
+    def new_system(self) -> _PoolSystem:
+        return _PoolSystem(self.depth, capacity=4)
+
+    def create(self, system: _PoolSystem, handle: int, args: Mapping[str, Any]) -> None:
+        system.kinds[handle] = args["kind"]
+
+    def fire(self, system: _PoolSystem, handle: int, trigger: str, args: Mapping[str, Any], defer: bool) -> None:
+        holder = system.holder(handle)
+        if trigger == "claim":
+            system.pool.claim(holder, timeout=0)
+            system.issued(handle, holder)
+        elif trigger == "bind":
+            system.pool.bind(args["page"], holder)
+            system.issued(handle, holder)
+        else:
+            system.pool.release(args["page"], holder, trigger)
+
+    def read_state(self, system: _PoolSystem, handle: int) -> str:
+        if handle not in system.holders:
+            return "UNHELD"  # no id issued yet: it never held a page
+        return system.pool.holder_state(system.holders[handle]).name
+
+    def observe(self, system: _PoolSystem, handles: Sequence[int]) -> dict[Hashable, Any]:
+        index = {holder: h for h, holder in system.holders.items()}
+        out: dict[Hashable, Any] = {("wakes",): system.wakes.wakes}
+        out.update({("page", p): frozenset(index[x] for x in busy) for p, busy in enumerate(system.pool._busy)})
+        return out
+
+    # ------------------------------------------------------------ model
+    def new_model(self, model: ModelWorld) -> None:
+        model.obs.update({("page", p): frozenset() for p in range(self.depth)})
+        model.obs[("wakes",)] = 0
+
+    def model_create(self, model: ModelWorld, handle: int, args: Mapping[str, Any]) -> None:
+        model.info[handle] = {"kind": args["kind"], "page": None}
+
+    @staticmethod
+    def _free_pages(model: ModelWorld) -> list[int]:
+        return [p for p in range(len([k for k in model.obs if k[0] == "page"])) if not model.obs[("page", p)]]
+
+    def model_guards(self) -> dict[str, Callable[[MoveCtx], bool]]:
+        return {
+            "is_step_holder": lambda ctx: ctx.model.info[ctx.handle]["kind"] == "step",
+            "is_task_holder": lambda ctx: ctx.model.info[ctx.handle]["kind"] == "task",
+            "page_free": lambda ctx: bool(self._free_pages(ctx.model)),
+            "page_busy": lambda ctx: bool(ctx.model.obs[("page", ctx.args["page"])]),
+        }
+
+    def model_effects(self) -> dict[str, Callable[[MoveCtx], None]]:
+        def wake_claimers_if_free(ctx: MoveCtx) -> None:
+            # Runs after the release: wakes claimers when the page is now free.
+            page = ctx.args["page"]
+            if not ctx.model.obs[("page", page)]:
+                ctx.model.obs[("wakes",)] += 1
+
+        return {"wake_claimers_if_free": wake_claimers_if_free}
+
+    def model_after_move(self, ctx: MoveCtx, move: CompiledMove) -> None:
+        info = ctx.model.info[ctx.handle]
+        if move.dest.name == "HELD":
+            page = self._free_pages(ctx.model)[0] if move.trigger == "claim" else ctx.args["page"]
+            info["page"] = page
+            ctx.model.obs[("page", page)] = ctx.model.obs[("page", page)] | {ctx.handle}
+        else:
+            page = info["page"]
+            info["page"] = None
+            ctx.model.obs[("page", page)] = ctx.model.obs[("page", page)] - {ctx.handle}
+
+    def create_args(self, data: Any, model: ModelWorld) -> dict[str, Any]:
+        return {"kind": data.draw(st.sampled_from(["step", "task"]), label="kind")}
+
+    def trigger_args(self, data: Any, model: ModelWorld, handle: int, trigger: str) -> dict[str, Any]:
+        if trigger == "claim":
+            return {}
+        page = model.info[handle]["page"]
+        if page is None or trigger == "bind":
+            busy = [p for p in range(self.depth) if model.obs[("page", p)]]
+            # Mostly a busy page, so binds are not all refused by page_busy.
+            if busy and data.draw(st.booleans(), label="busy page"):
+                page = data.draw(st.sampled_from(busy), label="page")
+            else:
+                page = data.draw(st.integers(0, self.depth - 1), label="page")
+        return {"page": page}
+
+    def refusal(self, trigger: str, args: Mapping[str, Any], outcome: Outcome) -> Refusal | None:
+        if trigger == "claim" and outcome == "blocked":
+            return Refusal(OmniPrefixCacheStagingTimeoutError, r"no free staging page")
+        return Refusal(OmniPrefixCacheUnmatchError)
+
+    # ------------------------------------------------------------ invariants
+    def invariants(self) -> Mapping[str, Callable[[GeneratedMachine], None]]:
+        def free_iff_no_holder(m: GeneratedMachine) -> None:
+            pool = m.system.pool
+            for p, busy in enumerate(pool._busy):
+                held_here = {x for x, page in pool._page_of.items() if page == p}
+                if busy != held_here:
+                    raise Discrepancy(f"page {p}: busy set {busy} but holders on it {held_here}")
+                for x in busy:
+                    if pool.holder_state(x).name != "HELD":
+                        raise Discrepancy(f"page {p} is busy with {x}, which is not HELD")
+
+        def one_step_holder_per_page(m: GeneratedMachine) -> None:
+            for p, busy in enumerate(m.system.pool._busy):
+                steps = [x for x in busy if x.kind == "step"]
+                if len(steps) > 1:
+                    raise Discrepancy(f"page {p} has step holders {steps}")
+
+        return {"free_iff_no_holder": free_iff_no_holder, "one_step_holder_per_page": one_step_holder_per_page}
+
+    def unchecked_invariants(self) -> Mapping[str, str]:
+        return {"task_holder_has_live_task": "needs the controller's tasks; the composed model check covers it"}
+
+
+# ------------------------------------------------------------ slot occupancy
+
+
+class _OccSystem:
+    """A SlotOccupancy over one key, with its manager hooks recorded."""
+
+    def __init__(self, num_slots: int):
+        from omni_prefix_cache.occupancy import SlotOccupancy
+
+        self.occ = SlotOccupancy(num_slots, on_reassign=self._on_reassign, on_reuse=self._on_reuse)
+        self.table = self.occ.add_key(HIDDEN_KEY)
+        self.reassigned: dict[int, frozenset[int]] = {}
+        self.reuses: dict[int, int] = {}
+        self.seen_versions: dict[int, int] = {}
+
+    def _on_reassign(self, tid: int, key: str, slots: torch.Tensor) -> None:
+        self.reassigned[tid] = self.reassigned.get(tid, frozenset()) | frozenset(slots.tolist())
+
+    def _on_reuse(self, key: str, slots: torch.Tensor) -> None:
+        for s in slots.tolist():
+            self.reuses[s] = self.reuses.get(s, 0) + 1
+
+
+class SlotOccupancyAdapter(SpecAdapter):
+    """``slot_occupancy`` against SlotOccupancy (one key, ``num_slots`` rows).
+
+    A handle is one slot. ``map`` draws the new owner tid, ``commit`` /
+    ``drop`` the writer (mostly the current owner). Observed effects:
+    ``set_owner`` / ``clear_owner`` as the slot's tid, ``bump_version`` as
+    its version, ``reassign_from_old_owner`` as the slots the manager's
+    on_reassign hook records per old owner, ``preserve_pending_reads`` as
+    the on_reuse hook calls per slot. An environment rule applies one
+    trigger to several slots in one vectorised call (all or nothing when a
+    row is illegal).
+    """
+
+    handle_name = "slot"
+    max_handles = 4
+    tids = 3
+
+    def __init__(self, spec: MachineSpec | None = None):
+        self.spec = spec or load_spec("slot_occupancy")
+        unknown = sorted(set(self.spec.triggers) - {"map", "commit", "drop"})
+        if unknown:
+            raise SpecError(f"{self.spec.origin}: SlotOccupancy has no call for triggers {unknown}")
+
+    def new_system(self) -> _OccSystem:
+        return _OccSystem(self.max_handles)
+
+    def create(self, system: _OccSystem, handle: int, args: Mapping[str, Any]) -> None:
+        pass  # every slot row exists from the start; the handle brings it under test
+
+    def fire(self, system: _OccSystem, handle: int, trigger: str, args: Mapping[str, Any], defer: bool) -> None:
+        moved = system.occ.apply(trigger, HIDDEN_KEY, torch.tensor([handle]), args["tid"])
+        if moved != 1:
+            raise Refused(f"{trigger}: {moved} rows moved")
+
+    def read_state(self, system: _OccSystem, handle: int) -> str:
+        from omni_prefix_cache.occupancy import SlotState
+
+        return SlotState(int(system.table.state[handle])).name
+
+    def observe(self, system: _OccSystem, handles: Sequence[int]) -> dict[Hashable, Any]:
+        out: dict[Hashable, Any] = {}
+        for h in handles:
+            out[("owner", h)] = int(system.table.tids[h])
+            out[("version", h)] = int(system.table.slot_version[h])
+            out[("reuses", h)] = system.reuses.get(h, 0)
+        for tid, slots in system.reassigned.items():
+            out[("reassigned", tid)] = slots
+        return out
+
+    # ------------------------------------------------------------ model
+    def model_create(self, model: ModelWorld, handle: int, args: Mapping[str, Any]) -> None:
+        model.obs.update({("owner", handle): -1, ("version", handle): 0, ("reuses", handle): 0})
+
+    def model_guards(self) -> dict[str, Callable[[MoveCtx], bool]]:
+        return {"owned_by_writer": lambda ctx: ctx.model.obs[("owner", ctx.handle)] == ctx.args["tid"]}
+
+    def model_effects(self) -> dict[str, Callable[[MoveCtx], None]]:
+        def set_owner(ctx: MoveCtx) -> None:
+            ctx.model.obs[("owner", ctx.handle)] = ctx.args["tid"]
+
+        def clear_owner(ctx: MoveCtx) -> None:
+            ctx.model.obs[("owner", ctx.handle)] = -1
+
+        def bump_version(ctx: MoveCtx) -> None:
+            ctx.model.obs[("version", ctx.handle)] += 1
+
+        def preserve_pending_reads(ctx: MoveCtx) -> None:
+            ctx.model.obs[("reuses", ctx.handle)] += 1
+
+        def reassign_from_old_owner(ctx: MoveCtx) -> None:
+            old = ctx.model.obs[("owner", ctx.handle)]
+            if old != ctx.args["tid"]:  # remapping its own slot takes nothing
+                key = ("reassigned", old)
+                ctx.model.obs[key] = ctx.model.obs.get(key, frozenset()) | {ctx.handle}
+
+        return {
+            "set_owner": set_owner,
+            "clear_owner": clear_owner,
+            "bump_version": bump_version,
+            "preserve_pending_reads": preserve_pending_reads,
+            "reassign_from_old_owner": reassign_from_old_owner,
+        }
+
+    def trigger_args(self, data: Any, model: ModelWorld, handle: int, trigger: str) -> dict[str, Any]:
+        owner = model.obs[("owner", handle)]
+        if trigger != "map" and owner >= 0 and data.draw(st.booleans(), label="the owner writes"):
+            return {"tid": owner}
+        return {"tid": data.draw(st.integers(0, self.tids - 1), label="tid")}
+
+    def refusal(self, trigger: str, args: Mapping[str, Any], outcome: Outcome) -> Refusal | None:
+        if outcome == "blocked":
+            return Refusal(Refused)  # a guard-refused row stays; apply reports 0 moved
+        return Refusal(OmniPrefixCacheUnmatchError, rf"{trigger} is illegal from")
+
+    def env_rules(self) -> Sequence[EnvRule]:
+        def vector(machine: GeneratedMachine, data: Any) -> None:
+            handles = sorted(machine.model.states)
+            picked = data.draw(st.lists(st.sampled_from(handles), min_size=2, unique=True), label="slots")
+            trigger = data.draw(st.sampled_from(self.spec.triggers), label="trigger")
+            rows = [(h, self.trigger_args(data, machine.model, h, trigger)) for h in picked]
+            outcomes = [machine.model_outcome(h, trigger, a) for h, a in rows]
+            call = lambda: machine.system.occ.apply(  # noqa: E731
+                trigger, HIDDEN_KEY, torch.tensor(picked), torch.tensor([a["tid"] for _, a in rows])
+            )
+            where = f"vectorised {trigger} on slots {picked}"
+            if any(o == "illegal" for o, _ in outcomes):
+                machine.expect_refusal(where, Refusal(OmniPrefixCacheUnmatchError, "is illegal from"), call)
+                return
+            moved = call()
+            expected = sum(o == "moved" for o, _ in outcomes)
+            if moved != expected:
+                raise Discrepancy(f"{where}: {moved} rows moved, spec {expected}")
+            for (h, a), (o, move) in zip(rows, outcomes, strict=True):
+                if o == "moved" and move is not None:
+                    machine.apply_model_move(h, move, a)
+
+        return (EnvRule("vector_apply", vector, lambda model: len(model.states) >= 2),)
+
+    def invariants(self) -> Mapping[str, Callable[[GeneratedMachine], None]]:
+        def owner_iff_in_transit(m: GeneratedMachine) -> None:
+            m.system.occ.check_invariants()
+            t = m.system.table
+            bad = ((t.state == 1) != (t.tids != -1)).nonzero().flatten().tolist()
+            if bad:
+                raise Discrepancy(f"slots {bad}: owner set iff IN_TRANSIT broken")
+
+        def version_monotonic(m: GeneratedMachine) -> None:
+            for h in m.model.states:
+                v = int(m.system.table.slot_version[h])
+                if v < m.system.seen_versions.get(h, 0):
+                    raise Discrepancy(f"slot {h}: version went down to {v}")
+                if v != m.system.reuses.get(h, 0):
+                    raise Discrepancy(f"slot {h}: version {v} after {m.system.reuses.get(h, 0)} reuses")
+                m.system.seen_versions[h] = v
+
+        return {"owner_iff_in_transit": owner_iff_in_transit, "version_monotonic": version_monotonic}
+
+    def unchecked_invariants(self) -> Mapping[str, str]:
+        return {"owner_is_live_task": "needs the manager's task registry; the composed model check covers it"}
+
+
+# -------------------------------------------------------------- step context
+
+
+class _EmptyView:
+    """A group view with no batch: every save is a leftover-only step."""
+
+    block_size = 4
+
+    def batch_req_ids(self) -> list[str]:
+        return []
+
+    def step_slots_cpu(self, order: Sequence[str], num_scheduled: Mapping[str, int]) -> torch.Tensor:
+        return torch.empty((0,), dtype=torch.int64)
+
+
+class _ManagerSystem:
+    def __init__(self, pages: int):
+        from omni_prefix_cache.interface import PrefixCacheConfig
+        from omni_prefix_cache.manager import OmniPrefixCacheManager
+
+        config = PrefixCacheConfig(num_blocks=4, block_size=4, staging_depth=pages, staging_claim_timeout_s=0)
+        self.mgr = OmniPrefixCacheManager(config, _EmptyView(), eager=True)
+        self.sids: dict[int, int] = {}
+
+
+class StepContextAdapter(SpecAdapter):
+    """``step_context`` against OmniPrefixCacheManager (eager, CPU).
+
+    A handle is a step: ``save`` runs new_step_starts + a leftover-only
+    save_outputs and binds the issued id to the handle; ``materialize`` /
+    ``discard`` consume it (an unsaved handle uses an id never issued).
+    Observed: whether the staging pool holds the step's holder
+    (``release_step_holder`` lets it go). ``save`` of an issued id cannot be
+    expressed (the manager issues fresh ids), so that illegal move is skipped.
+    """
+
+    handle_name = "step"
+    max_handles = 3
+
+    def __init__(self, spec: MachineSpec | None = None):
+        self.spec = spec or load_spec("step_context")
+        unknown = sorted(set(self.spec.triggers) - {"save", "materialize", "discard"})
+        if unknown:
+            raise SpecError(f"{self.spec.origin}: the manager has no call for triggers {unknown}")
+
+    def new_system(self) -> _ManagerSystem:
+        return _ManagerSystem(pages=self.max_handles + 1)
+
+    def close(self, system: _ManagerSystem) -> None:
+        system.mgr.shutdown()
+
+    def create(self, system: _ManagerSystem, handle: int, args: Mapping[str, Any]) -> None:
+        pass  # the manager issues the id at save
+
+    def _sid(self, system: _ManagerSystem, handle: int) -> int:
+        return system.sids.get(handle, 10_000 + handle)
+
+    def fire(self, system: _ManagerSystem, handle: int, trigger: str, args: Mapping[str, Any], defer: bool) -> None:
+        from types import SimpleNamespace
+
+        mgr = system.mgr
+        if trigger == "save":
+            mgr.new_step_starts(SimpleNamespace(finished_req_ids=[], scheduled_new_reqs=[], num_scheduled_tokens={}))
+            system.sids[handle] = mgr.save_outputs(torch.zeros(0, 4), None, num_tokens_unpadded=0, num_tokens_padded=0)
+        elif trigger == "materialize":
+            mgr.materialize(self._sid(system, handle), [])
+        else:
+            mgr.discard_step(self._sid(system, handle))
+
+    def can_express(self, trigger: str, state: str) -> bool:
+        return trigger != "save"
+
+    def read_state(self, system: _ManagerSystem, handle: int) -> str:
+        from omni_prefix_cache.step_context import StepState
+
+        sid = system.sids.get(handle)
+        if sid is None:
+            return "UNSAVED"
+        ctx = system.mgr._step_ctxs.get(sid)
+        return StepState(ctx.state).name if ctx is not None else "CONSUMED"
+
+    def _pages_held(self, system: _ManagerSystem, handle: int) -> int:
+        from omni_prefix_cache.staging import StagingBufferHolder
+
+        holder = StagingBufferHolder.for_step(self._sid(system, handle))
+        return sum(holder in busy for busy in system.mgr._controller._staging_pool._busy)
+
+    def observe(self, system: _ManagerSystem, handles: Sequence[int]) -> dict[Hashable, Any]:
+        return {("pages_held", h): self._pages_held(system, h) for h in handles}
+
+    def model_create(self, model: ModelWorld, handle: int, args: Mapping[str, Any]) -> None:
+        model.obs[("pages_held", handle)] = 0
+
+    def model_after_move(self, ctx: MoveCtx, move: CompiledMove) -> None:
+        if move.trigger == "save":  # save claims the step's page (one_holder_per_saved_step)
+            ctx.model.obs[("pages_held", ctx.handle)] = 1
+
+    def model_effects(self) -> dict[str, Callable[[MoveCtx], None]]:
+        def release_step_holder(ctx: MoveCtx) -> None:
+            ctx.model.obs[("pages_held", ctx.handle)] = 0
+
+        return {"release_step_holder": release_step_holder}
+
+    def refusal(self, trigger: str, args: Mapping[str, Any], outcome: Outcome) -> Refusal | None:
+        return Refusal(OmniPrefixCacheUnmatchError, rf"{trigger}\(step \d+\): illegal from")
+
+    def invariants(self) -> Mapping[str, Callable[[GeneratedMachine], None]]:
+        def one_holder_per_saved_step(m: GeneratedMachine) -> None:
+            for h in m.model.states:
+                state = self.read_state(m.system, h)
+                held = self._pages_held(m.system, h)
+                if held != (1 if state == "SAVED" else 0):
+                    raise Discrepancy(f"step {h} is {state} and holds {held} staging pages")
+
+        return {"one_holder_per_saved_step": one_holder_per_saved_step}
