@@ -619,3 +619,29 @@ def test_discard_releases_the_step_and_its_task_holders(eager: bool, managers: l
         assert StagingBufferHolder.for_step(sid) in busy
         mgr.discard_step(sid)
     assert_nothing_held(mgr)
+
+
+@pytest.mark.parametrize("eager", MODES)
+def test_stats_count_hits_steps_rows_and_holders(eager: bool, managers: list) -> None:
+    mgr, drv = make(eager)
+    managers.append(mgr)
+    sid, want = drv.run({"a": Req([0, 1, 2], 0, 10)})
+    during = mgr.stats()
+    assert during["open_steps"] == 1 and during["holders"]["step"] == 1
+    drv.check(sid, want)
+    sid, want = drv.run({"b": Req([0, 1, 5], 8, 3, hit=8)}, finished=["a"])
+    mgr.discard_step(sid)
+    quiesce(mgr)
+    stats = mgr.stats()
+    assert (stats["hit_requests"], stats["hit_tokens"]) == (1, 8)
+    assert (stats["steps_saved"], stats["steps_materialized"], stats["steps_discarded"]) == (2, 1, 1)
+    assert stats["tokens_saved"] == 13
+    keys = len(want["b"])
+    # Written rows count once the manager drains them (at its next entry).
+    assert stats["rows_committed"] == 10 * keys
+    mgr.new_step_starts(SimpleNamespace(scheduled_new_reqs=[], finished_req_ids={"b"}, num_scheduled_tokens={}))
+    stats = mgr.stats()
+    assert stats["rows_committed"] == 13 * keys
+    assert stats["failed_writes"] == 0 and not stats["sticky_failure"]
+    assert stats["open_steps"] == 0 and stats["holders"] == {"step": 0, "task": 0}
+    assert stats["staged_bytes"] == 0 and sum(stats["tasks_by_state"].values()) == 0

@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -349,6 +350,8 @@ class OmniPrefixCacheManager:
         self._reads_by_key: dict[TensorName, set[_PlannedRead]] = {}
         self._layouts: dict[TensorName, KeyLayout] = {}
         self._failure: str | None = None
+        # Operator counters (state lock); see stats().
+        self._counters: Counter[str] = Counter()
         self._closed = False
         self._prefetch = ThreadPoolExecutor(max_workers=2, thread_name_prefix=PREFETCH_THREAD_PREFIX)
 
@@ -426,6 +429,8 @@ class OmniPrefixCacheManager:
             self._controller.escalate(escalate)
         jobs: list[_HitJob] = []
         with self._state_lock:
+            self._counters["hit_requests"] += len(new_hits)
+            self._counters["hit_tokens"] += sum(hit.num_computed for hit in new_hits)
             self._commit_drained_writes()
             for hit in new_hits:
                 jobs.extend(self._plan_hit_locked(hit, at_save=False))
@@ -556,6 +561,8 @@ class OmniPrefixCacheManager:
                         ctx.spans[rid] = (0, 0)
                 self._step_ctxs[sid] = ctx
                 self._join_next_step_tids = [t.tid for t in immediate]
+                self._counters["steps_saved"] += 1
+                self._counters["tokens_saved"] += n
                 published = True
             if reserved:
                 # A clone no task views (a step without scheduled requests)
@@ -594,6 +601,31 @@ class OmniPrefixCacheManager:
         with self._state_lock:
             ctx, move = self._consume_locked(step_id, "discard")
         self._finish_consume(ctx, move)
+
+    def stats(self) -> dict[str, Any]:
+        """Metrics an operator would export (any thread; takes the state
+        lock briefly): prefix hits (requests, tokens), steps saved /
+        materialized / discarded, tokens saved, rows committed to the pool
+        (rows x keys), failed writes, live requests, open steps, and the
+        controller's snapshot (tasks by state, queue depths, staged bytes,
+        staging holders by kind)."""
+        names = (
+            "hit_requests",
+            "hit_tokens",
+            "steps_saved",
+            "steps_materialized",
+            "steps_discarded",
+            "tokens_saved",
+            "rows_committed",
+            "failed_writes",
+        )
+        with self._state_lock:
+            out: dict[str, Any] = {name: self._counters.get(name, 0) for name in names}
+            out["live_requests"] = len(self._live)
+            out["open_steps"] = len(self._step_ctxs)
+            out["sticky_failure"] = self._failure is not None
+        out.update(self._controller.stats())
+        return out
 
     def shutdown(self) -> None:
         """Stop the prefetch thread and the controller (queued writes land
@@ -912,6 +944,7 @@ class OmniPrefixCacheManager:
             raise AssertionError("unreachable: step_move raises for a step without a context")
         move = step_move(step_id, ctx.state, trigger)
         del self._step_ctxs[step_id]
+        self._counters[f"steps_{trigger}d" if trigger.endswith("e") else f"steps_{trigger}ed"] += 1
         ctx.state = move.dest
         return ctx, move
 
@@ -1340,6 +1373,8 @@ class OmniPrefixCacheManager:
                 owners.append(tid)
                 counts.append(int(part.shape[0]))
         for keys, (slot_parts, owners, counts) in groups.items():
+            if trigger == "commit":
+                self._counters["rows_committed"] += sum(counts) * len(keys)
             slots = slot_parts[0] if len(slot_parts) == 1 else torch.cat(slot_parts)
             writers = _per_row(owners, counts, int(slots.shape[0]))
             for key in keys:
@@ -1347,6 +1382,7 @@ class OmniPrefixCacheManager:
         return settled
 
     def _note_failures_locked(self, failed: list[Tid]) -> None:
+        self._counters["failed_writes"] += len(failed)
         settled = {rec.task.tid: rec for rec in self._settle_locked(failed, "drop")}
         names = [f"task {tid} (req {settled[tid].req_id!r})" if tid in settled else f"task {tid}" for tid in failed]
         message = (
