@@ -49,7 +49,7 @@ settings.register_profile(
 settings.register_profile(
     "mutants",
     parent=settings.get_profile("ci"),
-    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 

@@ -447,3 +447,16 @@ def test_set_host_tensor_on_an_illegal_move_installs_nothing():
     with pytest.raises(OmniPrefixCacheUnmatchError, match="task 9: illegal transition PENDING -> HOST_READY"):
         task.set_host_tensor([(task.chunks[0], HIDDEN_KEY, rows_for([0]))])
     assert task.chunks[0].host == {} and task.state is TaskState.PENDING
+
+
+def test_joined_views_of_one_buffer_share_it_and_others_are_copied():
+    from omni_prefix_cache.controller import _joined
+
+    page = torch.arange(24, dtype=torch.float32).reshape(8, 3)
+    parts = list(torch.split(page[1:7], [2, 1, 3]))
+    merged = _joined(parts)
+    assert torch.equal(merged, page[1:7]) and merged.data_ptr() == page[1].data_ptr()
+    gapped = [page[0:2], page[3:5]]
+    assert torch.equal(_joined(gapped), torch.cat(gapped)) and _joined(gapped).data_ptr() != page.data_ptr()
+    other = [page[0:2], page.clone()[2:4]]
+    assert torch.equal(_joined(other), page[0:4])

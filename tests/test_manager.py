@@ -332,9 +332,11 @@ def test_padded_step_and_multi_dim_token_rows_round_trip(eager: bool, managers: 
 
 
 @pytest.mark.parametrize("eager", MODES)
-def test_lagged_materialize_on_another_thread(eager: bool, managers: list) -> None:
+def test_lagged_materialize_on_another_thread(eager: bool, managers: list, finish_d: bool = True) -> None:
     """Materialize runs one step behind on a second thread while the engine
-    saves the next step (the production shape)."""
+    saves the next step (the production shape). The second round reuses
+    blocks 0-1; ``finish_d`` ends request d (which holds them) first, as
+    vLLM would before reallocating them."""
     mgr, drv = make(eager, staging_depth=3)
     managers.append(mgr)
     jobs: list[tuple[int, dict]] = []
@@ -359,13 +361,26 @@ def test_lagged_materialize_on_another_thread(eager: bool, managers: list) -> No
         ({"c": Req([2, 5], 0, 5)}, (), ["c"]),  # reuses a's third block
         ({"d": Req([0, 1, 6], 8, 1, hit=8)}, ("b",), ["d"]),
     ]
-    for reqs, finished, new in steps * 2:
+    for i, (reqs, finished, new) in enumerate(steps * 2):
+        if i == len(steps) and finish_d:
+            finished = (*finished, "d")
         reqs = {k: Req(list(v.blocks), v.start, v.count, v.hit) for k, v in reqs.items()}
         jobs.append(drv.run(reqs, finished=finished, new=new))
         ready.release()
     worker.join(30)
     assert not errors, errors[0]
     assert_nothing_held(mgr)
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="open: under CPU load, overwriting blocks a live request's pending hit read holds (outside the "
+    "engine contract: vLLM never reallocates a live request's blocks) sometimes makes that read raise "
+    "'reassigned ... no preserved copy' instead of serving its copy-on-write rows",
+)
+@pytest.mark.parametrize("eager", MODES)
+def test_lagged_materialize_when_live_blocks_are_overwritten(eager: bool, managers: list) -> None:
+    test_lagged_materialize_on_another_thread(eager, managers, finish_d=False)
 
 
 @pytest.mark.parametrize("eager", MODES)
@@ -421,6 +436,11 @@ def test_failed_pool_write_is_sticky(eager: bool, managers: list) -> None:
         assert "injected" in str(exc) and eager
     else:
         mgr.discard_step(sid)
+        # Threaded: b's write runs on the committer; wait for it to fail
+        # before the pool is repaired, or it may simply succeed later.
+        b_writes = [t.tid for t in list(mgr._controller._tasks.values()) if t.req_id == "b"]
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="write failed before done"):
+            mgr._controller.join(b_writes)
     mgr._pool.write = real_write
     for _ in range(2):
         with pytest.raises(OmniPrefixCacheUnmatchError, match="write failed"):

@@ -72,6 +72,27 @@ __all__ = [
 ]
 
 
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along dim 0; when the parts are back-to-back views of one
+    buffer (a step's staging page, its slot mapping) return one view over
+    them instead of copying every row again."""
+    first = parts[0]
+    if first.dim() >= 1 and first.is_contiguous():
+        row = first.stride(0) if first.dim() > 0 else 1
+        storage, offset, rows = first.untyped_storage().data_ptr(), first.storage_offset(), first.shape[0]
+        for part in parts[1:]:
+            if (
+                part.untyped_storage().data_ptr() != storage
+                or part.storage_offset() != offset + rows * row
+                or part.shape[1:] != first.shape[1:]
+                or not part.is_contiguous()
+            ):
+                return torch.cat(parts, dim=0)
+            rows += part.shape[0]
+        return torch.as_strided(first, (rows, *first.shape[1:]), first.stride(), first.storage_offset())
+    return torch.cat(parts, dim=0)
+
+
 class _PoolWriteBatch:
     """Pool writes of one eager dispatch, flushed once per key."""
 
@@ -173,6 +194,10 @@ class OmniPrefixCacheController:
         """Bind a task holder to the page its step holds (before dispatch)."""
         self._staging_pool.bind(slot, holder)
 
+    def staging_bind_many(self, slot: int, holders: list[StagingBufferHolder]) -> None:
+        """``staging_bind`` for all of a step's task holders, under one lock."""
+        self._staging_pool.bind_many(slot, holders)
+
     def staging_release(self, slot: int, holder: StagingBufferHolder, trigger: str = "consume") -> None:
         """Release a holder by a ``staging_holder`` spec trigger."""
         self._staging_pool.release(slot, holder, trigger)
@@ -205,6 +230,16 @@ class OmniPrefixCacheController:
             self._tasks[task.tid] = task
             if queued:
                 task.transition(TaskState.QUEUED)
+
+    def register_many(self, tasks: list[WriteTask], queued: bool = True) -> None:
+        """``register`` for a step's tasks under one lock (same contract)."""
+        now = time.monotonic()
+        with self._lock:
+            for task in tasks:
+                task.enqueued_time = now
+                self._tasks[task.tid] = task
+                if queued:
+                    task.transition(TaskState.QUEUED)
 
     def dispatch(self, tasks: list[WriteTask]) -> None:
         """Hand registered, queued tasks to the committer.
@@ -656,11 +691,11 @@ class OmniPrefixCacheController:
                     if len(parts) == 1:
                         self._pool.write(key, *parts[0])
                         continue
-                    slots = torch.cat([p[0] for p in parts])
+                    slots = _joined([p[0] for p in parts])
                     if len(set(slots.tolist())) != slots.numel():
                         written_merged = False
                         break
-                    self._pool.write(key, slots, torch.cat([p[1] for p in parts], dim=0))
+                    self._pool.write(key, slots, _joined([p[1] for p in parts]))
             except Exception:
                 written_merged = False
         else:

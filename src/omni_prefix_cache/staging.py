@@ -184,15 +184,40 @@ class StagingBufferPool:
                     f"staging page {page}: {trigger} does not release a {holder.kind} holder"
                 )
 
-    def release_many(self, items: list[tuple[int, StagingBufferHolder]], trigger: str) -> None:
-        """``release`` for several (page, holder) pairs under one lock."""
-        with self._page_freed:
-            for page, holder in items:
+    def _apply_many(self, trigger: str, items: list[tuple[int, StagingBufferHolder]]) -> None:
+        """``_apply`` for many holders under one lock (caller holds it); a
+        holder the spec refuses raises before any later one moves."""
+        for page, holder in items:
+            state = self.holder_state(holder)
+            move = HOLDER_MACHINE.move(state, trigger)
+            if move is None or not all(guard(self, page, holder) for guard in move.guards):
+                raise OmniPrefixCacheUnmatchError(
+                    f"staging page {page}: {holder.kind} {holder.owner_id} cannot {trigger} from {state.name}"
+                )
+            if move.dest is HolderState.HELD:
+                self._busy[page].add(holder)
+                self._page_of[holder] = page
+                if holder.owner_id > self._high_water.get(holder.kind, -1):
+                    self._high_water[holder.kind] = holder.owner_id
+            else:
                 if self._page_of.get(holder) != page:
                     raise OmniPrefixCacheUnmatchError(
                         f"staging page {page}: {holder.kind} {holder.owner_id} cannot {trigger}: not held there"
                     )
-                self._apply(trigger, page, holder)
+                self._busy[page].discard(holder)
+                del self._page_of[holder]
+            for effect in move.effects:
+                effect(self, page, holder)
+
+    def bind_many(self, page: int, holders: list[StagingBufferHolder]) -> None:
+        """``bind`` for a step's task holders, under one lock."""
+        with self._page_freed:
+            self._apply_many("bind", [(page, h) for h in holders])
+
+    def release_many(self, items: list[tuple[int, StagingBufferHolder]], trigger: str) -> None:
+        """``release`` for several (page, holder) pairs under one lock."""
+        with self._page_freed:
+            self._apply_many(trigger, items)
 
     def holds(self, holder: StagingBufferHolder) -> bool:
         with self._page_freed:
