@@ -118,12 +118,13 @@ class StagingBufferPool:
 
     def _apply(self, trigger: str, page: int, holder: StagingBufferHolder) -> bool:
         """Fire ``trigger`` for ``holder`` on ``page`` under the condition.
-        Raises if the spec has no such move; False if a guard refuses."""
-        move = HOLDER_MACHINE.move(self.holder_state(holder), trigger)
+        Raises if the spec has no such move (or a release names a page the
+        holder does not hold); False if a guard refuses."""
+        state = self.holder_state(holder)
+        move = HOLDER_MACHINE.move(state, trigger)
         if move is None:
             raise OmniPrefixCacheUnmatchError(
-                f"staging page {page}: {holder.kind} {holder.owner_id} cannot {trigger} "
-                f"from {self.holder_state(holder).name}"
+                f"staging page {page}: {holder.kind} {holder.owner_id} cannot {trigger} from {state.name}"
             )
         if not all(guard(self, page, holder) for guard in move.guards):
             return False
@@ -133,6 +134,10 @@ class StagingBufferPool:
             if holder.owner_id > self._high_water.get(holder.kind, -1):
                 self._high_water[holder.kind] = holder.owner_id
         else:
+            if self._page_of.get(holder) != page:
+                raise OmniPrefixCacheUnmatchError(
+                    f"staging page {page}: {holder.kind} {holder.owner_id} cannot {trigger}: not held there"
+                )
             self._busy[page].discard(holder)
             del self._page_of[holder]
         for effect in move.effects:
@@ -186,28 +191,12 @@ class StagingBufferPool:
 
     def _apply_many(self, trigger: str, items: list[tuple[int, StagingBufferHolder]]) -> None:
         """``_apply`` for many holders under one lock (caller holds it); a
-        holder the spec refuses raises before any later one moves."""
+        holder the spec or a guard refuses raises before later ones move."""
         for page, holder in items:
-            state = self.holder_state(holder)
-            move = HOLDER_MACHINE.move(state, trigger)
-            if move is None or not all(guard(self, page, holder) for guard in move.guards):
+            if not self._apply(trigger, page, holder):
                 raise OmniPrefixCacheUnmatchError(
-                    f"staging page {page}: {holder.kind} {holder.owner_id} cannot {trigger} from {state.name}"
+                    f"staging page {page}: {holder.kind} {holder.owner_id} cannot {trigger} here"
                 )
-            if move.dest is HolderState.HELD:
-                self._busy[page].add(holder)
-                self._page_of[holder] = page
-                if holder.owner_id > self._high_water.get(holder.kind, -1):
-                    self._high_water[holder.kind] = holder.owner_id
-            else:
-                if self._page_of.get(holder) != page:
-                    raise OmniPrefixCacheUnmatchError(
-                        f"staging page {page}: {holder.kind} {holder.owner_id} cannot {trigger}: not held there"
-                    )
-                self._busy[page].discard(holder)
-                del self._page_of[holder]
-            for effect in move.effects:
-                effect(self, page, holder)
 
     def bind_many(self, page: int, holders: list[StagingBufferHolder]) -> None:
         """``bind`` for a step's task holders, under one lock."""

@@ -105,12 +105,16 @@ class BlockAllocator:
             return None
         out: list[int] = []
         for _ in range(n):
-            b, _ = self._free.popitem(last=False)
+            b = self._pop_free()
             self._evict_hash(b)
             self._ref[b] = 1
             out.append(b)
         self.stats.allocated += n
         return out
+
+    def _pop_free(self) -> int:
+        """The block to reuse next: the least recently freed (vLLM's order)."""
+        return self._free.popitem(last=False)[0]
 
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference on each block; unreferenced ones join the LRU tail, last block first."""

@@ -87,17 +87,8 @@ class RecentFirstAllocator(BlockAllocator):
     a preemption come straight back to an interim tenant, then to the
     resumed request: the reuse races the cache must survive."""
 
-    def allocate(self, n: int) -> list[int] | None:
-        if n > len(self._free):
-            return None
-        out: list[int] = []
-        for _ in range(n):
-            b, _ = self._free.popitem(last=True)
-            self._evict_hash(b)
-            self._ref[b] = 1
-            out.append(b)
-        self.stats.allocated += n
-        return out
+    def _pop_free(self) -> int:
+        return self._free.popitem(last=True)[0]
 
 
 class ServingModel:
