@@ -161,6 +161,11 @@ class ControllerModel:
         self.release_holder(t)
         self.failed.append(tid)
 
+    def write_fails(self, t: MTask) -> bool:
+        """An injected pool-write failure fires only if the task still has
+        rows to write (rows all taken over by newer writes write nothing)."""
+        return t.tid in self.poison_write and any(s not in t.reassigned for s in t.rows)
+
     def write_rows(self, t: MTask) -> None:
         for slot, v in t.rows.items():
             if slot not in t.reassigned:
@@ -206,7 +211,7 @@ class ControllerModel:
             self.blocked.remove(tid)
         for tid in ready:
             t = self.tasks[tid]
-            if tid in self.poison_write:
+            if self.write_fails(t):
                 self.fail(tid)
             else:
                 self.write_rows(t)
@@ -238,7 +243,7 @@ class ControllerModel:
                 batch.append(t)
         written, write_failed = [], False
         for t in batch:
-            if t.tid in self.poison_write:
+            if self.write_fails(t):
                 self.fail(t.tid)
                 write_failed = True
             else:
