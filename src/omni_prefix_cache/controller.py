@@ -325,6 +325,15 @@ class OmniPrefixCacheController:
             self.escalate([oldest.tid])
             self.join([oldest.tid])
 
+    def refund_unpinned(self, tickets: list[_BudgetTicket]) -> None:
+        """Uncharge reservations that no task ever pinned (a save that
+        failed, or a clone no request views). A pinned or already freed
+        ticket refunds nothing: its last task uncharges it."""
+        with self._lock:
+            for ticket in tickets:
+                if not ticket.tids:
+                    self._staged_bytes -= ticket.release(-1)
+
     def _release_staged_bytes(self, task: WriteTask) -> None:
         """Unpin ``task`` from its tickets; a ticket uncharges once, when its
         last holder leaves. Idempotent."""

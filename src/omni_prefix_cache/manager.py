@@ -283,21 +283,6 @@ class _StepOutputs:
 _HitJob = tuple[_PendingHit, TensorName, _PlannedRead]
 
 
-class _TicketRefund:
-    """Duck-typed stand-in for a task holding ``tickets``, used to hand back a
-    reservation no task ever pinned. The controller uncharges per task, and a
-    ticket's ``release`` pays out only once and only when no tid pins it, so
-    passing a pinned or already freed ticket refunds nothing."""
-
-    tid: Tid = -1
-
-    def __init__(self, tickets: list[_BudgetTicket]) -> None:
-        self._tickets = tickets
-
-    def budget_tickets(self) -> list[_BudgetTicket]:
-        return self._tickets
-
-
 # ---------------------------------------------------------------- manager
 
 
@@ -567,7 +552,7 @@ class OmniPrefixCacheManager:
             if reserved:
                 # A clone no task views (a step without scheduled requests)
                 # is uncharged now; a pinned ticket refunds nothing here.
-                self._controller._release_staged_bytes(_TicketRefund(reserved))
+                self._controller.refund_unpinned(reserved)
             # Eager: copy + pool write inline, outside the lock.
             self._controller.dispatch(immediate)
         except BaseException:
@@ -932,7 +917,7 @@ class OmniPrefixCacheManager:
                 self._controller._fail_task(task.tid)
         if reserved:
             # Uncharges exactly the tickets no task pinned (release is once per ticket).
-            self._controller._release_staged_bytes(_TicketRefund(reserved))
+            self._controller.refund_unpinned(reserved)
         if claimed is not None:
             self._controller.staging_release(claimed.staging_slot, StagingBufferHolder.for_step(sid), "abandon")
 
