@@ -225,11 +225,7 @@ class OmniPrefixCacheController:
         task's bytes and pin its budget tickets first; queued tasks must
         then go through ``dispatch``.
         """
-        task.enqueued_time = time.monotonic()
-        with self._lock:
-            self._tasks[task.tid] = task
-            if queued:
-                task.transition(TaskState.QUEUED)
+        self.register_many([task], queued)
 
     def register_many(self, tasks: list[WriteTask], queued: bool = True) -> None:
         """``register`` for a step's tasks under one lock (same contract)."""
@@ -674,14 +670,7 @@ class OmniPrefixCacheController:
         self._complete(task)
 
     def _complete(self, task: WriteTask) -> None:
-        # `done` comes last: a joiner (the save barrier) must find the
-        # completion record on its next drain and the staging page free;
-        # a done-but-unpublished window would leave occupancy IN_TRANSIT and
-        # make the copy-on-write preserve skip reused rows.
-        self._release_task_slot(task, "written")
-        with self._lock:
-            self._completed.append(task.tid)
-        task.mark_done()
+        self._complete_many([task])
 
     def _flush_batch(self, batch: _PoolWriteBatch, *, reraise: bool) -> None:
         """Write a batch once per key where no slot repeats across tasks;
@@ -726,8 +715,12 @@ class OmniPrefixCacheController:
             raise first_error
 
     def _complete_many(self, tasks: list[WriteTask]) -> None:
-        """``_complete`` for a written batch: one staging release and one
-        record publish for all, then each ``done`` (still last)."""
+        """Complete written tasks: release their staging holds, publish
+        their completion records, then set each ``done``. `done` comes
+        last: a joiner (the save barrier) must find the record on its next
+        drain and the page free; a done-but-unpublished window would leave
+        occupancy IN_TRANSIT and make the copy-on-write preserve skip reused
+        rows. One staging lock and one record lock for the whole batch."""
         if not tasks:
             return
         holds = [(t.staging_slot, StagingBufferHolder.for_task(t.tid)) for t in tasks if t.staging_slot is not None]
