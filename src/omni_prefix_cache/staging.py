@@ -76,8 +76,6 @@ HOLDER_MACHINE = compile_machine(
     module=__name__,
 )
 HolderState = HOLDER_MACHINE.State
-# Triggers that release a holder, by who releases it.
-RELEASE_TRIGGERS = frozenset(m.trigger for m in HOLDER_MACHINE.moves if m.dest is HolderState.RELEASED)
 
 
 class StagingBufferPool:

@@ -93,9 +93,6 @@ class CompiledMachine:
             int(m.dest) if (m := self._by_trigger[s].get(trigger)) is not None else -1 for s in range(len(self.State))
         )
 
-    def sources(self, trigger: str) -> tuple[SpecState, ...]:
-        return tuple(self.State(s) for s in range(len(self.State)) if trigger in self._by_trigger[s])
-
     def tagged(self, tag: str) -> frozenset[SpecState]:
         return frozenset(self.State[s] for s in self.spec.tagged(tag))
 
