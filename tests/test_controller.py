@@ -47,10 +47,10 @@ class FlakyEngine(CpuCopyEngine):
     def __init__(self) -> None:
         self.poison_value: float | None = None
 
-    def to_host(self, src):
+    def copy_into(self, dst, src):
         if self.poison_value is not None and bool((src == self.poison_value).any()):
             raise RuntimeError("injected copy failure")
-        return super().to_host(src)
+        super().copy_into(dst, src)
 
 
 def make(eager=False, committer="thread", timeout=5.0, budget=1 << 30, engine=None):
@@ -230,9 +230,9 @@ def test_threaded_shutdown_drains_queue_before_exit():
     gate = threading.Event()
 
     class SlowEngine(CpuCopyEngine):
-        def to_host(self, src):
+        def copy_into(self, dst, src):
             gate.wait(5)
-            return super().to_host(src)
+            super().copy_into(dst, src)
 
     ctrl._engine = SlowEngine()
     tasks = [deferred_task(ctrl, tid, [tid]) for tid in range(1, 4)]

@@ -67,10 +67,10 @@ class RaceEngine(CpuCopyEngine):
     def __init__(self, inject: RaceInjector) -> None:
         self.inject = inject
 
-    def to_host(self, src: torch.Tensor) -> torch.Tensor:
+    def copy_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.inject.tids_in(src) & self.inject.copy:
             raise RuntimeError("injected copy failure")
-        return super().to_host(src)
+        super().copy_into(dst, src)
 
 
 class RacePool(PrefixBlockPool):

@@ -5,20 +5,34 @@ key or an mm key). A slab is opened on first use and never dropped: vLLM
 reusing a KV block *is* the eviction, the new tenant's rows simply overwrite
 the old ones. The committer thread is the only writer; any thread may gather
 rows (a gather returns a copy, never a view into the slab).
+
+Slabs are plain (pageable) host memory: no device copy ever reads or writes
+them, so pinning would only lock host memory (and torch's pinned allocator
+rounds each block up to a power of two). A slab is calloc'ed: the OS maps
+zero pages on first touch, so opening one costs neither a zeroing pass on
+the engine thread nor resident memory before the committer writes rows.
 """
 
 from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, PrefixCacheConfig, TensorName
 
+_ALIGN = 64  # bytes; what torch's own CPU allocator guarantees
 
-def _pin_host() -> bool:
-    """Pinned slabs only pay off (and only work) with a CUDA runtime."""
-    return torch.cuda.is_available()
+
+def zeroed_host(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed, unpinned ``(rows, width)`` host tensor whose pages are
+    mapped lazily (calloc through numpy: numpy has no bfloat16, so the bytes
+    are allocated as uint8 and viewed as ``dtype``)."""
+    nbytes = int(rows) * int(width) * torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(nbytes + _ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return torch.from_numpy(raw[start : start + nbytes]).view(dtype).view(int(rows), int(width))
 
 
 class PrefixBlockPool:
@@ -37,15 +51,12 @@ class PrefixBlockPool:
         return self._num_slots
 
     def new_slab(self, dtype: torch.dtype, width: int) -> torch.Tensor:
-        """A zeroed slab shaped for this pool, not yet published.
-
-        Lets a caller pay for the (pinned) allocation outside its own lock and
-        publish it later with :meth:`install_key`.
-        """
+        """A zeroed, unpinned slab shaped for this pool, not yet published
+        (publish it with :meth:`install_key`). Cheap: its pages are mapped
+        on first write, by the committer."""
         if int(width) <= 0:
             raise OmniPrefixCacheUnmatchError(f"prefix block pool: slab width must be positive, got {width}")
-        slab = torch.empty((self._num_slots, int(width)), dtype=dtype, pin_memory=_pin_host())
-        return slab.zero_()
+        return zeroed_host(self._num_slots, int(width), dtype)
 
     def ensure_key(self, key: TensorName, dtype: torch.dtype, width: int) -> torch.Tensor:
         """The slab for ``key``, allocated (zeroed) if missing.
@@ -84,6 +95,11 @@ class PrefixBlockPool:
             if current is not None and current is not storage:
                 raise OmniPrefixCacheUnmatchError(f"prefix block pool: key {key!r} already has a slab; never replaced")
             self._slabs[key] = storage
+
+    def host_bytes(self) -> int:
+        """Host bytes the slabs reserve (virtual; pages fill as rows land).
+        None of it is pinned."""
+        return sum(slab.numel() * slab.element_size() for slab in list(self._slabs.values()))
 
     def has_key(self, key: TensorName) -> bool:
         """True once ``key`` has a slab."""

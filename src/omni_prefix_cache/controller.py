@@ -39,7 +39,7 @@ from typing import Any, Literal
 import torch
 
 from omni_prefix_cache.block_pool import PrefixBlockPool
-from omni_prefix_cache.copy_engine import CopyEngine, default_engine
+from omni_prefix_cache.copy_engine import CopyEngine, DeviceEvents, default_engine
 from omni_prefix_cache.interface import (
     OmniPrefixCacheUnmatchError,
     PrefixCacheConfig,
@@ -139,7 +139,10 @@ class OmniPrefixCacheController:
         self._shutdown = False
         self._batch = threading.local()
         self._staging_pool = StagingBufferPool(
-            config.staging_depth, config.staging_capacity_tokens, pin_memory=self._engine.pin_memory
+            config.staging_depth,
+            config.staging_capacity_tokens,
+            pin_memory=self._engine.pin_memory,
+            alloc=self._engine.host_empty,
         )
         self._worker: threading.Thread | None = None
         if not self._eager and committer == "thread":
@@ -175,16 +178,15 @@ class OmniPrefixCacheController:
                 key: self._staging_pool.views(page, key, n, int(src.shape[-1]), src.dtype)
                 for key, src in tensors.items()
             }
-
-            def copy() -> None:
-                for key, src in tensors.items():
-                    views[key].copy_(src, non_blocking=src.device.type != "cpu")
-
-            if all(t.device.type == "cpu" for t in tensors.values()):
-                copy()
-                event = None
+            # Each key's rows land straight in its slice of the page: no
+            # device-side temporary on the copy stream.
+            copies = [(views[key], src) for key, src in tensors.items()]
+            event = None
+            if any(self._engine.is_device(src) for _, src in copies):
+                event = self._engine.launch(freeze_event, copies)
             else:
-                event = self._engine.launch(freeze_event, copy)
+                for dst, src in copies:
+                    dst.copy_(src)
             return StepD2HClaim(staging_slot=page, views=views, event=event)
         except BaseException:
             self._staging_pool.release(page, step_holder, "abandon")
@@ -293,8 +295,24 @@ class OmniPrefixCacheController:
             self.dispatch([task])
 
     def append_chunk(self, task: WriteTask, chunk: _WriteChunk, freeze_event: Any = None) -> Any:
-        """Append to a pending task. None when appended, else the closing state."""
-        return task.append_chunk(chunk, freeze_event)
+        """Append to a pending task. None when appended, else the closing state.
+        Per device the newest freeze event covers the older ones; a device
+        only an older chunk used keeps its own event."""
+        return task.append_chunk(chunk, DeviceEvents.merged(task.freeze_event, freeze_event))
+
+    # ------------------------------------------------------------ device
+
+    def is_device(self, t: torch.Tensor) -> bool:
+        """True if ``t`` is copied on the engine's device lanes (so it must be
+        frozen by a clone and a freeze event first)."""
+        return self._engine.is_device(t)
+
+    def freeze(self, tensors: list[torch.Tensor]) -> Any:
+        """The freeze event for clones just taken on the compute stream:
+        blocking, recorded on each tensor device's current stream. None when
+        none is a device tensor. Record it after the clones, on the stream
+        the forward ran on (see docs/cuda.md)."""
+        return self._engine.freeze(tensors)
 
     # ------------------------------------------------------------ budget
 
@@ -475,16 +493,23 @@ class OmniPrefixCacheController:
 
     def _pick_rows(self, task: WriteTask, src: torch.Tensor, rows: list[int]) -> torch.Tensor:
         first, n = rows[0], len(rows)
-        contiguous = rows[-1] - first == n - 1 and all(b - a == 1 for a, b in zip(rows, rows[1:]))
-
-        def pick() -> torch.Tensor:
-            if contiguous:
+        if not self._engine.is_device(src):
+            if rows[-1] - first == n - 1 and all(b - a == 1 for a, b in zip(rows, rows[1:])):
                 return src[first : first + n]
-            return src.index_select(0, torch.tensor(rows, dtype=torch.int64, device=src.device))
-
-        if src.device.type == "cpu":
-            return pick()
-        return self._engine.read(task.freeze_event, lambda: self._engine.to_host(pick()))
+            return src.index_select(0, torch.tensor(rows, dtype=torch.int64))
+        # A device clone: each run of consecutive rows is copied straight
+        # into its slice of one host tensor on the read lane. No index
+        # tensor and no gathered temporary is allocated on the device (it
+        # would sit outside gpu_staging_bytes and vLLM's memory profile).
+        out = self._engine.host_empty((n, *src.shape[1:]), src.dtype)
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        start = 0
+        for i in range(1, n + 1):
+            if i == n or rows[i] != rows[i - 1] + 1:
+                copies.append((out[start:i], src[rows[start] : rows[i - 1] + 1]))
+                start = i
+        self._engine.read(task.freeze_event, copies)
+        return out
 
     # ------------------------------------------------------------ eager
 
@@ -580,9 +605,10 @@ class OmniPrefixCacheController:
         """COPYING -> HOST_READY, then unpin the task's device budget.
 
         JOIN_NEXT_STEP: host rows are staging views copied at save; only
-        wait that copy's event. JOIN_ON_FINISH: one device cat and one
-        device-to-host per key (in ``copy_chunk_bytes`` pieces), split back
-        into per-chunk host views.
+        wait that copy's event. JOIN_ON_FINISH: one owned host tensor per
+        key; each chunk's clone is copied (in ``copy_chunk_bytes`` pieces)
+        straight into its own slice, which becomes the chunk's host rows.
+        No device-side concatenation: nothing is allocated on the copy lane.
         """
         if task.schedule is WriteSchedule.JOIN_NEXT_STEP:
             task.mark_host_ready()
@@ -593,29 +619,25 @@ class OmniPrefixCacheController:
             for key in chunk.tensors:
                 by_key.setdefault(key, []).append(chunk)
         piece_bytes = self._config.copy_chunk_bytes
-        landed: list[tuple[TensorName, list[_WriteChunk], list[torch.Tensor]]] = []
-
-        def copy() -> None:
-            for key, chunks in by_key.items():
-                srcs = [c.tensors[key] for c in chunks]
-                src = srcs[0] if len(srcs) == 1 else torch.cat(srcs, dim=0)
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        rows_out: list[tuple[_WriteChunk, TensorName, torch.Tensor]] = []
+        for key, chunks in by_key.items():
+            srcs = [c.tensors[key] for c in chunks]
+            total = sum(int(src.shape[0]) for src in srcs)
+            host = self._engine.host_empty((total, *srcs[0].shape[1:]), srcs[0].dtype)
+            offset = 0
+            for chunk, src in zip(chunks, srcs):
                 rows = int(src.shape[0])
                 row_bytes = max(1, src[:1].numel() * src.element_size())
                 step = max(1, rows if rows * row_bytes <= piece_bytes else piece_bytes // row_bytes)
-                pieces = [self._engine.to_host(src[s : s + step]) for s in range(0, max(rows, 1), step)]
-                landed.append((key, chunks, pieces))
-
-        event = self._engine.launch(task.freeze_event, copy)
+                for s in range(0, rows, step):
+                    end = min(rows, s + step)
+                    copies.append((host[offset + s : offset + end], src[s:end]))
+                rows_out.append((chunk, key, host[offset : offset + rows]))
+                offset += rows
+        event = self._engine.launch(task.freeze_event, copies)
         if event is not None:
             event.synchronize()
-        rows_out: list[tuple[_WriteChunk, TensorName, torch.Tensor]] = []
-        for key, chunks, pieces in landed:
-            host = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
-            if len(chunks) == 1:
-                rows_out.append((chunks[0], key, host))
-                continue
-            sizes = [int(c.tensors[key].shape[0]) for c in chunks]
-            rows_out.extend((c, key, v) for c, v in zip(chunks, torch.split(host, sizes, dim=0)))
         task.set_host_tensor(rows_out)
         self._release_staged_bytes(task)
 
@@ -748,6 +770,7 @@ class OmniPrefixCacheController:
                 "failed_undrained": len(self._failed),
                 "staged_bytes": self._staged_bytes,
             }
+        out["staging_host_bytes"] = self._staging_pool.host_bytes()
         holders = Counter(h.kind for h in self._staging_pool.holders())
         out["holders"] = {"step": holders.get("step", 0), "task": holders.get("task", 0)}
         out["mode"] = "eager" if self._eager else f"{self._committer_mode}:{self._engine.name}"

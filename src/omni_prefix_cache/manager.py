@@ -44,6 +44,7 @@ from omni_prefix_cache.controller import (
     _BudgetTicket,
     _WriteChunk,
 )
+from omni_prefix_cache.copy_engine import CudaRuntime
 from omni_prefix_cache.interface import (
     HIDDEN_KEY,
     ModelCachePolicy,
@@ -110,17 +111,18 @@ def _snapshot_leftover_mm_cpu(mm: Mapping[str, Any], skip_keys: set[str], n: int
     and the returned CUDA event completes them (None when nothing left the
     device). Engine thread, outside the state lock.
     """
-    on_device = False
+    devices: set[int] = set()
 
     def copy(value: Any) -> Any:
-        nonlocal on_device
         if isinstance(value, torch.Tensor):
             src = value.detach()
             if src.ndim >= 1 and int(src.shape[0]) == n:
                 src = src[:n]
             if src.device.type == "cpu":
                 return src.clone()
-            on_device = True
+            # Pinned: a device copy writes it. The copy runs on the current
+            # stream of the source's device, so that is where its event goes.
+            devices.add(src.device.index or 0)
             dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
             dst.copy_(src, non_blocking=True)
             return dst
@@ -135,9 +137,8 @@ def _snapshot_leftover_mm_cpu(mm: Mapping[str, Any], skip_keys: set[str], n: int
 
     out = {key: copy(value) for key, value in mm.items() if key not in skip_keys}
     event = None
-    if on_device:  # pragma: no cover - CUDA only
-        event = torch.cuda.Event()
-        event.record()
+    if devices:  # pragma: no cover - CUDA only
+        event = CudaRuntime().record_on_current(sorted(devices))
     return out, event
 
 
@@ -273,8 +274,9 @@ class _StepOutputs:
     leftover: dict[TensorName, Any]  # everything copied to CPU for this step's materialize
     deferred_chunks: list[tuple[ReqId, _WriteChunk]]  # one per request, viewing the deferred clone
     deferred_clone: dict[TensorName, torch.Tensor] = field(default_factory=dict)  # 2-D clone [0:n)
+    # The GPU-byte budget charges only the deferred clone, on every engine
+    # (the immediate clone is bounded by the staging pages; docs/cuda.md).
     deferred_ticket: _BudgetTicket | None = None
-    immediate_ticket: _BudgetTicket | None = None  # device freeze of immediate rows (CUDA only)
     freeze_event: Any = None
     layouts: dict[TensorName, KeyLayout] = field(default_factory=dict)
 
@@ -492,10 +494,10 @@ class OmniPrefixCacheManager:
             claimed = self._controller.stage_step_host(
                 split.immediate, n, split.freeze_event, StagingBufferHolder.for_step(sid)
             )
-            for ticket in (split.immediate_ticket, split.deferred_ticket):
-                if ticket is not None:
-                    self._controller.reserve(ticket.nbytes)
-                    reserved.append(ticket)
+            ticket = split.deferred_ticket
+            if ticket is not None:
+                self._controller.reserve(ticket.nbytes)
+                reserved.append(ticket)
             # Pay for new slabs here; publish them under the lock below.
             new_slabs = {
                 key: self._pool.new_slab(layout.dtype, layout.width)
@@ -609,6 +611,7 @@ class OmniPrefixCacheManager:
             out["live_requests"] = len(self._live)
             out["open_steps"] = len(self._step_ctxs)
             out["sticky_failure"] = self._failure is not None
+        out["pool_host_bytes"] = self._pool.host_bytes()  # unpinned
         out.update(self._controller.stats())
         return out
 
@@ -723,15 +726,13 @@ class OmniPrefixCacheManager:
             else:
                 immediate[key] = rows
         out = _StepOutputs(immediate=immediate, leftover=leftover, deferred_chunks=[], layouts=layouts)
-        on_device = [k for k, t in immediate.items() if t.device.type != "cpu"]
-        if on_device:  # pragma: no cover - CUDA only
-            # Freeze on the compute stream: the copy stream reads the clone,
-            # never the static buffers the next CUDA-graph replay overwrites.
-            for key in on_device:
-                immediate[key] = immediate[key].clone()
-            out.immediate_ticket = _BudgetTicket(
-                nbytes=sum(immediate[k].numel() * immediate[k].element_size() for k in on_device)
-            )
+        on_device = [k for k, t in immediate.items() if self._controller.is_device(t)]
+        # Freeze on the compute stream: the copy stream reads the clone,
+        # never the static buffers the next CUDA-graph replay overwrites.
+        # Not charged to the budget: it lives until its task's host_ready,
+        # and every such task holds a staging page (at most staging_depth).
+        for key in on_device:
+            immediate[key] = immediate[key].clone()
         if deferred_src:
             clone = {k: t.clone() for k, t in deferred_src.items()}
             out.deferred_clone = clone
@@ -747,9 +748,9 @@ class OmniPrefixCacheManager:
                         budget=out.deferred_ticket,
                     )
                     out.deferred_chunks.append((rid, chunk))
-        if on_device or any(t.device.type != "cpu" for t in out.deferred_clone.values()):  # pragma: no cover
-            out.freeze_event = torch.cuda.Event()
-            out.freeze_event.record()
+        # After the clones, on the current stream of their devices (the
+        # forward's stream: see docs/cuda.md). None when nothing is on a device.
+        out.freeze_event = self._controller.freeze([*immediate.values(), *out.deferred_clone.values()])
         return out
 
     def _register_immediate_locked(
@@ -769,10 +770,9 @@ class OmniPrefixCacheManager:
         sizes = [spans[r][1] for r in req_order]
         slot_parts = torch.split(slots, sizes)
         host_parts = {k: torch.split(v, sizes) for k, v in claimed.views.items()}
-        frozen = {k: torch.split(t, sizes) for k, t in split.immediate.items() if t.device.type != "cpu"}
-        keys = tuple(split.immediate)
-        ticket = split.immediate_ticket
         ctrl = self._controller
+        frozen = {k: torch.split(t, sizes) for k, t in split.immediate.items() if ctrl.is_device(t)}
+        keys = tuple(split.immediate)
         page = claimed.staging_slot
         tasks: list[WriteTask] = []
         for i, rid in enumerate(req_order):
@@ -781,7 +781,6 @@ class OmniPrefixCacheManager:
                 slots_cpu=slot_parts[i],
                 tensors={k: parts[i] for k, parts in frozen.items()},
                 host={k: parts[i] for k, parts in host_parts.items()},
-                budget=ticket,
             )
             task = WriteTask(
                 tid=tid,
@@ -794,8 +793,6 @@ class OmniPrefixCacheManager:
                 step_d2h_event=claimed.event,
             )
             self._records[tid] = _TaskRecord(task, rid, [(keys, slot_parts[i])])
-            if ticket is not None:  # pragma: no cover - CUDA only
-                ctrl.pin_budget(ticket, tid)
             tasks.append(task)
         # One controller lock and one staging lock for the whole step.
         # Registered first (queued, not dispatched: the committer cannot see
@@ -964,10 +961,10 @@ class OmniPrefixCacheManager:
             )
         with self._state_lock:
             self._commit_drained_writes()
-        if ctx.d2h is not None and ctx.d2h.event is not None:  # pragma: no cover - CUDA only
-            ctx.d2h.event.synchronize()
+        if ctx.d2h is not None and ctx.d2h.event is not None:
+            self._wait_device(ctx, ctx.d2h.event, "staging copy")
         if ctx.mm_event is not None:  # pragma: no cover - CUDA only
-            ctx.mm_event.synchronize()
+            self._wait_device(ctx, ctx.mm_event, "leftover mm copy")
         sources: dict[TensorName, torch.Tensor] = {}
         if ctx.d2h is not None:
             for key in ctx.immediate_keys:
@@ -1380,6 +1377,18 @@ class OmniPrefixCacheManager:
         logger.error("%s", message)
         if self._failure is None:
             self._failure = message
+
+    def _wait_device(self, ctx: StepContext, event: Any, what: str) -> None:
+        """Host-wait a device event of ``ctx``'s step. A device fault (the
+        CUDA context is gone) becomes the sticky failure, then raises."""
+        try:
+            event.synchronize()
+        except RuntimeError as exc:
+            message = f"step {ctx.step_id}: device fault while waiting its {what}: {exc}"
+            with self._state_lock:
+                if self._failure is None:
+                    self._failure = message
+            raise OmniPrefixCacheUnmatchError(message) from exc
 
     def _raise_if_failed(self) -> None:
         """Sticky failure check at every serving facade entry."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -86,10 +87,20 @@ class StagingBufferPool:
     All methods are thread-safe (one condition guards the pool).
     """
 
-    def __init__(self, depth: int, capacity: int, *, pin_memory: bool = False):
+    def __init__(
+        self,
+        depth: int,
+        capacity: int,
+        *,
+        pin_memory: bool = False,
+        alloc: Callable[[Sequence[int], torch.dtype], torch.Tensor] | None = None,
+    ):
         self.depth = depth
         self.capacity = capacity
         self.pin_memory = pin_memory
+        # Pages are device-copy landing zones: pinned exactly when a device
+        # engine copies into them (``alloc`` is the engine's host_empty).
+        self._alloc = alloc
         self._bufs: dict[TensorName, torch.Tensor] = {}
         self._busy: list[set[StagingBufferHolder]] = [set() for _ in range(depth)]
         self._page_of: dict[StagingBufferHolder, int] = {}
@@ -226,9 +237,17 @@ class StagingBufferPool:
     def _buf(self, key: TensorName, width: int, dtype: torch.dtype) -> torch.Tensor:
         buf = self._bufs.get(key)
         if buf is None or buf.shape[-1] != width or buf.dtype != dtype:
-            buf = torch.empty((self.depth * self.capacity, width), dtype=dtype, pin_memory=self.pin_memory)
+            shape = (self.depth * self.capacity, width)
+            if self._alloc is not None:
+                buf = self._alloc(shape, dtype)
+            else:
+                buf = torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
             self._bufs[key] = buf
         return buf
+
+    def host_bytes(self) -> int:
+        """Host bytes held by the pages of every key (pinned when ``pin_memory``)."""
+        return sum(buf.numel() * buf.element_size() for buf in list(self._bufs.values()))
 
     def views(self, page: int, key: TensorName, n: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``[0:n)`` of ``page`` for ``key`` (allocating the key's pages lazily)."""
