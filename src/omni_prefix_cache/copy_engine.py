@@ -139,23 +139,24 @@ class CpuCopyEngine:
         return src.detach().to("cpu", copy=True)
 
 
-class CudaRuntime:  # pragma: no cover - exercised only where CUDA exists
-    """The torch.cuda primitives ``CudaCopyEngine`` uses, and nothing else."""
+class CudaRuntime:
+    """The torch.cuda primitives ``CudaCopyEngine`` uses, and nothing else.
+    A test subclasses it to log calls (``testing.fake_device``)."""
 
-    def is_device(self, t: torch.Tensor) -> bool:
+    def is_device(self, t: torch.Tensor) -> bool:  # pragma: no cover - CUDA only
         return t.is_cuda
 
-    def device_of(self, t: torch.Tensor) -> int:
+    def device_of(self, t: torch.Tensor) -> int:  # pragma: no cover - CUDA only
         return int(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
-    def new_stream(self, device: int, lane: str) -> Any:
+    def new_stream(self, device: int, lane: str) -> Any:  # pragma: no cover - CUDA only
         return torch.cuda.Stream(device=device)
 
-    def current_stream(self, device: int) -> Any:
+    def current_stream(self, device: int) -> Any:  # pragma: no cover - CUDA only
         return torch.cuda.current_stream(device)
 
     @contextmanager
-    def use_stream(self, device: int, stream: Any) -> Iterator[None]:
+    def use_stream(self, device: int, stream: Any) -> Iterator[None]:  # pragma: no cover - CUDA only
         with torch.cuda.device(device), torch.cuda.stream(stream):
             yield
 
@@ -164,13 +165,13 @@ class CudaRuntime:  # pragma: no cover - exercised only where CUDA exists
         # committer, prefetch and materialize all wait on these).
         return torch.cuda.Event(blocking=True)
 
-    def wait(self, stream: Any, event: Any) -> None:
+    def wait(self, stream: Any, event: Any) -> None:  # pragma: no cover - CUDA only
         stream.wait_event(event)
 
-    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
+    def record_stream(self, t: torch.Tensor, stream: Any) -> None:  # pragma: no cover - CUDA only
         t.record_stream(stream)
 
-    def host_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    def host_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:  # pragma: no cover - CUDA only
         return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
 
     def record_on_current(self, devices: Iterable[int]) -> DeviceEvents:

@@ -44,7 +44,7 @@ from omni_prefix_cache.controller import (
     _BudgetTicket,
     _WriteChunk,
 )
-from omni_prefix_cache.copy_engine import CudaRuntime
+from omni_prefix_cache.copy_engine import CopyEngine, CudaRuntime
 from omni_prefix_cache.interface import (
     HIDDEN_KEY,
     ModelCachePolicy,
@@ -307,6 +307,7 @@ class OmniPrefixCacheManager:
         *,
         eager: bool | None = None,
         committer: Literal["thread", "manual", "on_demand"] = "thread",
+        engine: CopyEngine | None = None,
     ) -> None:
         view_bs = getattr(view, "block_size", None)
         if view_bs is not None and int(view_bs) != int(config.block_size):
@@ -317,7 +318,11 @@ class OmniPrefixCacheManager:
         self._view = view
         self._block_size = int(config.block_size)
         self._pool = PrefixBlockPool(config)
-        self._controller = OmniPrefixCacheController(self._pool, config, eager=eager, committer=committer)
+        # ``engine``: where rows leave the device (default: CUDA lanes when
+        # CUDA exists and eager is off, else host copies). A test seam.
+        self._controller = OmniPrefixCacheController(
+            self._pool, config, eager=eager, committer=committer, engine=engine
+        )
         self._policy = ModelCachePolicy()
         self._state_lock = threading.Lock()
         self._reads_lock = threading.Lock()  # leaf; see the module docstring
