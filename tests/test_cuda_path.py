@@ -241,10 +241,10 @@ def test_deferred_copy_has_no_device_cat_and_lands_in_one_host_tensor(
     assert [c.ptr for c in copies] == [storage_ptr(c) for c in clones]
     assert {c.stream for c in copies} == {"copy0"}
     # Every clone is marked on the lane that reads it, before its copy.
-    for clone in clones:
-        marked = index(calls, lambda c, p=storage_ptr(clone): c.op == "record_stream" and c.ptr == p)
-        copied = index(calls, lambda c, p=storage_ptr(clone): c.op == "copy" and c.ptr == p)
-        assert calls[marked].stream == "copy0" and marked < copied
+    for ptr in (storage_ptr(clone) for clone in clones):
+        marked = [i for i, c in enumerate(calls) if c.op == "record_stream" and c.ptr == ptr]
+        copied = [i for i, c in enumerate(calls) if c.op == "copy" and c.ptr == ptr]
+        assert marked and copied and calls[marked[0]].stream == "copy0" and marked[0] < copied[0]
     # The last freeze (newest chunk) is waited before the first copy.
     first_copy = index(calls, lambda c: c.op == "copy")
     waits = [i for i, c in enumerate(calls) if c.op == "wait" and c.stream == "copy0"]
