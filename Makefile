@@ -44,6 +44,12 @@ mutants:
 check:
 	$(PYTHON) -m omni_prefix_cache check $(CHECKFLAGS)
 
+# The CUDA path's first-run check (<3 min on one GPU); a CPU dry run without CUDA.
+# GPUCHECKFLAGS: e.g. GPUCHECKFLAGS="--dry-run" or GPUCHECKFLAGS="--json --steps 800"
+.PHONY: gpu-check
+gpu-check:
+	$(PYTHON) -m omni_prefix_cache.gpu_check $(GPUCHECKFLAGS)
+
 .PHONY: fuzz
 DURATION ?= 600
 fuzz:
