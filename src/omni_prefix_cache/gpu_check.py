@@ -300,9 +300,13 @@ def check_copy_failure(backend: Backend) -> Check:
     return Check(f"copy_failure[{backend.name}]", ok, {"state": state, "staged_bytes": staged, "join_raised": raised})
 
 
-def check_device_fault(backend: Backend, timeout_s: float = 60.0) -> Check:
+def check_device_fault(
+    backend: Backend, timeout_s: float = 60.0, report: Callable[[dict[str, Any]], None] | None = None
+) -> Check:
     """Materialize raises on a device fault, the next call raises the sticky
-    error, shutdown returns: all within ``timeout_s``."""
+    error, shutdown returns: all within ``timeout_s``. ``report`` gets the
+    numbers before shutdown (a child process prints them, in case the dead
+    CUDA context takes the process down while tearing down)."""
     assert backend.inject_fault is not None
     engine = backend.make_engine()
     view = SimGroupView(4)
@@ -339,8 +343,11 @@ def check_device_fault(backend: Backend, timeout_s: float = 60.0) -> Check:
                 numbers[name] = f"raised: {str(exc)[:160]}"
             except BaseException as exc:  # the wrong type: reported, not hidden
                 numbers[name] = f"raised {type(exc).__name__}: {str(exc)[:160]}"
+        if report is not None:
+            report(dict(numbers))
     finally:
         mgr.shutdown()
+    numbers["shutdown"] = "returned"
     numbers["elapsed_s"] = round(time.monotonic() - started, 2)
     # Either side may see the fault first: materialize's own wait ("device
     # fault") or the committer's wait of the same copy ("write failed").
@@ -348,6 +355,7 @@ def check_device_fault(backend: Backend, timeout_s: float = 60.0) -> Check:
         numbers.get("first_ok") is True
         and str(numbers.get("materialize", "")).startswith("raised: ")
         and str(numbers.get("next_call", "")).startswith("raised: ")
+        and numbers["shutdown"] == "returned"
         and numbers["elapsed_s"] < timeout_s
     )
     return Check(f"device_fault[{backend.name}]", ok, numbers)
@@ -359,11 +367,15 @@ def _device_fault_in_child(timeout_s: float) -> Check:  # pragma: no cover - CUD
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return Check("device_fault[cuda]", False, {}, f"hung: no answer within {timeout_s:g}s")
+    lines = [ln for ln in out.stdout.strip().splitlines() if ln.startswith("{")]
     try:
-        got = json.loads(out.stdout.strip().splitlines()[-1])
-        return Check(got["name"], bool(got["ok"]), got["numbers"], got.get("note", ""))
-    except (ValueError, IndexError, KeyError):
+        got = json.loads(lines[-1])
+    except (ValueError, IndexError):
         return Check("device_fault[cuda]", False, {"rc": out.returncode}, (out.stdout + out.stderr)[-800:])
+    if "name" not in got:  # only the pre-shutdown report: the child died tearing down
+        note = f"child exited rc={out.returncode} during shutdown: {out.stderr[-400:]}"
+        return Check("device_fault[cuda]", False, got, note)
+    return Check(got["name"], bool(got["ok"]), got["numbers"], got.get("note", ""))
 
 
 def check_cuda_tests() -> Check:  # pragma: no cover - CUDA only
@@ -408,8 +420,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child-fault", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child_fault:  # pragma: no cover - CUDA only
-        check = check_device_fault(cuda_backend(lag_ms=200.0, forward_ms=0.0))
-        print(json.dumps({"name": check.name, "ok": check.ok, "numbers": check.numbers, "note": check.note}))
+        check = check_device_fault(
+            cuda_backend(lag_ms=200.0, forward_ms=0.0), report=lambda n: print(json.dumps(n, default=str), flush=True)
+        )
+        payload = {"name": check.name, "ok": check.ok, "numbers": check.numbers, "note": check.note}
+        print(json.dumps(payload, default=str), flush=True)
         return 0 if check.ok else 1
     dry = args.dry_run or not torch.cuda.is_available()
     steps = args.steps if args.steps is not None else (40 if dry else 400)
