@@ -50,8 +50,9 @@ class PrefixCacheConfig:
 
     num_blocks: int
     block_size: int
-    # Device-clone byte budget for JOIN_ON_FINISH writes; over it, the oldest
-    # pending task is forced to copy.
+    # Device-clone byte budget for JOIN_ON_FINISH writes, charged the same on
+    # every engine; over it, the oldest pending task is forced to copy. The
+    # immediate clone is bounded by the staging pages instead (docs/cuda.md).
     gpu_staging_bytes: int = 512 * 1024 * 1024
     # Staging pages, each holding one whole step (not one request).
     staging_depth: int = 4
