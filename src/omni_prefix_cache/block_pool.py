@@ -8,31 +8,27 @@ rows (a gather returns a copy, never a view into the slab).
 
 Slabs are plain (pageable) host memory: no device copy ever reads or writes
 them, so pinning would only lock host memory (and torch's pinned allocator
-rounds each block up to a power of two). A slab is calloc'ed: the OS maps
-zero pages on first touch, so opening one costs neither a zeroing pass on
-the engine thread nor resident memory before the committer writes rows.
+rounds each block up to a power of two). A slab is an anonymous mapping: the
+OS maps zero pages on first touch, so opening one costs neither a zeroing
+pass on the engine thread nor resident memory before the committer writes.
 """
 
 from __future__ import annotations
 
+import mmap
 import threading
 
-import numpy as np
 import torch
 
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, PrefixCacheConfig, TensorName
 
-_ALIGN = 64  # bytes; what torch's own CPU allocator guarantees
-
-
 def zeroed_host(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed, unpinned ``(rows, width)`` host tensor whose pages are
-    mapped lazily (calloc through numpy: numpy has no bfloat16, so the bytes
-    are allocated as uint8 and viewed as ``dtype``)."""
+    """A zeroed, unpinned, page-aligned ``(rows, width)`` host tensor whose
+    pages the OS maps lazily (an anonymous private mapping; the tensor keeps
+    the mapping alive and it is unmapped with the last view)."""
     nbytes = int(rows) * int(width) * torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(nbytes + _ALIGN, dtype=np.uint8)
-    start = -raw.ctypes.data % _ALIGN
-    return torch.from_numpy(raw[start : start + nbytes]).view(dtype).view(int(rows), int(width))
+    raw = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(int(rows), int(width))
 
 
 class PrefixBlockPool:
