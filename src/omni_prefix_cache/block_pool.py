@@ -22,6 +22,7 @@ import torch
 
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, PrefixCacheConfig, TensorName
 
+
 def zeroed_host(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed, unpinned, page-aligned ``(rows, width)`` host tensor whose
     pages the OS maps lazily (an anonymous private mapping; the tensor keeps
