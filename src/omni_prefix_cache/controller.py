@@ -287,24 +287,26 @@ class OmniPrefixCacheController:
             # registered but will never run, so they fail (releasing budget
             # and staging holds) before the error reaches the caller.
             self._flush_batch(batch, reraise=False)
-            error = self._write_error(current, exc, "copy") if current is not None else exc
-            self._fail_batch(tasks, error)
+            error = self.write_error(current, exc, "copy") if current is not None else exc
+            self.fail_tasks(tasks, error)
             raise error  # noqa: B904 - the cause is set on the error itself
         self._batch.open = outer
         try:
             self._flush_batch(batch, reraise=True)
         except BaseException as exc:
-            self._fail_batch(tasks, exc)
+            self.fail_tasks(tasks, exc)
             raise
 
-    def _fail_batch(self, tasks: list[WriteTask], error: BaseException) -> None:
-        """Fail every unfinished task of an eager batch with ``error``."""
+    def fail_tasks(self, tasks: list[WriteTask], error: BaseException) -> None:
+        """Fail every unfinished task of ``tasks`` (an eager batch, a failed
+        save's registrations), recording ``error`` as the cause where it is a
+        write-failed error."""
         for task in tasks:
             if isinstance(error, OmniPrefixCacheWriteFailedError):
                 self._note_cause(task, error)
             self._fail_task(task.tid)
 
-    def _write_error(
+    def write_error(
         self,
         task: WriteTask,
         cause: BaseException,
@@ -611,7 +613,7 @@ class OmniPrefixCacheController:
                 self._blocked.append(tid)
         except BaseException as exc:
             logger.exception("omni prefix cache: copy failed for task %s (req %s)", tid, task.req_id)
-            self._note_cause(task, self._write_error(task, exc, "copy"))
+            self._note_cause(task, self.write_error(task, exc, "copy"))
             self._fail_task(tid)
         return tid
 
@@ -732,7 +734,7 @@ class OmniPrefixCacheController:
                 # This task's failure only: letting it escape would fail
                 # whatever the loop touches next and strand this task's join.
                 logger.exception("omni prefix cache: pool write failed for task %s", tid)
-                self._note_cause(task, self._write_error(task, exc, "pool write"))
+                self._note_cause(task, self.write_error(task, exc, "pool write"))
                 self._fail_task(tid)
         return ready
 
@@ -790,7 +792,7 @@ class OmniPrefixCacheController:
                 written.append(task)
             except BaseException as exc:
                 logger.exception("omni prefix cache: pool write failed for task %s", task.tid)
-                error = self._write_error(task, exc, "pool write", key, slots)
+                error = self.write_error(task, exc, "pool write", key, slots)
                 self._note_cause(task, error)
                 self._fail_task(task.tid)
                 first_error = first_error or error

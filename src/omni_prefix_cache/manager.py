@@ -695,9 +695,12 @@ class OmniPrefixCacheManager:
                 self._controller.refund_unpinned(reserved)
             # Eager: copy + pool write inline, outside the lock.
             self._controller.dispatch(immediate)
-        except BaseException:
-            self._abandon_save(sid, claimed, reserved, registered, published, hits)
-            raise
+        except BaseException as exc:
+            error = self._save_error(sid, exc, registered, published)
+            self._abandon_save(sid, claimed, reserved, registered, published, hits, error)
+            if error is exc:
+                raise
+            raise error from exc
         self._start_prefetch(jobs)
         return sid
 
@@ -1092,24 +1095,44 @@ class OmniPrefixCacheManager:
         registered: list[WriteTask],
         published: bool,
         hits: dict[ReqId, _PendingHit],
+        error: BaseException,
     ) -> None:
         """Undo a failed save: no step context, no step holder (``abandon``),
         no budget no task pinned. Tasks registered but never handed to the
-        committer fail (their rows will never land: the failure is sticky).
-        An eager dispatch failure already failed its batch."""
+        committer fail with ``error`` (their rows will never land: the
+        failure is sticky). An eager dispatch failure already failed its batch."""
         with self._state_lock:
             if published:
                 self._step_ctxs.pop(sid, None)
             for hit in hits.values():
                 self._drop_hit_locked(hit)
-        for task in registered:
-            if task.state in (TaskState.PENDING, TaskState.QUEUED) and not published:
-                self._controller._fail_task(task.tid)
+        if not published:
+            self._controller.fail_tasks(self._stranded(registered), error)
         if reserved:
             # Uncharges exactly the tickets no task pinned (release is once per ticket).
             self._controller.refund_unpinned(reserved)
         if claimed is not None:
             self._controller.staging_release(claimed.staging_slot, StagingBufferHolder.for_step(sid), "abandon")
+
+    @staticmethod
+    def _stranded(registered: list[WriteTask]) -> list[WriteTask]:
+        """Registered writes a failed save never handed to the committer."""
+        return [t for t in registered if t.state in (TaskState.PENDING, TaskState.QUEUED)]
+
+    def _save_error(
+        self, sid: StepId, exc: BaseException, registered: list[WriteTask], published: bool
+    ) -> BaseException:
+        """What a failed save raises: a library error (or a non-Exception)
+        as is; otherwise a write-failed error when the failure strands
+        registered writes (sticky), else a contract error naming the step."""
+        if isinstance(exc, OmniPrefixCacheUnmatchError) or not isinstance(exc, Exception):
+            return exc
+        stranded = [] if published else self._stranded(registered)
+        if stranded:
+            return self._controller.write_error(stranded[0], exc, "registration")
+        error = OmniPrefixCacheUnmatchError(f"save_outputs (step {sid}) failed: {exc!r}")
+        error.__cause__ = exc
+        return error
 
     # ============================================================ materialize
 
@@ -1395,7 +1418,13 @@ class OmniPrefixCacheManager:
                     "written (ABSENT); the omni cache diverged from the KV cache"
                 )
             pos = absent.nonzero().flatten()
-            baseline = self._pool.rows(key, slots[pos])
+            try:
+                baseline = self._pool.rows(key, slots[pos])
+            except Exception as exc:
+                raise OmniPrefixCacheUnmatchError(
+                    f"prefix hit of request {req_id!r}: reading the {key!r} baseline at slots {_listed(slots[pos])} "
+                    f"failed: {exc!r}"
+                ) from exc
             for i, slot in enumerate(slots[pos].tolist()):
                 ref.preserved[slot] = baseline[i]
         transit = state == IN_TRANSIT
@@ -1545,7 +1574,14 @@ class OmniPrefixCacheManager:
             need = [s for s in ref.slot_set & reused if s not in ref.preserved]
             if not need:
                 continue
-            rows = self._pool.rows(key, torch.tensor(need, dtype=torch.int64))
+            try:
+                rows = self._pool.rows(key, torch.tensor(need, dtype=torch.int64))
+            except Exception:
+                # The write must go on. Left without its copy, this read
+                # raises "reassigned" when it is fetched: an error, not a
+                # wrong row.
+                logger.exception("omni prefix cache: preserving %r rows for request %r failed", key, ref.req_id)
+                continue
             for i, slot in enumerate(need):
                 ref.preserved[slot] = rows[i]
 
