@@ -392,6 +392,12 @@ def test_5_a_failed_staging_copy_names_the_step_and_loses_only_that_step(eager: 
     assert info.value.__cause__ is cause and not isinstance(info.value, OmniPrefixCacheWriteFailedError)
     pool.views = real
     assert_nothing_held(mgr)
+    # Nothing was registered: the snapshot is kept, so the save is retried.
+    values = [float(s) for s in drv.view.slot_ids("a", 0, 4)]
+    sid = mgr.save_outputs(drv.rows(HIDDEN_KEY, values), {"m": drv.rows("m", values)}, num_tokens_unpadded=4,
+                           num_tokens_padded=4)  # fmt: skip
+    got = mgr.materialize(sid, ["a"])
+    assert torch.equal(got.hidden_states["a"], drv.rows(HIDDEN_KEY, values))
     sid, want = drv.run({"b": Req([1], 0, 4)})
     drv.check(sid, want)
 
@@ -481,9 +487,20 @@ def test_7_stats_report_a_failure_waiting_to_be_drained(eager: bool, managers: l
         mgr.new_step_starts(sched())
 
 
-def test_staging_timeout_is_its_own_type(managers: list) -> None:
-    mgr, drv = make(True, staging_depth=1, staging_claim_timeout_s=0)
+@pytest.mark.parametrize("eager", MODES)
+def test_a_staging_timeout_is_its_own_type_and_the_save_can_be_retried(eager: bool, managers: list) -> None:
+    mgr, drv = make(eager, staging_depth=1, staging_claim_timeout_s=0.5)
     managers.append(mgr)
-    drv.run({"a": Req([0], 0, 4)})
-    with pytest.raises(OmniPrefixCacheStagingTimeoutError, match="unconsumed step contexts"):
-        drv.run({"b": Req([1], 0, 4)})
+    first, want_first = drv.run({"a": Req([0], 0, 4)})
+    drv.view.order, drv.view.blocks["b"], drv.view.start["b"] = ["b"], [1], 0
+    drv.live.add("b")
+    mgr.new_step_starts(sched([new_req("b", 0, ([1],))], (), {"b": 4}))
+    values = [float(s) for s in drv.view.slot_ids("b", 0, 4)]
+    hidden, mm = drv.rows(HIDDEN_KEY, values), {"m": drv.rows("m", values)}
+    with pytest.raises(OmniPrefixCacheStagingTimeoutError, match=f"unconsumed step contexts \\[{first}\\]"):
+        mgr.save_outputs(hidden, mm, num_tokens_unpadded=4, num_tokens_padded=4)
+    drv.check(first, want_first)  # what the error says to do
+    quiesce(mgr)
+    sid = mgr.save_outputs(hidden, mm, num_tokens_unpadded=4, num_tokens_padded=4)
+    assert torch.equal(mgr.materialize(sid, ["b"]).hidden_states["b"], hidden)
+    assert_nothing_held(mgr)

@@ -614,6 +614,7 @@ class OmniPrefixCacheManager:
         reserved: list[_BudgetTicket] = []
         registered: list[WriteTask] = []
         published = False
+        registering = False  # past this point a failed save cannot be retried
         try:
             # Deferred rows already cloned on the CPU are this step's own
             # snapshot too; everything else leftover is copied now.
@@ -644,6 +645,7 @@ class OmniPrefixCacheManager:
             }
 
             with self._state_lock:
+                registering = True
                 # First, before any table changes: a failure here leaves
                 # nothing registered.
                 self._commit_drained_writes()
@@ -697,7 +699,9 @@ class OmniPrefixCacheManager:
             self._controller.dispatch(immediate)
         except BaseException as exc:
             error = self._save_error(sid, exc, registered, published)
-            self._abandon_save(sid, claimed, reserved, registered, published, hits, error)
+            self._abandon_save(
+                sid, claimed, reserved, registered, published, hits, error, None if registering else sched
+            )
             if error is exc:
                 raise
             raise error from exc
@@ -1096,16 +1100,25 @@ class OmniPrefixCacheManager:
         published: bool,
         hits: dict[ReqId, _PendingHit],
         error: BaseException,
+        retry: _SchedSnapshot | None,
     ) -> None:
         """Undo a failed save: no step context, no step holder (``abandon``),
         no budget no task pinned. Tasks registered but never handed to the
         committer fail with ``error`` (their rows will never land: the
-        failure is sticky). An eager dispatch failure already failed its batch."""
+        failure is sticky). An eager dispatch failure already failed its batch.
+
+        ``retry``: the save failed before registering anything (a staging
+        timeout, a failed staging copy, a join): its scheduler snapshot and
+        hits are put back, so the engine may call save_outputs again (under
+        a new step id) and no row behind a published block hash is lost."""
         with self._state_lock:
             if published:
                 self._step_ctxs.pop(sid, None)
-            for hit in hits.values():
-                self._drop_hit_locked(hit)
+            if retry is not None and self._pending_sched is None and not self._pending_hits:
+                self._pending_sched, self._pending_hits = retry, hits
+            else:
+                for hit in hits.values():
+                    self._drop_hit_locked(hit)
         if not published:
             self._controller.fail_tasks(self._stranded(registered), error)
         if reserved:
