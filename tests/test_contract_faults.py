@@ -179,7 +179,7 @@ def test_long_run_tables_stay_bounded_by_the_live_working_set(eager: bool) -> No
     peak: Counter[str] = Counter()
     try:
         steps = 0
-        while model._next < 300:
+        while model._next < 150:
             step = plan(model, rng)
             if step is None:
                 continue
@@ -210,7 +210,7 @@ def test_long_run_tables_stay_bounded_by_the_live_working_set(eager: bool) -> No
             assert len(ctrl._staging_pool._page_of) <= 1 + 3 * CAPACITY
             peak["live"] = max(peak["live"], live)
             peak["records"] = max(peak["records"], len(mgr._records))
-        assert steps > 100
+        assert steps > 100  # far more requests than ever live at once
         for rid in list(model.requests):
             model.end(rid)
         mgr.new_step_starts(SchedOut([], model.finished_pending, {}))

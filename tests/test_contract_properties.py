@@ -230,7 +230,7 @@ def test_every_call_gives_exact_rows_or_a_documented_error_and_a_refusal_changes
     try:
         for _ in range(draw(st.integers(1, 3), label="arrivals")):
             model.arrive(draw(st.integers(0, 2)), [21])
-        for _ in range(draw(st.integers(2, 7), label="steps")):
+        for _ in range(draw(st.integers(2, 5), label="steps")):
             if draw(st.booleans(), label="arrive"):
                 model.arrive(draw(st.integers(0, 2)), [22, 23][: draw(st.integers(0, 2))])
             running = [r.rid for r in model.running()]
