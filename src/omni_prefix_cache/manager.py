@@ -790,7 +790,11 @@ class OmniPrefixCacheManager:
             self._pending_sched = None
         self._prefetch.shutdown(wait=False, cancel_futures=True)
         for ctx in open_steps:
-            self._finish_consume(ctx, step_move(ctx.step_id, ctx.state, "discard"))
+            # Cleanup must not raise: a refused release is logged, the rest go on.
+            try:
+                self._finish_consume(ctx, step_move(ctx.step_id, ctx.state, "discard"))
+            except Exception:
+                logger.exception("omni prefix cache: releasing step %s at shutdown failed", ctx.step_id)
         self._controller.shutdown()
 
     # ============================================================ save helpers
