@@ -254,8 +254,8 @@ class OmniPrefixCacheController:
         Threaded/manual: enqueue and wake. Eager: copy and pool write run
         here, inline (never call under the manager's state lock); the pool
         is written once per key for the batch, and if any task fails, every
-        task of the batch not yet written fails too before the error
-        propagates.
+        task of the batch not yet written fails too before the write-failed
+        error (naming the failed task, its cause as ``__cause__``) propagates.
         """
         if not tasks:
             return
@@ -347,8 +347,8 @@ class OmniPrefixCacheController:
                 self._causes.setdefault(task.tid, error)
 
     def failure_of(self, tid: Tid) -> OmniPrefixCacheWriteFailedError | None:
-        """The recorded cause of a failed task (None if it failed without one:
-        a failed save, a shutdown)."""
+        """The recorded cause of a failed task (None if it failed without a
+        write-failed error: a shutdown, a save refused by a library error)."""
         with self._lock:
             return self._causes.get(tid)
 
