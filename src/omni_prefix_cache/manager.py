@@ -749,7 +749,9 @@ class OmniPrefixCacheManager:
         materialized / discarded, tokens saved, rows committed to the pool
         (rows x keys), failed writes, live requests, open steps, and the
         controller's snapshot (tasks by state, queue depths, staged bytes,
-        staging holders by kind)."""
+        staging holders by kind). A write failure the committer recorded
+        counts at once (``failed_writes``, ``sticky_failure``), before any
+        serving entry drains it."""
         names = (
             "hit_requests",
             "hit_tokens",
