@@ -41,7 +41,9 @@ import torch
 from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.copy_engine import CopyEngine, DeviceEvents, default_engine
 from omni_prefix_cache.interface import (
+    OmniPrefixCacheShutdownError,
     OmniPrefixCacheUnmatchError,
+    OmniPrefixCacheWriteFailedError,
     PrefixCacheConfig,
     TensorName,
     Tid,
@@ -129,6 +131,9 @@ class OmniPrefixCacheController:
         self._tasks: dict[Tid, WriteTask] = {}
         self._completed: deque[Tid] = deque()  # pool-written, not yet drained by the manager
         self._failed: deque[Tid] = deque()  # failed; the manager raises from every later entry
+        # Why a task failed, for the error its joiners and the manager raise.
+        # Only failed tasks have an entry, and failed tasks stay registered.
+        self._causes: dict[Tid, OmniPrefixCacheWriteFailedError] = {}
         self._staged_bytes = 0
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -188,9 +193,15 @@ class OmniPrefixCacheController:
                 for dst, src in copies:
                     dst.copy_(src)
             return StepD2HClaim(staging_slot=page, views=views, event=event)
-        except BaseException:
+        except BaseException as exc:
             self._staging_pool.release(page, step_holder, "abandon")
-            raise
+            if isinstance(exc, OmniPrefixCacheUnmatchError) or not isinstance(exc, Exception):
+                raise
+            # Nothing was registered yet, so nothing is lost but this step.
+            raise OmniPrefixCacheUnmatchError(
+                f"step {step_holder.owner_id}: copying keys {sorted(tensors)} ({n} rows) into staging page {page} "
+                f"failed: {exc!r}"
+            ) from exc
 
     def staging_bind(self, slot: int, holder: StagingBufferHolder) -> None:
         """Bind a task holder to the page its step holds (before dispatch)."""
@@ -245,8 +256,8 @@ class OmniPrefixCacheController:
         Threaded/manual: enqueue and wake. Eager: copy and pool write run
         here, inline (never call under the manager's state lock); the pool
         is written once per key for the batch, and if any task fails, every
-        task of the batch not yet written fails too before the error
-        propagates.
+        task of the batch not yet written fails too before the write-failed
+        error (naming the failed task, its cause as ``__cause__``) propagates.
         """
         if not tasks:
             return
@@ -268,25 +279,80 @@ class OmniPrefixCacheController:
         outer = getattr(self._batch, "open", None)
         batch = _PoolWriteBatch()
         self._batch.open = batch
+        current: WriteTask | None = None
         try:
-            for task in tasks:
-                self._run_eager(task)
-        except BaseException:
+            for current in tasks:
+                self._run_eager(current)
+        except BaseException as exc:
             self._batch.open = outer
             # Tasks written before the failure keep their rows; the rest were
             # registered but will never run, so they fail (releasing budget
             # and staging holds) before the error reaches the caller.
             self._flush_batch(batch, reraise=False)
-            for task in tasks:
-                self._fail_task(task.tid)
-            raise
+            error = self.write_error(current, exc, "copy") if current is not None else exc
+            self.fail_tasks(tasks, error)
+            raise error  # noqa: B904 - the cause is set on the error itself
         self._batch.open = outer
         try:
             self._flush_batch(batch, reraise=True)
-        except BaseException:
-            for task in tasks:
-                self._fail_task(task.tid)
+        except BaseException as exc:
+            self.fail_tasks(tasks, exc)
             raise
+
+    def fail_tasks(self, tasks: list[WriteTask], error: BaseException) -> None:
+        """Fail every unfinished task of ``tasks`` (an eager batch, a failed
+        save's registrations), recording ``error`` as the cause where it is a
+        write-failed error."""
+        for task in tasks:
+            if isinstance(error, OmniPrefixCacheWriteFailedError):
+                self._note_cause(task, error)
+            self._fail_task(task.tid)
+
+    def write_error(
+        self,
+        task: WriteTask,
+        cause: BaseException,
+        stage: str,
+        key: TensorName | None = None,
+        slots: torch.Tensor | None = None,
+    ) -> BaseException:
+        """The error to raise for ``task`` failing at ``stage`` (``copy`` or
+        ``pool write``): ``cause`` itself when it is already one (or not an
+        Exception), else a write-failed error naming the task, request, keys
+        and slots, with ``cause`` as its ``__cause__``."""
+        if isinstance(cause, OmniPrefixCacheWriteFailedError) or not isinstance(cause, Exception):
+            return cause
+        if key is not None:
+            keys: tuple[TensorName, ...] = (key,)
+        else:
+            keys = tuple(dict.fromkeys(k for c in task.chunks for k in (*c.host, *c.tensors)))
+        if slots is None:
+            parts = [c.slots_cpu for c in task.chunks]
+            slots = torch.cat(parts) if parts else torch.empty((0,), dtype=torch.int64)
+        listed = [int(x) for x in slots.tolist()]
+        shown = f"{listed[:16]}" + (f" (+{len(listed) - 16} more)" if len(listed) > 16 else "")
+        error = OmniPrefixCacheWriteFailedError(
+            f"omni prefix cache write failed: {stage} of task {task.tid} (req {task.req_id!r}, "
+            f"{task.schedule.value}) keys {list(keys)} slots {shown}: {cause!r}",
+            tid=task.tid,
+            req_id=task.req_id,
+            keys=keys,
+            slots=tuple(listed),
+        )
+        error.__cause__ = cause
+        return error
+
+    def _note_cause(self, task: WriteTask, error: BaseException) -> None:
+        """Record why ``task`` fails (first cause wins), before it fails."""
+        if isinstance(error, OmniPrefixCacheWriteFailedError) and not task.is_terminal:
+            with self._lock:
+                self._causes.setdefault(task.tid, error)
+
+    def failure_of(self, tid: Tid) -> OmniPrefixCacheWriteFailedError | None:
+        """The recorded cause of a failed task (None if it failed without a
+        write-failed error: a shutdown, a save refused by a library error)."""
+        with self._lock:
+            return self._causes.get(tid)
 
     def submit(self, task: WriteTask, queued: bool = True) -> None:
         """``register`` + ``dispatch`` (callers not holding the state lock)."""
@@ -412,7 +478,20 @@ class OmniPrefixCacheController:
             if task.state is TaskState.FAILED:
                 # FAILED sets both events; the one-shot failure record may
                 # already be drained elsewhere, so raise here too.
-                raise OmniPrefixCacheUnmatchError(f"task {tid} ({task.schedule.value}) write failed before {event}")
+                cause = self.failure_of(tid)
+                if cause is None and self._shutdown:
+                    raise OmniPrefixCacheShutdownError(
+                        f"task {tid} ({task.schedule.value}) failed before {event}: the cache was shut down"
+                    )
+                error = OmniPrefixCacheWriteFailedError(
+                    f"task {tid} ({task.schedule.value}) write failed before {event}"
+                    + (f": {cause}" if cause is not None else ""),
+                    tid=tid,
+                    req_id=task.req_id,
+                    keys=cause.keys if cause is not None else (),
+                    slots=cause.slots if cause is not None else (),
+                )
+                raise error from (cause.__cause__ if cause is not None else None)
 
     def drain_completed(self) -> list[Tid]:
         """Pop pool-written tids and forget their tasks (manager, under its lock)."""
@@ -557,8 +636,9 @@ class OmniPrefixCacheController:
                 if tid in self._blocked:
                     raise OmniPrefixCacheUnmatchError(f"task {tid} reached HOST_READY twice")
                 self._blocked.append(tid)
-        except BaseException:
+        except BaseException as exc:
             logger.exception("omni prefix cache: copy failed for task %s (req %s)", tid, task.req_id)
+            self._note_cause(task, self.write_error(task, exc, "copy"))
             self._fail_task(tid)
         return tid
 
@@ -669,12 +749,14 @@ class OmniPrefixCacheController:
             for tid in ready:
                 self._blocked.remove(tid)
         for tid in ready:
+            task = self._tasks[tid]
             try:
-                self._scatter(self._tasks[tid])
-            except BaseException:
+                self._scatter(task)
+            except BaseException as exc:
                 # This task's failure only: letting it escape would fail
                 # whatever the loop touches next and strand this task's join.
                 logger.exception("omni prefix cache: pool write failed for task %s", tid)
+                self._note_cause(task, self.write_error(task, exc, "pool write"))
                 self._fail_task(tid)
         return ready
 
@@ -723,6 +805,8 @@ class OmniPrefixCacheController:
         first_error: BaseException | None = None
         written: list[WriteTask] = []
         for task, rows in zip(batch.tasks, batch.rows):
+            key: TensorName | None = None
+            slots: torch.Tensor | None = None
             try:
                 if not written_merged:
                     for key, slots, host in rows:
@@ -730,8 +814,10 @@ class OmniPrefixCacheController:
                 written.append(task)
             except BaseException as exc:
                 logger.exception("omni prefix cache: pool write failed for task %s", task.tid)
+                error = self.write_error(task, exc, "pool write", key, slots)
+                self._note_cause(task, error)
                 self._fail_task(task.tid)
-                first_error = first_error or exc
+                first_error = first_error or error
         self._complete_many(written)
         if first_error is not None and reraise:
             raise first_error

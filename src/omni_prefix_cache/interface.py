@@ -65,11 +65,11 @@ class PrefixCacheConfig:
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "staging_depth", "staging_capacity_tokens", "copy_chunk_bytes"):
             if int(getattr(self, name)) <= 0:
-                raise OmniPrefixCacheUnmatchError(
+                raise OmniPrefixCacheInvalidArgumentError(
                     f"PrefixCacheConfig.{name} must be positive, got {getattr(self, name)}"
                 )
         if self.gpu_staging_bytes < 0 or self.staging_claim_timeout_s < 0:
-            raise OmniPrefixCacheUnmatchError(
+            raise OmniPrefixCacheInvalidArgumentError(
                 "PrefixCacheConfig: gpu_staging_bytes and staging_claim_timeout_s must be >= 0"
             )
 
@@ -114,6 +114,59 @@ class OmniPrefixCacheUnmatchError(RuntimeError):
     steps larger than a staging page, failed writes, and every other broken
     rule; the message names the request, key, slots or step involved.
     """
+
+
+class OmniPrefixCacheInvalidArgumentError(OmniPrefixCacheUnmatchError, ValueError):
+    """A facade call was given a bad value (a negative count, a misaligned
+    hit, a tensor with the wrong shape, dtype or device, ...).
+
+    Raised before the call changes anything: the manager is exactly as it
+    was, so the caller may fix the input and call again.
+    """
+
+
+class OmniPrefixCacheInvalidTypeError(OmniPrefixCacheInvalidArgumentError, TypeError):
+    """A facade call was given a value of the wrong type (a float or bool
+    where a count or step id belongs, a ``str`` where a list of request ids
+    belongs, ...). Raised before the call changes anything."""
+
+
+class OmniPrefixCacheWriteFailedError(OmniPrefixCacheUnmatchError):
+    """A write of cached rows to the CPU pool failed. Sticky: rows behind
+    block hashes vLLM already published never landed, so every later
+    serving entry raises this error again.
+
+    ``tid``, ``req_id``, ``keys`` and ``slots`` name the first failed write
+    (None where unknown); the underlying exception is ``__cause__``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        tid: Tid | None = None,
+        req_id: ReqId | None = None,
+        keys: tuple[TensorName, ...] = (),
+        slots: tuple[int, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.tid = tid
+        self.req_id = req_id
+        self.keys = keys
+        self.slots = slots
+
+    def again(self) -> OmniPrefixCacheWriteFailedError:
+        """A fresh error with the same details and cause, to raise from a
+        later entry (one exception object is never raised on two threads)."""
+        err = OmniPrefixCacheWriteFailedError(
+            str(self), tid=self.tid, req_id=self.req_id, keys=self.keys, slots=self.slots
+        )
+        err.__cause__ = self.__cause__
+        return err
+
+
+class OmniPrefixCacheShutdownError(OmniPrefixCacheUnmatchError):
+    """The manager was shut down before or during the call."""
 
 
 class OmniPrefixCacheStagingTimeoutError(OmniPrefixCacheUnmatchError):

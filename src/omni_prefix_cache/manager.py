@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import threading
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -48,7 +49,11 @@ from omni_prefix_cache.copy_engine import CopyEngine, CudaRuntime
 from omni_prefix_cache.interface import (
     HIDDEN_KEY,
     ModelCachePolicy,
+    OmniPrefixCacheInvalidArgumentError,
+    OmniPrefixCacheInvalidTypeError,
+    OmniPrefixCacheShutdownError,
     OmniPrefixCacheUnmatchError,
+    OmniPrefixCacheWriteFailedError,
     PrefixCacheConfig,
     ReqId,
     StageCacheOutputs,
@@ -71,6 +76,80 @@ def _listed(values: Sequence[Any] | torch.Tensor) -> str:
     items = values.tolist() if isinstance(values, torch.Tensor) else list(values)
     more = len(items) - _MAX_LISTED
     return f"{items[:_MAX_LISTED]}" + (f" (+{more} more)" if more > 0 else "")
+
+
+# ---------------------------------------------------------------- input checks
+# The facade checks its arguments before it changes anything, so a rejected
+# call leaves the manager exactly as it was (the caller may fix and retry).
+
+
+def _int(what: str, value: Any) -> int:
+    """``value`` as an int; bools and floats are refused, not truncated."""
+    if isinstance(value, bool):
+        raise OmniPrefixCacheInvalidTypeError(f"{what} must be an int, got bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise OmniPrefixCacheInvalidTypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+def _count(what: str, value: Any) -> int:
+    """``value`` as a non-negative int (see ``_int``)."""
+    out = _int(what, value)
+    if out < 0:
+        raise OmniPrefixCacheInvalidArgumentError(f"{what} must be >= 0, got {out}")
+    return out
+
+
+def _step_id(what: str, value: Any) -> StepId:
+    """A step id as save_outputs returned it (an int; never a bool or float)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise OmniPrefixCacheInvalidTypeError(
+            f"{what}: step id must be the int save_outputs returned, got {type(value).__name__} {value!r}"
+        )
+    return value
+
+
+def _req_id(what: str, value: Any) -> ReqId:
+    if not isinstance(value, str):
+        raise OmniPrefixCacheInvalidTypeError(f"{what}: request id must be a str, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _req_ids(what: str, value: Any) -> list[ReqId]:
+    """A collection of request ids (None: none). A bare str is refused: it
+    would be read one character per request."""
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise OmniPrefixCacheInvalidTypeError(
+            f"{what} must be a collection of request ids, got {type(value).__name__} {value!r}"
+        )
+    return [_req_id(what, r) for r in value]
+
+
+def _check_device(what: str, value: torch.Tensor) -> None:
+    """Rows must live where the cache can copy them from: the CPU, or CUDA
+    when CUDA is available."""
+    kind = value.device.type
+    if kind == "cpu" or (kind == "cuda" and torch.cuda.is_available()):
+        return
+    raise OmniPrefixCacheInvalidArgumentError(
+        f"{what} is on device {value.device}; the cache copies from the CPU"
+        + (" or CUDA" if torch.cuda.is_available() else " (CUDA is not available)")
+    )
+
+
+def _check_devices(what: str, value: Any) -> None:
+    """``_check_device`` for every tensor in a (nested) mm entry."""
+    if isinstance(value, torch.Tensor):
+        _check_device(what, value)
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            _check_devices(f"{what}[{k!r}]", v)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_devices(f"{what}[{i}]", v)
 
 
 # ---------------------------------------------------------------- module helpers
@@ -234,6 +313,9 @@ class _RequestTasks:
     ``tasks[req]``: tids of the request's undrained writes, in opening order.
     ``deferred[req]``: its open JOIN_ON_FINISH write (chunks append to it).
     ``opened[req]``: how many writes the request has opened (``write_n``).
+    An entry lives while the request is live or has undrained writes
+    (``drop_if_idle``), so every table is bounded by the working set, not
+    by the requests ever seen.
     """
 
     def __init__(self) -> None:
@@ -257,6 +339,13 @@ class _RequestTasks:
                 del self.tasks[req_id]
         if self.deferred.get(req_id) is task:
             del self.deferred[req_id]
+
+    def drop_if_idle(self, req_id: ReqId) -> None:
+        """Forget ``req_id`` (no longer live) once it has no undrained write;
+        a later request reusing the id counts its writes from 1 again."""
+        if req_id not in self.tasks:
+            self.opened.pop(req_id, None)
+            self.deferred.pop(req_id, None)
 
 
 @dataclass(eq=False)
@@ -341,7 +430,7 @@ class OmniPrefixCacheManager:
         self._pending_reads: set[_PlannedRead] = set()
         self._reads_by_key: dict[TensorName, set[_PlannedRead]] = {}
         self._layouts: dict[TensorName, KeyLayout] = {}
-        self._failure: str | None = None
+        self._failure: OmniPrefixCacheWriteFailedError | None = None  # the first, sticky
         # Operator counters (state lock); see stats().
         self._counters: Counter[str] = Counter()
         self._closed = False
@@ -352,8 +441,11 @@ class OmniPrefixCacheManager:
     def register_policy(self, policy: ModelCachePolicy) -> None:
         """Set the model's cache policy (hidden or not, deferred mm keys).
         Engine thread, before or between steps; takes the state lock."""
+        self._check_open()
         if not isinstance(policy, ModelCachePolicy):
-            raise OmniPrefixCacheUnmatchError(f"register_policy needs a ModelCachePolicy, got {type(policy).__name__}")
+            raise OmniPrefixCacheInvalidTypeError(
+                f"register_policy needs a ModelCachePolicy, got {type(policy).__name__}"
+            )
         with self._state_lock:
             self._policy = policy
 
@@ -363,17 +455,29 @@ class OmniPrefixCacheManager:
         finished/aborted requests, register prefix hits of requests that are
         not live and start gathering them on the prefetch thread.
 
-        Raises OmniPrefixCacheUnmatchError on a sticky write failure, on a
-        hit that is not block aligned or lacks group-0 block ids (nothing
-        is registered then). Takes the state lock twice; escalation (which
-        runs eager writes inline) happens between, outside it.
+        Validate, then mutate: a bad argument (a request id that is not a
+        str, a negative or non-int count, a hit that is not block aligned or
+        lacks group-0 block ids) raises OmniPrefixCacheInvalidArgumentError
+        before anything changes, finished requests included; the caller
+        fixes the output and calls again. Raises the write-failed error on a
+        sticky failure and the shutdown error after shutdown. Takes the
+        state lock twice; escalation (which runs eager writes inline)
+        happens between, outside it.
         """
         self._check_open()
         self._raise_if_failed()
-        finished = list(getattr(scheduler_output, "finished_req_ids", None) or ())
-        new_reqs = list(getattr(scheduler_output, "scheduled_new_reqs", None) or ())
-        raw_sched = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
-        num_sched = {str(r): int(k) for r, k in raw_sched.items()}
+        finished = _req_ids("finished_req_ids", getattr(scheduler_output, "finished_req_ids", None))
+        new_reqs = self._new_requests(getattr(scheduler_output, "scheduled_new_reqs", None))
+        raw_sched = getattr(scheduler_output, "num_scheduled_tokens", None)
+        if raw_sched is None:
+            raw_sched = {}
+        if not isinstance(raw_sched, Mapping):
+            raise OmniPrefixCacheInvalidTypeError(
+                f"num_scheduled_tokens must be a mapping of request id to count, got {type(raw_sched).__name__}"
+            )
+        num_sched = {
+            _req_id("num_scheduled_tokens", r): _count(f"num_scheduled_tokens[{r!r}]", k) for r, k in raw_sched.items()
+        }
         escalate: list[Tid] = []
         new_hits: list[_PendingHit] = []
         with self._state_lock:
@@ -381,13 +485,11 @@ class OmniPrefixCacheManager:
             # Validate every hit before touching any table: a bad hit must
             # leave nothing half-registered behind.
             candidates: list[tuple[ReqId, int, list[int]]] = []
-            for req in new_reqs:
-                rid = req.req_id
+            for rid, computed, block_ids in new_reqs:
                 if rid in self._live and rid not in gone:
                     continue  # a live request re-entering the new list is not a hit
-                computed = int(getattr(req, "num_computed_tokens", 0) or 0)
                 if computed > 0:
-                    candidates.append((rid, computed, self._hit_blocks(rid, computed, getattr(req, "block_ids", None))))
+                    candidates.append((rid, computed, self._hit_blocks(rid, computed, block_ids)))
             for rid in finished:
                 self._live.discard(rid)
                 self._request_tasks.deferred.pop(rid, None)
@@ -398,8 +500,9 @@ class OmniPrefixCacheManager:
                     rec = self._records.get(tid)
                     if rec is not None and not rec.task.is_terminal:
                         escalate.append(tid)
-            for req in new_reqs:
-                self._live.add(req.req_id)
+                self._request_tasks.drop_if_idle(rid)
+            for rid, _, _ in new_reqs:
+                self._live.add(rid)
             # A step with nothing scheduled has no save: the next snapshot
             # replaces it. Its hits (if any) stay pending for the next save.
             self._pending_sched = _SchedSnapshot(num_sched)
@@ -428,6 +531,28 @@ class OmniPrefixCacheManager:
                 jobs.extend(self._plan_hit_locked(hit, at_save=False))
         self._start_prefetch(jobs)
 
+    @staticmethod
+    def _new_requests(raw: Any) -> list[tuple[ReqId, int, Any]]:
+        """``(req_id, num_computed_tokens, block_ids)`` of each scheduled new
+        request, type-checked (the hit itself is checked under the lock)."""
+        if raw is None:
+            return []
+        if isinstance(raw, (str, bytes, Mapping)) or not isinstance(raw, Iterable):
+            raise OmniPrefixCacheInvalidTypeError(
+                f"scheduled_new_reqs must be a list of new-request records, got {type(raw).__name__}"
+            )
+        out: list[tuple[ReqId, int, Any]] = []
+        for req in raw:
+            if not hasattr(req, "req_id"):
+                raise OmniPrefixCacheInvalidTypeError(
+                    f"scheduled_new_reqs holds a {type(req).__name__} without a req_id: {req!r}"
+                )
+            rid = _req_id("scheduled_new_reqs", req.req_id)
+            computed = getattr(req, "num_computed_tokens", 0)
+            computed = _count(f"num_computed_tokens of request {rid!r}", 0 if computed is None else computed)
+            out.append((rid, computed, getattr(req, "block_ids", None)))
+        return out
+
     def save_outputs(
         self,
         hidden: torch.Tensor | None,
@@ -443,45 +568,61 @@ class OmniPrefixCacheManager:
         page and copies the immediate rows into it, reserves the deferred
         clone's budget, then (under the state lock) registers this step's
         writes, maps their slots and plans same-step hits; the eager writes
-        run after the lock is released. Raises OmniPrefixCacheUnmatchError
-        on a sticky failure, bad input (no new_step_starts, a slot mapping
-        that does not cover the step, too few hidden rows, an oversized step,
-        a key changing dtype/width) or a join timeout, and the staging
-        timeout error naming the unconsumed steps; no staging holder or
-        budget is left behind by a failed save.
+        run after the lock is released.
+
+        Validate, then mutate: bad input (no new_step_starts, a non-int or
+        negative token count, a tensor of the wrong type, shape, dtype or
+        device, a slot mapping that does not cover the step, too few hidden
+        rows, an oversized step, a key changing dtype/width) raises
+        OmniPrefixCacheInvalidArgumentError before the step's scheduler
+        snapshot and hits are taken, so a corrected call may follow. Later
+        failures raise the write-failed error (sticky), a join timeout, or
+        the staging timeout error naming the unconsumed steps; no staging
+        holder or budget is left behind by a failed save.
         """
         self._check_open()
         self._raise_if_failed()
+        n = _count("save_outputs: num_tokens_unpadded", num_tokens_unpadded)
+        padded = _count("save_outputs: num_tokens_padded", num_tokens_padded)
         with self._state_lock:
-            sched, self._pending_sched = self._pending_sched, None
-            hits, self._pending_hits = self._pending_hits, {}
+            # Engine thread only: nothing else takes a snapshot or a step id.
+            sched = self._pending_sched
             sid = self._next_step_id
+        if sched is None:
+            raise OmniPrefixCacheUnmatchError(f"save_outputs (step {sid}) without a new_step_starts before it")
+        if padded < n:
+            raise OmniPrefixCacheInvalidArgumentError(
+                f"save_outputs (step {sid}): num_tokens_padded={padded} < num_tokens_unpadded={n}"
+            )
+        self._check_step_tensors(sid, hidden, mm)
+        req_order, spans, slots = self._step_layout(sid, sched, n)
+        num_sched = {r: spans[r][1] for r in req_order}
+        query_start = {r: spans[r][0] for r in req_order}
+        split = self._split_step_outputs(
+            hidden,
+            mm,
+            n,
+            padded,
+            slots_cpu=slots,
+            req_order=req_order,
+            num_sched=num_sched,
+            query_start=query_start,
+        )
+        if split.immediate and n > self._config.staging_capacity_tokens:
+            raise OmniPrefixCacheInvalidArgumentError(
+                f"step {sid} has {n} tokens; staging capacity is {self._config.staging_capacity_tokens} "
+                "(size staging_capacity_tokens to max_num_batched_tokens)"
+            )
+        with self._state_lock:
+            self._pending_sched = None
+            hits, self._pending_hits = self._pending_hits, {}
             self._next_step_id += 1
         claimed: StepD2HClaim | None = None
         reserved: list[_BudgetTicket] = []
         registered: list[WriteTask] = []
         published = False
+        registering = False  # past this point a failed save cannot be retried
         try:
-            if sched is None:
-                raise OmniPrefixCacheUnmatchError(f"save_outputs (step {sid}) without a new_step_starts before it")
-            n, padded = int(num_tokens_unpadded), int(num_tokens_padded)
-            if n < 0 or padded < n:
-                raise OmniPrefixCacheUnmatchError(
-                    f"save_outputs (step {sid}): num_tokens_unpadded={n}, num_tokens_padded={padded}"
-                )
-            req_order, spans, slots = self._step_layout(sid, sched, n)
-            num_sched = {r: spans[r][1] for r in req_order}
-            query_start = {r: spans[r][0] for r in req_order}
-            split = self._split_step_outputs(
-                hidden,
-                mm,
-                n,
-                padded,
-                slots_cpu=slots,
-                req_order=req_order,
-                num_sched=num_sched,
-                query_start=query_start,
-            )
             # Deferred rows already cloned on the CPU are this step's own
             # snapshot too; everything else leftover is copied now.
             cpu_deferred = {k for k, t in split.deferred_clone.items() if t.device.type == "cpu"}
@@ -511,6 +652,7 @@ class OmniPrefixCacheManager:
             }
 
             with self._state_lock:
+                registering = True
                 # First, before any table changes: a failure here leaves
                 # nothing registered.
                 self._commit_drained_writes()
@@ -562,9 +704,14 @@ class OmniPrefixCacheManager:
                 self._controller.refund_unpinned(reserved)
             # Eager: copy + pool write inline, outside the lock.
             self._controller.dispatch(immediate)
-        except BaseException:
-            self._abandon_save(sid, claimed, reserved, registered, published, hits)
-            raise
+        except BaseException as exc:
+            error = self._save_error(sid, exc, registered, published)
+            self._abandon_save(
+                sid, claimed, reserved, registered, published, hits, error, None if registering else sched
+            )
+            if error is exc:
+                raise
+            raise error from exc
         self._start_prefetch(jobs)
         return sid
 
@@ -577,19 +724,28 @@ class OmniPrefixCacheManager:
         step's staging holder is released whatever happens. Raises
         OmniPrefixCacheUnmatchError for an unknown or consumed step id, ids
         outside the save snapshot, a sticky write failure, or a hit that
-        cannot be served (absent hidden rows, a reassigned delayed read).
+        cannot be served (absent hidden rows, a reassigned delayed read, a
+        failed pool read). A step id that is not an int or ``req_ids`` that
+        is not a collection of str raise the invalid-type error without
+        consuming the step; after shutdown, the shutdown error.
         """
+        _step_id("materialize", step_id)
+        req_ids = _req_ids(f"materialize(step {step_id}): req_ids", req_ids)
+        self._check_open()
         with self._state_lock:
             ctx, move = self._consume_locked(step_id, "materialize")
         try:
-            return self._materialize(ctx, list(req_ids))
+            return self._materialize(ctx, req_ids)
         finally:
             self._finish_consume(ctx, move)
 
     def discard_step(self, step_id: StepId) -> None:
         """Consume ``step_id`` without building outputs (any thread, exactly
         once). Releases its staging holder and drops its hit prefetches.
-        Works after a write failure. Raises for an unknown or consumed id."""
+        Works after a write failure. Raises for an unknown or consumed id,
+        and after shutdown (which already released every open step)."""
+        _step_id("discard_step", step_id)
+        self._check_open()
         with self._state_lock:
             ctx, move = self._consume_locked(step_id, "discard")
         self._finish_consume(ctx, move)
@@ -600,7 +756,9 @@ class OmniPrefixCacheManager:
         materialized / discarded, tokens saved, rows committed to the pool
         (rows x keys), failed writes, live requests, open steps, and the
         controller's snapshot (tasks by state, queue depths, staged bytes,
-        staging holders by kind)."""
+        staging holders by kind). A write failure the committer recorded
+        counts at once (``failed_writes``, ``sticky_failure``), before any
+        serving entry drains it."""
         names = (
             "hit_requests",
             "hit_tokens",
@@ -612,6 +770,10 @@ class OmniPrefixCacheManager:
             "failed_writes",
         )
         with self._state_lock:
+            # Report a failure the committer recorded but no entry drained yet.
+            failed = self._controller.drain_failed()
+            if failed:
+                self._note_failures_locked(failed)
             out: dict[str, Any] = {name: self._counters.get(name, 0) for name in names}
             out["live_requests"] = len(self._live)
             out["open_steps"] = len(self._step_ctxs)
@@ -622,15 +784,52 @@ class OmniPrefixCacheManager:
 
     def shutdown(self) -> None:
         """Stop the prefetch thread and the controller (queued writes land
-        first; unfinished ones fail). Later facade calls raise. Idempotent."""
+        first; unfinished ones fail). Steps not yet consumed are released
+        and their hit reads dropped. Later facade calls (stats aside) raise
+        the shutdown error; a materialize racing shutdown returns exact rows
+        or raises it. Idempotent."""
         with self._state_lock:
             if self._closed:
                 return
             self._closed = True
+            open_steps = list(self._step_ctxs.values())
+            self._step_ctxs.clear()
+            for hit in self._pending_hits.values():
+                self._drop_hit_locked(hit)
+            self._pending_hits.clear()
+            self._pending_sched = None
         self._prefetch.shutdown(wait=False, cancel_futures=True)
+        for ctx in open_steps:
+            # Cleanup must not raise: a refused release is logged, the rest go on.
+            try:
+                self._finish_consume(ctx, step_move(ctx.step_id, ctx.state, "discard"))
+            except Exception:
+                logger.exception("omni prefix cache: releasing step %s at shutdown failed", ctx.step_id)
         self._controller.shutdown()
 
     # ============================================================ save helpers
+
+    def _check_step_tensors(self, sid: StepId, hidden: Any, mm: Any) -> None:
+        """Type and device checks of a save's outputs (shapes are checked
+        where they are routed)."""
+        if hidden is not None:
+            if not isinstance(hidden, torch.Tensor):
+                raise OmniPrefixCacheInvalidTypeError(
+                    f"save_outputs (step {sid}): hidden states must be a tensor or None, got {type(hidden).__name__}"
+                )
+            _check_device(f"save_outputs (step {sid}): hidden states", hidden)
+        if mm is None:
+            return
+        if not isinstance(mm, Mapping):
+            raise OmniPrefixCacheInvalidTypeError(
+                f"save_outputs (step {sid}): multimodal outputs must be a mapping, got {type(mm).__name__}"
+            )
+        for key, value in mm.items():
+            if not isinstance(key, str):
+                raise OmniPrefixCacheInvalidTypeError(
+                    f"save_outputs (step {sid}): multimodal output names must be str, got {type(key).__name__} {key!r}"
+                )
+            _check_devices(f"save_outputs (step {sid}): mm output {key!r}", value)
 
     def _step_layout(
         self, sid: StepId, sched: _SchedSnapshot, n: int
@@ -643,26 +842,28 @@ class OmniPrefixCacheManager:
         start = 0
         for rid in order:
             if rid in spans:
-                raise OmniPrefixCacheUnmatchError(f"save_outputs (step {sid}): request {rid!r} twice in the batch")
+                raise OmniPrefixCacheInvalidArgumentError(
+                    f"save_outputs (step {sid}): request {rid!r} twice in the batch"
+                )
             rows = num_sched[rid]
             spans[rid] = (start, rows)
             start += rows
         unbatched = sorted(r for r, k in num_sched.items() if k > 0 and r not in spans)
         if unbatched or start != n:
-            raise OmniPrefixCacheUnmatchError(
+            raise OmniPrefixCacheInvalidArgumentError(
                 f"save_outputs (step {sid}): the slot mapping covers {start} scheduled tokens of batch requests "
                 f"but the step has {n} tokens (scheduled outside the batch: {_listed(unbatched)})"
             )
         slots = self._view.step_slots_cpu(order, num_sched) if order else torch.empty((0,), dtype=torch.int64)
         if not isinstance(slots, torch.Tensor) or slots.ndim != 1 or int(slots.numel()) != n:
             got = tuple(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__
-            raise OmniPrefixCacheUnmatchError(
+            raise OmniPrefixCacheInvalidArgumentError(
                 f"save_outputs (step {sid}): slot mapping {got} does not cover the step's {n} tokens"
             )
         slots = slots.to(torch.int64)
         if n and (int(slots.min()) < 0 or int(slots.max()) >= self._pool.num_slots):
             bad = slots[(slots < 0) | (slots >= self._pool.num_slots)]
-            raise OmniPrefixCacheUnmatchError(
+            raise OmniPrefixCacheInvalidArgumentError(
                 f"save_outputs (step {sid}): slots {_listed(bad)} outside [0, {self._pool.num_slots})"
             )
         return order, spans, slots
@@ -677,11 +878,11 @@ class OmniPrefixCacheManager:
         layout = KeyLayout(dtype=rows.dtype, width=width, trailing=trailing)
         known = self._layouts.get(key)
         if known is not None and known != layout:
-            raise OmniPrefixCacheUnmatchError(
+            raise OmniPrefixCacheInvalidArgumentError(
                 f"key {key!r}: step rows are {rows.dtype} {trailing}, the pool holds {known.dtype} {known.trailing}"
             )
         if width <= 0:
-            raise OmniPrefixCacheUnmatchError(f"key {key!r}: token rows of shape {trailing} hold no values")
+            raise OmniPrefixCacheInvalidArgumentError(f"key {key!r}: token rows of shape {trailing} hold no values")
         layouts[key] = layout
         return rows.reshape(int(rows.shape[0]), width)
 
@@ -712,15 +913,17 @@ class OmniPrefixCacheManager:
         if policy.needs_full_hidden_states:
             if not isinstance(hidden, torch.Tensor) or hidden.ndim < 2 or int(hidden.shape[0]) < n:
                 got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
-                raise OmniPrefixCacheUnmatchError(f"hidden states {got} have fewer than the step's {n} token rows")
+                raise OmniPrefixCacheInvalidArgumentError(
+                    f"hidden states {got} have fewer than the step's {n} token rows"
+                )
             immediate[HIDDEN_KEY] = self._layout_of(HIDDEN_KEY, hidden.detach()[:n], layouts)
         if mm is None:
             mm = {}
         if not isinstance(mm, Mapping):
-            raise OmniPrefixCacheUnmatchError(f"multimodal outputs must be a mapping, got {type(mm).__name__}")
+            raise OmniPrefixCacheInvalidTypeError(f"multimodal outputs must be a mapping, got {type(mm).__name__}")
         for key, value in mm.items():
             if is_hidden_key(key):
-                raise OmniPrefixCacheUnmatchError(f"mm output uses the reserved hidden key name {key!r}")
+                raise OmniPrefixCacheInvalidArgumentError(f"mm output uses the reserved hidden key name {key!r}")
             if not _is_step_token_tensor(value, n, padded):
                 leftover[key] = value
                 continue
@@ -904,24 +1107,53 @@ class OmniPrefixCacheManager:
         registered: list[WriteTask],
         published: bool,
         hits: dict[ReqId, _PendingHit],
+        error: BaseException,
+        retry: _SchedSnapshot | None,
     ) -> None:
         """Undo a failed save: no step context, no step holder (``abandon``),
         no budget no task pinned. Tasks registered but never handed to the
-        committer fail (their rows will never land: the failure is sticky).
-        An eager dispatch failure already failed its batch."""
+        committer fail with ``error`` (their rows will never land: the
+        failure is sticky). An eager dispatch failure already failed its batch.
+
+        ``retry``: the save failed before registering anything (a staging
+        timeout, a failed staging copy, a join): its scheduler snapshot and
+        hits are put back, so the engine may call save_outputs again (under
+        a new step id) and no row behind a published block hash is lost."""
         with self._state_lock:
             if published:
                 self._step_ctxs.pop(sid, None)
-            for hit in hits.values():
-                self._drop_hit_locked(hit)
-        for task in registered:
-            if task.state in (TaskState.PENDING, TaskState.QUEUED) and not published:
-                self._controller._fail_task(task.tid)
+            if retry is not None and self._pending_sched is None and not self._pending_hits:
+                self._pending_sched, self._pending_hits = retry, hits
+            else:
+                for hit in hits.values():
+                    self._drop_hit_locked(hit)
+        if not published:
+            self._controller.fail_tasks(self._stranded(registered), error)
         if reserved:
             # Uncharges exactly the tickets no task pinned (release is once per ticket).
             self._controller.refund_unpinned(reserved)
         if claimed is not None:
             self._controller.staging_release(claimed.staging_slot, StagingBufferHolder.for_step(sid), "abandon")
+
+    @staticmethod
+    def _stranded(registered: list[WriteTask]) -> list[WriteTask]:
+        """Registered writes a failed save never handed to the committer."""
+        return [t for t in registered if t.state in (TaskState.PENDING, TaskState.QUEUED)]
+
+    def _save_error(
+        self, sid: StepId, exc: BaseException, registered: list[WriteTask], published: bool
+    ) -> BaseException:
+        """What a failed save raises: a library error (or a non-Exception)
+        as is; otherwise a write-failed error when the failure strands
+        registered writes (sticky), else a contract error naming the step."""
+        if isinstance(exc, OmniPrefixCacheUnmatchError) or not isinstance(exc, Exception):
+            return exc
+        stranded = [] if published else self._stranded(registered)
+        if stranded:
+            return self._controller.write_error(stranded[0], exc, "registration")
+        error = OmniPrefixCacheUnmatchError(f"save_outputs (step {sid}) failed: {exc!r}")
+        error.__cause__ = exc
+        return error
 
     # ============================================================ materialize
 
@@ -957,6 +1189,7 @@ class OmniPrefixCacheManager:
                     self._forget_read(ref)
 
     def _materialize(self, ctx: StepContext, req_ids: list[ReqId]) -> StageCacheOutputs:
+        self._check_open()
         self._raise_if_failed()
         outside = [r for r in req_ids if r not in ctx.spans]
         if outside:
@@ -1012,7 +1245,7 @@ class OmniPrefixCacheManager:
             for key, fut in ctx.hit_prefetch.get(rid, {}).items():
                 if key in sources:
                     continue
-                prefix = self._restore_shape(ctx, key, fut.result()[:computed])
+                prefix = self._restore_shape(ctx, key, self._hit_rows(ctx, rid, key, fut)[:computed])
                 if is_hidden_key(key):
                     if hidden_out is not None:
                         hidden_out[rid] = prefix
@@ -1042,7 +1275,7 @@ class OmniPrefixCacheManager:
             raise OmniPrefixCacheUnmatchError(
                 f"materialize(step {ctx.step_id}): hit of request {rid!r} has no planned read for key {key!r}"
             )
-        buf = fut.result()
+        buf = self._hit_rows(ctx, rid, key, fut)
         rows = int(tail.shape[0])
         if int(buf.shape[0]) != computed + rows:
             grown = torch.empty((computed + rows, *buf.shape[1:]), dtype=buf.dtype)
@@ -1050,6 +1283,17 @@ class OmniPrefixCacheManager:
             buf = grown
         buf[computed:].copy_(tail)
         return buf
+
+    def _hit_rows(self, ctx: StepContext, rid: ReqId, key: TensorName, fut: Future[torch.Tensor]) -> torch.Tensor:
+        """The prefetched ``[prefix | tail]`` buffer. Only shutdown cancels
+        a read a step still owns, so a cancelled one is the shutdown error."""
+        try:
+            return fut.result()
+        except CancelledError:
+            raise OmniPrefixCacheShutdownError(
+                f"materialize(step {ctx.step_id}): the hit read of {key!r} rows for request {rid!r} was cancelled "
+                "by shutdown"
+            ) from None
 
     @staticmethod
     def _restore_shape(ctx: StepContext, key: TensorName, rows: torch.Tensor) -> torch.Tensor:
@@ -1065,22 +1309,31 @@ class OmniPrefixCacheManager:
         """Validate a hit and return its group-0 prefix block ids."""
         bs = self._block_size
         if computed % bs:
-            raise OmniPrefixCacheUnmatchError(
+            raise OmniPrefixCacheInvalidArgumentError(
                 f"prefix hit not block aligned: request {rid!r} has num_computed_tokens={computed}, block_size={bs}"
             )
         need = computed // bs
         group0 = None
+        if isinstance(block_ids, (str, bytes)) or (block_ids is not None and not isinstance(block_ids, Sequence)):
+            raise OmniPrefixCacheInvalidTypeError(
+                f"prefix hit of request {rid!r}: block_ids must be a sequence of per-group block id lists, "
+                f"got {type(block_ids).__name__}"
+            )
         if block_ids is not None and len(block_ids) > 0:
             group0 = block_ids[0]
+        if group0 is not None and (isinstance(group0, (str, bytes)) or not isinstance(group0, Sequence)):
+            raise OmniPrefixCacheInvalidTypeError(
+                f"prefix hit of request {rid!r}: group-0 block ids must be a sequence, got {type(group0).__name__}"
+            )
         if group0 is None or len(group0) < need:
             have = 0 if group0 is None else len(group0)
-            raise OmniPrefixCacheUnmatchError(
+            raise OmniPrefixCacheInvalidArgumentError(
                 f"prefix hit of request {rid!r} ({computed} tokens, {need} blocks) comes with {have} group-0 block ids"
             )
-        blocks = [int(b) for b in list(group0)[:need]]
+        blocks = [_int(f"prefix hit of request {rid!r}: block id", b) for b in list(group0)[:need]]
         bad = [b for b in blocks if b < 0 or b >= self._config.num_blocks]
         if bad:
-            raise OmniPrefixCacheUnmatchError(
+            raise OmniPrefixCacheInvalidArgumentError(
                 f"prefix hit of request {rid!r}: block ids {_listed(bad)} outside [0, {self._config.num_blocks})"
             )
         return blocks
@@ -1140,17 +1393,28 @@ class OmniPrefixCacheManager:
             total = hit.num_computed + hit.num_scheduled
             try:
                 fut = self._prefetch.submit(self._prefetch_read, ref, layout, hit.num_computed, total)
-            except RuntimeError as exc:  # executor shut down
+            except Exception as exc:
                 self._forget_read(ref)
                 fut = Future()
-                fut.set_exception(OmniPrefixCacheUnmatchError(f"prefetch for request {hit.req_id!r}: {exc}"))
+                kind = OmniPrefixCacheShutdownError if self._closed else OmniPrefixCacheUnmatchError
+                error = kind(f"prefetch of {key!r} rows for request {hit.req_id!r} could not start: {exc!r}")
+                error.__cause__ = exc
+                fut.set_exception(error)
             hit.futures[key] = fut
 
     def _prefetch_read(self, ref: _PlannedRead, layout: KeyLayout, computed: int, total: int) -> torch.Tensor:
         """Prefetch thread: build ``[prefix | empty tail]`` so materialize
         only writes the tail."""
-        buf = torch.empty((total, layout.width), dtype=layout.dtype)
-        self._fetch_source(ref, out=buf[:computed])
+        try:
+            buf = torch.empty((total, layout.width), dtype=layout.dtype)
+            self._fetch_source(ref, out=buf[:computed])
+        except OmniPrefixCacheUnmatchError:
+            raise
+        except Exception as exc:
+            raise OmniPrefixCacheUnmatchError(
+                f"prefix hit of request {ref.req_id!r}: reading {ref.key!r} rows at slots {_listed(ref.slots)} "
+                f"failed: {exc!r}"
+            ) from exc
         return buf
 
     def _slot_ref(self, slots: torch.Tensor, key: TensorName, req_id: ReqId) -> _PlannedRead:
@@ -1175,7 +1439,13 @@ class OmniPrefixCacheManager:
                     "written (ABSENT); the omni cache diverged from the KV cache"
                 )
             pos = absent.nonzero().flatten()
-            baseline = self._pool.rows(key, slots[pos])
+            try:
+                baseline = self._pool.rows(key, slots[pos])
+            except Exception as exc:
+                raise OmniPrefixCacheUnmatchError(
+                    f"prefix hit of request {req_id!r}: reading the {key!r} baseline at slots {_listed(slots[pos])} "
+                    f"failed: {exc!r}"
+                ) from exc
             for i, slot in enumerate(slots[pos].tolist()):
                 ref.preserved[slot] = baseline[i]
         transit = state == IN_TRANSIT
@@ -1325,7 +1595,14 @@ class OmniPrefixCacheManager:
             need = [s for s in ref.slot_set & reused if s not in ref.preserved]
             if not need:
                 continue
-            rows = self._pool.rows(key, torch.tensor(need, dtype=torch.int64))
+            try:
+                rows = self._pool.rows(key, torch.tensor(need, dtype=torch.int64))
+            except Exception:
+                # The write must go on. Left without its copy, this read
+                # raises "reassigned" when it is fetched: an error, not a
+                # wrong row.
+                logger.exception("omni prefix cache: preserving %r rows for request %r failed", key, ref.req_id)
+                continue
             for i, slot in enumerate(need):
                 ref.preserved[slot] = rows[i]
 
@@ -1357,6 +1634,8 @@ class OmniPrefixCacheManager:
                 continue
             settled.append(rec)
             forget(rec.req_id, rec.task)
+            if rec.req_id not in self._live:
+                self._request_tasks.drop_if_idle(rec.req_id)
             for keys, part in rec.parts:
                 slot_parts, owners, counts = groups.setdefault(keys, ([], [], []))
                 slot_parts.append(part)
@@ -1375,13 +1654,24 @@ class OmniPrefixCacheManager:
         self._counters["failed_writes"] += len(failed)
         settled = {rec.task.tid: rec for rec in self._settle_locked(failed, "drop")}
         names = [f"task {tid} (req {settled[tid].req_id!r})" if tid in settled else f"task {tid}" for tid in failed]
+        causes = [c for tid in failed if (c := self._controller.failure_of(tid)) is not None]
+        first = causes[0] if causes else None
         message = (
             f"omni prefix cache write failed: {', '.join(names)}; rows behind published block hashes never "
-            "landed, so the cache can no longer serve hits"
+            "landed, so the cache can no longer serve hits" + (f" (first: {first})" if first is not None else "")
         )
         logger.error("%s", message)
         if self._failure is None:
-            self._failure = message
+            rec = settled.get(failed[0])
+            error = OmniPrefixCacheWriteFailedError(
+                message,
+                tid=first.tid if first is not None else failed[0],
+                req_id=first.req_id if first is not None else (rec.req_id if rec is not None else None),
+                keys=first.keys if first is not None else (),
+                slots=first.slots if first is not None else (),
+            )
+            error.__cause__ = first.__cause__ if first is not None else None
+            self._failure = error
 
     def _wait_device(self, ctx: StepContext, event: Any, what: str) -> None:
         """Host-wait a device event of ``ctx``'s step. A device fault (the
@@ -1401,10 +1691,10 @@ class OmniPrefixCacheManager:
             failed = self._controller.drain_failed()
             if failed:
                 self._note_failures_locked(failed)
-            message = self._failure
-        if message is not None:
-            raise OmniPrefixCacheUnmatchError(message)
+            failure = self._failure
+        if failure is not None:
+            raise failure.again()
 
     def _check_open(self) -> None:
         if self._closed:
-            raise OmniPrefixCacheUnmatchError("omni prefix cache manager is shut down")
+            raise OmniPrefixCacheShutdownError("omni prefix cache manager is shut down")
