@@ -41,7 +41,7 @@ MODES = [pytest.param(True, id="eager"), pytest.param(False, id="threaded")]
 # seam -> (object, attribute) of the manager it patches
 SEAMS: dict[str, Callable[[OmniPrefixCacheManager], tuple[Any, str]]] = {
     "copy engine launch": lambda m: (m._controller._engine, "launch"),
-    "copy engine host copy": lambda m: (m._controller._engine, "to_host"),
+    "copy engine host copy": lambda m: (m._controller._engine, "copy_into"),
     "staging view": lambda m: (m._controller._staging_pool, "views"),
     "pool write": lambda m: (m._pool, "write"),
     "pool read": lambda m: (m._pool, "rows"),

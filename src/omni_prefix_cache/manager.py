@@ -1679,11 +1679,16 @@ class OmniPrefixCacheManager:
         try:
             event.synchronize()
         except RuntimeError as exc:
-            message = f"step {ctx.step_id}: device fault while waiting its {what}: {exc}"
+            # A dead device context loses every write still in flight, so it
+            # is sticky like a failed pool write.
+            error = OmniPrefixCacheWriteFailedError(
+                f"step {ctx.step_id}: device fault while waiting its {what}: {exc}"
+            )
+            error.__cause__ = exc
             with self._state_lock:
                 if self._failure is None:
-                    self._failure = message
-            raise OmniPrefixCacheUnmatchError(message) from exc
+                    self._failure = error
+            raise error.again() from exc
 
     def _raise_if_failed(self) -> None:
         """Sticky failure check at every serving facade entry."""
