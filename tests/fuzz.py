@@ -206,11 +206,11 @@ def replay_command(args: argparse.Namespace, name: str, chunk_seed: int | None) 
     return shlex.join(parts)
 
 
-def summary(targets: list[Target], elapsed: float, out: Any = sys.stdout) -> None:
+def summary(targets: list[Target], elapsed: float, out: Any = None) -> None:
     """Machines, examples, steps, elapsed; per spec the moves run; per racing machine its rules."""
     examples = sum(t.examples for t in targets)
     steps = sum(t.steps for t in targets)
-    p = functools.partial(print, file=out)
+    p = functools.partial(print, file=out or sys.stdout)
     p(f"\nfuzz summary: {len(targets)} machines, {examples} examples, {steps} steps, {elapsed:.1f}s elapsed")
     for t in targets:
         p(f"  {t.name:28s} {t.chunks:5d} chunks {t.examples:7d} examples {t.steps:9d} steps {t.seconds:7.1f}s")
@@ -359,10 +359,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.mutant:
             print(f"mutant switched on: {args.mutant}")
         if args.seed is not None:
-            ok = run.replay_seed()
-            if ok:
-                print(f"replayed {args.machine[0]} seed {args.seed}: passed")
-            return 0 if ok else 1
+            if not run.replay_seed():
+                return 1
+            run.summary()
+            print(f"replayed {args.machine[0]} seed {args.seed}: passed")
+            return 0
         ok = run.replay_databases() and (args.replay_db or run.fuzz())
     if not ok:
         return 1
