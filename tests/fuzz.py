@@ -132,6 +132,8 @@ def _counted_rule(fn: Callable[..., Any], target: Target) -> Callable[..., Any]:
     def rule(*args: Any, **kwargs: Any) -> Any:
         target.steps += 1
         target.rules[fn.__name__] += 1
+        if isinstance(action := kwargs.get("action"), str):  # a rule playing one of several protocol actions
+            target.rules[f"{fn.__name__}({action})"] += 1
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
@@ -200,10 +202,8 @@ def run_chunk(target: Target, chunk_seed: int | None, run_settings: settings) ->
 
 
 def replay_command(args: argparse.Namespace, name: str, chunk_seed: int | None) -> str:
-    python = sys.executable
-    with contextlib.suppress(ValueError):
-        python = os.path.relpath(python) if not os.path.relpath(python).startswith("..") else python
-    parts = [python, "tests/fuzz.py", "--machine", name]
+    python = os.path.relpath(sys.executable)
+    parts = [sys.executable if python.startswith("..") else python, "tests/fuzz.py", "--machine", name]
     if chunk_seed is None:
         parts += ["--replay-db", "--db", str(args.db)]
     else:
@@ -234,8 +234,9 @@ def summary(targets: list[Target], elapsed: float, out: Any = None) -> None:
             p(f"    ({t.note})")
     for t in targets:
         if t.spec is None:
-            rules = [r.function.__name__ for r in t.machine.setup_state().rules]
-            p(f"  {t.name} rules: " + " ".join(f"{r}:{t.rules[r]}" for r in sorted(rules)))
+            rules = {r.function.__name__ for r in t.machine.setup_state().rules}
+            actions = {r for r in t.rules if r.split("(")[0] in rules}
+            p(f"  {t.name} rules: " + " ".join(f"{r}:{t.rules[r]}" for r in sorted(rules | actions)))
 
 
 @contextlib.contextmanager
