@@ -329,15 +329,20 @@ class Simulation:
         mgr.new_step_starts(out)
         return (time.perf_counter_ns() - t0) / 1000.0
 
-    def _one_step(self, mgr: Any, step: int, worker: _Materializer | None) -> None:
-        res = self.result
-        plan = self.sched.schedule(step)
+    def _batch_order(self, plan: StepPlan) -> list[str]:
+        """Update the input batch for ``plan``; return its row order (what the forward's rows follow)."""
         order = self.batch.update([e.req.req_id for e in plan.entries])
         self.view.set_step(
             order,
             {e.req.req_id: e.req.blocks for e in plan.entries},
             {e.req.req_id: e.start for e in plan.entries},
         )
+        return order
+
+    def _one_step(self, mgr: Any, step: int, worker: _Materializer | None) -> None:
+        res = self.result
+        plan = self.sched.schedule(step)
+        order = self._batch_order(plan)
         engine_us = self._timed_new_step(mgr, plan.output)
         if not plan.entries:
             self.sched.update(plan)
