@@ -112,6 +112,14 @@ class SimResult:
     wall_s: float = 0.0
     error: str | None = None
 
+    def extra_rows(self) -> list[tuple[str, str]]:
+        """Engine-specific rows of the summary table (none for the look-alike engine)."""
+        return []
+
+    def extra_summary(self) -> dict[str, Any]:
+        """Engine-specific entries of the JSON summary."""
+        return {}
+
     @property
     def leaked(self) -> bool:
         return any(v for v in self.leaks.values())

@@ -24,7 +24,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -75,7 +75,13 @@ def load_vllm() -> SimpleNamespace:
     """Import the vLLM names the driver uses (8-30 s the first time); ImportError without vLLM."""
     for k, v in VLLM_ENV.items():
         os.environ.setdefault(k, v)
-    ns = SimpleNamespace(vllm=importlib.import_module("vllm"))
+    try:
+        ns = SimpleNamespace(vllm=importlib.import_module("vllm"))
+    except ImportError as exc:
+        raise ImportError(
+            f"vLLM is not importable ({exc}); build its environment with `bash .ci/setup-vllm.sh` "
+            "and run .venv-vllm/bin/omni-prefix-cache"
+        ) from exc
     for module, names in VLLM_NAMES.items():
         mod = importlib.import_module(module)
         for name in names:
@@ -146,7 +152,10 @@ class VllmScheduler:
     feeds a fake ``ModelRunnerOutput`` back each step.
     """
 
-    def __init__(self, cfg: SimConfig, opts: VllmOptions, v: SimpleNamespace) -> None:
+    def __init__(
+        self, cfg: SimConfig, opts: VllmOptions, v: SimpleNamespace, trace: list[RequestSpec] | None = None
+    ) -> None:
+        """``trace`` replaces the workload generated from ``cfg`` (directed tests)."""
         self.cfg, self.opts, self.v = cfg, opts, v
         self.stats = VllmSchedulerStats()
         self.alloc = SimpleNamespace(stats=KvBlockStats())
@@ -171,7 +180,9 @@ class VllmScheduler:
         v.init_none_hash(hash_fn)
         self._hasher = v.get_request_block_hasher(cfg.block_size, hash_fn)
         self._count_evictions()
-        self._arrivals: deque[RequestSpec] = deque(sorted(generate_trace(cfg.workload, cfg.seed), key=_arrival))
+        if trace is None:
+            trace = generate_trace(cfg.workload, cfg.seed)
+        self._arrivals: deque[RequestSpec] = deque(sorted(trace, key=_arrival))
         self._later: list[RequestSpec] = []  # follow-ups
         self._retries: list[RequestSpec] = []  # aborted requests resubmitted in the abort's step
         self.reqs: dict[str, DriverRequest] = {}
@@ -549,7 +560,25 @@ class VllmSimResult(SimResult):
     vllm_version: str = ""
     runner: str = ""
     vllm_import_s: float = 0.0
-    schedule_us: list[float] = field(default_factory=list)
+
+    def extra_rows(self) -> list[tuple[str, str]]:
+        st, blocks = self.scheduler, self.allocator
+        return [
+            ("engine", f"vLLM {self.vllm_version} scheduler + InputBatch, runner {self.runner}"),
+            (
+                "resumed via cached reqs / via new reqs",
+                f"{st.get('resumed_in_cached', 0)} / {st.get('resumed_in_new', 0)}",
+            ),
+            (
+                "same-step id reuse / abort retries",
+                f"{st.get('same_step_id_reuse', 0)} / {st.get('abort_resubmits', 0)}",
+            ),
+            ("steps the batch reorder changed", str(st.get("reordered_steps", 0))),
+            ("KV blocks fresh / recycled", f"{blocks.get('fresh_blocks', 0)} / {blocks.get('recycled', 0)}"),
+        ]
+
+    def extra_summary(self) -> dict[str, Any]:
+        return {"engine": self.engine, "vllm_version": self.vllm_version, "runner": self.runner}
 
 
 class VllmSimulation(Simulation):
@@ -562,13 +591,14 @@ class VllmSimulation(Simulation):
         *,
         manager_factory: Callable[..., Any] | None = None,
         progress: ProgressFn | None = None,
+        trace: list[RequestSpec] | None = None,
     ) -> None:
         super().__init__(cfg, manager_factory=manager_factory, progress=progress)
         self.opts = opts or VllmOptions()
         t0 = time.perf_counter()
         self.v = load_vllm()
         import_s = time.perf_counter() - t0
-        self.sched = VllmScheduler(cfg, self.opts, self.v)  # type: ignore[assignment]
+        self.sched = VllmScheduler(cfg, self.opts, self.v, trace)  # type: ignore[assignment]
         self.runner = RunnerBatch(cfg, self.opts, self.v, self.sched.vllm_config.model_config.max_model_len)
         self.sched.on_sampled = self.runner.record_sampled
         self.view = VllmGroupView(self.runner.input_batch, cfg.block_size)
@@ -590,10 +620,12 @@ class VllmSimulation(Simulation):
         return order
 
     def run(self) -> SimResult:
-        res = super().run()
+        try:
+            res = super().run()
+        finally:
+            self.sched.close()
         self.sched.stats.reordered_steps = self.runner.reordered
         res.scheduler = asdict(self.sched.stats)
-        self.sched.close()
         return res
 
 
@@ -603,6 +635,9 @@ def run_vllm_simulation(
     *,
     manager_factory: Callable[..., Any] | None = None,
     progress: ProgressFn | None = None,
-) -> SimResult:
+    trace: list[RequestSpec] | None = None,
+) -> VllmSimResult:
     """Run one simulation on vLLM's scheduler and InputBatch (never raises for manager errors; see ``error``)."""
-    return VllmSimulation(cfg, opts, manager_factory=manager_factory, progress=progress).run()
+    res = VllmSimulation(cfg, opts, manager_factory=manager_factory, progress=progress, trace=trace).run()
+    assert isinstance(res, VllmSimResult)
+    return res
