@@ -48,3 +48,10 @@ check:
 DURATION ?= 600
 fuzz:
 	$(PYTHON) tests/fuzz.py --duration $(DURATION)
+
+# The real vLLM 0.33.0 (CPU, no weights) in .venv-vllm, built on first use (timed; ~0.5 GB download),
+# then tests_vllm: the simulate workload on vLLM's scheduler and InputBatch, protocol checks.
+.PHONY: test-vllm
+test-vllm:
+	PYTHON=$(PYTHON) bash .ci/setup-vllm.sh
+	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests_vllm
