@@ -43,6 +43,9 @@ pip_install() {
     fi
 }
 
+# One setup at a time per checkout: two pips writing one venv corrupt it.
+exec 9>"$VENV.lock"
+flock 9
 if venv_ok; then
     echo "setup-vllm: $VENV already complete (vllm $VLLM_VERSION); took $(elapsed)"
     exit 0
