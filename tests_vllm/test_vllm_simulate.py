@@ -111,3 +111,14 @@ def test_preempted_request_resumes_either_way(opts: VllmOptions, v) -> None:
     assert st["resumed_in_new" if opts.resumed_as_new else "resumed_in_cached"] == st["resumes"], st
     assert st["hits"] == 0, st
     assert st["finished"] == 2, st
+
+
+def test_row_check_catches_a_stale_block_table(v, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-step check of the mirrored InputBatch against vLLM's KV cache manager can fail:
+    a runner that drops a running request's newly allocated blocks is reported, naming the row."""
+    monkeypatch.setattr(v.MultiGroupBlockTable, "append_row", lambda self, block_ids, row_idx: None)
+    rng = random.Random(4)
+    res = run_vllm_simulation(
+        SimConfig(seed=7, eager=True), V1, trace=[RequestSpec("a", 0, (_prompt(rng, 300),), max_output=2)]
+    )
+    assert res.error is not None and "vLLM has computed=256 blocks=" in res.error, res.error

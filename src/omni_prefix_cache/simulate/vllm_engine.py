@@ -614,10 +614,27 @@ class VllmSimulation(Simulation):
     def _batch_order(self, plan: StepPlan) -> list[str]:
         order = self.runner.update_states(plan.output)
         self.view.set_step(order, {}, {})
-        scheduled = [e.req.req_id for e in plan.entries]
-        if sorted(order) != sorted(scheduled):
-            raise AssertionError(f"input batch rows {order} are not the scheduled requests {scheduled}")
+        self._check_rows(plan, order)
         return order
+
+    def _check_rows(self, plan: StepPlan, order: list[str]) -> None:
+        """The mirrored batch against vLLM's own state: the scheduled requests, each row's computed
+        tokens and block ids as the KV cache manager holds them (a wrong mirror would pass wrong slots)."""
+        starts = {e.req.req_id: e.start for e in plan.entries}
+        if sorted(order) != sorted(starts):
+            raise AssertionError(f"step {plan.step}: input batch rows {order} are not the scheduled {sorted(starts)}")
+        batch, kv = self.runner.input_batch, self.sched.sched.kv_cache_manager
+        table = batch.block_table[0]
+        for rid in order:
+            row = batch.req_id_to_index[rid]
+            computed = int(batch.num_computed_tokens_cpu[row])
+            got = table.block_table.np[row, : table.num_blocks_per_row[row]].tolist()
+            want = list(kv.get_block_ids(rid)[0])
+            if computed != starts[rid] or got != want:
+                raise AssertionError(
+                    f"step {plan.step}: row {row} ({rid!r}) has computed={computed} blocks={got}; "
+                    f"vLLM has computed={starts[rid]} blocks={want}"
+                )
 
     def run(self) -> SimResult:
         try:
