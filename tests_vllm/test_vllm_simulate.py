@@ -15,8 +15,13 @@ V2 = VllmOptions(resumed_as_new=True)  # Model Runner V2: a resumed request is a
 
 
 def _replay(mode: str, seed: int, opts: VllmOptions) -> str:
-    runner = " --vllm-runner-v2 (VllmOptions(resumed_as_new=True))" if opts.resumed_as_new else ""
-    return f"replay: .venv-vllm/bin/omni-prefix-cache simulate --engine vllm --{mode} --seed {seed}{runner}"
+    if opts.resumed_as_new:  # no CLI flag for the V2 reporting: replay from Python
+        return (
+            f"replay: .venv-vllm/bin/python -c 'from omni_prefix_cache.simulate.vllm_engine import *; "
+            f"from omni_prefix_cache.simulate import SimConfig; print(run_vllm_simulation(SimConfig(seed={seed}, "
+            f"eager={mode == 'eager'}), VllmOptions(resumed_as_new=True)).mismatch_details)'"
+        )
+    return f"replay: .venv-vllm/bin/omni-prefix-cache simulate --engine vllm --{mode} --seed {seed}"
 
 
 def _check(res: VllmSimResult, replay: str) -> None:
