@@ -63,6 +63,7 @@ def test_workload_on_real_scheduler(mode: str, seed: int, opts: VllmOptions, v, 
     assert st["hits"] > 0 and st["same_step_hits"] > 0, f"no prefix hits {st}\n{replay}"
     assert st["preemptions"] > 0 and st["resumes"] > 0, f"no preemption with the small KV pool {st}\n{replay}"
     assert res.allocator["recycled"] > 0 and res.allocator["evicted_hashes"] > 0, f"{res.allocator}\n{replay}"
+    assert res.allocator["null_block_in_table"] == 0, f"vLLM's null block 0 reached a request {res.allocator}"
     if opts.resumed_as_new:
         assert st["resumed_in_new"] == st["resumes"] and st["resumed_in_cached"] == 0, f"{st}\n{replay}"
     else:
