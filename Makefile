@@ -14,8 +14,8 @@ diagrams-check:
 	$(PYTHON) -m omni_prefix_cache diagrams --out diagrams --check
 
 lint:
-	$(PYTHON) -m ruff check src tests spec
-	$(PYTHON) -m ruff format --check src tests spec
+	$(PYTHON) -m ruff check src tests tests_vllm spec
+	$(PYTHON) -m ruff format --check src tests tests_vllm spec
 
 # The CI bound of the exhaustive model check (~15-60 s), then the test suite.
 test:
@@ -63,3 +63,10 @@ fuzz:
 
 ci-fuzz:
 	$(PYTHON) tests/fuzz.py --duration $(or $(DURATION),180) $(FUZZ_ARGS)
+
+# The real vLLM 0.33.0 (CPU, no weights) in .venv-vllm, built on first use (timed; ~0.5 GB download),
+# then tests_vllm: the simulate workload on vLLM's scheduler and InputBatch, protocol checks.
+.PHONY: test-vllm
+test-vllm:
+	PYTHON=$(PYTHON) bash .ci/setup-vllm.sh
+	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests_vllm

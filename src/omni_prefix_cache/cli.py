@@ -47,6 +47,13 @@ def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:
         help="materialize one step behind on a thread (default when threaded)",
     )
     lag.add_argument("--no-lag", dest="lag", action="store_false", help="materialize inline after each save")
+    p.add_argument(
+        "--engine",
+        choices=["sim", "vllm"],
+        default="sim",
+        help="scheduler and input batch: the project's look-alikes (default) or vLLM's real ones (needs vLLM, "
+        "see .ci/setup-vllm.sh)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=2000, help="step cap; live requests are aborted there (default 2000)")
     p.add_argument("--arrival-steps", type=int, default=500, help="requests arrive during this many steps")
@@ -103,9 +110,15 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.torch_threads)
     if args.verbose:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    run = run_simulation
+    if args.engine == "vllm":
+        from omni_prefix_cache.simulate.vllm_engine import run_vllm_simulation as run
     progress = ProgressLine(enabled=False if args.quiet else None)
     try:
-        res = run_simulation(cfg, progress=progress)
+        res = run(cfg, progress=progress)
+    except ImportError as exc:
+        print(f"simulate --engine {args.engine}: {exc}", file=sys.stderr)
+        return 2
     finally:
         progress.close()
     if args.json:

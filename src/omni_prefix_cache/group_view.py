@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, PrefixCacheConfig, ReqId
+from omni_prefix_cache.protocols import InputBatchLike
 
 
 def _empty_slots() -> torch.Tensor:
@@ -31,7 +32,7 @@ class FullAttentionGroupView:
     dropped (the caller checks that the slots cover the step).
     """
 
-    def __init__(self, input_batch: Any, block_size: int) -> None:
+    def __init__(self, input_batch: InputBatchLike, block_size: int) -> None:
         """Bind to ``input_batch``; raise on layouts whose slots this math gets wrong.
 
         Refused: hybrid kernel blocks (one allocator block split into several
@@ -50,6 +51,10 @@ class FullAttentionGroupView:
                 f"the input batch has {len(tables)} block tables"
             )
         group = input_batch.block_table[0]
+        # vLLM 0.33's table holds allocator block ids (kernel blocks are mapped later, in the
+        # attention metadata builder) and has none of the three legacy attributes read below:
+        # there, block_size is the allocator block size. Older vLLM stored kernel blocks in the
+        # table (use_hybrid_blocks / blocks_per_kv_block) with kv_cache_block_size the allocator's.
         blocks_per_kv_block = int(getattr(group, "blocks_per_kv_block", 1) or 1)
         if bool(getattr(group, "use_hybrid_blocks", False)) or blocks_per_kv_block != 1:
             raise OmniPrefixCacheUnmatchError(

@@ -64,6 +64,7 @@ from omni_prefix_cache.interface import (
     is_hidden_key,
 )
 from omni_prefix_cache.occupancy import ABSENT, IN_TRANSIT, SlotOccupancy
+from omni_prefix_cache.protocols import SchedulerOutputLike
 from omni_prefix_cache.step_context import KeyLayout, StepContext, StepState, step_move
 
 logger = logging.getLogger(__name__)
@@ -449,7 +450,7 @@ class OmniPrefixCacheManager:
         with self._state_lock:
             self._policy = policy
 
-    def new_step_starts(self, scheduler_output: Any) -> None:
+    def new_step_starts(self, scheduler_output: SchedulerOutputLike) -> None:
         """Start one scheduler step (engine thread, before finished requests
         are dropped): publish finished writes, escalate the writes of
         finished/aborted requests, register prefix hits of requests that are

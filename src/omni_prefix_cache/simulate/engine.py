@@ -112,6 +112,14 @@ class SimResult:
     wall_s: float = 0.0
     error: str | None = None
 
+    def extra_rows(self) -> list[tuple[str, str]]:
+        """Engine-specific rows of the summary table (none for the look-alike engine)."""
+        return []
+
+    def extra_summary(self) -> dict[str, Any]:
+        """Engine-specific entries of the JSON summary."""
+        return {}
+
     @property
     def leaked(self) -> bool:
         return any(v for v in self.leaks.values())
@@ -329,15 +337,20 @@ class Simulation:
         mgr.new_step_starts(out)
         return (time.perf_counter_ns() - t0) / 1000.0
 
-    def _one_step(self, mgr: Any, step: int, worker: _Materializer | None) -> None:
-        res = self.result
-        plan = self.sched.schedule(step)
+    def _batch_order(self, plan: StepPlan) -> list[str]:
+        """Update the input batch for ``plan``; return its row order (what the forward's rows follow)."""
         order = self.batch.update([e.req.req_id for e in plan.entries])
         self.view.set_step(
             order,
             {e.req.req_id: e.req.blocks for e in plan.entries},
             {e.req.req_id: e.start for e in plan.entries},
         )
+        return order
+
+    def _one_step(self, mgr: Any, step: int, worker: _Materializer | None) -> None:
+        res = self.result
+        plan = self.sched.schedule(step)
+        order = self._batch_order(plan)
         engine_us = self._timed_new_step(mgr, plan.output)
         if not plan.entries:
             self.sched.update(plan)

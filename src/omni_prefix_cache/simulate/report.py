@@ -89,7 +89,7 @@ def summary(res: SimResult) -> dict[str, Any]:
         "allocator": res.allocator,
         "manager_stats": res.manager_stats,
         "config": res.config,
-    }
+    } | res.extra_summary()
 
 
 def _fmt(v: Any) -> str:
@@ -141,6 +141,7 @@ def format_table(res: SimResult) -> str:
         ("deferred budget flushes (log)", str(res.log_warnings.get("budget_flush", 0))),
         ("engine us/step p50 / p99", f"{_fmt(s['engine_us_p50'])} / {_fmt(s['engine_us_p99'])}"),
         ("materialize us p50 / p99", f"{_fmt(s['materialize_us_p50'])} / {_fmt(s['materialize_us_p99'])}"),
+        *res.extra_rows(),
         ("rows checked", str(s["rows_checked"])),
         ("mismatches", str(s["mismatches"])),
         (

@@ -1,0 +1,109 @@
+"""What the library reads from vLLM, as ``typing.Protocol`` classes.
+
+vLLM is never imported here: these describe, by name, the attributes of
+vLLM's scheduler output and input batch that the manager, the group view
+and the ``simulate --engine vllm`` driver read. ``tests_vllm`` checks every
+member against vLLM's real classes, so an upgrade that renames a field fails
+a test instead of silently reading a default. Checked against vLLM 0.33.0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from omni_prefix_cache.interface import ReqId
+
+
+@runtime_checkable
+class NewRequestDataLike(Protocol):
+    """``vllm.v1.core.sched.output.NewRequestData``: a request entering the batch.
+
+    Brand new, a streaming continuation, or (Model Runner V2) a request
+    resumed after preemption. Only one that is not live is a hit candidate.
+    """
+
+    req_id: ReqId
+    num_computed_tokens: int  # prefix-cache hit tokens (block aligned) for a brand-new request
+    block_ids: Sequence[Sequence[int]]  # one list per KV cache group; group 0 is read
+
+
+@runtime_checkable
+class CachedRequestDataLike(Protocol):
+    """``vllm.v1.core.sched.output.CachedRequestData``: requests already known to the runner.
+
+    The manager does not read it (none of these is a hit: a resumed request
+    is still live). The vLLM driver reads it to keep the input batch current.
+    """
+
+    req_ids: Sequence[ReqId]
+    resumed_req_ids: set[ReqId]  # their new_block_ids replace the row (0.33 default runner)
+    new_block_ids: Sequence[Sequence[Sequence[int]] | None]
+    num_computed_tokens: Sequence[int]
+
+
+@runtime_checkable
+class SchedulerOutputLike(Protocol):
+    """``vllm.v1.core.sched.output.SchedulerOutput``: what ``new_step_starts`` reads."""
+
+    scheduled_new_reqs: Sequence[NewRequestDataLike]
+    finished_req_ids: set[ReqId]  # finished or aborted since the previous step
+    num_scheduled_tokens: Mapping[ReqId, int]
+
+
+@runtime_checkable
+class RunnerSchedulerOutputLike(SchedulerOutputLike, Protocol):
+    """The scheduler output as the model runner's ``_update_states`` reads it."""
+
+    scheduled_cached_reqs: CachedRequestDataLike
+
+
+class CpuTensorHolder(Protocol):
+    """vLLM's ``CpuGpuBuffer``: its ``cpu`` tensor is the block table the view gathers from."""
+
+    cpu: Any  # torch.Tensor (int32, rows x max blocks per request)
+
+
+@runtime_checkable
+class BlockTableLike(Protocol):
+    """``vllm.v1.worker.block_table.BlockTable``: one KV cache group's table.
+
+    In vLLM 0.33 the table holds KV-manager (allocator) block ids and
+    ``block_size`` is that allocator block size; kernel blocks are mapped
+    later, in the attention metadata builder, so slot math over this table
+    is never in kernel units. (Older vLLM stored kernel blocks here and
+    flagged it with ``use_hybrid_blocks`` / ``blocks_per_kv_block``, with the
+    allocator size in ``kv_cache_block_size``; the group view still refuses
+    those if present.)
+    """
+
+    block_table: CpuTensorHolder
+    block_size: int
+    dcp_world_size: int
+    pcp_world_size: int
+
+
+@runtime_checkable
+class MultiGroupBlockTableLike(Protocol):
+    """``vllm.v1.worker.block_table.MultiGroupBlockTable``: one table per KV cache group."""
+
+    block_tables: Sequence[BlockTableLike]
+
+    def __getitem__(self, idx: int) -> BlockTableLike: ...
+
+
+@runtime_checkable
+class InputBatchLike(Protocol):
+    """``vllm.v1.worker.gpu_input_batch.InputBatch``: the persistent batch, in row order."""
+
+    req_id_to_index: Mapping[ReqId, int]
+    num_computed_tokens_cpu: Any  # numpy int32 array, one entry per row
+    block_table: MultiGroupBlockTableLike
+
+    @property
+    def req_ids(self) -> Sequence[ReqId | None]: ...
+
+
+# Attributes older vLLM had on BlockTable that 0.33 has not; tests_vllm pins their absence
+# so a vLLM that brings kernel-unit tables back fails a test rather than passing the view's checks.
+LEGACY_BLOCK_TABLE_ATTRS: tuple[str, ...] = ("blocks_per_kv_block", "use_hybrid_blocks", "kv_cache_block_size")

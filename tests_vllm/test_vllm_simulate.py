@@ -1,0 +1,130 @@
+"""The simulation's workload on vLLM's real v1 scheduler and InputBatch, every row checked by the oracle."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from omni_prefix_cache.simulate import SimConfig
+from omni_prefix_cache.simulate.vllm_engine import VllmOptions, VllmSimResult, run_vllm_simulation
+from omni_prefix_cache.simulate.workload import FollowupSpec, RequestSpec
+
+V1 = VllmOptions()  # 0.33 default runner: a resumed request is a cached one, in resumed_req_ids
+V2 = VllmOptions(resumed_as_new=True)  # Model Runner V2: a resumed request is among the new ones
+
+
+def _replay(mode: str, seed: int, opts: VllmOptions) -> str:
+    if opts.resumed_as_new:  # no CLI flag for the V2 reporting: replay from Python
+        return (
+            f"replay: .venv-vllm/bin/python -c 'from omni_prefix_cache.simulate.vllm_engine import *; "
+            f"from omni_prefix_cache.simulate import SimConfig; print(run_vllm_simulation(SimConfig(seed={seed}, "
+            f"eager={mode == 'eager'}), VllmOptions(resumed_as_new=True)).mismatch_details)'"
+        )
+    return f"replay: .venv-vllm/bin/omni-prefix-cache simulate --engine vllm --{mode} --seed {seed}"
+
+
+def _check(res: VllmSimResult, replay: str) -> None:
+    """The verdicts every run must pass: no error, no mismatch, nothing leaked, view read on the engine thread."""
+    details = "\n".join(res.mismatch_details)
+    assert res.error is None, f"{res.error}\n{replay}"
+    assert res.mismatches == 0, f"{res.mismatches} mismatches:\n{details}\n{replay}"
+    assert res.rows_checked > 0, replay
+    assert all(v == 0 for v in res.leaks.values()), f"leaks {res.leaks} (None: probe found no such table)\n{replay}"
+    assert res.view_off_thread_calls == 0, f"group view read off the engine thread\n{replay}"
+
+
+def _line(res: VllmSimResult, seed: int) -> str:
+    st, blocks = res.scheduler, res.allocator
+    leaks = sum(v or 0 for v in res.leaks.values())
+    return (
+        f"{res.mode:8} seed {seed} runner {res.runner[:2]}: steps {res.steps}, hits {st['hits']} "
+        f"({st['same_step_hits']} same-step), preemptions {st['preemptions']} "
+        f"(resumed via cached {st['resumed_in_cached']} / via new {st['resumed_in_new']}), "
+        f"same-step id reuse {st['same_step_id_reuse']}, blocks recycled {blocks['recycled']}, "
+        f"batch reorders {st['reordered_steps']}, rows checked {res.rows_checked}, "
+        f"mismatches {res.mismatches}, leaks {leaks}, {res.wall_s:.1f} s"
+    )
+
+
+MATRIX = [(mode, seed, V1) for seed in (0, 1, 2) for mode in ("eager", "threaded")]
+MATRIX += [("eager", 3, V2), ("threaded", 4, V2)]
+IDS = [f"{m}-seed{s}-{'v2' if o.resumed_as_new else 'v1'}" for m, s, o in MATRIX]
+
+
+@pytest.mark.parametrize(("mode", "seed", "opts"), MATRIX, ids=IDS)
+def test_workload_on_real_scheduler(mode: str, seed: int, opts: VllmOptions, v, run_lines: list[str]) -> None:
+    """Default simulate config (96 KV blocks): preemption, block recycling and id reuse must all occur."""
+    res = run_vllm_simulation(SimConfig(seed=seed, eager=mode == "eager"), opts)
+    run_lines.append(_line(res, seed))
+    replay = _replay(mode, seed, opts)
+    _check(res, replay)
+    st = res.scheduler
+    assert st["hits"] > 0 and st["same_step_hits"] > 0, f"no prefix hits {st}\n{replay}"
+    assert st["preemptions"] > 0 and st["resumes"] > 0, f"no preemption with the small KV pool {st}\n{replay}"
+    assert res.allocator["recycled"] > 0 and res.allocator["evicted_hashes"] > 0, f"{res.allocator}\n{replay}"
+    assert res.allocator["null_block_in_table"] == 0, f"vLLM's null block 0 reached a request {res.allocator}"
+    if opts.resumed_as_new:
+        assert st["resumed_in_new"] == st["resumes"] and st["resumed_in_cached"] == 0, f"{st}\n{replay}"
+    else:
+        assert st["resumed_in_cached"] == st["resumes"] and st["resumed_in_new"] == 0, f"{st}\n{replay}"
+    assert st["same_step_id_reuse"] > 0 and st["abort_resubmits"] > 0, f"{st}\n{replay}"
+    assert st["reordered_steps"] > 0, f"the decode-first reorder never moved a row {st}\n{replay}"
+
+
+# ------------------------------------------------------------ directed traces
+
+
+def _prompt(rng: random.Random, n: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(32000) for _ in range(n))
+
+
+def _run(trace: list[RequestSpec], opts: VllmOptions = V1, *, eager: bool = True, **cfg: int) -> VllmSimResult:
+    res = run_vllm_simulation(SimConfig(seed=7, eager=eager, discard_prob=0.0, **cfg), opts, trace=trace)
+    _check(res, f"directed trace {trace}")
+    return res
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "threaded"])
+def test_finished_id_reused_in_the_same_step_after_finish(eager: bool, v) -> None:
+    """A second turn under the finished turn's id: in one step the id is finished and new, and it hits."""
+    rng = random.Random(1)
+    turn2 = FollowupSpec(delay=0, extra=_prompt(rng, 20), max_output=3, reuse_id=True)
+    res = _run([RequestSpec("a", 0, (_prompt(rng, 40),), max_output=2, followup=turn2)], eager=eager)
+    st = res.scheduler
+    assert st["same_step_id_reuse"] == 1 and st["reused_ids"] == 1, st
+    assert st["hits"] == 1 and st["hit_tokens"] == 32, st  # 42 tokens known, 2 full blocks cached
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "threaded"])
+def test_aborted_id_resubmitted_in_the_same_step(eager: bool, v) -> None:
+    """vLLM's NOTE in _update_states: an aborted request resubmitted under its id is a new request."""
+    rng = random.Random(2)
+    res = _run([RequestSpec("a", 0, (_prompt(rng, 40),), max_output=8, abort_after=2)], eager=eager)
+    st = res.scheduler
+    assert st["abort_resubmits"] == 1 and st["same_step_id_reuse"] == 1, st
+    assert st["hits"] == 1 and st["hit_tokens"] == 32, st  # the retry hits the blocks the abort freed
+
+
+@pytest.mark.parametrize("opts", [V1, V2], ids=["resumed-in-cached", "resumed-in-new"])
+def test_preempted_request_resumes_either_way(opts: VllmOptions, v) -> None:
+    """Two requests outgrow an 8-block pool: one is preempted and resumes; it is live, so never a hit."""
+    rng = random.Random(3)
+    trace = [RequestSpec(r, 0, (_prompt(rng, 40),), max_output=30) for r in ("a", "b")]
+    res = _run(trace, opts, num_blocks=8)
+    st = res.scheduler
+    assert st["preemptions"] >= 1 and st["resumes"] >= 1, st
+    assert st["resumed_in_new" if opts.resumed_as_new else "resumed_in_cached"] == st["resumes"], st
+    assert st["hits"] == 0, st
+    assert st["finished"] == 2, st
+
+
+def test_row_check_catches_a_stale_block_table(v, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-step check of the mirrored InputBatch against vLLM's KV cache manager can fail:
+    a runner that drops a running request's newly allocated blocks is reported, naming the row."""
+    monkeypatch.setattr(v.MultiGroupBlockTable, "append_row", lambda self, block_ids, row_idx: None)
+    rng = random.Random(4)
+    res = run_vllm_simulation(
+        SimConfig(seed=7, eager=True), V1, trace=[RequestSpec("a", 0, (_prompt(rng, 300),), max_output=2)]
+    )
+    assert res.error is not None and "vLLM has computed=256 blocks=" in res.error, res.error
