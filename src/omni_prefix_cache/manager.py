@@ -1682,9 +1682,7 @@ class OmniPrefixCacheManager:
         except RuntimeError as exc:
             # A dead device context loses every write still in flight, so it
             # is sticky like a failed pool write.
-            error = OmniPrefixCacheWriteFailedError(
-                f"step {ctx.step_id}: device fault while waiting its {what}: {exc}"
-            )
+            error = OmniPrefixCacheWriteFailedError(f"step {ctx.step_id}: device fault while waiting its {what}: {exc}")
             error.__cause__ = exc
             with self._state_lock:
                 if self._failure is None:
