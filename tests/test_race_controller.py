@@ -534,7 +534,10 @@ class ControllerRace(RuleBasedStateMachine):
         assert self.ctrl.drain_completed() == self.model.completed
         self.model.drained.update(self.model.completed)
         self.model.completed = []
-        assert self.ctrl.drain_failed() == self.model.failed
+        # Failures of one dispatch have no promised order among themselves: an
+        # eager batch may charge a pool-write failure before a copy failure that
+        # the model records first (fuzz seed 2387001397). Compare as sets.
+        assert sorted(self.ctrl.drain_failed()) == sorted(self.model.failed)
         self.model.failed = []
 
     # ------------------------------------------------------------ committer
