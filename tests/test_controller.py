@@ -419,6 +419,60 @@ def test_committer_step_finishes_a_claimed_copy_before_anything_else():
     ctrl.shutdown()
 
 
+def test_on_demand_join_writes_a_task_another_joiner_copied_while_it_looked():
+    # Found in the full suite (a device-engine simulation whose prefetch
+    # thread joins too): joiner B found no committer work because joiner A
+    # had claimed the task and was inside its copy; A then queued the write
+    # and left, and B waited out the whole timeout for a write nobody ran.
+    ctrl, pool = make(committer="on_demand", timeout=10.0)
+    task = deferred_task(ctrl, 1, [0])
+    ctrl.submit(task)
+    in_copy, let_go = threading.Event(), threading.Event()
+    real_copy = ctrl._copy_task
+
+    def paused_copy(t):
+        real_copy(t)  # HOST_READY, not yet queued for its pool write
+        in_copy.set()
+        assert let_go.wait(10), "joiner B never ran"
+
+    ctrl._copy_task = paused_copy
+    joiner_a = threading.Thread(target=ctrl.committer_step)
+    joiner_a.start()
+    try:
+        assert in_copy.wait(10)
+        errors: list[BaseException] = []
+
+        def joiner_b() -> None:
+            try:
+                ctrl.join([1])
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        b_idle = threading.Event()
+        real_step = ctrl.committer_step
+
+        def watched_step():
+            out = real_step()
+            if out is None and threading.current_thread() is b:
+                b_idle.set()
+            return out
+
+        ctrl.committer_step = watched_step
+        b = threading.Thread(target=joiner_b)
+        b.start()
+        # B's first look finds nothing to do: the copy is still A's.
+        assert b_idle.wait(10)
+        let_go.set()
+        joiner_a.join(10)
+        b.join(10)
+        assert not b.is_alive() and not errors, errors
+        assert task.state is TaskState.WRITTEN
+        assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([0])), rows_for([0]))
+    finally:
+        let_go.set()
+        ctrl.shutdown()
+
+
 def test_released_holder_is_released_not_unheld_and_cannot_hold_again():
     ctrl, _ = make(eager=True)
     pool = ctrl._staging_pool

@@ -74,6 +74,11 @@ __all__ = [
 ]
 
 
+# How often an on_demand join looks for committer work that another joiner
+# made visible after this one found none (test modes only).
+_ON_DEMAND_RECHECK_S = 0.005
+
+
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate along dim 0; when the parts are back-to-back views of one
     buffer (a step's staging page, its slot mapping) return one view over
@@ -467,9 +472,7 @@ class OmniPrefixCacheController:
             if task is None:
                 continue  # drained: already written
             if self._committer_mode == "on_demand" and not self._eager:
-                with torch.inference_mode():
-                    while not getattr(task, event).is_set() and self.committer_step() is not None:
-                        pass
+                self._step_until(task, event, deadline)
             if not getattr(task, event).wait(max(0.0, deadline - time.monotonic())):
                 raise OmniPrefixCacheUnmatchError(
                     f"task {tid} ({task.schedule.value}) did not reach {event} within {timeout:g}s "
@@ -492,6 +495,21 @@ class OmniPrefixCacheController:
                     slots=cause.slots if cause is not None else (),
                 )
                 raise error from (cause.__cause__ if cause is not None else None)
+
+    def _step_until(self, task: WriteTask, event: Literal["done", "host_ready"], deadline: float) -> None:
+        """on_demand joins: run committer steps on this thread until the event
+        fires. An idle step does not mean the task is stuck: another joiner may
+        be mid-copy of it (claimed, not yet queued for its write), so look
+        again after a short wait instead of waiting out the whole timeout."""
+        done = getattr(task, event)
+        with torch.inference_mode():
+            while not done.is_set():
+                if self.committer_step() is not None:
+                    continue
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                done.wait(min(_ON_DEMAND_RECHECK_S, remaining))
 
     def drain_completed(self) -> list[Tid]:
         """Pop pool-written tids and forget their tasks (manager, under its lock)."""
