@@ -5,15 +5,28 @@ Rows are mirrored into a CPU block pool addressed by KV slot id; the
 lifecycles that govern them are declared in the repository's ``spec/``.
 """
 
-from omni_prefix_cache.interface import (
-    HIDDEN_KEY,
-    ModelCachePolicy,
-    OmniPrefixCacheStagingTimeoutError,
-    OmniPrefixCacheUnmatchError,
-    PrefixCacheConfig,
-    StageCacheOutputs,
-    WriteSchedule,
-)
+from __future__ import annotations
+
+from importlib import import_module
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _dist_version
+from typing import TYPE_CHECKING, Any
+
+try:
+    __version__ = _dist_version("omni-prefix-cache")
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
+
+if TYPE_CHECKING:
+    from omni_prefix_cache.interface import (
+        HIDDEN_KEY,
+        ModelCachePolicy,
+        OmniPrefixCacheStagingTimeoutError,
+        OmniPrefixCacheUnmatchError,
+        PrefixCacheConfig,
+        StageCacheOutputs,
+        WriteSchedule,
+    )
 
 __all__ = [
     "HIDDEN_KEY",
@@ -23,4 +36,15 @@ __all__ = [
     "PrefixCacheConfig",
     "StageCacheOutputs",
     "WriteSchedule",
+    "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The public names live in interface.py, which imports torch (seconds);
+    # resolving them on first use keeps `omni-prefix-cache --help` fast.
+    if name in __all__:
+        value = getattr(import_module("omni_prefix_cache.interface"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -961,6 +961,7 @@ def check(
     *,
     specs: Mapping[str, MachineSpec] | None = None,
     max_states: int | None = None,
+    progress: Callable[[int, int, int], None] | None = None,
 ) -> CheckResult:
     """Breadth-first over every reachable state of the composed model.
 
@@ -968,7 +969,8 @@ def check(
     checks that every reachable state can still reach a settled state
     (reverse reachability over the explored graph) and reports the
     shallowest one that cannot. ``max_states`` aborts a run that grows past
-    it (ValueError).
+    it (ValueError). ``progress(expanded, found, depth)`` is called every
+    1,000 expanded states.
     """
     bounds = bounds or Bounds()
     model = ComposedModel(bounds, broken, specs)
@@ -1012,6 +1014,8 @@ def check(
     queue = deque([0])
     while queue:
         i = queue.popleft()
+        if progress is not None and i % 1000 == 0:
+            progress(i, len(worlds), depth[i])
         w = worlds[i]
         out: list[int] = []
         try:
