@@ -125,7 +125,11 @@ def _validate_diagrams(parser: argparse.ArgumentParser, args: argparse.Namespace
 
 
 def _cmd_diagrams(args: argparse.Namespace) -> int:
-    from omni_prefix_cache.specs.diagrams import stale_diagrams, write_diagrams
+    try:
+        from omni_prefix_cache.specs.diagrams import stale_diagrams, write_diagrams
+    except ImportError as exc:
+        print(f"diagrams: {exc}; install the extra: pip install 'omni-prefix-cache[diagrams]'", file=sys.stderr)
+        return EXIT_ERROR
 
     out = Path(args.out)
     if args.check:
