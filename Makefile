@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PYTEST ?= $(PYTHON) -m pytest
 
-.PHONY: setup diagrams diagrams-check test lint demo simulate bench check
+.PHONY: setup diagrams diagrams-check test lint demo simulate bench check examples
 
 setup:
 	bash .ci/setup.sh
@@ -14,13 +14,18 @@ diagrams-check:
 	$(PYTHON) -m omni_prefix_cache diagrams --out diagrams --check
 
 lint:
-	$(PYTHON) -m ruff check src tests spec
-	$(PYTHON) -m ruff format --check src tests spec
+	$(PYTHON) -m ruff check src tests spec examples
+	$(PYTHON) -m ruff format --check src tests spec examples
 
 # The CI bound of the exhaustive model check (~15-60 s), then the test suite.
 test:
 	$(PYTHON) -m omni_prefix_cache check
 	$(PYTEST) -q
+
+# The engine-loop examples; each checks its own rows (tests/test_examples.py runs them too).
+examples:
+	$(PYTHON) examples/minimal_engine.py
+	$(PYTHON) examples/threaded_lagged.py
 
 # Fresh machine -> install -> a verified serving simulation with defaults.
 demo:
