@@ -58,6 +58,7 @@ from omni_prefix_cache.interface import (
     is_hidden_key,
 )
 from omni_prefix_cache.occupancy import ABSENT, IN_TRANSIT, SlotOccupancy
+from omni_prefix_cache.stats import CacheStats
 from omni_prefix_cache.step_context import KeyLayout, StepContext, StepState, step_move
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,16 @@ def _per_row(values: list[int], counts: list[int], total: int) -> torch.Tensor:
     return torch.tensor(
         list(itertools.chain.from_iterable(itertools.repeat(v, c) for v, c in zip(values, counts))), dtype=torch.int64
     )
+
+
+def _query_tokens(req: Any, computed: int, scheduled: int) -> int:
+    """Prompt tokens a new request looked up in the prefix cache (vLLM's
+    ``prompt_token_ids`` when present, else computed plus first-step tokens)."""
+    prompt = getattr(req, "prompt_token_ids", None)
+    try:
+        return len(prompt) if prompt is not None else computed + scheduled
+    except TypeError:
+        return computed + scheduled
 
 
 def _is_step_token_tensor(value: Any, n: int, padded: int) -> bool:
@@ -374,11 +385,14 @@ class OmniPrefixCacheManager:
             # Validate every hit before touching any table: a bad hit must
             # leave nothing half-registered behind.
             candidates: list[tuple[ReqId, int, list[int]]] = []
+            queried = query_tokens = 0
             for req in new_reqs:
                 rid = req.req_id
                 if rid in self._live and rid not in gone:
                     continue  # a live request re-entering the new list is not a hit
                 computed = int(getattr(req, "num_computed_tokens", 0) or 0)
+                queried += 1
+                query_tokens += _query_tokens(req, computed, num_sched.get(rid, 0))
                 if computed > 0:
                     candidates.append((rid, computed, self._hit_blocks(rid, computed, getattr(req, "block_ids", None))))
             for rid in finished:
@@ -414,6 +428,8 @@ class OmniPrefixCacheManager:
             self._controller.escalate(escalate)
         jobs: list[_HitJob] = []
         with self._state_lock:
+            self._counters["query_requests"] += queried
+            self._counters["query_tokens"] += query_tokens
             self._counters["hit_requests"] += len(new_hits)
             self._counters["hit_tokens"] += sum(hit.num_computed for hit in new_hits)
             self._commit_drained_writes()
@@ -588,13 +604,16 @@ class OmniPrefixCacheManager:
         self._finish_consume(ctx, move)
 
     def stats(self) -> dict[str, Any]:
-        """Metrics an operator would export (any thread; takes the state
-        lock briefly): prefix hits (requests, tokens), steps saved /
+        """Metrics an operator would export, as a dict (any thread; takes the
+        state lock briefly): every :class:`CacheStats` field by name, plus
+        the historical keys: prefix queries and hits (requests, tokens), steps saved /
         materialized / discarded, tokens saved, rows committed to the pool
         (rows x keys), failed writes, live requests, open steps, and the
         controller's snapshot (tasks by state, queue depths, staged bytes,
         staging holders by kind)."""
         names = (
+            "query_requests",
+            "query_tokens",
             "hit_requests",
             "hit_tokens",
             "steps_saved",
@@ -610,7 +629,13 @@ class OmniPrefixCacheManager:
             out["open_steps"] = len(self._step_ctxs)
             out["sticky_failure"] = self._failure is not None
         out.update(self._controller.stats())
+        out["pool_key_bytes"] = self._pool.key_nbytes()
+        out.update(CacheStats.from_stats(out).as_dict())
         return out
+
+    def stats_snapshot(self) -> CacheStats:
+        """``stats()`` as a typed, frozen snapshot (Prometheus-style names)."""
+        return CacheStats.from_stats(self.stats())
 
     def shutdown(self) -> None:
         """Stop the prefetch thread and the controller (queued writes land
