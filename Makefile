@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PYTEST ?= $(PYTHON) -m pytest
 
-.PHONY: setup diagrams diagrams-check test lint demo simulate bench check examples
+.PHONY: setup diagrams diagrams-check typed-specs typed-specs-check test lint demo simulate bench check examples
 
 setup:
 	bash .ci/setup.sh
@@ -12,6 +12,14 @@ diagrams:
 
 diagrams-check:
 	$(PYTHON) -m omni_prefix_cache diagrams --out diagrams --check
+
+# Typed state enums and trigger names (src/omni_prefix_cache/spec_types/) from spec/*.yaml;
+# committed, and checked for staleness by tests/test_spec_types.py.
+typed-specs:
+	$(PYTHON) -m omni_prefix_cache.specs.typed
+
+typed-specs-check:
+	$(PYTHON) -m omni_prefix_cache.specs.typed --check
 
 lint:
 	$(PYTHON) -m ruff check src tests spec examples
