@@ -144,3 +144,8 @@ def test_prometheus_collector_scrapes_the_snapshot() -> None:
     types = {family.name: family.type for family in text_string_to_metric_families(text)}
     assert types["omni_prefix_cache_budget_flushes"] == "counter"
     assert types["omni_prefix_cache_write_queue_depth_high"] == "gauge"
+
+
+def test_stats_doc_lists_every_field() -> None:
+    doc = (ROOT / "docs" / "stats.md").read_text()
+    assert [name for name in STAT_FIELDS if f"| `{name}` |" not in doc] == []
