@@ -32,9 +32,17 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
     """Shows ``(default: X)`` on every option that has a real default (not on on/off flags)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False or action.default is argparse.SUPPRESS:
+        # On/off flags say in their help which side is the default.
+        if action.default is None or isinstance(action.default, bool) or action.default is argparse.SUPPRESS:
             return action.help
         return super()._get_help_string(action)
+
+
+def _describe(*paragraphs: str) -> str:
+    """A subcommand description: prose paragraphs wrapped, then the exit statuses as written."""
+    import textwrap
+
+    return "\n\n".join([*(textwrap.fill(p, width=88) for p in paragraphs), EXIT_STATUS_HELP])
 
 
 # ------------------------------------------------------------ validation
@@ -102,8 +110,10 @@ def _add_diagrams_parser(sub: Any) -> None:
     p = sub.add_parser(
         "diagrams",
         help="render every spec into DOT (and SVG) diagrams",
-        description="Render every spec/*.yaml into <out>/<name>.dot and .svg (the SVG needs graphviz's dot). "
-        "With --check, compare the committed .dot files with the specs instead.\n\n" + EXIT_STATUS_HELP,
+        description=_describe(
+            "Render every spec/*.yaml into <out>/<name>.dot and .svg (the SVG needs graphviz's dot). "
+            "With --check, compare the committed .dot files with the specs instead."
+        ),
         formatter_class=_Formatter,
     )
     p.add_argument("--out", default="diagrams", help="output folder")
@@ -156,9 +166,11 @@ def _add_simulate_parser(sub: Any) -> None:
     p = sub.add_parser(
         "simulate",
         help="drive the manager through a synthetic vLLM-like serving trace and check every row",
-        description="Synthetic engine loop (chunked prefill, decode, preemption, streaming, same-step hits, "
-        "aborts, a deferred key) against the real manager; an oracle checks every materialized row. "
-        "A progress line (steps, elapsed, ETA) is drawn on stderr when it is a terminal.\n\n" + EXIT_STATUS_HELP,
+        description=_describe(
+            "Synthetic engine loop (chunked prefill, decode, preemption, streaming, same-step hits, "
+            "aborts, a deferred key) against the real manager; an oracle checks every materialized row.",
+            "A progress line (steps, elapsed, ETA) is drawn on stderr when it is a terminal.",
+        ),
         formatter_class=_Formatter,
     )
     mode = p.add_mutually_exclusive_group()
@@ -173,7 +185,9 @@ def _add_simulate_parser(sub: Any) -> None:
         default=None,
         help="materialize one step behind on a thread (the default when threaded)",
     )
-    lag.add_argument("--no-lag", dest="lag", action="store_false", help="materialize inline after each save")
+    lag.add_argument(
+        "--no-lag", dest="lag", action="store_false", default=None, help="materialize inline after each save"
+    )
     p.add_argument("--seed", type=non_negative, default=0, help="seed of the trace and the discard choices")
     p.add_argument("--steps", type=positive, default=2000, help="step cap; requests still live there are aborted")
     p.add_argument("--arrival-steps", type=positive, default=500, help="requests arrive during this many steps")
@@ -281,10 +295,12 @@ def _add_bench_parser(sub: Any) -> None:
     p = sub.add_parser(
         "bench",
         help="engine and materialize cost per step against a memcpy floor, with targets",
-        description="Scenarios decode, prefill_hits, deferred and a decode batch sweep. Each row reports "
-        "microseconds per step, tokens/s and the ratio to a torch clone of the step's row bytes measured "
-        "in the same run; rows with a target say met or missed (a miss fails the run only with --strict). "
-        "A progress line (steps, elapsed, ETA) is drawn on stderr when it is a terminal.\n\n" + EXIT_STATUS_HELP,
+        description=_describe(
+            "Scenarios decode, prefill_hits, deferred and a decode batch sweep. Each row reports "
+            "microseconds per step, tokens/s and the ratio to a torch clone of the step's row bytes measured "
+            "in the same run; rows with a target say met or missed (a miss fails the run only with --strict).",
+            "A progress line (steps, elapsed, ETA) is drawn on stderr when it is a terminal.",
+        ),
         formatter_class=_Formatter,
     )
     mode = p.add_mutually_exclusive_group()
@@ -352,12 +368,15 @@ def _add_check_parser(sub: Any, *, full: bool = True) -> None:
     p = sub.add_parser(
         "check",
         help=_CHECK_SUMMARY,
-        description="Breadth-first over every reachable state of the composed write pipeline (write tasks, "
-        "slot occupancy, staging holders, step contexts, the committer, escalate/join/fail/reuse/materialize/"
-        "discard), with every component move taken from the compiled specs. Checks every invariant in every "
-        "state and that every state can still settle; prints states explored, depth and time, or a shortest "
-        "counterexample. A bound left out takes the CI bound's value (the --big bound's with --big). A progress "
-        "line (states, depth, elapsed) is drawn on stderr when it is a terminal.\n\n" + EXIT_STATUS_HELP,
+        description=_describe(
+            "Breadth-first over every reachable state of the composed write pipeline (write tasks, "
+            "slot occupancy, staging holders, step contexts, the committer, escalate/join/fail/reuse/materialize/"
+            "discard), with every component move taken from the compiled specs. Checks every invariant in every "
+            "state and that every state can still settle; prints states explored, depth and time, or a shortest "
+            "counterexample.",
+            "A bound left out takes the CI bound's value (the --big bound's with --big). A progress line "
+            "(states expanded and found, depth, elapsed) is drawn on stderr when it is a terminal.",
+        ),
         formatter_class=_Formatter,
     )
     for name, text in _BOUND_HELP.items():
@@ -441,7 +460,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="omni-prefix-cache",
-        description=__doc__ + "\n\n" + EXIT_STATUS_HELP,
+        description=_describe(" ".join((__doc__ or "").split())),
         formatter_class=_Formatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
