@@ -66,7 +66,7 @@ def main() -> int:
         mgr.new_step_starts(SchedulerOutput({"a": 8}, [NewRequest("a", 0, ([0, 1],))]))
         batch.set_rows({"a": (0, [0, 1])})
         sid = mgr.save_outputs(forward(prompt, 0), None, num_tokens_unpadded=8, num_tokens_padded=8)
-        rows_a = mgr.materialize(sid, ["a"]).hidden_states["a"]
+        rows_a = (mgr.materialize(sid, ["a"]).hidden_states or {})["a"]  # None: a policy without hidden
 
         # Step 2: "a" finished; "b" has the same prompt plus two tokens. vLLM found
         # blocks 0 and 1 cached, so only tokens 8 and 9 run through the forward.
@@ -74,7 +74,7 @@ def main() -> int:
         mgr.new_step_starts(SchedulerOutput({"b": 2}, [NewRequest("b", 8, ([0, 1, 2],))], finished))
         batch.set_rows({"b": (8, [0, 1, 2])})
         sid = mgr.save_outputs(forward([19, 20], 8), None, num_tokens_unpadded=2, num_tokens_padded=2)
-        rows_b = mgr.materialize(sid, ["b"]).hidden_states["b"]  # 8 cached rows + 2 new
+        rows_b = (mgr.materialize(sid, ["b"]).hidden_states or {})["b"]  # 8 cached rows + 2 new
 
         # Step 3: "b" finishes; nothing is scheduled, so there is nothing to save.
         mgr.new_step_starts(SchedulerOutput({}, [], {"b"}))

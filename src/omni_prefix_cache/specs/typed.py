@@ -73,7 +73,7 @@ def render_module(spec: MachineSpec) -> str:
     out.append(f"class {trig}(StrEnum):\n")
     out.append(_doc(f"Trigger names of the {spec.name} spec.", "    "))
     out.append("\n")
-    meaning_of = {}
+    meaning_of: dict[str, str] = {}
     for move in spec.moves:
         meaning_of.setdefault(move.trigger, move.meaning)
     for trigger in spec.triggers:
