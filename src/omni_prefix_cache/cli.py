@@ -251,9 +251,11 @@ def _sim_config(args: argparse.Namespace) -> Any:
 def _validate_simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     # The manager's own config check, run before the simulation starts, so a bad
     # combination is a usage error rather than "the manager raised".
+    from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError
+
     try:
         _sim_config(args).prefix_cache_config()
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, OmniPrefixCacheUnmatchError) as exc:
         parser.error(str(exc))
 
 
