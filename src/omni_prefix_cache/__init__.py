@@ -8,16 +8,10 @@ lifecycles that govern them are declared in the repository's ``spec/``.
 from __future__ import annotations
 
 from importlib import import_module
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as _dist_version
 from typing import TYPE_CHECKING, Any
 
-try:
-    __version__ = _dist_version("omni-prefix-cache")
-except PackageNotFoundError:  # a source tree that was never installed
-    __version__ = "0+unknown"
-
 if TYPE_CHECKING:
+    __version__: str
     from omni_prefix_cache.interface import (
         HIDDEN_KEY,
         ModelCachePolicy,
@@ -40,9 +34,22 @@ __all__ = [
 ]
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("omni-prefix-cache")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
+
+
 def __getattr__(name: str) -> Any:
     # The public names live in interface.py, which imports torch (seconds);
     # resolving them on first use keeps `omni-prefix-cache --help` fast.
+    if name == "__version__":
+        value: Any = _version()
+        globals()[name] = value
+        return value
     if name in __all__:
         value = getattr(import_module("omni_prefix_cache.interface"), name)
         globals()[name] = value

@@ -453,19 +453,31 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ main
 
+
+class _VersionAction(argparse.Action):
+    """``--version``: reads the installed version only when asked (importlib.metadata costs ~20 ms)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kw: Any) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, **kw)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kw: Any) -> None:
+        import omni_prefix_cache
+
+        print(f"{parser.prog} {omni_prefix_cache.__version__}")
+        parser.exit()
+
+
 COMMANDS = ("diagrams", "simulate", "bench", "check")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The full parser; with ``command``, the other subcommands' costly parts are left out."""
-    from omni_prefix_cache import __version__
-
     parser = argparse.ArgumentParser(
         prog="omni-prefix-cache",
         description=_describe(" ".join((__doc__ or "").split())),
         formatter_class=_Formatter,
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--version", action=_VersionAction, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     _add_diagrams_parser(sub)
     _add_simulate_parser(sub)
