@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, TensorName, Tid
-from omni_prefix_cache.spec_types.slot_occupancy import SlotState
+from omni_prefix_cache.spec_types.slot_occupancy import SlotState as SlotState  # re-exported
 from omni_prefix_cache.specs import CompiledMove, compile_machine, load_spec
 
 # Slots listed in an error message before it summarises the rest.

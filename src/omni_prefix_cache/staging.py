@@ -21,7 +21,7 @@ from omni_prefix_cache.interface import (
     OmniPrefixCacheUnmatchError,
     TensorName,
 )
-from omni_prefix_cache.spec_types.staging_holder import HolderState
+from omni_prefix_cache.spec_types.staging_holder import HolderState as HolderState  # re-exported
 from omni_prefix_cache.specs import compile_machine, load_spec
 
 

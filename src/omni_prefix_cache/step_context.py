@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, ReqId, StepId, TensorName
-from omni_prefix_cache.spec_types.step_context import StepState
+from omni_prefix_cache.spec_types.step_context import StepState as StepState  # re-exported
 from omni_prefix_cache.specs import CompiledMove, compile_machine, load_spec
 from omni_prefix_cache.staging import StagingBufferHolder, StepD2HClaim
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, ReqId, TensorName, Tid, WriteSchedule
-from omni_prefix_cache.spec_types.write_task import TaskState
+from omni_prefix_cache.spec_types.write_task import TaskState as TaskState  # re-exported
 from omni_prefix_cache.specs import compile_machine, load_spec
 
 # Guards the one-time creation of a TaskEvent's condition (see TaskEvent.wait).
