@@ -501,7 +501,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     validate = getattr(args, "validate", None)
     if validate is not None:
         validate(args)  # checks across flags; exits like argparse (status 2) on a bad combination
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print(f"\n{parser.prog} {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader went away (e.g. `| head`): say nothing more, and keep Python's
+        # exit-time flush of stdout from raising again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":
