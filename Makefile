@@ -21,9 +21,11 @@ typed-specs:
 typed-specs-check:
 	$(PYTHON) -m omni_prefix_cache.specs.typed --check
 
+# ruff, then mypy --strict over the package (its settings: [tool.mypy] in pyproject.toml).
 lint:
 	$(PYTHON) -m ruff check src tests spec examples
 	$(PYTHON) -m ruff format --check src tests spec examples
+	$(PYTHON) -m mypy --strict src
 
 # The CI bound of the exhaustive model check (~15-60 s), then the test suite.
 test:

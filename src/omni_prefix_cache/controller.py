@@ -629,7 +629,9 @@ class OmniPrefixCacheController:
         Order matters: the failure record is published before the wake
         effects run, so a woken joiner finds it on its next drain.
         """
-        task = self._tasks.get(tid) if tid is not None else None
+        if tid is None:
+            return
+        task = self._tasks.get(tid)
         if task is None or not task.mark_failed(defer_wake=True):
             return
         self._release_staged_bytes(task)

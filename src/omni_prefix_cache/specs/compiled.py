@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from omni_prefix_cache.specs.loader import MachineSpec, MoveSpec, SpecError
 
@@ -88,7 +88,7 @@ class CompiledMachine:
                 f"{self.spec.origin}: {self.State(state).name} -> {self.State(dest).name} is reached by "
                 "several triggers; call move() with the trigger"
             )
-        return m
+        return cast("CompiledMove | None", m)
 
     def transition_matrix(self, trigger: str) -> tuple[int, ...]:
         """Destination per source state for ``trigger``; -1 where illegal."""
@@ -103,7 +103,8 @@ class CompiledMachine:
 def make_state_enum(spec: MachineSpec, module: str | None = None) -> type[SpecState]:
     """Generate the spec's ``IntEnum`` (values in declaration order)."""
     members = [(name, i) for i, name in enumerate(spec.state_names)]
-    enum_cls: type[SpecState] = SpecState(spec.enum_name, members, module=module, qualname=spec.enum_name)  # type: ignore[call-overload]
+    factory: Any = SpecState  # the functional Enum API, which the stubs do not model for subclasses
+    enum_cls: type[SpecState] = factory(spec.enum_name, members, module=module, qualname=spec.enum_name)
     enum_cls.final_states = frozenset(enum_cls[s] for s in spec.final_states)
     return enum_cls
 
