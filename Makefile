@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PYTEST ?= $(PYTHON) -m pytest
 
-.PHONY: setup diagrams diagrams-check test lint demo simulate bench check
+.PHONY: setup diagrams diagrams-check typed-specs typed-specs-check test lint demo simulate bench check examples
 
 setup:
 	bash .ci/setup.sh
@@ -13,14 +13,29 @@ diagrams:
 diagrams-check:
 	$(PYTHON) -m omni_prefix_cache diagrams --out diagrams --check
 
+# Typed state enums and trigger names (src/omni_prefix_cache/spec_types/) from spec/*.yaml;
+# committed, and checked for staleness by tests/test_spec_types.py.
+typed-specs:
+	$(PYTHON) -m omni_prefix_cache.specs.typed
+
+typed-specs-check:
+	$(PYTHON) -m omni_prefix_cache.specs.typed --check
+
+# ruff, then mypy --strict over the package (its settings: [tool.mypy] in pyproject.toml).
 lint:
-	$(PYTHON) -m ruff check src tests tests_vllm spec
-	$(PYTHON) -m ruff format --check src tests tests_vllm spec
+	$(PYTHON) -m ruff check src tests tests_vllm spec examples
+	$(PYTHON) -m ruff format --check src tests tests_vllm spec examples
+	$(PYTHON) -m mypy --strict src
 
 # The CI bound of the exhaustive model check (~15-60 s), then the test suite.
 test:
 	$(PYTHON) -m omni_prefix_cache check
 	$(PYTEST) -q
+
+# The engine-loop examples; each checks its own rows (tests/test_examples.py runs them too).
+examples:
+	$(PYTHON) examples/minimal_engine.py
+	$(PYTHON) examples/threaded_lagged.py
 
 # Fresh machine -> install -> a verified serving simulation with defaults.
 demo:

@@ -275,8 +275,10 @@ def run_scenario(
     seed: int = 0,
     profiler: cProfile.Profile | None = None,
     manager_factory: Callable[[PrefixCacheConfig, Any, bool], Any] | None = None,
+    on_step: Callable[[], None] | None = None,
 ) -> ScenarioResult:
-    """Replay ``sc`` against a fresh manager; time the facade calls and the memcpy floors."""
+    """Replay ``sc`` against a fresh manager; time the facade calls and the memcpy floors.
+    ``on_step`` is called after every step (warmup included), outside the timed spans."""
     iters = sc.iters if iters is None else iters
     warmup = sc.warmup if warmup is None else warmup
     steps = plan_steps(sc, warmup + iters, seed)
@@ -334,6 +336,8 @@ def run_scenario(
             t2, c2 = time.perf_counter_ns(), time.thread_time_ns()
             if timed and profiler is not None:
                 profiler.disable()
+            if on_step is not None:
+                on_step()
             if not timed:
                 continue
             eng.append((t1 - t0) / 1000.0)
@@ -433,18 +437,40 @@ def run_bench(
     warmup: int | None = None,
     sweep: bool = True,
     manager_factory: Callable[[PrefixCacheConfig, Any, bool], Any] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> BenchReport:
-    """Run the named scenarios (default all) and the decode sweep."""
+    """Run the named scenarios (default all) and the decode sweep.
+    ``progress(done, total)`` is called after every step of every run."""
     names = list(SCENARIOS) if not names else names
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         raise ValueError(f"unknown scenario(s) {unknown}; choose from {sorted(SCENARIOS)}")
-    kw: dict[str, Any] = {"eager": eager, "iters": iters, "warmup": warmup, "manager_factory": manager_factory}
-    results = [run_scenario(SCENARIOS[n](), **kw) for n in names]
+    plan = [SCENARIOS[n]() for n in names]
+    sweep_plan = [decode_scenario(r, iters=100) for r in SWEEP_SIZES] if sweep else []
+    total = sum(
+        (sc.warmup if warmup is None else warmup) + (sc.iters if iters is None else iters)
+        for sc in [*plan, *sweep_plan]
+    )
+    done = 0
+
+    def step_done() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
+    kw: dict[str, Any] = {
+        "eager": eager,
+        "iters": iters,
+        "warmup": warmup,
+        "manager_factory": manager_factory,
+        "on_step": step_done if progress is not None else None,
+    }
+    results = [run_scenario(sc, **kw) for sc in plan]
     sweep_results: list[ScenarioResult] = []
     spread = cpu_spread = None
     if sweep:
-        sweep_results = [run_scenario(decode_scenario(r, iters=100), **kw) for r in SWEEP_SIZES]
+        sweep_results = [run_scenario(sc, **kw) for sc in sweep_plan]
         per_req = [r.engine_us_per_request for r in sweep_results]
         spread = max(per_req) / min(per_req)
         per_req_cpu = [r.engine_cpu_us_p50 / r.requests_per_step for r in sweep_results]
@@ -537,7 +563,20 @@ def main_bench(args: argparse.Namespace) -> int:
     if args.profile:
         print(profile_scenario(args.profile, eager=args.eager, top=args.top, iters=args.iters))
         return 0
-    rep = run_bench(args.scenario, eager=args.eager, iters=args.iters, warmup=args.warmup, sweep=not args.no_sweep)
+    from omni_prefix_cache.progress import StepProgress
+
+    line = StepProgress("step", enabled=False if args.json or args.quiet else None)
+    try:
+        rep = run_bench(
+            args.scenario,
+            eager=args.eager,
+            iters=args.iters,
+            warmup=args.warmup,
+            sweep=not args.no_sweep,
+            progress=line.update,
+        )
+    finally:
+        line.close()
     if args.json:
         print(json.dumps(rep.to_dict(), indent=2))
     else:

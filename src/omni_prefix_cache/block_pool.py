@@ -15,12 +15,28 @@ pass on the engine thread nor resident memory before the committer writes.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import threading
 
 import torch
 
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, PrefixCacheConfig, TensorName
+
+logger = logging.getLogger(__name__)
+
+
+def _log_opened(key: TensorName, slab: torch.Tensor) -> None:
+    # Once per key and pool: the slab is the pool's whole memory for that key.
+    logger.info(
+        "omni prefix cache: opened CPU pool slab for key %r: %d slots x %d %s = %.1f MiB%s",
+        key,
+        int(slab.shape[0]),
+        int(slab.shape[1]),
+        str(slab.dtype).removeprefix("torch."),
+        slab.numel() * slab.element_size() / 2**20,
+        ", pinned" if slab.is_pinned() else "",
+    )
 
 
 def zeroed_host(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -67,6 +83,7 @@ class PrefixBlockPool:
                 if slab is None:
                     slab = self.new_slab(dtype, width)
                     self._slabs[key] = slab
+                    _log_opened(key, slab)
                     return slab
         self._check_layout(key, slab, dtype, int(width))
         return slab
@@ -92,6 +109,8 @@ class PrefixBlockPool:
             if current is not None and current is not storage:
                 raise OmniPrefixCacheUnmatchError(f"prefix block pool: key {key!r} already has a slab; never replaced")
             self._slabs[key] = storage
+        if current is None:
+            _log_opened(key, storage)
 
     def host_bytes(self) -> int:
         """Host bytes the slabs reserve (virtual; pages fill as rows land).
@@ -105,6 +124,10 @@ class PrefixBlockPool:
     def keys(self) -> list[TensorName]:
         """Every key with a slab, in opening order."""
         return list(self._slabs)
+
+    def key_nbytes(self) -> dict[TensorName, int]:
+        """Bytes of each key's slab, in opening order."""
+        return {key: slab.numel() * slab.element_size() for key, slab in list(self._slabs.items())}
 
     def rows(self, key: TensorName, slots: torch.Tensor) -> torch.Tensor:
         """A copy of ``key``'s rows at ``slots`` (1-D integer tensor), in order.

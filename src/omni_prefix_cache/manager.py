@@ -65,6 +65,7 @@ from omni_prefix_cache.interface import (
 )
 from omni_prefix_cache.occupancy import ABSENT, IN_TRANSIT, SlotOccupancy
 from omni_prefix_cache.protocols import SchedulerOutputLike
+from omni_prefix_cache.stats import CacheStats
 from omni_prefix_cache.step_context import KeyLayout, StepContext, StepState, step_move
 
 logger = logging.getLogger(__name__)
@@ -171,6 +172,16 @@ def _per_row(values: list[int], counts: list[int], total: int) -> torch.Tensor:
     return torch.tensor(
         list(itertools.chain.from_iterable(itertools.repeat(v, c) for v, c in zip(values, counts))), dtype=torch.int64
     )
+
+
+def _query_tokens(req: Any, computed: int, scheduled: int) -> int:
+    """Prompt tokens a new request looked up in the prefix cache (vLLM's
+    ``prompt_token_ids`` when present, else computed plus first-step tokens)."""
+    prompt = getattr(req, "prompt_token_ids", None)
+    try:
+        return len(prompt) if prompt is not None else computed + scheduled
+    except TypeError:
+        return computed + scheduled
 
 
 def _is_step_token_tensor(value: Any, n: int, padded: int) -> bool:
@@ -486,9 +497,12 @@ class OmniPrefixCacheManager:
             # Validate every hit before touching any table: a bad hit must
             # leave nothing half-registered behind.
             candidates: list[tuple[ReqId, int, list[int]]] = []
-            for rid, computed, block_ids in new_reqs:
+            queried = query_tokens = 0
+            for rid, computed, block_ids, req in new_reqs:
                 if rid in self._live and rid not in gone:
                     continue  # a live request re-entering the new list is not a hit
+                queried += 1
+                query_tokens += _query_tokens(req, computed, num_sched.get(rid, 0))
                 if computed > 0:
                     candidates.append((rid, computed, self._hit_blocks(rid, computed, block_ids)))
             for rid in finished:
@@ -502,7 +516,7 @@ class OmniPrefixCacheManager:
                     if rec is not None and not rec.task.is_terminal:
                         escalate.append(tid)
                 self._request_tasks.drop_if_idle(rid)
-            for rid, _, _ in new_reqs:
+            for rid, *_ in new_reqs:
                 self._live.add(rid)
             # A step with nothing scheduled has no save: the next snapshot
             # replaces it. Its hits (if any) stay pending for the next save.
@@ -525,6 +539,8 @@ class OmniPrefixCacheManager:
             self._controller.escalate(escalate)
         jobs: list[_HitJob] = []
         with self._state_lock:
+            self._counters["query_requests"] += queried
+            self._counters["query_tokens"] += query_tokens
             self._counters["hit_requests"] += len(new_hits)
             self._counters["hit_tokens"] += sum(hit.num_computed for hit in new_hits)
             self._commit_drained_writes()
@@ -533,16 +549,17 @@ class OmniPrefixCacheManager:
         self._start_prefetch(jobs)
 
     @staticmethod
-    def _new_requests(raw: Any) -> list[tuple[ReqId, int, Any]]:
-        """``(req_id, num_computed_tokens, block_ids)`` of each scheduled new
-        request, type-checked (the hit itself is checked under the lock)."""
+    def _new_requests(raw: Any) -> list[tuple[ReqId, int, Any, Any]]:
+        """``(req_id, num_computed_tokens, block_ids, record)`` of each
+        scheduled new request, type-checked (the hit itself is checked under
+        the lock)."""
         if raw is None:
             return []
         if isinstance(raw, (str, bytes, Mapping)) or not isinstance(raw, Iterable):
             raise OmniPrefixCacheInvalidTypeError(
                 f"scheduled_new_reqs must be a list of new-request records, got {type(raw).__name__}"
             )
-        out: list[tuple[ReqId, int, Any]] = []
+        out: list[tuple[ReqId, int, Any, Any]] = []
         for req in raw:
             if not hasattr(req, "req_id"):
                 raise OmniPrefixCacheInvalidTypeError(
@@ -551,7 +568,7 @@ class OmniPrefixCacheManager:
             rid = _req_id("scheduled_new_reqs", req.req_id)
             computed = getattr(req, "num_computed_tokens", 0)
             computed = _count(f"num_computed_tokens of request {rid!r}", 0 if computed is None else computed)
-            out.append((rid, computed, getattr(req, "block_ids", None)))
+            out.append((rid, computed, getattr(req, "block_ids", None), req))
         return out
 
     def save_outputs(
@@ -752,8 +769,9 @@ class OmniPrefixCacheManager:
         self._finish_consume(ctx, move)
 
     def stats(self) -> dict[str, Any]:
-        """Metrics an operator would export (any thread; takes the state
-        lock briefly): prefix hits (requests, tokens), steps saved /
+        """Metrics an operator would export, as a dict (any thread; takes the
+        state lock briefly): every :class:`CacheStats` field by name, plus
+        the historical keys: prefix queries and hits (requests, tokens), steps saved /
         materialized / discarded, tokens saved, rows committed to the pool
         (rows x keys), failed writes, live requests, open steps, and the
         controller's snapshot (tasks by state, queue depths, staged bytes,
@@ -761,6 +779,8 @@ class OmniPrefixCacheManager:
         counts at once (``failed_writes``, ``sticky_failure``), before any
         serving entry drains it."""
         names = (
+            "query_requests",
+            "query_tokens",
             "hit_requests",
             "hit_tokens",
             "steps_saved",
@@ -781,7 +801,13 @@ class OmniPrefixCacheManager:
             out["sticky_failure"] = self._failure is not None
         out["pool_host_bytes"] = self._pool.host_bytes()  # unpinned
         out.update(self._controller.stats())
+        out["pool_key_bytes"] = self._pool.key_nbytes()
+        out.update(CacheStats.from_stats(out).as_dict())
         return out
+
+    def stats_snapshot(self) -> CacheStats:
+        """``stats()`` as a typed, frozen snapshot (Prometheus-style names)."""
+        return CacheStats.from_stats(self.stats())
 
     def shutdown(self) -> None:
         """Stop the prefetch thread and the controller (queued writes land

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, TensorName, Tid
+from omni_prefix_cache.spec_types.slot_occupancy import SlotState as SlotState  # re-exported
 from omni_prefix_cache.specs import CompiledMove, compile_machine, load_spec
 
 # Slots listed in an error message before it summarises the rest.
@@ -102,9 +103,8 @@ SLOT_MACHINE = compile_machine(
         "bump_version": _bump_version,
         "clear_owner": _clear_owner,
     },
-    module=__name__,
+    state_enum=SlotState,
 )
-SlotState = SLOT_MACHINE.State
 ABSENT = int(SlotState.ABSENT)
 IN_TRANSIT = int(SlotState.IN_TRANSIT)
 COMMITTED = int(SlotState.COMMITTED)

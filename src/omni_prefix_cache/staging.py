@@ -22,6 +22,7 @@ from omni_prefix_cache.interface import (
     OmniPrefixCacheUnmatchError,
     TensorName,
 )
+from omni_prefix_cache.spec_types.staging_holder import HolderState as HolderState  # re-exported
 from omni_prefix_cache.specs import compile_machine, load_spec
 
 
@@ -74,9 +75,8 @@ HOLDER_MACHINE = compile_machine(
         "page_busy": _page_busy,
     },
     effects={"wake_claimers_if_free": _wake_claimers_if_free},
-    module=__name__,
+    state_enum=HolderState,
 )
-HolderState = HOLDER_MACHINE.State
 
 
 class StagingBufferPool:

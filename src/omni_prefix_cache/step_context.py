@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, ReqId, StepId, TensorName
+from omni_prefix_cache.spec_types.step_context import StepState as StepState  # re-exported
 from omni_prefix_cache.specs import CompiledMove, compile_machine, load_spec
 from omni_prefix_cache.staging import StagingBufferHolder, StepD2HClaim
 
@@ -71,9 +72,8 @@ def _release_step_holder(ctx: StepContext) -> None:
 STEP_MACHINE = compile_machine(
     load_spec("step_context"),
     effects={"release_step_holder": _release_step_holder},
-    module=__name__,
+    state_enum=StepState,
 )
-StepState = STEP_MACHINE.State
 
 
 def step_move(step_id: StepId, state: Any, trigger: str) -> CompiledMove:

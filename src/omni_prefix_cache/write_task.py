@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, ReqId, TensorName, Tid, WriteSchedule
+from omni_prefix_cache.spec_types.write_task import TaskState as TaskState  # re-exported
 from omni_prefix_cache.specs import compile_machine, load_spec
 
 # Guards the one-time creation of a TaskEvent's condition (see TaskEvent.wait).
@@ -116,9 +117,8 @@ WRITE_TASK_MACHINE = compile_machine(
         "set_host_ready": _set_host_ready,
         "set_done": _set_done,
     },
-    module=__name__,
+    state_enum=TaskState,
 )
-TaskState = WRITE_TASK_MACHINE.State
 # States in which a task still accepts chunks (the spec's accepts_chunks tag).
 _ACCEPTS_CHUNKS = WRITE_TASK_MACHINE.tagged("accepts_chunks")
 

@@ -39,7 +39,7 @@ class PersistentBatch:
             self._rows[hole] = self._rows.pop()
             while self._rows and self._rows[-1] is None:
                 self._rows.pop()
-        return list(self._rows)
+        return [r for r in self._rows if r is not None]  # no holes are left
 
 
 class _BlockTableGroup:

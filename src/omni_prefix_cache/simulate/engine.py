@@ -126,7 +126,12 @@ class SimResult:
 
     @property
     def ok(self) -> bool:
-        return self.error is None and self.mismatches == 0 and not self.leaked
+        return self.error is None and self.mismatches == 0 and not self.leaked and not self.checked_nothing
+
+    @property
+    def checked_nothing(self) -> bool:
+        """No materialized row was compared with the oracle (e.g. every step discarded)."""
+        return self.rows_checked == 0
 
 
 class _LogCounter(logging.Handler):

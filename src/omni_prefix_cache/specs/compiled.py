@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import Any, ClassVar, cast
 
 from omni_prefix_cache.specs.loader import MachineSpec, MoveSpec, SpecError
 
@@ -20,10 +20,13 @@ from omni_prefix_cache.specs.loader import MachineSpec, MoveSpec, SpecError
 class SpecState(IntEnum):
     """Base of every state enum generated from a spec."""
 
+    # Set on each generated class after it is built (an annotation is not a member).
+    final_states: ClassVar[frozenset[SpecState]]
+
     @property
     def is_terminal(self) -> bool:
         """True for the spec's final states."""
-        return self in type(self).final_states  # type: ignore[attr-defined]
+        return self in type(self).final_states
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -85,7 +88,7 @@ class CompiledMachine:
                 f"{self.spec.origin}: {self.State(state).name} -> {self.State(dest).name} is reached by "
                 "several triggers; call move() with the trigger"
             )
-        return m
+        return cast("CompiledMove | None", m)
 
     def transition_matrix(self, trigger: str) -> tuple[int, ...]:
         """Destination per source state for ``trigger``; -1 where illegal."""
@@ -100,7 +103,8 @@ class CompiledMachine:
 def make_state_enum(spec: MachineSpec, module: str | None = None) -> type[SpecState]:
     """Generate the spec's ``IntEnum`` (values in declaration order)."""
     members = [(name, i) for i, name in enumerate(spec.state_names)]
-    enum_cls = SpecState(spec.enum_name, members, module=module, qualname=spec.enum_name)  # type: ignore[call-overload]
+    factory: Any = SpecState  # the functional Enum API, which the stubs do not model for subclasses
+    enum_cls: type[SpecState] = factory(spec.enum_name, members, module=module, qualname=spec.enum_name)
     enum_cls.final_states = frozenset(enum_cls[s] for s in spec.final_states)
     return enum_cls
 
@@ -132,8 +136,13 @@ def compile_machine(
         if extra:
             raise SpecError(f"{spec.origin}: the runtime registers {kind}s {extra} that the spec does not declare")
     enum_cls = state_enum or make_state_enum(spec, module)
-    if tuple(m.name for m in enum_cls) != spec.state_names:
-        raise SpecError(f"{spec.origin}: state enum {enum_cls.__name__} does not match the spec's states")
+    if tuple(m.name for m in enum_cls) != spec.state_names or {s.name for s in enum_cls.final_states} != set(
+        spec.final_states
+    ):
+        raise SpecError(
+            f"{spec.origin}: state enum {enum_cls.__name__} does not match the spec's states "
+            "(regenerate the typed modules: make typed-specs)"
+        )
     moves = [
         CompiledMove(
             trigger=m.trigger,

@@ -44,13 +44,13 @@ def render_dot(spec: MachineSpec) -> str:
     for trigger, event in machine.events.items():
         for source, transitions in event.transitions.items():
             for t in transitions:
-                guards = [c.func for c in t.conditions]
+                guards = [str(c.func) for c in t.conditions]
                 label = trigger + (f" [{', '.join(guards)}]" if guards else "")
                 if t.after:
                     late = deferrable[(trigger, source)]
-                    label += " / " + ", ".join(f"{e}*" if e in late else e for e in t.after)
+                    label += " / " + ", ".join(f"{e}*" if e in late else str(e) for e in t.after)
                 g.edge(source, t.dest, label=label)
-    return g.source
+    return str(g.source)
 
 
 def write_diagrams(out_dir: Path, *, svg: bool = True) -> list[Path]:

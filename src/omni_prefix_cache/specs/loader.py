@@ -238,7 +238,7 @@ def parse_spec(data: Mapping[str, Any], origin: str = "<spec>") -> MachineSpec:
             MoveSpec(
                 trigger=trigger,
                 source=source,
-                dest=dest,
+                dest=str(dest),  # checked above: a declared state
                 guards=_names(raw.get("conditions"), origin, where, "conditions"),
                 effects=effects,
                 meaning=meaning.strip(),

@@ -13,6 +13,7 @@ spec's named invariants on the runtime.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
@@ -57,6 +58,10 @@ _TASK_SOFT_APIS = frozenset({"try_transition", "claim_copy", "mark_failed"})
 _EVENT_OF = {"set_host_ready": "host_ready", "set_done": "done"}
 
 
+def _has_effect(effect: str, move: Any) -> bool:
+    return effect in move.effects
+
+
 class _TaskSystem:
     """The WriteTasks under test, plus what the harness saw them do."""
 
@@ -89,7 +94,8 @@ class WriteTaskAdapter(SpecAdapter):
         self.dest_of = {m.trigger: m.dest for m in self.spec.moves}
         self.accepts = frozenset(self.spec.tagged("accepts_chunks"))
         self.event_states = {
-            event: states_after(self.spec, lambda m, _e=effect: _e in m.effects) for effect, event in _EVENT_OF.items()
+            event: states_after(self.spec, functools.partial(_has_effect, effect))
+            for effect, event in _EVENT_OF.items()
         }
         self.claimed_states = states_after(self.spec, lambda m: m.trigger == "claim_copy")
 
@@ -146,7 +152,7 @@ class WriteTaskAdapter(SpecAdapter):
         system.tasks[handle].wake_failed_waiters()
 
     def read_state(self, system: _TaskSystem, handle: int) -> str:
-        return system.tasks[handle].state.name
+        return str(system.tasks[handle].state.name)
 
     def observe(self, system: _TaskSystem, handles: Sequence[int]) -> dict[Hashable, Any]:
         out: dict[Hashable, Any] = {}
@@ -366,7 +372,7 @@ class StagingHolderAdapter(SpecAdapter):
     def read_state(self, system: _PoolSystem, handle: int) -> str:
         if handle not in system.holders:
             return "UNHELD"  # no id issued yet: it never held a page
-        return system.pool.holder_state(system.holders[handle]).name
+        return str(system.pool.holder_state(system.holders[handle]).name)
 
     def observe(self, system: _PoolSystem, handles: Sequence[int]) -> dict[Hashable, Any]:
         index = {holder: h for h, holder in system.holders.items()}
@@ -384,7 +390,8 @@ class StagingHolderAdapter(SpecAdapter):
 
     @staticmethod
     def _free_pages(model: ModelWorld) -> list[int]:
-        return [p for p in range(len([k for k in model.obs if k[0] == "page"])) if not model.obs[("page", p)]]
+        pages = [k for k in model.obs if isinstance(k, tuple) and k[0] == "page"]
+        return [p for p in range(len(pages)) if not model.obs[("page", p)]]
 
     def model_guards(self) -> dict[str, Callable[[MoveCtx], bool]]:
         return {
@@ -583,7 +590,7 @@ class SlotOccupancyAdapter(SpecAdapter):
             trigger = data.draw(st.sampled_from(self.spec.triggers), label="trigger")
             rows = [(h, self.trigger_args(data, machine.model, h, trigger)) for h in picked]
             outcomes = [machine.model_outcome(h, trigger, a) for h, a in rows]
-            call = lambda: machine.system.occ.apply(  # noqa: E731
+            call: Callable[[], Any] = lambda: machine.system.occ.apply(  # noqa: E731
                 trigger, HIDDEN_KEY, torch.tensor(picked), torch.tensor([a["tid"] for _, a in rows])
             )
             where = f"vectorised {trigger} on slots {picked}"

@@ -9,6 +9,7 @@ interpreter's copy of the spec must make the generated machine fail.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
@@ -85,6 +86,11 @@ class SpecInterpreter:
             effect(handle)
 
 
+def _env_guard(guard: str, ctx: MoveCtx) -> bool:
+    """The model's guard: whatever the test environment says it is."""
+    return bool(ctx.model.env[guard])
+
+
 class InterpreterAdapter(SpecAdapter):
     """Plays ``spec`` against a SpecInterpreter built from ``runtime_spec``
     (default: the same spec). A guard-flag environment rule flips the world's
@@ -137,7 +143,7 @@ class InterpreterAdapter(SpecAdapter):
             model.obs[(handle, e)] = 0
 
     def model_guards(self) -> dict[str, Callable[[MoveCtx], bool]]:
-        return {g: (lambda ctx, _g=g: bool(ctx.model.env[_g])) for g in self.spec.guard_names}
+        return {g: functools.partial(_env_guard, g) for g in self.spec.guard_names}
 
     def model_effects(self) -> dict[str, Callable[[MoveCtx], None]]:
         def count(name: str) -> Callable[[MoveCtx], None]:

@@ -30,6 +30,7 @@ rest). A violation is reported with a shortest trace from the initial state.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from omni_prefix_cache.specs.compiled import CompiledMachine, CompiledMove, compile_machine
-from omni_prefix_cache.specs.loader import MachineSpec, load_spec
+from omni_prefix_cache.specs.loader import MachineSpec, MoveSpec, load_spec
 from omni_prefix_cache.testing.specfacts import states_after
 
 IMM, DEF = 0, 1  # write schedules: JOIN_NEXT_STEP, JOIN_ON_FINISH
@@ -152,11 +153,17 @@ class Violation(Exception):
         self.message = message
 
 
+def _has_effect(effect: str, move: MoveSpec) -> bool:
+    return effect in move.effects
+
+
 class _Ctx:
     """Scratch world for one action, and what the spec handlers act on."""
 
-    __slots__ = ("tasks", "steps", "slots", "pages", "hi", "lo", "live", "committer")
-    __slots__ += ("completed", "failed", "staged", "fatal", "reads", "tid", "slot", "holder", "page")
+    __slots__ = (
+        *("tasks", "steps", "slots", "pages", "hi", "lo", "live", "committer"),
+        *("completed", "failed", "staged", "fatal", "reads", "tid", "slot", "holder", "page"),
+    )
 
     def __init__(self, w: World):
         self.tasks = list(w.tasks)
@@ -268,7 +275,7 @@ class ComposedModel:
         spec = self.task_m.spec
         self.events = {
             name: tuple(
-                frozenset(int(T[s]) for s in part) for part in states_after(spec, lambda m, _e=eff: _e in m.effects)
+                frozenset(int(T[s]) for s in part) for part in states_after(spec, functools.partial(_has_effect, eff))
             )
             for name, eff in (("host_ready", "set_host_ready"), ("done", "set_done"))
         }
@@ -721,7 +728,7 @@ class ComposedModel:
 
     def _wake(self, c: _Ctx, label: tuple[Any, ...]) -> None:
         tid = label[1]
-        trigger, source = c.tasks[tid].owed  # type: ignore[misc]
+        trigger, source = c.tasks[tid].owed
         move = self.task_m.move(source, trigger)
         assert move is not None
         c.tid = tid
@@ -916,15 +923,14 @@ class ComposedModel:
                 parts.append(f"task {tid} reassigned {list(t.reassigned)}")
             if (o.host_ready, o.done) != (t.host_ready, t.done):
                 parts.append(f"task {tid} events host_ready={t.host_ready} done={t.done}")
-        for sid, s in enumerate(b.steps):
-            o = a.steps[sid] if sid < len(a.steps) else None
-            if o is None or o.state != s.state:
-                parts.append(f"step {sid} {S(s.state).name} (page {s.page})")
-        for slot, s in enumerate(b.slots):
-            o = a.slots[slot]
-            if o != s:
-                owner = f" owner task {s.owner}" if s.owner >= 0 else ""
-                parts.append(f"slot {slot} {Occ(s.state).name}{owner} v{s.version}")
+        for sid, step in enumerate(b.steps):
+            was = a.steps[sid] if sid < len(a.steps) else None
+            if was is None or was.state != step.state:
+                parts.append(f"step {sid} {S(step.state).name} (page {step.page})")
+        for slot, cell in enumerate(b.slots):
+            if a.slots[slot] != cell:
+                owner = f" owner task {cell.owner}" if cell.owner >= 0 else ""
+                parts.append(f"slot {slot} {Occ(cell.state).name}{owner} v{cell.version}")
         if (a.hi, a.lo) != (b.hi, b.lo):
             parts.append(f"queues hi={list(b.hi)} lo={list(b.lo)}")
         if a.committer != b.committer:
@@ -961,6 +967,7 @@ def check(
     *,
     specs: Mapping[str, MachineSpec] | None = None,
     max_states: int | None = None,
+    progress: Callable[[int, int, int], None] | None = None,
 ) -> CheckResult:
     """Breadth-first over every reachable state of the composed model.
 
@@ -968,7 +975,8 @@ def check(
     checks that every reachable state can still reach a settled state
     (reverse reachability over the explored graph) and reports the
     shallowest one that cannot. ``max_states`` aborts a run that grows past
-    it (ValueError).
+    it (ValueError). ``progress(expanded, found, depth)`` is called every
+    1,000 expanded states.
     """
     bounds = bounds or Bounds()
     model = ComposedModel(bounds, broken, specs)
@@ -1012,6 +1020,8 @@ def check(
     queue = deque([0])
     while queue:
         i = queue.popleft()
+        if progress is not None and i % 1000 == 0:
+            progress(i, len(worlds), depth[i])
         w = worlds[i]
         out: list[int] = []
         try:

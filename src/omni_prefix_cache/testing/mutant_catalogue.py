@@ -100,7 +100,9 @@ def _failure_wake_before_record(stack: contextlib.ExitStack) -> None:
     from omni_prefix_cache.controller import OmniPrefixCacheController
 
     def fail_task(self: OmniPrefixCacheController, tid: int | None) -> None:
-        task = self._tasks.get(tid) if tid is not None else None
+        if tid is None:
+            return
+        task = self._tasks.get(tid)
         if task is None or not task.mark_failed(defer_wake=False):
             return
         self._release_staged_bytes(task)

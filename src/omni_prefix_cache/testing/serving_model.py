@@ -253,7 +253,7 @@ class LazyExecutor:
     def __init__(self) -> None:
         self.pending: list[_LazyFuture] = []
 
-    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
         fut = _LazyFuture(self, fn, args, kwargs)
         self.pending.append(fut)
         return fut
@@ -271,8 +271,10 @@ class LazyExecutor:
         self.pending.clear()
 
 
-class _LazyFuture(Future):
-    def __init__(self, owner: LazyExecutor, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+class _LazyFuture(Future[Any]):
+    def __init__(
+        self, owner: LazyExecutor, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
         super().__init__()
         self._owner, self._job = owner, (fn, args, kwargs)
 

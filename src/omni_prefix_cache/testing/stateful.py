@@ -28,7 +28,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
@@ -359,7 +359,7 @@ def _create_rule(handles: Bundle) -> Callable[..., int]:
 
     create.__name__ = f"create_{handles.name}"
     limited = precondition(lambda self: len(self.model.states) < self.adapter.max_handles)(create)
-    return rule(target=handles, data=st.data())(limited)
+    return cast(Callable[..., int], rule(target=handles, data=st.data())(limited))
 
 
 def _fire_rule(trigger: str, handles: Bundle) -> Callable[..., None]:

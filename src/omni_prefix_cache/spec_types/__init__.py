@@ -1,0 +1,22 @@
+# Generated from spec/*.yaml by `make typed-specs`; do not edit.
+"""Typed state enums and trigger names generated from the specs (one module per spec)."""
+
+from omni_prefix_cache.spec_types.slot_occupancy import SlotOccupancyTrigger, SlotOccupancyTriggerName, SlotState
+from omni_prefix_cache.spec_types.staging_holder import HolderState, StagingHolderTrigger, StagingHolderTriggerName
+from omni_prefix_cache.spec_types.step_context import StepContextTrigger, StepContextTriggerName, StepState
+from omni_prefix_cache.spec_types.write_task import TaskState, WriteTaskTrigger, WriteTaskTriggerName
+
+__all__ = [
+    "HolderState",
+    "SlotOccupancyTrigger",
+    "SlotOccupancyTriggerName",
+    "SlotState",
+    "StagingHolderTrigger",
+    "StagingHolderTriggerName",
+    "StepContextTrigger",
+    "StepContextTriggerName",
+    "StepState",
+    "TaskState",
+    "WriteTaskTrigger",
+    "WriteTaskTriggerName",
+]

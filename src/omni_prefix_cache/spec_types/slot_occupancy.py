@@ -1,0 +1,43 @@
+# Generated from spec/slot_occupancy.yaml by `make typed-specs`; do not edit.
+"""Typed names of the ``slot_occupancy`` spec: the ``SlotState`` states and the ``SlotOccupancyTrigger`` triggers."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal, TypeAlias
+
+from omni_prefix_cache.specs.compiled import SpecState
+
+SPEC_NAME = "slot_occupancy"
+
+
+class SlotState(SpecState):
+    """
+    Which write last claimed a KV slot's row for one pool key, and whether that row has reached the CPU block
+    pool. Slots cycle forever: vLLM reusing a block is the eviction. Hidden and each mm key move independently.
+    """
+
+    ABSENT = 0
+    """never written for this key (hits on hidden raise; mm serves the pool baseline) (initial, tag rest)"""
+    IN_TRANSIT = 1
+    """owned by one unfinished write task (tids holds the owner)"""
+    COMMITTED = 2
+    """the owner's pool write was published; the pool row is durable (tag rest)"""
+
+
+SlotState.final_states = frozenset()
+INITIAL = SlotState.ABSENT
+
+
+class SlotOccupancyTrigger(StrEnum):
+    """Trigger names of the slot_occupancy spec."""
+
+    MAP = "map"
+    """a new write maps the slot"""
+    COMMIT = "commit"
+    """the owner's pool write was drained; a taken-over slot stays with its new owner"""
+    DROP = "drop"
+    """the owner's write failed; its rows never landed"""
+
+
+SlotOccupancyTriggerName: TypeAlias = Literal["map", "commit", "drop"]
