@@ -54,6 +54,7 @@ from omni_prefix_cache.interface import (
 from omni_prefix_cache.manager import OmniPrefixCacheManager
 from omni_prefix_cache.simulate.batch import SimGroupView
 from omni_prefix_cache.simulate.engine import LEFTOVER_KEY, SimConfig, Simulation
+from omni_prefix_cache.simulate.report import budget_flushes
 
 # ------------------------------------------------------------------ backends
 
@@ -227,7 +228,7 @@ def check_serve(backend: Backend, steps: int, seed: int) -> Check:
         "rows_from_cache": res.rows_from_cache,
         "mismatches": res.mismatches,
         "leaks": res.leaks,
-        "budget_flushes": res.log_warnings.get("budget_flush", 0),
+        "budget_flushes": budget_flushes(res),
         "lane_uses": lane_uses,
         "garbage_allocs": wrappers[0].garbage_allocs,
         "device_bytes_start": start_mem,

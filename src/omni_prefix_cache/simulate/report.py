@@ -53,7 +53,7 @@ class ProgressLine:
         self._line.close()
 
 
-def _budget_flushes(res: SimResult) -> int:
+def budget_flushes(res: SimResult) -> int:
     """The manager's budget_flushes_total; the WARNING log count for a manager without it."""
     counted = (res.manager_stats or {}).get("budget_flushes_total")
     return int(counted) if counted is not None else int(res.log_warnings.get("budget_flush", 0))
@@ -90,7 +90,7 @@ def summary(res: SimResult) -> dict[str, Any]:
         "aborted_at_end": res.aborted_at_end,
         "torch_threads": res.torch_threads,
         "log_warnings": res.log_warnings,
-        "budget_flushes": _budget_flushes(res),
+        "budget_flushes": budget_flushes(res),
         "wall_s": round(res.wall_s, 3),
         "scheduler": st,
         "allocator": res.allocator,
@@ -145,7 +145,7 @@ def format_table(res: SimResult) -> str:
             f"{st.get('followups', 0)} ({st.get('reused_ids', 0)}) / {st.get('duplicates', 0)}",
         ),
         ("blocks evicted (hash dropped)", str(res.allocator.get("evicted_hashes", 0))),
-        ("deferred budget flushes", str(_budget_flushes(res))),
+        ("deferred budget flushes", str(budget_flushes(res))),
         ("engine us/step p50 / p99", f"{_fmt(s['engine_us_p50'])} / {_fmt(s['engine_us_p99'])}"),
         ("materialize us p50 / p99", f"{_fmt(s['materialize_us_p50'])} / {_fmt(s['materialize_us_p99'])}"),
         *res.extra_rows(),
