@@ -517,7 +517,7 @@ class OmniPrefixCacheManager:
                 with self._reads_lock:
                     # Version bumps and preserved copies change together.
                     self._map_step_locked(split, slots, req_order, spans, immediate, deferred_tids)
-                self._replan_same_step_hits_locked(hits, split, slots)
+                self._replan_same_step_hits_locked(hits, slots)
                 ctx = StepContext(
                     step_id=sid,
                     controller=self._controller,
@@ -853,33 +853,36 @@ class OmniPrefixCacheManager:
         immediate: list[WriteTask],
         deferred_tids: list[Tid],
     ) -> None:
-        """One occupancy ``map`` per key for the whole step: every slot goes
-        IN_TRANSIT, owned by its request's write for that key."""
+        """The step becomes the tenant of its slots (occupancy coupling
+        ``take_tenancy``), one move per key for the whole step: a key the
+        step writes goes IN_TRANSIT, owned by its request's write; every
+        other open key of those slots is reset to ABSENT, so it can never
+        serve a previous tenant's rows."""
         if not req_order:
             return
         sizes = [spans[r][1] for r in req_order]
+        writes: dict[TensorName, torch.Tensor] = {}
         if immediate:
             owners = _per_row([t.tid for t in immediate], sizes, int(slots.numel()))
-            for key in split.immediate:
-                self._slot_status.map(key, slots, owners)
+            writes.update(dict.fromkeys(split.immediate, owners))
         if deferred_tids:
             owners = _per_row(deferred_tids, sizes, int(slots.numel()))
-            for key in split.deferred_clone:
-                self._slot_status.map(key, slots, owners)
+            writes.update(dict.fromkeys(split.deferred_clone, owners))
+        self._slot_status.take_tenancy(slots, writes)
 
-    def _replan_same_step_hits_locked(
-        self, hits: dict[ReqId, _PendingHit], split: _StepOutputs, slots: torch.Tensor
-    ) -> None:
+    def _replan_same_step_hits_locked(self, hits: dict[ReqId, _PendingHit], slots: torch.Tensor) -> None:
         """A hit planned at new_step_starts whose slots this very step maps
         is a same-step hit on a reused block: vLLM dropped the old block
         hash before reallocating it, so the hit means the rows this step
         computes, not the old tenant's (which the reuse just preserved for
-        it). Drop those plans; they are re-planned against this step's
-        writes right after (state lock held)."""
-        mapped = set(split.immediate) | set(split.deferred_clone)
+        it). The step is the new tenant of every key of those slots (keys it
+        does not write were reset), so drop the plans of every key; they are
+        re-planned against this step's tables right after (state lock held)."""
+        if int(slots.numel()) == 0:
+            return
         step_slots: set[int] | None = None
         for hit in hits.values():
-            stale = [key for key in hit.futures if key in mapped]
+            stale = list(hit.futures)
             if not stale:
                 continue
             if step_slots is None:
@@ -1173,7 +1176,9 @@ class OmniPrefixCacheManager:
                     "written (ABSENT); the omni cache diverged from the KV cache"
                 )
             pos = absent.nonzero().flatten()
-            baseline = self._pool.rows(key, slots[pos])
+            # Not the slab's rows: after a tenancy reset they may still be
+            # a previous tenant's.
+            baseline = self._pool.baseline(key, int(pos.numel()))
             for i, slot in enumerate(slots[pos].tolist()):
                 ref.preserved[slot] = baseline[i]
         transit = state == IN_TRANSIT

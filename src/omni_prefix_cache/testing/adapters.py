@@ -462,22 +462,32 @@ class StagingHolderAdapter(SpecAdapter):
 # ------------------------------------------------------------ slot occupancy
 
 
+# The second key of the occupancy under test: moved only by take_tenancy.
+_OTHER_KEY = "m"
+
+
 class _OccSystem:
-    """A SlotOccupancy over one key, with its manager hooks recorded."""
+    """A SlotOccupancy over the key under test and a second key that only
+    slot tenancy moves, with its manager hooks recorded per key."""
 
     def __init__(self, num_slots: int):
         from omni_prefix_cache.occupancy import SlotOccupancy
 
         self.occ = SlotOccupancy(num_slots, on_reassign=self._on_reassign, on_reuse=self._on_reuse)
         self.table = self.occ.add_key(HIDDEN_KEY)
+        self.other = self.occ.add_key(_OTHER_KEY)
         self.reassigned: dict[int, frozenset[int]] = {}
+        self.other_reassigned: dict[int, frozenset[int]] = {}
         self.reuses: dict[int, int] = {}
         self.seen_versions: dict[int, int] = {}
 
     def _on_reassign(self, tid: int, key: str, slots: torch.Tensor) -> None:
-        self.reassigned[tid] = self.reassigned.get(tid, frozenset()) | frozenset(slots.tolist())
+        book = self.reassigned if key == HIDDEN_KEY else self.other_reassigned
+        book[tid] = book.get(tid, frozenset()) | frozenset(slots.tolist())
 
     def _on_reuse(self, key: str, slots: torch.Tensor) -> None:
+        if key != HIDDEN_KEY:
+            return
         for s in slots.tolist():
             self.reuses[s] = self.reuses.get(s, 0) + 1
 
@@ -490,9 +500,12 @@ class SlotOccupancyAdapter(SpecAdapter):
     ``set_owner`` / ``clear_owner`` as the slot's tid, ``bump_version`` as
     its version, ``reassign_from_old_owner`` as the slots the manager's
     on_reassign hook records per old owner, ``preserve_pending_reads`` as
-    the on_reuse hook calls per slot. An environment rule applies one
-    trigger to several slots in one vectorised call (all or nothing when a
-    row is illegal).
+    the on_reuse hook calls per slot. ``reset`` has no new owner (tid -1).
+    An environment rule applies one trigger to several slots in one
+    vectorised call (all or nothing when a row is illegal); another takes
+    slot tenancy (the ``take_tenancy`` coupling) writing the key under test
+    and maybe the second key, which must then be IN_TRANSIT with the
+    tenant or, when not written, ABSENT (``tenant_owns_all_keys``).
     """
 
     handle_name = "slot"
@@ -501,9 +514,10 @@ class SlotOccupancyAdapter(SpecAdapter):
 
     def __init__(self, spec: MachineSpec | None = None):
         self.spec = spec or load_spec("slot_occupancy")
-        unknown = sorted(set(self.spec.triggers) - {"map", "commit", "drop"})
+        unknown = sorted(set(self.spec.triggers) - {"map", "commit", "drop", "reset"})
         if unknown:
             raise SpecError(f"{self.spec.origin}: SlotOccupancy has no call for triggers {unknown}")
+        self.tenancy = {c.name: c for c in self.spec.couplings}.get("take_tenancy")
 
     def new_system(self) -> _OccSystem:
         return _OccSystem(self.max_handles)
@@ -566,6 +580,8 @@ class SlotOccupancyAdapter(SpecAdapter):
         }
 
     def trigger_args(self, data: Any, model: ModelWorld, handle: int, trigger: str) -> dict[str, Any]:
+        if self.tenancy is not None and trigger == self.tenancy.others:
+            return {"tid": -1}  # the key loses its rows to a tenant that does not write it
         owner = model.obs[("owner", handle)]
         if trigger != "map" and owner >= 0 and data.draw(st.booleans(), label="the owner writes"):
             return {"tid": owner}
@@ -598,7 +614,32 @@ class SlotOccupancyAdapter(SpecAdapter):
                 if o == "moved" and move is not None:
                     machine.apply_model_move(h, move, a)
 
-        return (EnvRule("vector_apply", vector, lambda model: len(model.states) >= 2),)
+        def take_tenancy(machine: GeneratedMachine, data: Any) -> None:
+            assert self.tenancy is not None
+            handles = sorted(machine.model.states)
+            picked = data.draw(st.lists(st.sampled_from(handles), min_size=1, unique=True), label="slots")
+            tid = data.draw(st.integers(0, self.tids - 1), label="tenant tid")
+            both = data.draw(st.booleans(), label=f"the tenant writes {_OTHER_KEY!r} too")
+            writes: dict[str, Any] = {HIDDEN_KEY: tid, **({_OTHER_KEY: tid} if both else {})}
+            machine.system.occ.take_tenancy(torch.tensor(picked), writes)
+            other = machine.model.env.setdefault("other", {})
+            lost = machine.model.env.setdefault("other_reassigned", {})
+            for h in picked:
+                outcome, move = machine.model_outcome(h, self.tenancy.fires, {"tid": tid})
+                if outcome != "moved" or move is None:
+                    raise Discrepancy(f"take_tenancy: {self.tenancy.fires} is {outcome} from {machine.model.states[h]}")
+                machine.apply_model_move(h, move, {"tid": tid})
+                old = other.get(h, ("ABSENT", -1))
+                # Reset takes the rows from any owner, a takeover from another one.
+                if old[0] == "IN_TRANSIT" and (not both or old[1] != tid):
+                    lost[old[1]] = lost.get(old[1], frozenset()) | {h}
+                other[h] = ("IN_TRANSIT", tid) if both else ("ABSENT", -1)
+            machine.check_agree(f"take_tenancy of slots {picked} by tid {tid} (writes {sorted(writes)})")
+
+        rules = [EnvRule("vector_apply", vector, lambda model: len(model.states) >= 2)]
+        if self.tenancy is not None:
+            rules.append(EnvRule("take_tenancy", take_tenancy, lambda model: len(model.states) >= 1))
+        return tuple(rules)
 
     def invariants(self) -> Mapping[str, Callable[[GeneratedMachine], None]]:
         def owner_iff_in_transit(m: GeneratedMachine) -> None:
@@ -617,7 +658,25 @@ class SlotOccupancyAdapter(SpecAdapter):
                     raise Discrepancy(f"slot {h}: version {v} after {m.system.reuses.get(h, 0)} reuses")
                 m.system.seen_versions[h] = v
 
-        return {"owner_iff_in_transit": owner_iff_in_transit, "version_monotonic": version_monotonic}
+        def tenant_owns_all_keys(m: GeneratedMachine) -> None:
+            from omni_prefix_cache.occupancy import SlotState
+
+            t = m.system.other
+            for h, (state, owner) in m.model.env.get("other", {}).items():
+                got = (SlotState(int(t.state[h])).name, int(t.tids[h]))
+                if got != (state, owner):
+                    raise Discrepancy(f"slot {h}: key {_OTHER_KEY!r} is {got} after its last tenancy, expected {state}")
+            want = m.model.env.get("other_reassigned", {})
+            if m.system.other_reassigned != want:
+                raise Discrepancy(
+                    f"key {_OTHER_KEY!r}: rows taken from old owners {m.system.other_reassigned}, expected {want}"
+                )
+
+        return {
+            "owner_iff_in_transit": owner_iff_in_transit,
+            "version_monotonic": version_monotonic,
+            "tenant_owns_all_keys": tenant_owns_all_keys,
+        }
 
     def unchecked_invariants(self) -> Mapping[str, str]:
         return {"owner_is_live_task": "needs the manager's task registry; the composed model check covers it"}
