@@ -1261,9 +1261,12 @@ class OmniPrefixCacheManager:
         naming the request, key and slots that changed version with no
         preserved copy. ``skip`` masks positions not read from the pool.
         Any thread; takes the reads lock (versions and preserved copies
-        change together under it)."""
-        preserved = preserved or {}
+        change together under it). ``preserved`` is the read's own dict,
+        looked at only under that lock: a reuse may fill it between this
+        call and the lock, together with the version bump."""
         with self._reads_lock:
+            if preserved is None:
+                preserved = {}
             current = self._slot_status.get_slot_status(key).slot_version.index_select(0, slots)
             changed = current != planned_version
             if skip is not None:
