@@ -58,6 +58,9 @@ from omni_prefix_cache.interface import (
     is_hidden_key,
 )
 from omni_prefix_cache.occupancy import ABSENT, IN_TRANSIT, SlotOccupancy
+from omni_prefix_cache.planned_read import PlannedRead as _PlannedRead
+from omni_prefix_cache.planned_read import PlannedReads
+from omni_prefix_cache.planned_read import StagedRows as _StagedRows
 from omni_prefix_cache.step_context import KeyLayout, StepContext, StepState, step_move
 
 logger = logging.getLogger(__name__)
@@ -161,47 +164,6 @@ def _payload_for_request(value: Any, start: int, end: int, n: int) -> Any:
 
 
 # ---------------------------------------------------------------- tables
-
-
-@dataclass(eq=False)
-class _StagedRows:
-    """Rows of a planned read served by a not-yet-written JOIN_ON_FINISH task."""
-
-    task: WriteTask
-    positions: torch.Tensor  # int64 positions in the read
-    slots: torch.Tensor  # the slots at those positions
-
-
-@dataclass(eq=False)
-class _PlannedRead:
-    """A hit read planned under the state lock and fetched later, off it.
-
-    ``planned_version`` snapshots the slot versions at planning. Rows read
-    from the pool are valid only if the version is unchanged, or if a reuse
-    copied the old rows into ``preserved`` first (copy on write). ``preserved``
-    also holds the pool baseline of mm slots that were ABSENT at planning, so
-    a later tenant's write can never leak into this read.
-    """
-
-    req_id: ReqId
-    key: TensorName
-    slots: torch.Tensor
-    planned_version: torch.Tensor
-    join_tids: list[Tid] = field(default_factory=list)  # JOIN_NEXT_STEP owners: wait, then read the pool
-    staged_list: list[_StagedRows] = field(default_factory=list)  # JOIN_ON_FINISH owners: read the task
-    preserved: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> row
-    _slot_set: set[int] | None = None
-
-    @property
-    def already_staged(self) -> bool:
-        """True when every row is in the pool now (nothing to wait for)."""
-        return not self.join_tids and not self.staged_list
-
-    @property
-    def slot_set(self) -> set[int]:
-        if self._slot_set is None:
-            self._slot_set = set(self.slots.tolist())
-        return self._slot_set
 
 
 @dataclass(eq=False)
@@ -331,8 +293,9 @@ class OmniPrefixCacheManager:
         self._live: set[ReqId] = set()
         self._pending_sched: _SchedSnapshot | None = None
         self._pending_hits: dict[ReqId, _PendingHit] = {}
-        self._pending_reads: set[_PlannedRead] = set()
-        self._reads_by_key: dict[TensorName, set[_PlannedRead]] = {}
+        # Planned hit reads, moved by the planned_read spec under _reads_lock.
+        self._reads = PlannedReads(self._pool)
+        self._pending_reads: set[_PlannedRead] = self._reads.pending
         self._layouts: dict[TensorName, KeyLayout] = {}
         self._failure: str | None = None
         # Operator counters (state lock); see stats().
@@ -1160,7 +1123,7 @@ class OmniPrefixCacheManager:
 
         COMMITTED rows read the pool; rows in transit wait for their
         JOIN_NEXT_STEP write (``join_tids``) or read their JOIN_ON_FINISH
-        task (``staged_list``); ABSENT mm rows keep the pool baseline taken
+        task (``staged_list``); ABSENT mm rows keep the baseline (zeros) taken
         now. Raises OmniPrefixCacheUnmatchError for ABSENT hidden rows, an
         in-transit owner the controller no longer knows, or a failed owner.
         """
@@ -1168,6 +1131,19 @@ class OmniPrefixCacheManager:
         slots = slots.to(torch.int64)
         state = table.state.index_select(0, slots)
         ref = _PlannedRead(req_id=req_id, key=key, slots=slots, planned_version=table.slot_version[slots])
+        try:
+            self._plan_rows(ref, table, state)
+        except OmniPrefixCacheUnmatchError:
+            with self._reads_lock:
+                self._reads.move(ref, "refuse")
+            raise
+        with self._reads_lock:
+            self._reads.move(ref, "register")
+        return ref
+
+    def _plan_rows(self, ref: _PlannedRead, table: Any, state: torch.Tensor) -> None:
+        """Where each row of ``ref`` comes from (see ``_slot_ref``)."""
+        slots, key, req_id = ref.slots, ref.key, ref.req_id
         absent = state == ABSENT
         if bool(absent.any()):
             if is_hidden_key(key):
@@ -1202,10 +1178,6 @@ class OmniPrefixCacheManager:
                     ref.join_tids.append(tid)
                 else:
                     ref.staged_list.append(_StagedRows(task=task, positions=where, slots=slots[where]))
-        with self._reads_lock:
-            self._pending_reads.add(ref)
-            self._reads_by_key.setdefault(key, set()).add(ref)
-        return ref
 
     def _fetch_source(self, src: _PlannedRead, out: torch.Tensor | None = None) -> torch.Tensor:
         """Read a planned read's rows (never under the state lock; the
@@ -1213,7 +1185,10 @@ class OmniPrefixCacheManager:
         writes, reads the pool, overlays rows of
         JOIN_ON_FINISH owners and preserved copies, and raises
         ("reassigned") when a pool row changed version with no preserved
-        copy. The read is no longer pending afterwards, whatever happens."""
+        copy. The read is served or failed afterwards (spec planned_read),
+        no longer pending whatever happens."""
+        with self._reads_lock:
+            self._reads.move(src, "fetch")
         try:
             if src.join_tids:
                 # Once `done` is set the rows are in the pool. Publishing the
@@ -1241,9 +1216,13 @@ class OmniPrefixCacheManager:
                 skip=staged,
             ):
                 rows[pos] = row
-            return rows
-        finally:
-            self._forget_read(src)
+        except BaseException:
+            with self._reads_lock:
+                self._reads.move(src, "fail")
+            raise
+        with self._reads_lock:
+            self._reads.move(src, "serve")
+        return rows
 
     def _ensure_not_reassigned(
         self,
@@ -1288,15 +1267,11 @@ class OmniPrefixCacheManager:
             ]
 
     def _forget_read(self, ref: _PlannedRead) -> None:
-        """The read is fetched or abandoned: no later reuse needs to preserve
-        rows for it. Any thread; takes the reads lock only."""
+        """The read is abandoned before its fetch began (``drop``): no later
+        reuse needs to preserve rows for it. Any thread; takes the reads
+        lock only."""
         with self._reads_lock:
-            self._pending_reads.discard(ref)
-            refs = self._reads_by_key.get(ref.key)
-            if refs is not None:
-                refs.discard(ref)
-                if not refs:
-                    del self._reads_by_key[ref.key]
+            self._reads.move(ref, "drop")
 
     def _drop_hit_locked(self, hit: _PendingHit) -> None:
         """A hit that will never be served: cancel its prefetches and forget
@@ -1319,21 +1294,10 @@ class OmniPrefixCacheManager:
             rec.task.add_reassigned(key, slots)
 
     def _preserve_pending_reads(self, key: TensorName, slots: torch.Tensor) -> None:
-        """Occupancy hook (state lock held): committed rows are about to be
-        overwritten; copy them into every pending read of them first. A
-        small gather, done here because the new tenant's write may land as
-        soon as the lock is released."""
-        refs = self._reads_by_key.get(key)
-        if not refs:
-            return
-        reused = set(slots.tolist())
-        for ref in refs:
-            need = [s for s in ref.slot_set & reused if s not in ref.preserved]
-            if not need:
-                continue
-            rows = self._pool.rows(key, torch.tensor(need, dtype=torch.int64))
-            for i, slot in enumerate(need):
-                ref.preserved[slot] = rows[i]
+        """Occupancy hook (state and reads locks held): committed rows are
+        about to be overwritten or reset; every live planned read of them
+        copies them first (planned_read ``preserve``)."""
+        self._reads.preserve(key, slots)
 
     # ============================================================ drains
 

@@ -290,7 +290,7 @@ def _same_step_hit_planned_early(stack: contextlib.ExitStack) -> None:
 
     plan = OmniPrefixCacheManager._plan_hit_locked
     _set(stack, OmniPrefixCacheManager, "_plan_hit_locked", lambda self, hit, *, at_save: plan(self, hit, at_save=True))
-    _set(stack, OmniPrefixCacheManager, "_replan_same_step_hits_locked", lambda self, hits, split, slots: None)
+    _set(stack, OmniPrefixCacheManager, "_replan_same_step_hits_locked", lambda self, hits, slots: None)
 
 
 @_register(
@@ -301,7 +301,7 @@ def _same_step_hit_planned_early(stack: contextlib.ExitStack) -> None:
 def _reused_block_hit_not_replanned(stack: contextlib.ExitStack) -> None:
     from omni_prefix_cache.manager import OmniPrefixCacheManager
 
-    _set(stack, OmniPrefixCacheManager, "_replan_same_step_hits_locked", lambda self, hits, split, slots: None)
+    _set(stack, OmniPrefixCacheManager, "_replan_same_step_hits_locked", lambda self, hits, slots: None)
 
 
 # ------------------------------------------------------------------ runner
