@@ -304,6 +304,34 @@ def _reused_block_hit_not_replanned(stack: contextlib.ExitStack) -> None:
     _set(stack, OmniPrefixCacheManager, "_replan_same_step_hits_locked", lambda self, hits, slots: None)
 
 
+@_register("stale_tenant_keys_kept", "a new tenant maps only the keys it writes; its slots keep older tenants' rows")
+def _stale_tenant_keys_kept(stack: contextlib.ExitStack) -> None:
+    # The bug before slot tenancy was declared: mapping a step touched only
+    # the keys in that step, so the others stayed COMMITTED with old rows.
+    from omni_prefix_cache.occupancy import SlotOccupancy
+
+    def take_tenancy(self: SlotOccupancy, slots: Any, writes: Any) -> None:
+        for key, owners in writes.items():
+            self.apply("map", key, slots, owners)
+
+    _set(stack, SlotOccupancy, "take_tenancy", take_tenancy)
+
+
+@_register("cow_copy_missed_before_reads_lock", "a fetch picks its preserved copies before taking the reads lock")
+def _cow_copy_missed_before_reads_lock(stack: contextlib.ExitStack) -> None:
+    # The race: `preserved = preserved or {}` ran before the lock, so a
+    # still-empty dict was swapped for a fresh one while a reuse filled the
+    # read's own dict and bumped the versions.
+    from omni_prefix_cache.manager import OmniPrefixCacheManager
+
+    check = OmniPrefixCacheManager._ensure_not_reassigned
+
+    def ensure_not_reassigned(self: Any, slots: Any, key: Any, *, preserved: Any = None, **kw: Any) -> Any:
+        return check(self, slots, key, preserved=preserved or {}, **kw)
+
+    _set(stack, OmniPrefixCacheManager, "_ensure_not_reassigned", ensure_not_reassigned)
+
+
 # ------------------------------------------------------------------ runner
 
 
