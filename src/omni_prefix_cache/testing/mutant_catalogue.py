@@ -4,7 +4,10 @@ here. The runtime carries no switch for any of them.
 
 ``make mutants`` runs the generated and racing tests once per mutant with
 ``OMNI_PREFIX_CACHE_MUTANT=<name>`` (tests/conftest.py applies it) and prints
-``killed K of N``. A mutant is killed when that run fails.
+``killed K of N``. A mutant is killed only when that run fails on a named
+invariant (a spec invariant or a racing test's ``@invariant``) or on the row
+oracle (an assertion message starting "row oracle:"); any other failure (a
+crash, a timeout) is reported but not counted.
 
 (``testing.mutants`` is different: it mutates *specs*, for the generated
 state-machine tests.)
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -346,27 +350,59 @@ def applied(name: str) -> Iterator[Mutant]:
         yield mutant
 
 
+def invariant_names(tests: tuple[str, ...] = KILLER_TESTS) -> frozenset[str]:
+    """Every named invariant a kill may come from: the specs' and the
+    ``@invariant()`` methods of the racing tests."""
+    from omni_prefix_cache.specs import load_all_specs
+
+    names = {inv.name for spec in load_all_specs().values() for inv in spec.invariants}
+    for path in tests:
+        if os.path.exists(path):
+            with open(path) as f:
+                names.update(re.findall(r"@invariant\(\)\s+def (\w+)", f.read()))
+    return frozenset(names)
+
+
+def kill_reason(output: str, invariants: frozenset[str]) -> str | None:
+    """Why a failing run failed: ``row oracle``, ``invariant <name>`` (the
+    innermost failing frame that is a named invariant), or None."""
+    if any(ln.startswith("E") and "row oracle:" in ln for ln in output.splitlines()):
+        return "row oracle"
+    frames = re.findall(r"^\S+\.py:\d+: in (\w+)$", output, re.M)
+    for name in reversed(frames):
+        if name in invariants:
+            return f"invariant {name}"
+    return None
+
+
 def run_catalogue(names: list[str] | None = None, tests: tuple[str, ...] = KILLER_TESTS) -> int:
     """Run ``tests`` once per mutant; print a table and ``killed K of N``.
     Returns 0 when every mutant was killed."""
     chosen = names or sorted(MUTANTS)
     present = [t for t in tests if os.path.exists(t)]
     killed = 0
+    invariants = invariant_names(tests)
     print(f"mutant catalogue: {len(chosen)} mutants against {', '.join(present)}")
     for name in chosen:
         env = dict(os.environ, **{ENV_VAR: name, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "mutants")})
         start = time.monotonic()
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *present],
+            [sys.executable, "-m", "pytest", "-x", "-q", "--tb=short", "-p", "no:cacheprovider", *present],
             env=env,
             capture_output=True,
             text=True,
         )
-        dead = proc.returncode == 1
-        killed += dead
-        verdict = "killed" if dead else ("SURVIVED" if proc.returncode == 0 else f"error rc={proc.returncode}")
+        reason = kill_reason(proc.stdout, invariants) if proc.returncode == 1 else None
+        killed += reason is not None
+        if reason is not None:
+            verdict = "killed"
+        elif proc.returncode == 1:
+            verdict, reason = "FAILED", "not by a named invariant or the row oracle: not counted"
+        else:
+            verdict = "SURVIVED" if proc.returncode == 0 else f"error rc={proc.returncode}"
         first = next((ln for ln in proc.stdout.splitlines() if ln.startswith("FAILED")), "")
-        print(f"  {name:38s} {verdict:9s} {time.monotonic() - start:6.1f}s  {first[:90]}")
+        test = first.removeprefix("FAILED ").split(" - ")[0]
+        print(f"  {name:38s} {verdict:9s} {time.monotonic() - start:6.1f}s  {reason or ''}  {test[:70]}")
     print(f"killed {killed} of {len(chosen)}")
     if names is None and CANDIDATES:
         print(f"not yet killed by the racing tests (not counted): {', '.join(sorted(CANDIDATES))}")
