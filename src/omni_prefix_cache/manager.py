@@ -878,8 +878,10 @@ class OmniPrefixCacheManager:
                 self._step_ctxs.pop(sid, None)
             for hit in hits.values():
                 self._drop_hit_locked(hit)
-        for task in registered:
-            if task.state in (TaskState.PENDING, TaskState.QUEUED) and not published:
+        if not published:
+            # Before publish no committer or dispatch has seen these tasks;
+            # failing a task the spec says is terminal already is a no-op.
+            for task in registered:
                 self._controller._fail_task(task.tid)
         if reserved:
             # Uncharges exactly the tickets no task pinned (release is once per ticket).
