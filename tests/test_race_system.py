@@ -198,7 +198,9 @@ class SystemRace(RuleBasedStateMachine):
                 )
                 self.checked += 1
             want = self._leftover(self.step_sizes[sid])
-            assert torch.equal(outs.mm_outputs[LEFTOVER][exp.rid], want), f"step {sid} req {exp.rid} leftover"
+            assert torch.equal(outs.mm_outputs[LEFTOVER][exp.rid], want), (
+                f"row oracle: step {sid} req {exp.rid} leftover"
+            )
             event("materialized a prefix hit" if exp.hit else "materialized a step's own rows")
 
     # ------------------------------------------------------------ engine protocol

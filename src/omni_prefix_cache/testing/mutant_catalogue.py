@@ -297,11 +297,7 @@ def _same_step_hit_planned_early(stack: contextlib.ExitStack) -> None:
     _set(stack, OmniPrefixCacheManager, "_replan_same_step_hits_locked", lambda self, hits, slots: None)
 
 
-@_register(
-    "reused_block_hit_not_replanned",
-    "a hit on a block this step reallocates reads the old tenant's rows",
-    candidate=True,  # random search kills it in seconds (make fuzz); the fixed ci seed does not
-)
+@_register("reused_block_hit_not_replanned", "a hit on a block this step reallocates reads the old tenant's rows")
 def _reused_block_hit_not_replanned(stack: contextlib.ExitStack) -> None:
     from omni_prefix_cache.manager import OmniPrefixCacheManager
 
