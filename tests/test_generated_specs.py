@@ -2,7 +2,7 @@
 
 Every spec is played against a generic interpreter of its compiled table
 and against its real runtime object (WriteTask, StagingBufferPool,
-SlotOccupancy, the manager's step contexts). Each generated machine is also
+SlotOccupancy, the manager's step contexts, PlannedReads). Each generated machine is also
 shown to fail on a runtime with one declared move removed or one declared
 effect ignored, and a spec edit changes the generated rules with no test
 edit.
@@ -21,12 +21,14 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import omni_prefix_cache.occupancy as occupancy_mod
+import omni_prefix_cache.planned_read as planned_read_mod
 import omni_prefix_cache.staging as staging_mod
 import omni_prefix_cache.step_context as step_context_mod
 import omni_prefix_cache.write_task as write_task_mod
 from omni_prefix_cache.specs import SpecError, load_spec, parse_spec, spec_names
 from omni_prefix_cache.specs.compiled import CompiledMachine
 from omni_prefix_cache.testing.adapters import (
+    PlannedReadAdapter,
     SlotOccupancyAdapter,
     StagingHolderAdapter,
     StepContextAdapter,
@@ -64,6 +66,7 @@ RUNTIMES: dict[str, tuple[type[SpecAdapter], ModuleType, str]] = {
     "staging_holder": (StagingHolderAdapter, staging_mod, "HOLDER_MACHINE"),
     "slot_occupancy": (SlotOccupancyAdapter, occupancy_mod, "SLOT_MACHINE"),
     "step_context": (StepContextAdapter, step_context_mod, "STEP_MACHINE"),
+    "planned_read": (PlannedReadAdapter, planned_read_mod, "PLANNED_READ_MACHINE"),
 }
 
 

@@ -372,14 +372,10 @@ def test_lagged_materialize_on_another_thread(eager: bool, managers: list, finis
     assert_nothing_held(mgr)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="open: under CPU load, overwriting blocks a live request's pending hit read holds (outside the "
-    "engine contract: vLLM never reallocates a live request's blocks) sometimes makes that read raise "
-    "'reassigned ... no preserved copy' instead of serving its copy-on-write rows",
-)
 @pytest.mark.parametrize("eager", MODES)
 def test_lagged_materialize_when_live_blocks_are_overwritten(eager: bool, managers: list) -> None:
+    """As above, but d still holds blocks 0-1 when they are reused: its
+    pending hit read must be served from its copy-on-write rows."""
     test_lagged_materialize_on_another_thread(eager, managers, finish_d=False)
 
 

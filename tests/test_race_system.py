@@ -18,6 +18,9 @@ same command replays it).
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import pytest
 import torch
 from hypothesis import event, settings
@@ -26,7 +29,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initial
 
 from omni_prefix_cache.controller import TaskState
 from omni_prefix_cache.interface import HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheUnmatchError, PrefixCacheConfig
-from omni_prefix_cache.manager import OmniPrefixCacheManager
+from omni_prefix_cache.manager import PREFETCH_THREAD_PREFIX, OmniPrefixCacheManager
 from omni_prefix_cache.occupancy import SlotState
 from omni_prefix_cache.simulate.rows import rows_from_hashes
 from omni_prefix_cache.testing.serving_model import LazyExecutor, RecentFirstAllocator, ServingModel
@@ -61,12 +64,14 @@ class SystemRace(RuleBasedStateMachine):
         self.ctrl = self.mgr._controller
         self.expects: dict[int, list] = {}
         self.step_sizes: dict[int, int] = {}
+        self.step_absent: dict[int, frozenset[str]] = {}
         self.poison: dict[str, set[int]] = {"copy": set(), "write": set()}
         self._wrap_failure_points()
         self.dead = False  # a write failed: every facade entry must now raise
         self.violations: list[str] = []
         self.previous_immediate: list[int] = []
         self._probe_lock_discipline()
+        self._install_fetch_seam()
         self.checked = 0
 
     def _wrap_failure_points(self) -> None:
@@ -97,7 +102,56 @@ class SystemRace(RuleBasedStateMachine):
 
         self.ctrl._wait_tasks = probed
 
+    def _install_fetch_seam(self) -> None:
+        """Let a rule hold a prefetch at its version check, just before it
+        takes the reads lock (``_ensure_not_reassigned``): the one point of
+        a fetch where another thread's reuse of its slots can interleave."""
+        real, race = self.mgr._reads_lock, self
+        self.paused: threading.Thread | None = None
+        self.paused_reader: str | None = None
+        self.at_seam, self.go = threading.Event(), threading.Event()
+
+        class SeamLock:
+            def __enter__(self) -> SeamLock:
+                caller = sys._getframe(1).f_code.co_name
+                if threading.current_thread() is race.paused and caller == "_ensure_not_reassigned":
+                    race.at_seam.set()
+                    assert race.go.wait(30), "a paused prefetch was never resumed"
+                real.acquire()
+                return self
+
+            def __exit__(self, *exc: object) -> None:
+                real.release()
+
+            def acquire(self, *args):
+                return real.acquire(*args)
+
+            def release(self) -> None:
+                real.release()
+
+            def locked(self) -> bool:
+                return real.locked()
+
+        self.mgr._reads_lock = SeamLock()
+
+    def _resume_paused(self) -> None:
+        if self.paused is None:
+            return
+        ref = self.paused_ref
+        versions = self.mgr._slot_status.get_slot_status(ref.key).slot_version[ref.slots]
+        if not torch.equal(versions, ref.planned_version):
+            event("a paused prefetch's slots were reused before it resumed")
+        self.go.set()
+        self.paused.join(30)
+        assert not self.paused.is_alive(), "a resumed prefetch did not finish"
+        self.paused = None
+        exc = self.paused_fut.exception() if self.paused_fut.done() and not self.paused_fut.cancelled() else None
+        if exc is not None and not self._any_failed():
+            # Checked here too: the step may be discarded before anyone looks.
+            raise AssertionError(f"row oracle: a prefetch refused rows it planned, with no write failed: {exc}")
+
     def teardown(self) -> None:
+        self._resume_paused()
         self._quiesce_and_check_nothing_leaked()
 
     # ------------------------------------------------------------ helpers
@@ -124,16 +178,29 @@ class SystemRace(RuleBasedStateMachine):
     def _leftover(n: int) -> torch.Tensor:
         return torch.arange((n + 3) * 2, dtype=torch.float32).reshape(n + 3, 2)
 
+    @staticmethod
+    def _sparse(n: int, key: str) -> torch.Tensor:
+        """A pool key passed as a leftover (first dim not the token count)."""
+        return -torch.arange((n + 3) * WIDTHS[key], dtype=torch.float32).reshape(n + 3, WIDTHS[key])
+
     def _check_outputs(self, sid: int, outs) -> None:
+        absent = self.step_absent.pop(sid, frozenset())
         for exp in self.expects.pop(sid):
             for key in WIDTHS:
                 got = outs.hidden_states[exp.rid] if key == HIDDEN_KEY else outs.mm_outputs[key][exp.rid]
-                want = self.model.expected_rows(exp, key)
-                assert got.shape == want.shape, f"step {sid} req {exp.rid} key {key}: {tuple(got.shape)}"
-                assert torch.equal(got, want), f"step {sid} req {exp.rid} key {key} rows [{exp.start},{exp.end})"
+                if key in absent:
+                    want = self._sparse(self.step_sizes[sid], key)
+                else:
+                    want = self.model.expected_rows(exp, key)
+                assert got.shape == want.shape, f"row oracle: step {sid} req {exp.rid} key {key}: {tuple(got.shape)}"
+                assert torch.equal(got, want), (
+                    f"row oracle: step {sid} req {exp.rid} key {key} rows [{exp.start},{exp.end}) differ"
+                )
                 self.checked += 1
             want = self._leftover(self.step_sizes[sid])
-            assert torch.equal(outs.mm_outputs[LEFTOVER][exp.rid], want), f"step {sid} req {exp.rid} leftover"
+            assert torch.equal(outs.mm_outputs[LEFTOVER][exp.rid], want), (
+                f"row oracle: step {sid} req {exp.rid} leftover"
+            )
             event("materialized a prefix hit" if exp.hit else "materialized a step's own rows")
 
     # ------------------------------------------------------------ engine protocol
@@ -152,10 +219,15 @@ class SystemRace(RuleBasedStateMachine):
     def step(self, data):
         """One scheduler step: new_step_starts, forward, save_outputs."""
         draw = data.draw
+        # Sometimes a pool key is not token-major this step (a leftover):
+        # the step's tenant does not write it, so hits on its slots later
+        # must get the baseline, never an older tenant's rows.
+        absent = frozenset(draw(st.sampled_from([(), (), (IMMEDIATE,), (DEFERRED,)]), label="keys as leftovers"))
         planned = self.model.schedule(
             admit=lambda req: draw(st.integers(1, 6), label=f"admit {req.rid}"),
             run=lambda req: draw(st.integers(1, 3), label=f"run {req.rid}"),
             capacity=CAPACITY,
+            absent_keys=absent,
         )
         if planned is None:
             return None
@@ -164,6 +236,7 @@ class SystemRace(RuleBasedStateMachine):
             return None
         # A leftover that is not token-major: every request gets it whole.
         mm = dict(planned.mm, **{LEFTOVER: self._leftover(planned.n)})
+        mm.update({key: self._sparse(planned.n, key) for key in absent})
         sid = self._facade(
             lambda: self.mgr.save_outputs(
                 planned.hidden, mm, num_tokens_unpadded=planned.n, num_tokens_padded=planned.n
@@ -179,6 +252,7 @@ class SystemRace(RuleBasedStateMachine):
         self.previous_immediate = list(self.mgr._join_next_step_tids)
         self.expects[sid] = planned.expects
         self.step_sizes[sid] = planned.n
+        self.step_absent[sid] = absent
         return sid
 
     @rule(sid=consumes(steps), discard=st.booleans())
@@ -191,8 +265,13 @@ class SystemRace(RuleBasedStateMachine):
             self.expects.pop(sid)
             self.mgr.discard_step(sid)
             return
+        self._resume_paused()  # materialize waits for its prefetches
         rids = [e.rid for e in self.expects[sid]]
-        outs = self._facade(self.mgr.materialize, sid, rids)
+        try:
+            outs = self._facade(self.mgr.materialize, sid, rids)
+        except OmniPrefixCacheUnmatchError as exc:
+            # No write failed, so the model serves every one of these rows.
+            raise AssertionError(f"row oracle: materialize(step {sid}) refused servable rows: {exc}") from exc
         if outs is None:
             self.expects.pop(sid, None)
             return
@@ -257,6 +336,43 @@ class SystemRace(RuleBasedStateMachine):
             alive = [t for t in tids if not ctrl._tasks[t].is_terminal]
             if alive:
                 self.poison[action.split()[1]].add(data.draw(st.sampled_from(alive), label=action))
+
+    @precondition(lambda self: self.paused is None and bool(self.prefetch.pending))
+    @rule()
+    def prefetch_paused_at_version_check(self):
+        """The next prefetch runs on its own thread up to its version check
+        and waits there; engine steps (reusing its slots) may run before it
+        resumes."""
+        fut = self.prefetch.pending.pop(0)
+        self.paused_fut = fut
+        self.paused_ref = fut._job[1][0]  # _prefetch_read(ref, ...)
+        self.paused_reader = getattr(self.paused_ref, "req_id", None)
+        self.at_seam.clear()
+        self.go.clear()
+        self.paused = threading.Thread(target=fut.run_now, name=f"{PREFETCH_THREAD_PREFIX}-race")
+        self.paused.start()
+        while self.paused.is_alive() and not self.at_seam.wait(0.05):
+            pass  # waits for the seam or the end of the fetch, whichever comes
+        if not self.at_seam.is_set():
+            self._resume_paused()  # cancelled, or failed before its version check
+
+    @precondition(lambda self: self.paused is not None)
+    @rule()
+    def prefetch_resumes(self):
+        self._resume_paused()
+
+    @precondition(
+        lambda self: self.paused is not None and self.paused_reader in self.model.requests and len(self.expects) < DEPTH
+    )
+    @rule(prefix=st.integers(0, 2), data=st.data())
+    def paused_reader_aborts_and_its_blocks_are_reused(self, prefix, data):
+        """The request whose prefetch is paused aborts (its blocks go back to
+        the free list while its step is not consumed yet), a new request
+        arrives and the next step may place it on those blocks. That step
+        is discarded at teardown; the paused read is checked when resumed."""
+        self.model.end(self.paused_reader)
+        self.model.arrive(prefix, [23, 24, 20])
+        self.step(data)
 
     # ------------------------------------------------------------ invariants
 
@@ -340,9 +456,24 @@ class SystemRace(RuleBasedStateMachine):
         for block, hashes in sorted(self.model.cached_blocks().items()):
             slots = torch.arange(block * BLOCK_SIZE, (block + 1) * BLOCK_SIZE)
             for key, width in WIDTHS.items():
+                if not self.mgr._pool.has_key(key):  # never written by anyone: all absent
+                    assert key != HIDDEN_KEY and bool(self.model.absent_slots(key, slots).all()), key
+                    continue
                 want = rows_from_hashes(hashes, key, width, torch.float32)
                 got = self.mgr._pool.rows(key, slots)
-                assert torch.equal(got, want), f"block {block} key {key}: pool rows differ from its content"
+                absent = torch.zeros(BLOCK_SIZE, dtype=torch.bool)
+                if key != HIDDEN_KEY:
+                    absent = self.model.absent_slots(key, slots)
+                    if bool(absent.any()):
+                        state = self.mgr._slot_status.state[key][slots[absent]]
+                        assert bool((state == int(SlotState.ABSENT)).all()), (
+                            f"row oracle: block {block} key {key}: slots {slots[absent].tolist()} its tenant never "
+                            f"wrote are {state.tolist()}, not ABSENT (an older tenant's rows would be served)"
+                        )
+                present = ~absent
+                assert torch.equal(got[present], want[present]), (
+                    f"row oracle: block {block} key {key}: pool rows differ from its content"
+                )
 
 
 class _Sched:

@@ -143,6 +143,13 @@ class PrefixBlockPool:
             self._check_range(key, index)
             raise OmniPrefixCacheUnmatchError(f"prefix block pool: reading key {key!r} failed: {exc}") from exc
 
+    def baseline(self, key: TensorName, n: int) -> torch.Tensor:
+        """``n`` rows of what a slot holds for ``key`` when its tenant never
+        wrote it: zeros, as in a fresh slab. Not read from the slab, which
+        may still hold a previous tenant's rows."""
+        slab = self._slab(key)
+        return torch.zeros((int(n), int(slab.shape[1])), dtype=slab.dtype)
+
     def write(self, key: TensorName, slots: torch.Tensor, host: torch.Tensor) -> None:
         """Overwrite ``key``'s rows at ``slots`` with ``host`` (committer only).
 

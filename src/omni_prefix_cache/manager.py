@@ -64,6 +64,9 @@ from omni_prefix_cache.interface import (
     is_hidden_key,
 )
 from omni_prefix_cache.occupancy import ABSENT, IN_TRANSIT, SlotOccupancy
+from omni_prefix_cache.planned_read import PlannedRead as _PlannedRead
+from omni_prefix_cache.planned_read import PlannedReads
+from omni_prefix_cache.planned_read import StagedRows as _StagedRows
 from omni_prefix_cache.protocols import SchedulerOutputLike
 from omni_prefix_cache.stats import CacheStats
 from omni_prefix_cache.step_context import KeyLayout, StepContext, StepState, step_move
@@ -256,47 +259,6 @@ def _payload_for_request(value: Any, start: int, end: int, n: int) -> Any:
 
 
 @dataclass(eq=False)
-class _StagedRows:
-    """Rows of a planned read served by a not-yet-written JOIN_ON_FINISH task."""
-
-    task: WriteTask
-    positions: torch.Tensor  # int64 positions in the read
-    slots: torch.Tensor  # the slots at those positions
-
-
-@dataclass(eq=False)
-class _PlannedRead:
-    """A hit read planned under the state lock and fetched later, off it.
-
-    ``planned_version`` snapshots the slot versions at planning. Rows read
-    from the pool are valid only if the version is unchanged, or if a reuse
-    copied the old rows into ``preserved`` first (copy on write). ``preserved``
-    also holds the pool baseline of mm slots that were ABSENT at planning, so
-    a later tenant's write can never leak into this read.
-    """
-
-    req_id: ReqId
-    key: TensorName
-    slots: torch.Tensor
-    planned_version: torch.Tensor
-    join_tids: list[Tid] = field(default_factory=list)  # JOIN_NEXT_STEP owners: wait, then read the pool
-    staged_list: list[_StagedRows] = field(default_factory=list)  # JOIN_ON_FINISH owners: read the task
-    preserved: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> row
-    _slot_set: set[int] | None = None
-
-    @property
-    def already_staged(self) -> bool:
-        """True when every row is in the pool now (nothing to wait for)."""
-        return not self.join_tids and not self.staged_list
-
-    @property
-    def slot_set(self) -> set[int]:
-        if self._slot_set is None:
-            self._slot_set = set(self.slots.tolist())
-        return self._slot_set
-
-
-@dataclass(eq=False)
 class _PendingHit:
     """A prefix hit registered at new_step_starts, handed to its save."""
 
@@ -439,8 +401,9 @@ class OmniPrefixCacheManager:
         self._live: set[ReqId] = set()
         self._pending_sched: _SchedSnapshot | None = None
         self._pending_hits: dict[ReqId, _PendingHit] = {}
-        self._pending_reads: set[_PlannedRead] = set()
-        self._reads_by_key: dict[TensorName, set[_PlannedRead]] = {}
+        # Planned hit reads, moved by the planned_read spec under _reads_lock.
+        self._reads = PlannedReads(self._pool)
+        self._pending_reads: set[_PlannedRead] = self._reads.pending
         self._layouts: dict[TensorName, KeyLayout] = {}
         self._failure: OmniPrefixCacheWriteFailedError | None = None  # the first, sticky
         # Operator counters (state lock); see stats().
@@ -684,7 +647,7 @@ class OmniPrefixCacheManager:
                 with self._reads_lock:
                     # Version bumps and preserved copies change together.
                     self._map_step_locked(split, slots, req_order, spans, immediate, deferred_tids)
-                self._replan_same_step_hits_locked(hits, split, slots)
+                self._replan_same_step_hits_locked(hits, slots)
                 ctx = StepContext(
                     step_id=sid,
                     controller=self._controller,
@@ -1085,33 +1048,36 @@ class OmniPrefixCacheManager:
         immediate: list[WriteTask],
         deferred_tids: list[Tid],
     ) -> None:
-        """One occupancy ``map`` per key for the whole step: every slot goes
-        IN_TRANSIT, owned by its request's write for that key."""
+        """The step becomes the tenant of its slots (occupancy coupling
+        ``take_tenancy``), one move per key for the whole step: a key the
+        step writes goes IN_TRANSIT, owned by its request's write; every
+        other open key of those slots is reset to ABSENT, so it can never
+        serve a previous tenant's rows."""
         if not req_order:
             return
         sizes = [spans[r][1] for r in req_order]
+        writes: dict[TensorName, torch.Tensor] = {}
         if immediate:
             owners = _per_row([t.tid for t in immediate], sizes, int(slots.numel()))
-            for key in split.immediate:
-                self._slot_status.map(key, slots, owners)
+            writes.update(dict.fromkeys(split.immediate, owners))
         if deferred_tids:
             owners = _per_row(deferred_tids, sizes, int(slots.numel()))
-            for key in split.deferred_clone:
-                self._slot_status.map(key, slots, owners)
+            writes.update(dict.fromkeys(split.deferred_clone, owners))
+        self._slot_status.take_tenancy(slots, writes)
 
-    def _replan_same_step_hits_locked(
-        self, hits: dict[ReqId, _PendingHit], split: _StepOutputs, slots: torch.Tensor
-    ) -> None:
+    def _replan_same_step_hits_locked(self, hits: dict[ReqId, _PendingHit], slots: torch.Tensor) -> None:
         """A hit planned at new_step_starts whose slots this very step maps
         is a same-step hit on a reused block: vLLM dropped the old block
         hash before reallocating it, so the hit means the rows this step
         computes, not the old tenant's (which the reuse just preserved for
-        it). Drop those plans; they are re-planned against this step's
-        writes right after (state lock held)."""
-        mapped = set(split.immediate) | set(split.deferred_clone)
+        it). The step is the new tenant of every key of those slots (keys it
+        does not write were reset), so drop the plans of every key; they are
+        re-planned against this step's tables right after (state lock held)."""
+        if int(slots.numel()) == 0:
+            return
         step_slots: set[int] | None = None
         for hit in hits.values():
-            stale = [key for key in hit.futures if key in mapped]
+            stale = list(hit.futures)
             if not stale:
                 continue
             if step_slots is None:
@@ -1164,8 +1130,10 @@ class OmniPrefixCacheManager:
 
     @staticmethod
     def _stranded(registered: list[WriteTask]) -> list[WriteTask]:
-        """Registered writes a failed save never handed to the committer."""
-        return [t for t in registered if t.state in (TaskState.PENDING, TaskState.QUEUED)]
+        """Registered writes a failed save never handed to the committer.
+        Before publish no committer or dispatch has seen them, so every one
+        the write_task spec does not call final is stranded."""
+        return [t for t in registered if not t.is_terminal]
 
     def _save_error(
         self, sid: StepId, exc: BaseException, registered: list[WriteTask], published: bool
@@ -1450,7 +1418,7 @@ class OmniPrefixCacheManager:
 
         COMMITTED rows read the pool; rows in transit wait for their
         JOIN_NEXT_STEP write (``join_tids``) or read their JOIN_ON_FINISH
-        task (``staged_list``); ABSENT mm rows keep the pool baseline taken
+        task (``staged_list``); ABSENT mm rows keep the baseline (zeros) taken
         now. Raises OmniPrefixCacheUnmatchError for ABSENT hidden rows, an
         in-transit owner the controller no longer knows, or a failed owner.
         """
@@ -1458,6 +1426,19 @@ class OmniPrefixCacheManager:
         slots = slots.to(torch.int64)
         state = table.state.index_select(0, slots)
         ref = _PlannedRead(req_id=req_id, key=key, slots=slots, planned_version=table.slot_version[slots])
+        try:
+            self._plan_rows(ref, table, state)
+        except OmniPrefixCacheUnmatchError:
+            with self._reads_lock:
+                self._reads.move(ref, "refuse")
+            raise
+        with self._reads_lock:
+            self._reads.move(ref, "register")
+        return ref
+
+    def _plan_rows(self, ref: _PlannedRead, table: Any, state: torch.Tensor) -> None:
+        """Where each row of ``ref`` comes from (see ``_slot_ref``)."""
+        slots, key, req_id = ref.slots, ref.key, ref.req_id
         absent = state == ABSENT
         if bool(absent.any()):
             if is_hidden_key(key):
@@ -1466,13 +1447,9 @@ class OmniPrefixCacheManager:
                     "written (ABSENT); the omni cache diverged from the KV cache"
                 )
             pos = absent.nonzero().flatten()
-            try:
-                baseline = self._pool.rows(key, slots[pos])
-            except Exception as exc:
-                raise OmniPrefixCacheUnmatchError(
-                    f"prefix hit of request {req_id!r}: reading the {key!r} baseline at slots {_listed(slots[pos])} "
-                    f"failed: {exc!r}"
-                ) from exc
+            # Not the slab's rows: after a tenancy reset they may still be
+            # a previous tenant's.
+            baseline = self._pool.baseline(key, int(pos.numel()))
             for i, slot in enumerate(slots[pos].tolist()):
                 ref.preserved[slot] = baseline[i]
         transit = state == IN_TRANSIT
@@ -1496,10 +1473,6 @@ class OmniPrefixCacheManager:
                     ref.join_tids.append(tid)
                 else:
                     ref.staged_list.append(_StagedRows(task=task, positions=where, slots=slots[where]))
-        with self._reads_lock:
-            self._pending_reads.add(ref)
-            self._reads_by_key.setdefault(key, set()).add(ref)
-        return ref
 
     def _fetch_source(self, src: _PlannedRead, out: torch.Tensor | None = None) -> torch.Tensor:
         """Read a planned read's rows (never under the state lock; the
@@ -1507,7 +1480,10 @@ class OmniPrefixCacheManager:
         writes, reads the pool, overlays rows of
         JOIN_ON_FINISH owners and preserved copies, and raises
         ("reassigned") when a pool row changed version with no preserved
-        copy. The read is no longer pending afterwards, whatever happens."""
+        copy. The read is served or failed afterwards (spec planned_read),
+        no longer pending whatever happens."""
+        with self._reads_lock:
+            self._reads.move(src, "fetch")
         try:
             if src.join_tids:
                 # Once `done` is set the rows are in the pool. Publishing the
@@ -1535,9 +1511,13 @@ class OmniPrefixCacheManager:
                 skip=staged,
             ):
                 rows[pos] = row
-            return rows
-        finally:
-            self._forget_read(src)
+        except BaseException:
+            with self._reads_lock:
+                self._reads.move(src, "fail")
+            raise
+        with self._reads_lock:
+            self._reads.move(src, "serve")
+        return rows
 
     def _ensure_not_reassigned(
         self,
@@ -1555,9 +1535,12 @@ class OmniPrefixCacheManager:
         naming the request, key and slots that changed version with no
         preserved copy. ``skip`` masks positions not read from the pool.
         Any thread; takes the reads lock (versions and preserved copies
-        change together under it)."""
-        preserved = preserved or {}
+        change together under it). ``preserved`` is the read's own dict,
+        looked at only under that lock: a reuse may fill it between this
+        call and the lock, together with the version bump."""
         with self._reads_lock:
+            if preserved is None:
+                preserved = {}
             current = self._slot_status.get_slot_status(key).slot_version.index_select(0, slots)
             changed = current != planned_version
             if skip is not None:
@@ -1579,15 +1562,11 @@ class OmniPrefixCacheManager:
             ]
 
     def _forget_read(self, ref: _PlannedRead) -> None:
-        """The read is fetched or abandoned: no later reuse needs to preserve
-        rows for it. Any thread; takes the reads lock only."""
+        """The read is abandoned before its fetch began (``drop``): no later
+        reuse needs to preserve rows for it. Any thread; takes the reads
+        lock only."""
         with self._reads_lock:
-            self._pending_reads.discard(ref)
-            refs = self._reads_by_key.get(ref.key)
-            if refs is not None:
-                refs.discard(ref)
-                if not refs:
-                    del self._reads_by_key[ref.key]
+            self._reads.move(ref, "drop")
 
     def _drop_hit_locked(self, hit: _PendingHit) -> None:
         """A hit that will never be served: cancel its prefetches and forget
@@ -1610,28 +1589,10 @@ class OmniPrefixCacheManager:
             rec.task.add_reassigned(key, slots)
 
     def _preserve_pending_reads(self, key: TensorName, slots: torch.Tensor) -> None:
-        """Occupancy hook (state lock held): committed rows are about to be
-        overwritten; copy them into every pending read of them first. A
-        small gather, done here because the new tenant's write may land as
-        soon as the lock is released."""
-        refs = self._reads_by_key.get(key)
-        if not refs:
-            return
-        reused = set(slots.tolist())
-        for ref in refs:
-            need = [s for s in ref.slot_set & reused if s not in ref.preserved]
-            if not need:
-                continue
-            try:
-                rows = self._pool.rows(key, torch.tensor(need, dtype=torch.int64))
-            except Exception:
-                # The write must go on. Left without its copy, this read
-                # raises "reassigned" when it is fetched: an error, not a
-                # wrong row.
-                logger.exception("omni prefix cache: preserving %r rows for request %r failed", key, ref.req_id)
-                continue
-            for i, slot in enumerate(need):
-                ref.preserved[slot] = rows[i]
+        """Occupancy hook (state and reads locks held): committed rows are
+        about to be overwritten or reset; every live planned read of them
+        copies them first (planned_read ``preserve``)."""
+        self._reads.preserve(key, slots)
 
     # ============================================================ drains
 

@@ -14,7 +14,7 @@ under its state lock only (the hooks it installs run under that lock too).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -144,6 +144,12 @@ class SlotOccupancy:
         self._keys: dict[TensorName, KeySlots] = {}
         self.state: dict[TensorName, torch.Tensor] = {}
         n_states = len(SlotState)
+        # Slot tenancy (the spec's `take_tenancy` coupling): the triggers a
+        # save fires on the keys it writes and on every other open key.
+        tenancy = {c.name: c for c in SLOT_MACHINE.spec.couplings}.get("take_tenancy")
+        if tenancy is None:
+            raise OmniPrefixCacheUnmatchError(f"{SLOT_MACHINE.spec.origin}: no 'take_tenancy' coupling declared")
+        self._tenant_writes, self._tenant_others = tenancy.fires, tenancy.others
         # Per trigger: the move from each source state (None where the spec
         # declares none), and the source states that make it illegal.
         self._moves: dict[str, tuple[CompiledMove | None, ...]] = {}
@@ -257,6 +263,20 @@ class SlotOccupancy:
         owner; reuse of a committed slot preserves pending reads and bumps
         its version. Under the state lock."""
         return self.apply("map", key, slots, owners)
+
+    def take_tenancy(self, slots: torch.Tensor, writes: Mapping[TensorName, torch.Tensor | int]) -> None:
+        """A save's step takes ``slots`` for its writes (coupling
+        ``take_tenancy``): every key in ``writes`` fires the coupling's
+        ``fires`` trigger (``map``, owned by the given tids), every other
+        open key fires ``others`` (``reset``: its rows become absent, never
+        the previous tenant's). Under the state lock."""
+        if int(slots.numel()) == 0:
+            return
+        for key, owners in writes.items():
+            self.apply(self._tenant_writes, key, slots, owners)
+        for key in self._keys:
+            if key not in writes:
+                self.apply(self._tenant_others, key, slots, _NO_OWNER)
 
     def commit(self, key: TensorName, slots: torch.Tensor, writers: torch.Tensor | int) -> int:
         """Strict ``commit``: every row must be IN_TRANSIT (else raises);

@@ -18,7 +18,10 @@ class SlotState(SpecState):
     """
 
     ABSENT = 0
-    """never written for this key (hits on hidden raise; mm serves the pool baseline) (initial, tag rest)"""
+    """
+    not written for this key by the slot's tenant (hits on hidden raise; mm serves the baseline, zeros)
+    (initial, tag rest)
+    """
     IN_TRANSIT = 1
     """owned by one unfinished write task (tids holds the owner)"""
     COMMITTED = 2
@@ -38,6 +41,8 @@ class SlotOccupancyTrigger(StrEnum):
     """the owner's pool write was drained; a taken-over slot stays with its new owner"""
     DROP = "drop"
     """the owner's write failed; its rows never landed"""
+    RESET = "reset"
+    """the slot's new tenant does not write this key; it was absent already"""
 
 
-SlotOccupancyTriggerName: TypeAlias = Literal["map", "commit", "drop"]
+SlotOccupancyTriggerName: TypeAlias = Literal["map", "commit", "drop", "reset"]

@@ -41,6 +41,9 @@ def render_dot(spec: MachineSpec) -> str:
     deferrable = {(m.trigger, src): set(m.deferrable) for m in spec.moves for src in m.source}
     if any(deferrable.values()):
         g.node("__note__", label="* effect may run after the caller publishes its record", shape="plaintext")
+    for c in spec.couplings:
+        text = f"coupling {c.name}: one move fires {c.fires} on the instances named, {c.others} on all others"
+        g.node(f"__coupling_{c.name}__", label=f"{_wrap(text, 60)}\n{_wrap(c.meaning, 60)}", shape="note")
     for trigger, event in machine.events.items():
         for source, transitions in event.transitions.items():
             for t in transitions:

@@ -9,7 +9,12 @@ A spec is a YAML mapping in the dict shape ``transitions.Machine`` accepts
 - per move: ``meaning`` and ``deferrable``: the subset of its effects that a
   caller may run later, once it has published a record the woken waiters
   must find (e.g. a failure record before the failure wakes joiners);
-- ``invariants``: a list of ``{name, meaning}``.
+- ``invariants``: a list of ``{name, meaning}``;
+- ``couplings``: rules tying several instances of the machine together in
+  one move, ``{name, fires, others, meaning}``: the runtime fires trigger
+  ``fires`` on the instances an operation names and ``others`` on every
+  other instance it covers (e.g. slot tenancy: the keys a save writes
+  ``map``, every other key of the same slots ``reset``).
 
 Validation here is structural. Whether every guard/effect name is one the
 runtime registers is checked when the spec is compiled against the
@@ -33,7 +38,8 @@ from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError
 # The package that carries spec/*.yaml (mapped onto the repo's spec/ folder).
 SPEC_PACKAGE = "omni_prefix_cache._spec"
 
-_TOP_KEYS = {"name", "enum", "description", "states", "transitions", "invariants"}
+_TOP_KEYS = {"name", "enum", "description", "states", "transitions", "invariants", "couplings"}
+_COUPLING_KEYS = {"name", "fires", "others", "meaning"}
 _STATE_KEYS = {"name", "meaning", "initial", "final", "tags"}
 _MOVE_KEYS = {"trigger", "source", "dest", "conditions", "after", "meaning", "deferrable"}
 
@@ -79,6 +85,17 @@ class InvariantSpec:
 
 
 @dataclass(frozen=True, eq=False)
+class CouplingSpec:
+    """One move over several instances: ``fires`` on the named ones,
+    ``others`` on the rest the operation covers."""
+
+    name: str
+    fires: str
+    others: str
+    meaning: str
+
+
+@dataclass(frozen=True, eq=False)
 class MachineSpec:
     """A validated machine declaration. Identity equality on purpose:
     ``transitions`` compares models with ``==`` and skips equal ones."""
@@ -90,6 +107,7 @@ class MachineSpec:
     moves: tuple[MoveSpec, ...]
     invariants: tuple[InvariantSpec, ...]
     origin: str
+    couplings: tuple[CouplingSpec, ...] = ()
 
     @property
     def state_names(self) -> tuple[str, ...]:
@@ -253,6 +271,21 @@ def parse_spec(data: Mapping[str, Any], origin: str = "<spec>") -> MachineSpec:
         invariants.append(InvariantSpec(name=raw["name"], meaning=str(raw["meaning"]).strip()))
 
     triggers = {m.trigger for m in moves}
+    couplings: list[CouplingSpec] = []
+    for i, raw in enumerate(data.get("couplings") or []):
+        where = f"coupling #{i}"
+        if not isinstance(raw, Mapping) or set(raw) != _COUPLING_KEYS:
+            raise _fail(origin, where, f"needs exactly {sorted(_COUPLING_KEYS)}")
+        if not isinstance(raw["name"], str) or not raw["name"].isidentifier():
+            raise _fail(origin, where, f"'name' must be an identifier, got {raw['name']!r}")
+        for field_name in ("fires", "others"):
+            if raw[field_name] not in triggers:
+                raise _fail(origin, f"coupling {raw['name']}", f"{field_name} {raw[field_name]!r} is not a trigger")
+        couplings.append(
+            CouplingSpec(
+                name=raw["name"], fires=raw["fires"], others=raw["others"], meaning=str(raw["meaning"]).strip()
+            )
+        )
     for m in moves:
         for handler in (*m.guards, *m.effects):
             if handler in triggers or handler == "state":
@@ -265,6 +298,7 @@ def parse_spec(data: Mapping[str, Any], origin: str = "<spec>") -> MachineSpec:
         moves=tuple(moves),
         invariants=tuple(invariants),
         origin=origin,
+        couplings=tuple(couplings),
     )
     _check_graph(spec)
     return spec

@@ -4,6 +4,7 @@
 - ``StagingHolderAdapter``: ``staging_holder`` on ``StagingBufferPool``.
 - ``SlotOccupancyAdapter``: ``slot_occupancy`` on ``SlotOccupancy``.
 - ``StepContextAdapter``: ``step_context`` on ``OmniPrefixCacheManager``.
+- ``PlannedReadAdapter``: ``planned_read`` on ``PlannedReads``.
 
 Each maps a trigger to the runtime call(s) that fire it (several APIs per
 trigger where the runtime has them, drawn at random), reads the runtime's
@@ -469,22 +470,32 @@ class StagingHolderAdapter(SpecAdapter):
 # ------------------------------------------------------------ slot occupancy
 
 
+# The second key of the occupancy under test: moved only by take_tenancy.
+_OTHER_KEY = "m"
+
+
 class _OccSystem:
-    """A SlotOccupancy over one key, with its manager hooks recorded."""
+    """A SlotOccupancy over the key under test and a second key that only
+    slot tenancy moves, with its manager hooks recorded per key."""
 
     def __init__(self, num_slots: int):
         from omni_prefix_cache.occupancy import SlotOccupancy
 
         self.occ = SlotOccupancy(num_slots, on_reassign=self._on_reassign, on_reuse=self._on_reuse)
         self.table = self.occ.add_key(HIDDEN_KEY)
+        self.other = self.occ.add_key(_OTHER_KEY)
         self.reassigned: dict[int, frozenset[int]] = {}
+        self.other_reassigned: dict[int, frozenset[int]] = {}
         self.reuses: dict[int, int] = {}
         self.seen_versions: dict[int, int] = {}
 
     def _on_reassign(self, tid: int, key: str, slots: torch.Tensor) -> None:
-        self.reassigned[tid] = self.reassigned.get(tid, frozenset()) | frozenset(slots.tolist())
+        book = self.reassigned if key == HIDDEN_KEY else self.other_reassigned
+        book[tid] = book.get(tid, frozenset()) | frozenset(slots.tolist())
 
     def _on_reuse(self, key: str, slots: torch.Tensor) -> None:
+        if key != HIDDEN_KEY:
+            return
         for s in slots.tolist():
             self.reuses[s] = self.reuses.get(s, 0) + 1
 
@@ -497,9 +508,12 @@ class SlotOccupancyAdapter(SpecAdapter):
     ``set_owner`` / ``clear_owner`` as the slot's tid, ``bump_version`` as
     its version, ``reassign_from_old_owner`` as the slots the manager's
     on_reassign hook records per old owner, ``preserve_pending_reads`` as
-    the on_reuse hook calls per slot. An environment rule applies one
-    trigger to several slots in one vectorised call (all or nothing when a
-    row is illegal).
+    the on_reuse hook calls per slot. ``reset`` has no new owner (tid -1).
+    An environment rule applies one trigger to several slots in one
+    vectorised call (all or nothing when a row is illegal); another takes
+    slot tenancy (the ``take_tenancy`` coupling) writing the key under test
+    and maybe the second key, which must then be IN_TRANSIT with the
+    tenant or, when not written, ABSENT (``tenant_owns_all_keys``).
     """
 
     handle_name = "slot"
@@ -508,9 +522,10 @@ class SlotOccupancyAdapter(SpecAdapter):
 
     def __init__(self, spec: MachineSpec | None = None):
         self.spec = spec or load_spec("slot_occupancy")
-        unknown = sorted(set(self.spec.triggers) - {"map", "commit", "drop"})
+        unknown = sorted(set(self.spec.triggers) - {"map", "commit", "drop", "reset"})
         if unknown:
             raise SpecError(f"{self.spec.origin}: SlotOccupancy has no call for triggers {unknown}")
+        self.tenancy = {c.name: c for c in self.spec.couplings}.get("take_tenancy")
 
     def new_system(self) -> _OccSystem:
         return _OccSystem(self.max_handles)
@@ -573,6 +588,8 @@ class SlotOccupancyAdapter(SpecAdapter):
         }
 
     def trigger_args(self, data: Any, model: ModelWorld, handle: int, trigger: str) -> dict[str, Any]:
+        if self.tenancy is not None and trigger == self.tenancy.others:
+            return {"tid": -1}  # the key loses its rows to a tenant that does not write it
         owner = model.obs[("owner", handle)]
         if trigger != "map" and owner >= 0 and data.draw(st.booleans(), label="the owner writes"):
             return {"tid": owner}
@@ -605,7 +622,32 @@ class SlotOccupancyAdapter(SpecAdapter):
                 if o == "moved" and move is not None:
                     machine.apply_model_move(h, move, a)
 
-        return (EnvRule("vector_apply", vector, lambda model: len(model.states) >= 2),)
+        def take_tenancy(machine: GeneratedMachine, data: Any) -> None:
+            assert self.tenancy is not None
+            handles = sorted(machine.model.states)
+            picked = data.draw(st.lists(st.sampled_from(handles), min_size=1, unique=True), label="slots")
+            tid = data.draw(st.integers(0, self.tids - 1), label="tenant tid")
+            both = data.draw(st.booleans(), label=f"the tenant writes {_OTHER_KEY!r} too")
+            writes: dict[str, Any] = {HIDDEN_KEY: tid, **({_OTHER_KEY: tid} if both else {})}
+            machine.system.occ.take_tenancy(torch.tensor(picked), writes)
+            other = machine.model.env.setdefault("other", {})
+            lost = machine.model.env.setdefault("other_reassigned", {})
+            for h in picked:
+                outcome, move = machine.model_outcome(h, self.tenancy.fires, {"tid": tid})
+                if outcome != "moved" or move is None:
+                    raise Discrepancy(f"take_tenancy: {self.tenancy.fires} is {outcome} from {machine.model.states[h]}")
+                machine.apply_model_move(h, move, {"tid": tid})
+                old = other.get(h, ("ABSENT", -1))
+                # Reset takes the rows from any owner, a takeover from another one.
+                if old[0] == "IN_TRANSIT" and (not both or old[1] != tid):
+                    lost[old[1]] = lost.get(old[1], frozenset()) | {h}
+                other[h] = ("IN_TRANSIT", tid) if both else ("ABSENT", -1)
+            machine.check_agree(f"take_tenancy of slots {picked} by tid {tid} (writes {sorted(writes)})")
+
+        rules = [EnvRule("vector_apply", vector, lambda model: len(model.states) >= 2)]
+        if self.tenancy is not None:
+            rules.append(EnvRule("take_tenancy", take_tenancy, lambda model: len(model.states) >= 1))
+        return tuple(rules)
 
     def invariants(self) -> Mapping[str, Callable[[GeneratedMachine], None]]:
         def owner_iff_in_transit(m: GeneratedMachine) -> None:
@@ -624,7 +666,25 @@ class SlotOccupancyAdapter(SpecAdapter):
                     raise Discrepancy(f"slot {h}: version {v} after {m.system.reuses.get(h, 0)} reuses")
                 m.system.seen_versions[h] = v
 
-        return {"owner_iff_in_transit": owner_iff_in_transit, "version_monotonic": version_monotonic}
+        def tenant_owns_all_keys(m: GeneratedMachine) -> None:
+            from omni_prefix_cache.occupancy import SlotState
+
+            t = m.system.other
+            for h, (state, owner) in m.model.env.get("other", {}).items():
+                got = (SlotState(int(t.state[h])).name, int(t.tids[h]))
+                if got != (state, owner):
+                    raise Discrepancy(f"slot {h}: key {_OTHER_KEY!r} is {got} after its last tenancy, expected {state}")
+            want = m.model.env.get("other_reassigned", {})
+            if m.system.other_reassigned != want:
+                raise Discrepancy(
+                    f"key {_OTHER_KEY!r}: rows taken from old owners {m.system.other_reassigned}, expected {want}"
+                )
+
+        return {
+            "owner_iff_in_transit": owner_iff_in_transit,
+            "version_monotonic": version_monotonic,
+            "tenant_owns_all_keys": tenant_owns_all_keys,
+        }
 
     def unchecked_invariants(self) -> Mapping[str, str]:
         return {"owner_is_live_task": "needs the manager's task registry; the composed model check covers it"}
@@ -745,3 +805,170 @@ class StepContextAdapter(SpecAdapter):
                     raise Discrepancy(f"step {h} is {state} and holds {held} staging pages")
 
         return {"one_holder_per_saved_step": one_holder_per_saved_step}
+
+
+# -------------------------------------------------------------- planned read
+
+
+class _ReadSystem:
+    """PlannedReads over a two-slot pool, plus the slot versions and values
+    a reuse would bump and overwrite (what occupancy and the committer do)."""
+
+    slots = 2
+
+    def __init__(self) -> None:
+        from omni_prefix_cache.block_pool import PrefixBlockPool
+        from omni_prefix_cache.interface import PrefixCacheConfig
+        from omni_prefix_cache.planned_read import PlannedReads
+
+        self.pool = PrefixBlockPool(PrefixCacheConfig(num_blocks=1, block_size=self.slots))
+        self.pool.ensure_key(HIDDEN_KEY, torch.float32, 2)
+        self.reads = PlannedReads(self.pool)
+        self.refs: dict[int, Any] = {}
+        self.version = [0] * self.slots
+        self.planned_value: dict[int, float] = {}
+        self._writes = 0
+        for slot in range(self.slots):
+            self.overwrite(slot)
+
+    def overwrite(self, slot: int) -> None:
+        self._writes += 1
+        self.pool.write(HIDDEN_KEY, torch.tensor([slot]), torch.full((1, 2), float(self._writes)))
+
+    def value(self, slot: int) -> float:
+        return float(self.pool.rows(HIDDEN_KEY, torch.tensor([slot]))[0, 0])
+
+
+class PlannedReadAdapter(SpecAdapter):
+    """``planned_read`` against PlannedReads (the manager's planned reads).
+
+    A handle is one read of one slot (``handle % 2``). Every trigger is a
+    ``PlannedReads.move`` on the read; an environment rule reuses a slot the
+    way a new tenant's map does: the bulk ``preserve`` over every live read
+    of it, then the version bump and the overwrite of the pool row.
+    Observed: ``add_pending`` / ``forget_pending`` as membership of the
+    pending index, ``copy_old_rows`` as the read's preserved slots.
+    """
+
+    handle_name = "read"
+    max_handles = 4
+
+    def __init__(self, spec: MachineSpec | None = None):
+        self.spec = spec or load_spec("planned_read")
+        unknown = sorted(set(self.spec.triggers) - {"register", "refuse", "preserve", "fetch", "serve", "fail", "drop"})
+        if unknown:
+            raise SpecError(f"{self.spec.origin}: PlannedReads has no call for triggers {unknown}")
+        always_added, _ = states_after(self.spec, lambda m: "add_pending" in m.effects)
+        _, maybe_forgotten = states_after(self.spec, lambda m: "forget_pending" in m.effects)
+        self.live = always_added - maybe_forgotten
+
+    @staticmethod
+    def _slot(handle: int) -> int:
+        return handle % _ReadSystem.slots
+
+    def new_system(self) -> _ReadSystem:
+        return _ReadSystem()
+
+    def create(self, system: _ReadSystem, handle: int, args: Mapping[str, Any]) -> None:
+        from omni_prefix_cache.planned_read import PlannedRead
+
+        slot = self._slot(handle)
+        system.refs[handle] = PlannedRead(
+            req_id=f"r{handle}",
+            key=HIDDEN_KEY,
+            slots=torch.tensor([slot]),
+            planned_version=torch.tensor([system.version[slot]]),
+        )
+        system.planned_value[handle] = system.value(slot)
+
+    def fire(self, system: _ReadSystem, handle: int, trigger: str, args: Mapping[str, Any], defer: bool) -> None:
+        reused = {self._slot(handle)} if trigger == "preserve" else None
+        system.reads.move(system.refs[handle], trigger, reused)
+
+    def read_state(self, system: _ReadSystem, handle: int) -> str:
+        from omni_prefix_cache.planned_read import ReadState
+
+        return ReadState(int(system.refs[handle].state)).name
+
+    def observe(self, system: _ReadSystem, handles: Sequence[int]) -> dict[Hashable, Any]:
+        out: dict[Hashable, Any] = {}
+        for h in handles:
+            ref = system.refs[h]
+            indexed = ref in system.reads.by_key.get(HIDDEN_KEY, ())
+            out[("pending", h)] = (ref in system.reads.pending, indexed)
+            out[("preserved", h)] = frozenset(ref.preserved)
+        return out
+
+    # ------------------------------------------------------------ model
+    def model_create(self, model: ModelWorld, handle: int, args: Mapping[str, Any]) -> None:
+        model.obs.update({("pending", handle): (False, False), ("preserved", handle): frozenset()})
+
+    def model_effects(self) -> dict[str, Callable[[MoveCtx], None]]:
+        def add_pending(ctx: MoveCtx) -> None:
+            ctx.model.obs[("pending", ctx.handle)] = (True, True)
+
+        def forget_pending(ctx: MoveCtx) -> None:
+            ctx.model.obs[("pending", ctx.handle)] = (False, False)
+
+        def copy_old_rows(ctx: MoveCtx) -> None:
+            ctx.model.obs[("preserved", ctx.handle)] |= {self._slot(ctx.handle)}
+
+        return {"add_pending": add_pending, "forget_pending": forget_pending, "copy_old_rows": copy_old_rows}
+
+    def refusal(self, trigger: str, args: Mapping[str, Any], outcome: Outcome) -> Refusal | None:
+        return Refusal(OmniPrefixCacheUnmatchError, rf"{trigger} is illegal from")
+
+    def env_rules(self) -> Sequence[EnvRule]:
+        def reuse_slot(machine: GeneratedMachine, data: Any) -> None:
+            system: _ReadSystem = machine.system
+            # Planning runs under the state lock a reuse needs too: no reuse
+            # of a slot while a read of it is being planned.
+            planning = {self._slot(h) for h, s in machine.model.states.items() if s == self.spec.initial}
+            free = [s for s in range(_ReadSystem.slots) if s not in planning]
+            if not free:
+                return
+            slot = data.draw(st.sampled_from(free), label="reused slot")
+            readers = [h for h in sorted(machine.model.states) if self._slot(h) == slot]
+            # The bulk preserve reaches exactly the reads in the pending index.
+            indexed = [h for h in readers if machine.model.obs[("pending", h)][1]]
+            outcomes = [(h, *machine.model_outcome(h, "preserve", {})) for h in indexed]
+            where = f"reuse of slot {slot} (live reads {indexed})"
+            call = lambda: system.reads.preserve(HIDDEN_KEY, torch.tensor([slot]))  # noqa: E731
+            if any(o == "illegal" for _, o, _ in outcomes):
+                machine.expect_refusal(where, Refusal(OmniPrefixCacheUnmatchError, "preserve is illegal from"), call)
+                return
+            call()
+            for h, _, move in outcomes:
+                assert move is not None
+                machine.apply_model_move(h, move, {})
+            system.version[slot] += 1
+            system.overwrite(slot)
+            machine.check_agree(where)
+
+        return (EnvRule("reuse_slot", reuse_slot, lambda model: bool(model.states)),)
+
+    def invariants(self) -> Mapping[str, Callable[[GeneratedMachine], None]]:
+        def pending_iff_live(m: GeneratedMachine) -> None:
+            for h in m.model.states:
+                state = self.read_state(m.system, h)
+                ref = m.system.refs[h]
+                if (ref in m.system.reads.pending) != (state in self.live):
+                    raise Discrepancy(f"read {h} is {state}; pending index membership {ref in m.system.reads.pending}")
+
+        def copy_on_write(m: GeneratedMachine) -> None:
+            for h in m.model.states:
+                ref = m.system.refs[h]
+                if self.read_state(m.system, h) not in self.live:
+                    continue
+                slot = self._slot(h)
+                if m.system.version[slot] == int(ref.planned_version[0]):
+                    continue
+                row = ref.preserved.get(slot)
+                if row is None or float(row[0]) != m.system.planned_value[h]:
+                    got = None if row is None else float(row[0])
+                    raise Discrepancy(
+                        f"read {h}: slot {slot} was reused (version {m.system.version[slot]}) and the read holds "
+                        f"{got}, not the rows it planned ({m.system.planned_value[h]})"
+                    )
+
+        return {"pending_iff_live": pending_iff_live, "copy_on_write": copy_on_write}

@@ -35,6 +35,9 @@ def spec_to_dict(spec: MachineSpec) -> dict[str, Any]:
             for m in spec.moves
         ],
         "invariants": [{"name": i.name, "meaning": i.meaning} for i in spec.invariants],
+        "couplings": [
+            {"name": c.name, "fires": c.fires, "others": c.others, "meaning": c.meaning} for c in spec.couplings
+        ],
     }
 
 

@@ -69,6 +69,9 @@ class Expect:
     end: int
     hashes: torch.Tensor  # prefix hashes of positions [start, end)
     hit: bool = False  # a manager prefix hit: the rows before this step come from the cache
+    # (mm key, per position of [start, end)): True where the slot's tenant
+    # never wrote the key, so the rows are the baseline (zeros).
+    absent: tuple[tuple[str, tuple[bool, ...]], ...] = ()
 
 
 @dataclass
@@ -112,6 +115,9 @@ class ServingModel:
         self.finished_pending: set[str] = set()  # announced at the next step
         # block -> prefix hashes of the tokens it holds, while it carries a hash
         self.block_content: dict[int, torch.Tensor] = {}
+        # mm key -> slots whose current tenant wrote it (a tenant that did
+        # not leaves the key absent there, whatever an older tenant wrote).
+        self.present: dict[str, set[int]] = {k: set() for k in widths if k != HIDDEN_KEY}
         self.step_no = 0
         self._next = 0
 
@@ -151,11 +157,17 @@ class ServingModel:
     # ------------------------------------------------------------ one step
 
     def schedule(
-        self, admit: Callable[[ModelRequest], int], run: Callable[[ModelRequest], int], capacity: int
+        self,
+        admit: Callable[[ModelRequest], int],
+        run: Callable[[ModelRequest], int],
+        capacity: int,
+        absent_keys: frozenset[str] = frozenset(),
     ) -> PlannedStep | None:
         """Build one step. ``run(req)`` / ``admit(req)`` say how many tokens
-        to schedule for a running / waiting request (0 = skip). Returns None
-        when nothing got scheduled (the finished ids stay pending)."""
+        to schedule for a running / waiting request (0 = skip). mm keys in
+        ``absent_keys`` are not token rows this step (the caller passes
+        them as leftovers). Returns None when nothing got scheduled (the
+        finished ids stay pending)."""
         budget = capacity
         entries: list[tuple[ModelRequest, int, int, bool]] = []  # req, start, n, manager hit
         new_reqs: list[NewReq] = []
@@ -197,6 +209,9 @@ class ServingModel:
             return None
         for req, start, n, _ in entries:
             self._register_full_blocks(req, start + n)
+            for slot in self._slots(req, start, start + n):
+                for key, present in self.present.items():
+                    (present.discard if key in absent_keys else present.add)(slot)
         order = [e[0].rid for e in entries]
         self.view.set_step(order, {r.rid: r.blocks for r, *_ in entries}, {r.rid: s for r, s, *_ in entries})
         finished, self.finished_pending = self.finished_pending, set()
@@ -204,11 +219,17 @@ class ServingModel:
         spans = [req.hashes.span(start, start + n) for req, start, n, _ in entries]
         hashes = torch.cat(spans)
         hidden = rows_from_hashes(hashes, HIDDEN_KEY, self.widths[HIDDEN_KEY], torch.float32)
-        mm = {k: rows_from_hashes(hashes, k, w, torch.float32) for k, w in self.widths.items() if k != HIDDEN_KEY}
+        mm = {
+            k: rows_from_hashes(hashes, k, w, torch.float32)
+            for k, w in self.widths.items()
+            if k != HIDDEN_KEY and k not in absent_keys
+        }
         expects = []
         for req, start, n, hit in entries:
             first = 0 if hit else start
-            expects.append(Expect(req.rid, first, start + n, req.hashes.span(first, start + n).clone(), hit))
+            slots = self._slots(req, first, start + n)
+            absent = tuple((k, tuple(s not in p for s in slots)) for k, p in self.present.items())
+            expects.append(Expect(req.rid, first, start + n, req.hashes.span(first, start + n).clone(), hit, absent))
         for req, start, n, _ in entries:
             req.computed = start + n
             if req.computed == len(req.tokens):  # sampled the next token
@@ -217,6 +238,10 @@ class ServingModel:
                 req.hashes.extend([nxt])
         self.step_no += 1
         return PlannedStep(out, order, hidden, mm, int(hashes.numel()), expects)
+
+    def _slots(self, req: ModelRequest, lo: int, hi: int) -> list[int]:
+        bs = self.block_size
+        return [req.blocks[p // bs] * bs + p % bs for p in range(lo, hi)]
 
     def _grow(self, req: ModelRequest, upto: int) -> bool:
         need = -(-upto // self.block_size) - len(req.blocks)
@@ -242,7 +267,16 @@ class ServingModel:
         return {b: h for b, h in self.block_content.items() if self.alloc.block_hash(b) is not None}
 
     def expected_rows(self, exp: Expect, key: str) -> torch.Tensor:
-        return rows_from_hashes(exp.hashes, key, self.widths[key], torch.float32)
+        rows = rows_from_hashes(exp.hashes, key, self.widths[key], torch.float32)
+        mask = dict(exp.absent).get(key)
+        if mask is not None and any(mask):
+            rows[torch.tensor(mask)] = 0.0
+        return rows
+
+    def absent_slots(self, key: str, slots: torch.Tensor) -> torch.Tensor:
+        """Mask over ``slots``: where the tenant never wrote mm ``key``."""
+        present = self.present[key]
+        return torch.tensor([int(s) not in present for s in slots.tolist()], dtype=torch.bool)
 
 
 class LazyExecutor:
