@@ -828,16 +828,16 @@ class OmniPrefixCacheController:
         first_error: BaseException | None = None
         written: list[WriteTask] = []
         for task, rows in zip(batch.tasks, batch.rows):
-            key: TensorName | None = None
-            slots: torch.Tensor | None = None
+            row_key: TensorName | None = None
+            row_slots: torch.Tensor | None = None
             try:
                 if not written_merged:
-                    for key, slots, host in rows:
-                        self._pool.write(key, slots, host)
+                    for row_key, row_slots, host in rows:
+                        self._pool.write(row_key, row_slots, host)
                 written.append(task)
             except BaseException as exc:
                 logger.exception("omni prefix cache: pool write failed for task %s", task.tid)
-                error = self.write_error(task, exc, "pool write", key, slots)
+                error = self.write_error(task, exc, "pool write", row_key, row_slots)
                 self._note_cause(task, error)
                 self._fail_task(task.tid)
                 first_error = first_error or error

@@ -96,7 +96,8 @@ def _sleep_cycles_per_ms() -> float:  # pragma: no cover - CUDA only
     torch.cuda._sleep(20_000_000)
     end.record()
     end.synchronize()
-    return 20_000_000 / max(start.elapsed_time(end), 1e-3)
+    elapsed_ms: float = start.elapsed_time(end)
+    return 20_000_000 / max(elapsed_ms, 1e-3)
 
 
 def cuda_backend(lag_ms: float, forward_ms: float) -> Backend:  # pragma: no cover - CUDA only
@@ -222,7 +223,7 @@ def check_serve(backend: Backend, steps: int, seed: int) -> Check:
     engine = engines[0]
     lane_uses = dict(getattr(engine, "lane_uses", {}))
     stats = res.manager_stats or {}
-    numbers = {
+    numbers: dict[str, Any] = {
         "steps": res.steps,
         "rows_checked": res.rows_checked,
         "rows_from_cache": res.rows_from_cache,
@@ -330,7 +331,8 @@ def check_device_fault(
 
     try:
         first = step(True, 0, 6)
-        numbers["first_ok"] = bool(mgr.materialize(first, ["a"]).hidden_states["a"].shape[0] == 6)
+        hidden = mgr.materialize(first, ["a"]).hidden_states
+        numbers["first_ok"] = hidden is not None and bool(hidden["a"].shape[0] == 6)
         second = step(False, 6, 1)
         backend.inject_fault(engine)
         for name, call in (

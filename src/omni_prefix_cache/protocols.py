@@ -5,6 +5,8 @@ vLLM's scheduler output and input batch that the manager, the group view
 and the ``simulate --engine vllm`` driver read. ``tests_vllm`` checks every
 member against vLLM's real classes, so an upgrade that renames a field fails
 a test instead of silently reading a default. Checked against vLLM 0.33.0.
+Members are read-only properties: the library only reads them, so frozen
+dataclasses and narrower types (a ``dict`` for a ``Mapping``) satisfy them.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ class NewRequestDataLike(Protocol):
     resumed after preemption. Only one that is not live is a hit candidate.
     """
 
-    req_id: ReqId
-    num_computed_tokens: int  # prefix-cache hit tokens (block aligned) for a brand-new request
-    block_ids: Sequence[Sequence[int]]  # one list per KV cache group; group 0 is read
+    @property
+    def req_id(self) -> ReqId: ...
+    @property
+    def num_computed_tokens(self) -> int: ...  # prefix-cache hit tokens (block aligned) for a brand-new request
+    @property
+    def block_ids(self) -> Sequence[Sequence[int]]: ...  # one list per KV cache group; group 0 is read
 
 
 @runtime_checkable
@@ -46,9 +51,12 @@ class CachedRequestDataLike(Protocol):
 class SchedulerOutputLike(Protocol):
     """``vllm.v1.core.sched.output.SchedulerOutput``: what ``new_step_starts`` reads."""
 
-    scheduled_new_reqs: Sequence[NewRequestDataLike]
-    finished_req_ids: set[ReqId]  # finished or aborted since the previous step
-    num_scheduled_tokens: Mapping[ReqId, int]
+    @property
+    def scheduled_new_reqs(self) -> Sequence[NewRequestDataLike]: ...
+    @property
+    def finished_req_ids(self) -> set[ReqId]: ...  # finished or aborted since the previous step
+    @property
+    def num_scheduled_tokens(self) -> Mapping[ReqId, int]: ...
 
 
 @runtime_checkable
@@ -61,7 +69,8 @@ class RunnerSchedulerOutputLike(SchedulerOutputLike, Protocol):
 class CpuTensorHolder(Protocol):
     """vLLM's ``CpuGpuBuffer``: its ``cpu`` tensor is the block table the view gathers from."""
 
-    cpu: Any  # torch.Tensor (int32, rows x max blocks per request)
+    @property
+    def cpu(self) -> Any: ...  # torch.Tensor (int32, rows x max blocks per request)
 
 
 @runtime_checkable
@@ -77,17 +86,22 @@ class BlockTableLike(Protocol):
     those if present.)
     """
 
-    block_table: CpuTensorHolder
-    block_size: int
-    dcp_world_size: int
-    pcp_world_size: int
+    @property
+    def block_table(self) -> CpuTensorHolder: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def dcp_world_size(self) -> int: ...
+    @property
+    def pcp_world_size(self) -> int: ...
 
 
 @runtime_checkable
 class MultiGroupBlockTableLike(Protocol):
     """``vllm.v1.worker.block_table.MultiGroupBlockTable``: one table per KV cache group."""
 
-    block_tables: Sequence[BlockTableLike]
+    @property
+    def block_tables(self) -> Sequence[BlockTableLike]: ...
 
     def __getitem__(self, idx: int) -> BlockTableLike: ...
 
@@ -96,9 +110,12 @@ class MultiGroupBlockTableLike(Protocol):
 class InputBatchLike(Protocol):
     """``vllm.v1.worker.gpu_input_batch.InputBatch``: the persistent batch, in row order."""
 
-    req_id_to_index: Mapping[ReqId, int]
-    num_computed_tokens_cpu: Any  # numpy int32 array, one entry per row
-    block_table: MultiGroupBlockTableLike
+    @property
+    def req_id_to_index(self) -> Mapping[ReqId, int]: ...
+    @property
+    def num_computed_tokens_cpu(self) -> Any: ...  # numpy int32 array, one entry per row
+    @property
+    def block_table(self) -> MultiGroupBlockTableLike: ...
 
     @property
     def req_ids(self) -> Sequence[ReqId | None]: ...

@@ -46,14 +46,16 @@ class _BlockTableGroup:
     """Group 0 of vLLM's block table: ``block_table.cpu`` is an int32 (rows, width) tensor."""
 
     def __init__(self, block_size: int) -> None:
-        self.kv_cache_block_size = block_size
+        self.block_size = block_size
+        self.dcp_world_size = 1
+        self.pcp_world_size = 1
         self.block_table = SimpleNamespace(cpu=torch.zeros((0, 1), dtype=torch.int32))
 
 
 class _BlockTable:
     def __init__(self, group: _BlockTableGroup) -> None:
         self._group = group
-        self.block_tables = [group.block_table]
+        self.block_tables = [group]
 
     def __getitem__(self, idx: int) -> _BlockTableGroup:
         return self._group

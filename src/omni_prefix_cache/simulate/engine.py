@@ -27,14 +27,14 @@ from omni_prefix_cache.simulate.batch import PersistentBatch, SimGroupView
 from omni_prefix_cache.simulate.oracle import Oracle, RowExpectation
 from omni_prefix_cache.simulate.probe import manager_stats, probe_leaks, wait_quiescent
 from omni_prefix_cache.simulate.rows import rows_from_hashes
-from omni_prefix_cache.simulate.scheduler import Scheduler, SchedulerOutput, StepPlan
+from omni_prefix_cache.simulate.scheduler import Scheduler, SchedulerOutput, SimScheduler, StepPlan
 from omni_prefix_cache.simulate.workload import WorkloadConfig, generate_trace
 
 IMMEDIATE_KEY = "talker.h"  # token-major, padded like hidden: cached at the next step
 DEFERRED_KEY = "codes.audio"  # token-major, unpadded: deferred until finish/abort or budget
 LEFTOVER_KEY = "codes.ref"  # a list, not token-major: snapshotted at save, passed whole to each request
 
-ProgressFn = Callable[[int, int, Scheduler, "SimResult"], None]
+ProgressFn = Callable[[int, int, SimScheduler, "SimResult"], None]
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ class Simulation:
         self.cfg = cfg
         self.progress = progress
         self._factory = manager_factory or _default_manager
-        self.sched = Scheduler(
+        self.sched: SimScheduler = Scheduler(
             generate_trace(cfg.workload, cfg.seed),
             num_blocks=cfg.num_blocks,
             block_size=cfg.block_size,
@@ -219,7 +219,7 @@ class Simulation:
             buf = self._bufs[key] = torch.empty((cap, width), dtype=self.cfg.torch_dtype)
         return buf
 
-    def _forward(self, order: list[str], plan: StepPlan) -> tuple[torch.Tensor, dict[str, Any], int, int]:
+    def _forward(self, order: list[str], plan: StepPlan[Any]) -> tuple[torch.Tensor, dict[str, Any], int, int]:
         """Rows of this step written into static output buffers, as a CUDA-graph forward does.
 
         The next forward overwrites them in place, so a manager that kept a
@@ -248,7 +248,7 @@ class Simulation:
         mm[LEFTOVER_KEY] = [self._tag]
         return hidden, mm, n, padded
 
-    def _expectations(self, order: list[str], plan: StepPlan) -> list[RowExpectation]:
+    def _expectations(self, order: list[str], plan: StepPlan[Any]) -> list[RowExpectation]:
         by_id = {e.req.req_id: e for e in plan.entries}
         out = []
         for r in order:
@@ -342,7 +342,7 @@ class Simulation:
         mgr.new_step_starts(out)
         return (time.perf_counter_ns() - t0) / 1000.0
 
-    def _batch_order(self, plan: StepPlan) -> list[str]:
+    def _batch_order(self, plan: StepPlan[Any]) -> list[str]:
         """Update the input batch for ``plan``; return its row order (what the forward's rows follow)."""
         order = self.batch.update([e.req.req_id for e in plan.entries])
         self.view.set_step(

@@ -7,7 +7,7 @@ from typing import Any, TextIO
 
 from omni_prefix_cache.progress import StepProgress
 from omni_prefix_cache.simulate.engine import SimResult
-from omni_prefix_cache.simulate.scheduler import Scheduler
+from omni_prefix_cache.simulate.scheduler import SimScheduler
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -37,7 +37,7 @@ class ProgressLine:
     def enabled(self) -> bool:
         return self._line.enabled
 
-    def __call__(self, step: int, total: int, sched: Scheduler, res: SimResult) -> None:
+    def __call__(self, step: int, total: int, sched: SimScheduler, res: SimResult) -> None:
         if not self._line.enabled:
             return
         arrived = min(1.0, step / self.arrival_steps) if self.arrival_steps > 0 else 1.0

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
 
 from omni_prefix_cache.simulate.blocks import BlockAllocator
 from omni_prefix_cache.simulate.rows import PrefixHashes, block_hash, chain_hash, mix64
@@ -101,11 +103,15 @@ class SimRequest:
         self.num_output += 1
 
 
+# The scheduler's request type: SimRequest here, the vLLM driver's DriverRequest in simulate.vllm_engine.
+R = TypeVar("R")
+
+
 @dataclass
-class Scheduled:
+class Scheduled(Generic[R]):
     """One request's share of a step."""
 
-    req: SimRequest
+    req: R
     n: int  # tokens computed this step
     start: int  # first position computed this step
     new_entry: NewRequestData | None  # set when it appears in scheduled_new_reqs
@@ -113,9 +119,9 @@ class Scheduled:
 
 
 @dataclass
-class StepPlan:
+class StepPlan(Generic[R]):
     step: int
-    entries: list[Scheduled]
+    entries: list[Scheduled[R]]
     output: SchedulerOutput
 
 
@@ -140,6 +146,26 @@ class SchedulerStats:
     duplicates: int = 0
     empty_steps: int = 0
     max_running: int = 0
+
+
+class SimScheduler(Protocol):
+    """What the engine loop and the progress line use: :class:`Scheduler` or the vLLM driver's ``VllmScheduler``."""
+
+    @property
+    def stats(self) -> SchedulerStats: ...
+    @property
+    def alloc(self) -> Any: ...  # ``alloc.stats`` is a dataclass the result reports
+    @property
+    def idle(self) -> bool: ...
+    @property
+    def running(self) -> Sequence[Any]: ...
+    @property
+    def waiting(self) -> Sequence[Any]: ...
+    def progress(self) -> float: ...
+    def live_requests(self) -> Sequence[Any]: ...
+    def abort_all(self, step: int) -> None: ...
+    def schedule(self, step: int) -> StepPlan[Any]: ...
+    def update(self, plan: StepPlan[Any]) -> None: ...
 
 
 @dataclass
@@ -264,11 +290,11 @@ class Scheduler:
                     req.status = Status.RUNNING
                     req.emit_new = True
 
-    def schedule(self, step: int) -> StepPlan:
+    def schedule(self, step: int) -> StepPlan[SimRequest]:
         """Decide this step: running requests first, then admissions (only if nobody was preempted)."""
         self._start_step(step)
         budget = self.token_budget
-        entries: list[Scheduled] = []
+        entries: list[Scheduled[SimRequest]] = []
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -344,7 +370,7 @@ class Scheduler:
         )
         return StepPlan(step, entries, out)
 
-    def update(self, plan: StepPlan) -> None:
+    def update(self, plan: StepPlan[SimRequest]) -> None:
         """Apply the forward's results: advance, sample, finish."""
         for e in plan.entries:
             req = e.req

@@ -319,7 +319,7 @@ class VllmScheduler:
 
     # ------------------------------------------------------------ one step
 
-    def schedule(self, step: int) -> StepPlan:
+    def schedule(self, step: int) -> StepPlan[DriverRequest]:
         """Run vLLM's ``schedule()``; return the entries in scheduling order with what the oracle needs."""
         self._start_step(step)
         so = self.sched.schedule()
@@ -345,7 +345,7 @@ class VllmScheduler:
                 hit_blocks[rid], blocks = blocks[:k], blocks[k:]
             fresh[rid] = blocks
         self._count_fresh(fresh, hit_blocks)
-        entries: list[Scheduled] = []
+        entries: list[Scheduled[DriverRequest]] = []
         by_new = {n.req_id: n for n in so.scheduled_new_reqs}
         for rid, n in so.num_scheduled_tokens.items():
             req, start = self.reqs[rid], starts[rid]
@@ -389,7 +389,7 @@ class VllmScheduler:
                 self._owner[b] = inc
             bs.null_block_in_table += sum(1 for b in [*blocks, *hits.get(rid, ())] if b == 0)
 
-    def sampled_tokens(self, plan: StepPlan) -> dict[str, int]:
+    def sampled_tokens(self, plan: StepPlan[DriverRequest]) -> dict[str, int]:
         """The fake forward's sampled token per request that computed all its known tokens."""
         out: dict[str, int] = {}
         for e in plan.entries:
@@ -400,7 +400,7 @@ class VllmScheduler:
             out[e.req.req_id] = mix64(e.req.salt ^ (vreq.num_tokens * 0x9E3779B1)) % self.opts.vocab
         return out
 
-    def update(self, plan: StepPlan) -> None:
+    def update(self, plan: StepPlan[DriverRequest]) -> None:
         """Feed the fake ``ModelRunnerOutput`` to ``update_from_output``; queue follow-ups of finished turns."""
         sampled = self.sampled_tokens(plan)
         if self.on_sampled is not None:
@@ -584,6 +584,8 @@ class VllmSimResult(SimResult):
 class VllmSimulation(Simulation):
     """The simulation's engine loop with vLLM's scheduler and InputBatch in place of the look-alikes."""
 
+    sched: VllmScheduler
+
     def __init__(
         self,
         cfg: SimConfig,
@@ -598,7 +600,7 @@ class VllmSimulation(Simulation):
         t0 = time.perf_counter()
         self.v = load_vllm()
         import_s = time.perf_counter() - t0
-        self.sched = VllmScheduler(cfg, self.opts, self.v, trace)  # type: ignore[assignment]
+        self.sched = VllmScheduler(cfg, self.opts, self.v, trace)
         self.runner = RunnerBatch(cfg, self.opts, self.v, self.sched.vllm_config.model_config.max_model_len)
         self.sched.on_sampled = self.runner.record_sampled
         self.view = VllmGroupView(self.runner.input_batch, cfg.block_size)
@@ -611,13 +613,13 @@ class VllmSimulation(Simulation):
             vllm_import_s=import_s,
         )
 
-    def _batch_order(self, plan: StepPlan) -> list[str]:
+    def _batch_order(self, plan: StepPlan[DriverRequest]) -> list[str]:
         order = self.runner.update_states(plan.output)
         self.view.set_step(order, {}, {})
         self._check_rows(plan, order)
         return order
 
-    def _check_rows(self, plan: StepPlan, order: list[str]) -> None:
+    def _check_rows(self, plan: StepPlan[DriverRequest], order: list[str]) -> None:
         """The mirrored batch against vLLM's own state: the scheduled requests, each row's computed
         tokens and block ids as the KV cache manager holds them (a wrong mirror would pass wrong slots)."""
         starts = {e.req.req_id: e.start for e in plan.entries}

@@ -116,7 +116,7 @@ class FakeRuntime(CudaRuntime):
         return stream
 
     def current_stream(self, device: int) -> FakeStream:
-        current = getattr(self._current, "stream", None)
+        current: FakeStream | None = getattr(self._current, "stream", None)
         if current is not None and current.device == device:
             return current
         with self._lock:
