@@ -933,7 +933,10 @@ class PlannedReadAdapter(SpecAdapter):
             indexed = [h for h in readers if machine.model.obs[("pending", h)][1]]
             outcomes = [(h, *machine.model_outcome(h, "preserve", {})) for h in indexed]
             where = f"reuse of slot {slot} (live reads {indexed})"
-            call = lambda: system.reads.preserve(HIDDEN_KEY, torch.tensor([slot]))  # noqa: E731
+
+            def call() -> None:
+                system.reads.preserve(HIDDEN_KEY, torch.tensor([slot]))
+
             if any(o == "illegal" for _, o, _ in outcomes):
                 machine.expect_refusal(where, Refusal(OmniPrefixCacheUnmatchError, "preserve is illegal from"), call)
                 return
