@@ -497,3 +497,44 @@ TestSystemRaceOnDemandCommitter = SystemRace.TestCase
 TestSystemRaceOnDemandCommitter.settings = _more
 TestSystemRaceEager = EagerSystemRace.TestCase
 TestSystemRaceEager.settings = _more
+
+
+class _Script:
+    """Stands in for Hypothesis' ``data`` in a replayed trace: each draw
+    returns the next recorded value (the label is checked as it goes)."""
+
+    def __init__(self, *draws: tuple[str, object]) -> None:
+        self.draws = list(draws)
+
+    def draw(self, strategy, label=None):
+        want, value = self.draws.pop(0)
+        assert label == want, f"trace drifted: drew {label!r}, recorded {want!r}"
+        return value
+
+
+@pytest.mark.parametrize("machine", [SystemRace, EagerSystemRace], ids=["on_demand", "eager"])
+def test_same_step_hit_on_a_reused_block_gets_this_steps_rows(machine, monkeypatch):
+    # A fresh-seed fuzz trace (seed 1520363339, shrunk). q1 is preempted, so
+    # its blocks go back to the recent-first allocator; the next step admits
+    # identical prompts whose prefix hit lands on a block that very step
+    # reallocates. The hit must be re-planned against the rows this step
+    # computes, not served from the old tenant's (mutant
+    # reused_block_hit_not_replanned).
+    monkeypatch.setattr(sys.modules[__name__], "event", lambda *a, **k: None)  # outside Hypothesis
+    state = machine()
+    try:
+        state.first_arrivals(prefixes=[2, 0], recent_first=True)
+        s0 = state.step(_Script(("keys as leftovers", ()), ("admit q0", 1), ("admit q1", 3)))
+        state.consume(discard=False, sid=s0)
+        s1 = state.step(_Script(("keys as leftovers", ()), ("run q0", 1), ("run q1", 1)))
+        state.consume(discard=False, sid=s1)
+        state.engine_event("arrive", _Script(("prefix", 0), ("tail", [])))
+        state.engine_event("arrive_pair", _Script(("prefix", 0), ("tail", [])))
+        state.engine_event("preempt", _Script(("preempt", "q1")))
+        state.engine_event("arrive_pair", _Script(("prefix", 0), ("tail", [])))
+        admits = [("admit q1", 2)] + [(f"admit q{i}", 1) for i in range(2, 7)]
+        s2 = state.step(_Script(("keys as leftovers", ()), ("run q0", 1), *admits))
+        assert s2 is not None, "the trace no longer reaches its third step"
+        state.consume(discard=False, sid=s2)
+    finally:
+        state.teardown()
