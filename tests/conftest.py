@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,3 +68,12 @@ def _catalogued_mutant() -> Iterator[None]:
 
     with applied(name):
         yield
+
+
+@pytest.fixture
+def managers() -> Iterator[list[Any]]:
+    """Managers a test makes; each is shut down after the test, pass or fail."""
+    made: list[Any] = []
+    yield made
+    for mgr in made:
+        mgr.shutdown()

@@ -8,7 +8,6 @@ Each test names the numbered case of the issue it pins.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -35,14 +34,6 @@ from test_manager import (
     quiesce,
     start_step,
 )
-
-
-@pytest.fixture
-def managers() -> Iterator[list[OmniPrefixCacheManager]]:
-    made: list[OmniPrefixCacheManager] = []
-    yield made
-    for mgr in made:
-        mgr.shutdown()
 
 
 def manager_state(mgr: OmniPrefixCacheManager) -> dict[str, Any]:

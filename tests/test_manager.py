@@ -156,14 +156,6 @@ def make(eager: bool, policy: ModelCachePolicy | None = None, **cfg: Any) -> tup
     return mgr, Driver(mgr, view, keys=keys)
 
 
-@pytest.fixture
-def managers() -> Iterable[list[OmniPrefixCacheManager]]:
-    made: list[OmniPrefixCacheManager] = []
-    yield made
-    for mgr in made:
-        mgr.shutdown()
-
-
 def quiesce(mgr: OmniPrefixCacheManager) -> None:
     """Wait for every queued write (not pending deferred ones) to finish."""
     ctrl = mgr._controller

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,37 +21,10 @@ import torch
 from omni_prefix_cache.interface import HIDDEN_KEY, OmniPrefixCacheUnmatchError, PrefixCacheConfig
 from omni_prefix_cache.manager import PREFETCH_THREAD_PREFIX, OmniPrefixCacheManager
 from omni_prefix_cache.planned_read import PlannedReads, ReadState
+from test_manager import BS, BlockView
 
-BS = 4
 HID = 6
 MODES = [pytest.param(True, id="eager"), pytest.param(False, id="threaded")]
-
-
-class View:
-    block_size = BS
-
-    def __init__(self) -> None:
-        self.order: list[str] = []
-        self.blocks: dict[str, list[int]] = {}
-        self.start: dict[str, int] = {}
-
-    def batch_req_ids(self) -> list[str]:
-        return list(self.order)
-
-    def step_slots_cpu(self, req_ids: Iterable[str], num_scheduled: dict[str, int]) -> torch.Tensor:
-        out: list[int] = []
-        for rid in req_ids:
-            lo = self.start[rid]
-            out.extend(self.blocks[rid][p // BS] * BS + p % BS for p in range(lo, lo + int(num_scheduled[rid])))
-        return torch.tensor(out, dtype=torch.int64)
-
-
-@pytest.fixture
-def managers() -> Iterator[list[OmniPrefixCacheManager]]:
-    made: list[OmniPrefixCacheManager] = []
-    yield made
-    for mgr in made:
-        mgr.shutdown()
 
 
 def step(
@@ -123,7 +96,7 @@ def test_reuse_between_version_check_and_reads_lock_serves_preserved_rows(eager:
     lock) when c reuses block 2: the reuse copies a's rows into b's read
     and bumps the versions. The read must then find those copies, not
     raise "reassigned ... no preserved copy"."""
-    mgr = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=8, block_size=BS), View(), eager=eager)
+    mgr = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=8, block_size=BS), BlockView(), eager=eager)
     managers.append(mgr)
     s = step(mgr, "a", [2], 0, 4, value=1.0)
     mgr.materialize(s, ["a"])
@@ -159,7 +132,7 @@ def test_reuse_between_version_check_and_reads_lock_serves_preserved_rows(eager:
 
 
 def test_a_read_dropped_twice_is_an_illegal_move_naming_the_read(managers: list) -> None:
-    mgr = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=8, block_size=BS), View(), eager=True)
+    mgr = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=8, block_size=BS), BlockView(), eager=True)
     managers.append(mgr)
     s = step(mgr, "a", [2], 0, 4, value=1.0)
     mgr.materialize(s, ["a"])
@@ -172,7 +145,7 @@ def test_a_read_dropped_twice_is_an_illegal_move_naming_the_read(managers: list)
 
 
 def test_an_unservable_plan_is_refused_and_never_pending(managers: list) -> None:
-    mgr = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=8, block_size=BS), View(), eager=True)
+    mgr = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=8, block_size=BS), BlockView(), eager=True)
     managers.append(mgr)
     s = step(mgr, "a", [2], 0, 4, value=1.0)
     mgr.materialize(s, ["a"])

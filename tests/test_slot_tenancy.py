@@ -11,7 +11,7 @@ baseline for ``m``, in eager and threaded mode, for immediate and deferred
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,41 +21,14 @@ import torch
 from omni_prefix_cache.interface import ModelCachePolicy, PrefixCacheConfig
 from omni_prefix_cache.manager import OmniPrefixCacheManager
 from omni_prefix_cache.occupancy import ABSENT, SLOT_MACHINE
+from test_manager import BS, BlockView
 
-BS = 4
 HID, MW = 6, 3
-
-
-class View:
-    block_size = BS
-
-    def __init__(self) -> None:
-        self.order: list[str] = []
-        self.blocks: dict[str, list[int]] = {}
-        self.start: dict[str, int] = {}
-
-    def batch_req_ids(self) -> list[str]:
-        return list(self.order)
-
-    def step_slots_cpu(self, req_ids: Iterable[str], num_scheduled: dict[str, int]) -> torch.Tensor:
-        out: list[int] = []
-        for rid in req_ids:
-            lo = self.start[rid]
-            out.extend(self.blocks[rid][p // BS] * BS + p % BS for p in range(lo, lo + int(num_scheduled[rid])))
-        return torch.tensor(out, dtype=torch.int64)
-
-
-@pytest.fixture
-def managers() -> Iterator[list[OmniPrefixCacheManager]]:
-    made: list[OmniPrefixCacheManager] = []
-    yield made
-    for mgr in made:
-        mgr.shutdown()
 
 
 def step(
     mgr: OmniPrefixCacheManager,
-    view: View,
+    view: BlockView,
     rid: str,
     blocks: list[int],
     start: int,
@@ -91,7 +64,7 @@ B_OUTPUTS = [
 def test_new_tenant_without_a_key_leaves_it_absent_not_stale(
     eager: bool, deferred: frozenset[str], b_mm: Any, managers: list
 ) -> None:
-    mgr = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=8, block_size=BS), View(), eager=eager)
+    mgr = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=8, block_size=BS), BlockView(), eager=eager)
     managers.append(mgr)
     view = mgr._view
     mgr.register_policy(ModelCachePolicy(needs_full_hidden_states=True, deferred_keys=deferred))
@@ -110,7 +83,7 @@ def test_new_tenant_without_a_key_leaves_it_absent_not_stale(
 def test_new_tenant_resets_every_key_of_its_slots_in_the_tables(eager: bool, managers: list) -> None:
     """After b's save, block 0's ``m`` rows are ABSENT with no owner, and a
     second request writing ``m`` there later starts from ABSENT."""
-    mgr = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=8, block_size=BS), View(), eager=eager)
+    mgr = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=8, block_size=BS), BlockView(), eager=eager)
     managers.append(mgr)
     view = mgr._view
     mgr.register_policy(ModelCachePolicy(needs_full_hidden_states=True, deferred_keys=frozenset({"m"})))
