@@ -115,7 +115,7 @@ class PrefixBlockPool:
     def host_bytes(self) -> int:
         """Host bytes the slabs reserve (virtual; pages fill as rows land).
         None of it is pinned."""
-        return sum(slab.numel() * slab.element_size() for slab in list(self._slabs.values()))
+        return sum(self.key_nbytes().values())
 
     def has_key(self, key: TensorName) -> bool:
         """True once ``key`` has a slab."""

@@ -741,6 +741,16 @@ class OmniPrefixCacheManager:
         staging holders by kind). A write failure the committer recorded
         counts at once (``failed_writes``, ``sticky_failure``), before any
         serving entry drains it."""
+        out = self._raw_stats()
+        out.update(CacheStats.from_stats(out).as_dict())
+        return out
+
+    def stats_snapshot(self) -> CacheStats:
+        """``stats()`` as a typed, frozen snapshot (Prometheus-style names)."""
+        return CacheStats.from_stats(self._raw_stats())
+
+    def _raw_stats(self) -> dict[str, Any]:
+        """The historical ``stats()`` keys; CacheStats is derived from them."""
         names = (
             "query_requests",
             "query_tokens",
@@ -762,15 +772,11 @@ class OmniPrefixCacheManager:
             out["live_requests"] = len(self._live)
             out["open_steps"] = len(self._step_ctxs)
             out["sticky_failure"] = self._failure is not None
-        out["pool_host_bytes"] = self._pool.host_bytes()  # unpinned
+        key_bytes = self._pool.key_nbytes()
+        out["pool_host_bytes"] = sum(key_bytes.values())  # unpinned
         out.update(self._controller.stats())
-        out["pool_key_bytes"] = self._pool.key_nbytes()
-        out.update(CacheStats.from_stats(out).as_dict())
+        out["pool_key_bytes"] = key_bytes
         return out
-
-    def stats_snapshot(self) -> CacheStats:
-        """``stats()`` as a typed, frozen snapshot (Prometheus-style names)."""
-        return CacheStats.from_stats(self.stats())
 
     def shutdown(self) -> None:
         """Stop the prefetch thread and the controller (queued writes land
