@@ -1,6 +1,7 @@
 # Generated from spec/*.yaml by `make typed-specs`; do not edit.
 """Typed state enums and trigger names generated from the specs (one module per spec)."""
 
+from omni_prefix_cache.spec_types.copy_queue import CopyQueueTrigger, CopyQueueTriggerName, QueuePosition
 from omni_prefix_cache.spec_types.planned_read import PlannedReadTrigger, PlannedReadTriggerName, ReadState
 from omni_prefix_cache.spec_types.slot_occupancy import SlotOccupancyTrigger, SlotOccupancyTriggerName, SlotState
 from omni_prefix_cache.spec_types.staging_holder import HolderState, StagingHolderTrigger, StagingHolderTriggerName
@@ -8,9 +9,12 @@ from omni_prefix_cache.spec_types.step_context import StepContextTrigger, StepCo
 from omni_prefix_cache.spec_types.write_task import TaskState, WriteTaskTrigger, WriteTaskTriggerName
 
 __all__ = [
+    "CopyQueueTrigger",
+    "CopyQueueTriggerName",
     "HolderState",
     "PlannedReadTrigger",
     "PlannedReadTriggerName",
+    "QueuePosition",
     "ReadState",
     "SlotOccupancyTrigger",
     "SlotOccupancyTriggerName",

@@ -342,7 +342,8 @@ def spec_dir() -> Path:
 
 def spec_names() -> tuple[str, ...]:
     """Names of every shipped spec, sorted."""
-    return tuple(sorted(p.stem for p in spec_dir().glob("*.yaml")))
+    # protocol.yaml is the composition of these machines (specs.protocol).
+    return tuple(sorted(p.stem for p in spec_dir().glob("*.yaml") if p.stem != "protocol"))
 
 
 def read_spec_file(path: Path) -> MachineSpec:
