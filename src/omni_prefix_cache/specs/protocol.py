@@ -408,10 +408,10 @@ def parse_protocol(
 
     orderings = []
     for i, raw in enumerate(data.get("orderings") or []):
-        op = str(raw.get("operation"))
-        if op not in {o.name for o in operations}:
-            raise _fail(origin, f"ordering #{i}", f"names no operation: {op!r}")
-        orderings.append(Ordering(str(raw["name"]), op, tuple(raw["order"]), str(raw.get("meaning", ""))))
+        op_name = str(raw.get("operation"))
+        if op_name not in {o.name for o in operations}:
+            raise _fail(origin, f"ordering #{i}", f"names no operation: {op_name!r}")
+        orderings.append(Ordering(str(raw["name"]), op_name, tuple(raw["order"]), str(raw.get("meaning", ""))))
 
     spec = ProtocolSpec(
         name=str(data.get("name")),
@@ -467,16 +467,17 @@ def load_protocol(name: str = "protocol") -> ProtocolSpec:
 class Binding(Protocol):
     """What an executor of the protocol supplies (runtime, model, test).
 
-    ``enabled(role, trigger, ctx)`` says whether the move may fire now (its
-    source state and guards); ``fire`` performs it and its effects. Both get
-    the operation's context object, whatever the executor uses.
+    Resolved once per step at compile time, so a call pays a closure call,
+    not a name lookup: ``move(role, trigger)`` returns ``(enabled, fire)``,
+    where ``enabled(ctx)`` says whether the move may fire now (its source
+    state and guards) and ``fire(ctx)`` performs it with its effects;
+    ``coupling(role, name)`` returns the coupling's runner. ``ctx`` is the
+    executor's per-call context (a task, a world, a step...).
     """
 
-    def enabled(self, role: str, trigger: str, ctx: Any) -> bool: ...
+    def move(self, role: str, trigger: str) -> tuple[Callable[[Any], bool], Callable[[Any], None]]: ...
 
-    def fire(self, role: str, trigger: str, ctx: Any) -> None: ...
-
-    def couple(self, role: str, coupling: str, ctx: Any) -> None: ...
+    def coupling(self, role: str, name: str) -> Callable[[Any], None]: ...
 
 
 Run = Callable[[Any], None]
@@ -486,18 +487,41 @@ class ProtocolViolation(SpecError):
     """An operation tried a move its spec lists but the state does not allow."""
 
 
+@dataclass(frozen=True, eq=False, slots=True)
+class CompiledOperation:
+    """An operation bound to an executor: one closure per segment (a wait
+    segment compiles to a no-op: the executor performs waits itself, see
+    ``spec.segments[i].wait``), and ``admits(ctx)`` from its entry move."""
+
+    spec: OperationSpec
+    segments: tuple[Run, ...]
+    admits: Callable[[Any], bool]
+
+    def run(self, ctx: Any) -> bool:
+        """All segments in order, if the entry move admits ``ctx`` (no locks
+        taken: for executors that hold what the segments need, or none)."""
+        if not self.admits(ctx):
+            return False
+        for seg in self.segments:
+            seg(ctx)
+        return True
+
+
+def _always(ctx: Any) -> bool:
+    return True
+
+
 def compile_operation(
     op: OperationSpec,
     binding: Binding,
     effects: Mapping[str, Callable[[Any], None]],
     guards: Mapping[str, Callable[[Any], bool]],
-) -> tuple[Run, ...]:
-    """One closure per segment (a wait segment compiles to a no-op: the
-    executor performs waits itself). Effects and guards missing from the
-    mappings raise SpecError now, not at the first call."""
+) -> CompiledOperation:
+    """Bind ``op`` to ``binding`` and the effect/guard handlers. A handler
+    missing from the mappings raises SpecError now, not at the first call."""
 
     def steps(seq: tuple[Step, ...]) -> Run:
-        runs = [step(s) for s in seq]
+        runs = tuple(step(s) for s in seq)
         if len(runs) == 1:
             return runs[0]
 
@@ -509,19 +533,20 @@ def compile_operation(
 
     def step(s: Step) -> Run:
         if isinstance(s, Fire):
-            role, trigger, enabled, fire = s.role, s.trigger, binding.enabled, binding.fire
+            enabled, fire = binding.move(s.role, s.trigger)
             if s.optional:
 
                 def maybe(ctx: Any) -> None:
-                    if enabled(role, trigger, ctx):
-                        fire(role, trigger, ctx)
+                    if enabled(ctx):
+                        fire(ctx)
 
                 return maybe
+            label = s.label
 
             def must(ctx: Any) -> None:
-                if not enabled(role, trigger, ctx):
-                    raise ProtocolViolation(f"operation {op.name}: {role}.{trigger} is not enabled ({ctx!r})")
-                fire(role, trigger, ctx)
+                if not enabled(ctx):
+                    raise ProtocolViolation(f"operation {op.name}: {label} is not enabled for {ctx!r}")
+                fire(ctx)
 
             return must
         if isinstance(s, Do):
@@ -532,7 +557,8 @@ def compile_operation(
             if s.guard not in guards:
                 raise SpecError(f"operation {op.name}: guard {s.guard!r} has no handler")
             g, neg = guards[s.guard], s.negate
-            then, orelse = steps(s.then) if s.then else None, steps(s.orelse) if s.orelse else None
+            then = steps(s.then) if s.then else None
+            orelse = steps(s.orelse) if s.orelse else None
 
             def when(ctx: Any) -> None:
                 if bool(g(ctx)) != neg:
@@ -543,27 +569,43 @@ def compile_operation(
 
             return when
         if isinstance(s, FirstOf):
-            alts: list[tuple[tuple[str, str] | None, Run | None]] = []
+            alts: list[tuple[Callable[[Any], bool], Run | None]] = []
             for alt in s.alternatives:
                 head = alt[0] if alt else None
-                key = (head.role, head.trigger) if isinstance(head, Fire) else None
-                alts.append((key, steps(alt) if alt else None))
-            enabled = binding.enabled
+                test = binding.move(head.role, head.trigger)[0] if isinstance(head, Fire) else _always
+                alts.append((test, steps(alt) if alt else None))
 
             def first_of(ctx: Any) -> None:
-                for key, run in alts:
-                    if key is None or enabled(key[0], key[1], ctx):
+                for test, run in alts:
+                    if test(ctx):
                         if run is not None:
                             run(ctx)
                         return
 
             return first_of
         if isinstance(s, Couple):
-            role, name, couple = s.role, s.coupling, binding.couple
-            return lambda ctx: couple(role, name, ctx)
+            return binding.coupling(s.role, s.coupling)
         raise TypeError(s)  # pragma: no cover - the parser builds only the forms above
 
-    out: list[Run] = []
-    for seg in op.segments:
-        out.append(steps(seg.steps) if seg.steps else (lambda ctx: None))
-    return tuple(out)
+    def nothing(ctx: Any) -> None:
+        return None
+
+    segments = tuple(steps(seg.steps) if seg.steps else nothing for seg in op.segments)
+    admits = binding.move(op.entry.role, op.entry.trigger)[0] if op.entry is not None else _always
+    return CompiledOperation(op, segments, admits)
+
+
+def compile_protocol(
+    spec: ProtocolSpec,
+    binding: Binding,
+    effects: Mapping[str, Callable[[Any], None]],
+    guards: Mapping[str, Callable[[Any], bool]],
+    *,
+    only: Sequence[str] | None = None,
+) -> dict[str, CompiledOperation]:
+    """``compile_operation`` for every operation (or those in ``only``)."""
+    names = spec.ops if only is None else only
+    unknown = [n for n in names if n not in spec.ops]
+    if unknown:
+        raise SpecError(f"{spec.origin}: no operations {unknown}")
+    return {n: compile_operation(spec.ops[n], binding, effects, guards) for n in names}

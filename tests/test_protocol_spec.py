@@ -1,0 +1,135 @@
+"""The composition spec (spec/protocol.yaml): loading, validation, compiling."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from omni_prefix_cache.specs.loader import SpecError
+from omni_prefix_cache.specs.protocol import (
+    ProtocolViolation,
+    compile_operation,
+    compile_protocol,
+    load_protocol,
+    parse_protocol,
+)
+
+
+class _Recorder:
+    """A binding that records each step and enables moves from a set."""
+
+    def __init__(self, enabled: set[str] | None = None) -> None:
+        self.enabled = enabled
+        self.log: list[str] = []
+
+    def move(self, role: str, trigger: str) -> tuple[Any, Any]:
+        name = f"{role}.{trigger}"
+        return (lambda ctx: self.enabled is None or name in self.enabled), (lambda ctx: self.log.append(name))
+
+    def coupling(self, role: str, name: str) -> Any:
+        return lambda ctx: self.log.append(f"{role}.{name}")
+
+
+def _handlers(rec: _Recorder, true: frozenset[str] = frozenset()) -> tuple[dict[str, Any], dict[str, Any]]:
+    spec = load_protocol()
+    effects = {e: (lambda ctx, e=e: rec.log.append(e)) for e in spec.effect_names}
+    guards = {g: (lambda ctx, g=g: g in true) for g in spec.guard_names}
+    return effects, guards
+
+
+def _mutate(patch: Any) -> Any:
+    return load_protocol().mutated(patch)
+
+
+def test_the_shipped_protocol_loads_and_keeps_its_ordering_rules() -> None:
+    spec = load_protocol()
+    assert spec.ordering_violations() == []
+    assert {"save", "materialize", "discard", "escalate", "committer_claim", "join", "fail", "shutdown"} <= set(
+        spec.ops
+    )
+
+
+def test_every_operation_compiles_and_runs_its_steps_in_spec_order() -> None:
+    rec = _Recorder()
+    ops = compile_protocol(load_protocol(), rec, *_handlers(rec))
+    for seg in ops["committer_write"].segments:
+        seg(None)
+    assert rec.log == ["pool_write", "task_holder.written", "publish_completed", "position.written", "task.written"]
+
+
+def test_first_of_runs_the_first_alternative_whose_move_is_enabled() -> None:
+    rec = _Recorder(enabled={"position.promote"})
+    op = compile_operation(load_protocol().ops["escalate"], rec, *_handlers(rec))
+    op.run(None)
+    assert rec.log == ["position.promote", "wake_committer"]
+    rec2 = _Recorder(enabled=set())
+    compile_operation(load_protocol().ops["escalate"], rec2, *_handlers(rec2)).run(None)
+    assert rec2.log == ["wake_committer"]
+
+
+def test_a_required_move_that_is_not_enabled_is_a_protocol_violation() -> None:
+    rec = _Recorder(enabled=set())
+    op = compile_operation(load_protocol().ops["committer_copy"], rec, *_handlers(rec))
+    with pytest.raises(ProtocolViolation, match="committer_copy: task.host_ready is not enabled"):
+        op.segments[0](None)
+
+
+def test_the_entry_move_admits_an_instance() -> None:
+    rec = _Recorder(enabled=set())
+    assert compile_operation(load_protocol().ops["fail"], rec, *_handlers(rec)).run(None) is False
+    assert rec.log == []
+
+
+def test_optional_moves_fire_only_where_enabled() -> None:
+    rec = _Recorder(enabled={"task.written", "position.written"})
+    op = compile_operation(load_protocol().ops["committer_write"], rec, *_handlers(rec))
+    for seg in op.segments:
+        seg(None)
+    assert "task_holder.written" not in rec.log
+
+
+def test_a_mutation_that_breaks_an_ordering_rule_is_reported_not_hidden() -> None:
+    def swap(data: dict[str, Any]) -> None:
+        op = next(o for o in data["operations"] if o["name"] == "committer_write")
+        op["segments"][1]["steps"].remove({"do": "publish_completed"})
+        op["segments"][2]["steps"].append({"do": "publish_completed"})
+
+    mutant = _mutate(swap)
+    assert any(v.startswith("release_publish_done") for v in mutant.ordering_violations())
+    with pytest.raises(SpecError, match="release_publish_done"):
+        load_protocol().mutated(swap, check_orderings=True)
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        (lambda d: d["operations"][0]["segments"][0]["steps"].append("task.teleport"), "no trigger 'teleport'"),
+        (lambda d: d["operations"][0]["segments"][0]["steps"].append({"do": "nope"}), "undeclared effect 'nope'"),
+        (lambda d: d["operations"][0]["segments"][0]["steps"].append("ghost.save"), "unknown role 'ghost'"),
+        (lambda d: d["operations"][0]["segments"][0].update(lock="global"), "needs 'lock'"),
+        (lambda d: d["pairs"].pop("STALE"), "must list every copy_queue state"),
+        (
+            lambda d: d["operations"].remove(next(o for o in d["operations"] if o["name"] == "abandon_save")),
+            "abandon'] are fired by no operation",
+        ),
+    ],
+)
+def test_malformed_compositions_are_refused_with_the_item_named(patch: Any, message: str) -> None:
+    with pytest.raises(SpecError, match=message):
+        _mutate(patch)
+
+
+def test_a_handler_missing_for_a_declared_effect_fails_at_compile_time() -> None:
+    rec = _Recorder()
+    effects, guards = _handlers(rec)
+    del effects["publish_completed"]
+    with pytest.raises(SpecError, match="publish_completed"):
+        compile_operation(load_protocol().ops["committer_write"], rec, effects, guards)
+
+
+def test_parse_refuses_unknown_top_level_fields() -> None:
+    data = dict(load_protocol().raw)
+    data["extra"] = 1
+    with pytest.raises(SpecError, match="unknown fields"):
+        parse_protocol(data)
