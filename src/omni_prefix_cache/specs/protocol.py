@@ -175,6 +175,13 @@ class Named:
 
 
 @dataclass(frozen=True, eq=False)
+class InvariantSpec:
+    name: str
+    meaning: str
+    checked_by: tuple[str, ...]  # "model" and/or "tests": who must bind a checker
+
+
+@dataclass(frozen=True, eq=False)
 class Link:
     """A component effect implemented by firing another component's move."""
 
@@ -203,7 +210,7 @@ class ProtocolSpec:
     guards: tuple[Named, ...]
     operations: tuple[OperationSpec, ...]
     orderings: tuple[Ordering, ...]
-    invariants: tuple[Named, ...]
+    invariants: tuple[InvariantSpec, ...]
     raw: Mapping[str, Any] = field(repr=False)
     origin: str = "protocol.yaml"
 
@@ -222,6 +229,10 @@ class ProtocolSpec:
     @property
     def invariant_names(self) -> tuple[str, ...]:
         return tuple(i.name for i in self.invariants)
+
+    def invariants_for(self, checker: str) -> tuple[str, ...]:
+        """Names of the invariants ``checker`` ("model" or "tests") must check."""
+        return tuple(i.name for i in self.invariants if checker in i.checked_by)
 
     def ordering_violations(self) -> list[str]:
         """Ordering rules the operations' step order breaks (empty when sound)."""
@@ -265,6 +276,22 @@ def _named_list(data: Any, origin: str, where: str) -> tuple[Named, ...]:
         if any(n.name == name for n in out):
             raise _fail(origin, f"{where} {name}", "declared twice")
         out.append(Named(name, str(raw["meaning"]).strip()))
+    return tuple(out)
+
+
+def _invariants(data: Any, origin: str) -> tuple[InvariantSpec, ...]:
+    if not isinstance(data, list):
+        raise _fail(origin, "invariants", "must be a list of {name, meaning, checked_by}")
+    out: list[InvariantSpec] = []
+    for i, raw in enumerate(data):
+        if not isinstance(raw, Mapping) or set(raw) != {"name", "meaning", "checked_by"}:
+            raise _fail(origin, f"invariant #{i}", "needs exactly 'name', 'meaning' and 'checked_by'")
+        by = tuple(raw["checked_by"]) if isinstance(raw["checked_by"], list) else ()
+        if not by or not set(by) <= {"model", "tests"}:
+            raise _fail(origin, f"invariant {raw['name']}", "'checked_by' is a non-empty list of model, tests")
+        if any(inv.name == raw["name"] for inv in out):
+            raise _fail(origin, f"invariant {raw['name']}", "declared twice")
+        out.append(InvariantSpec(str(raw["name"]), str(raw["meaning"]).strip(), by))
     return tuple(out)
 
 
@@ -350,7 +377,7 @@ def parse_protocol(
     locks = _named_list(data.get("locks"), origin, "locks")
     effects = _named_list(data.get("effects"), origin, "effects")
     guards = _named_list(data.get("guards"), origin, "guards")
-    invariants = _named_list(data.get("invariants"), origin, "invariants")
+    invariants = _invariants(data.get("invariants"), origin)
     parser = _Parser(origin, components, {e.name for e in effects}, {g.name for g in guards})
     lock_names = {lk.name for lk in locks}
 
