@@ -133,3 +133,16 @@ def test_parse_refuses_unknown_top_level_fields() -> None:
     data["extra"] = 1
     with pytest.raises(SpecError, match="unknown fields"):
         parse_protocol(data)
+
+
+def test_the_swimlane_lists_an_operations_steps_in_order_under_their_locks() -> None:
+    from omni_prefix_cache.specs.protocol_diagrams import swimlane_label
+
+    spec = load_protocol()
+    label = swimlane_label(spec.ops["committer_write"], spec)
+    marks = ["under lock none", "pool_write", "under lock controller", "written?", "publish_completed", "under lock task"]
+    where = [label.index(m) for m in marks]
+    assert where == sorted(where)
+    assert "order release_publish_done" in label
+    mutated = spec.mutated(lambda d: d["operations"][0]["segments"][0].update(lock="controller"))
+    assert "under lock controller" in swimlane_label(mutated.ops[spec.operations[0].name], mutated)

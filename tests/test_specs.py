@@ -30,6 +30,8 @@ from omni_prefix_cache.specs import (
 )
 from omni_prefix_cache.specs.diagrams import render_dot, stale_diagrams
 from omni_prefix_cache.specs.oracle import build_oracle, oracle_step
+from omni_prefix_cache.specs.protocol import load_protocol
+from omni_prefix_cache.specs.protocol_diagrams import render_protocol
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC_DIR = REPO / "spec"
@@ -324,11 +326,15 @@ def test_stale_diagrams_names_edited_and_missing_files(repo_root: Path, tmp_path
     out.mkdir()
     for name in SHIPPED:
         (out / f"{name}.dot").write_text(render_dot(load_spec(name)))
+    for name, source in render_protocol(load_protocol()).items():
+        (out / f"{name}.dot").write_text(source)
     assert stale_diagrams(out) == []
     first, last = SHIPPED[0], SHIPPED[-1]
     (out / f"{first}.dot").write_text((out / f"{first}.dot").read_text() + "// edited\n")
     (out / f"{last}.dot").unlink()
-    assert sorted(stale_diagrams(out)) == sorted({first, last})
+    (out / "protocol_save.dot").write_text("digraph {}\n")
+    (out / "protocol_retired_op.dot").write_text("digraph {}\n")
+    assert sorted(stale_diagrams(out)) == sorted({first, last, "protocol_save", "protocol_retired_op"})
 
 
 def test_render_dot_is_deterministic() -> None:

@@ -56,14 +56,24 @@ def render_dot(spec: MachineSpec) -> str:
     return str(g.source)
 
 
+def _all_sources() -> dict[str, str]:
+    """File stem -> DOT source: every machine, then the protocol's pictures."""
+    from omni_prefix_cache.specs.protocol import load_protocol
+    from omni_prefix_cache.specs.protocol_diagrams import render_protocol
+
+    out = {name: render_dot(spec) for name, spec in load_all_specs().items()}
+    out.update(render_protocol(load_protocol()))
+    return out
+
+
 def write_diagrams(out_dir: Path, *, svg: bool = True) -> list[Path]:
     """Write ``<name>.dot`` (and ``.svg`` when graphviz's ``dot`` exists)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     dot_bin = shutil.which("dot")
-    for name, spec in load_all_specs().items():
+    for name, source in _all_sources().items():
         dot_path = out_dir / f"{name}.dot"
-        dot_path.write_text(render_dot(spec))
+        dot_path.write_text(source)
         written.append(dot_path)
         if svg:
             if dot_bin is None:
@@ -77,8 +87,11 @@ def write_diagrams(out_dir: Path, *, svg: bool = True) -> list[Path]:
 def stale_diagrams(out_dir: Path) -> list[str]:
     """Names whose committed ``.dot`` differs from a fresh render."""
     stale = []
-    for name, spec in load_all_specs().items():
+    sources = _all_sources()
+    for name, source in sources.items():
         path = out_dir / f"{name}.dot"
-        if not path.is_file() or path.read_text() != render_dot(spec):
+        if not path.is_file() or path.read_text() != source:
             stale.append(name)
+    # A leftover picture of an operation or machine the specs no longer have.
+    stale.extend(sorted(p.stem for p in out_dir.glob("*.dot") if p.stem not in sources))
     return stale
