@@ -140,7 +140,7 @@ def test_the_swimlane_lists_an_operations_steps_in_order_under_their_locks() -> 
 
     spec = load_protocol()
     label = swimlane_label(spec.ops["committer_write"], spec)
-    marks = ["under lock none", "pool_write", "under lock controller", "written?", "publish_completed", "under lock task"]
+    marks = ["lock none", "pool_write", "lock controller", "written?", "publish_completed", "lock task", ">written<"]
     where = [label.index(m) for m in marks]
     assert where == sorted(where)
     assert "order release_publish_done" in label
