@@ -168,7 +168,9 @@ def test_settle_skips_rows_a_newer_owner_already_settled() -> None:
     occ.commit(KEY, slots(1), 2)  # new owner committed slot 1 first; slot 2 still in transit
     assert occ.settle("commit", KEY, slots(0, 1, 2), 1) == 1
     assert states(occ, 0, 1, 2) == ["COMMITTED", "COMMITTED", "IN_TRANSIT"]
-    with pytest.raises(OmniPrefixCacheUnmatchError, match="settle takes commit or drop"):
+    with pytest.raises(
+        OmniPrefixCacheUnmatchError, match=r"settle takes \['commit', 'drop'\] \(protocol drain\), not 'map'"
+    ):
         occ.settle("map", KEY, slots(0), 1)
 
 
@@ -262,3 +264,13 @@ def test_vectorised_moves_match_the_spec_oracle(ops: list[tuple[str, list[int], 
         assert table.tids.tolist() == ref_owner
         assert table.slot_version.tolist() == ref_version
         occ.check_invariants()
+
+
+def test_apply_where_enabled_leaves_rows_without_the_move() -> None:
+    occ, _ = make()
+    occ.map(KEY, slots(0), 1)
+    # Slot 1 is ABSENT: strict commit refuses it, the protocol's `slot.commit?` skips it.
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="commit is illegal from ABSENT"):
+        occ.apply("commit", KEY, slots(0, 1), 1)
+    assert occ.apply("commit", KEY, slots(0, 1), 1, where_enabled=True) == 1
+    assert states(occ, 0, 1) == ["COMMITTED", "ABSENT"]

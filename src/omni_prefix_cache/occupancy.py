@@ -23,6 +23,7 @@ import torch
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, TensorName, Tid
 from omni_prefix_cache.spec_types.slot_occupancy import SlotState as SlotState  # re-exported
 from omni_prefix_cache.specs import CompiledMove, compile_machine, load_spec
+from omni_prefix_cache.specs.protocol import load_protocol
 
 # Slots listed in an error message before it summarises the rest.
 _MAX_LISTED = 16
@@ -105,6 +106,8 @@ SLOT_MACHINE = compile_machine(
     },
     state_enum=SlotState,
 )
+# The slot moves the protocol's drain operation fires (where enabled).
+_SETTLE_TRIGGERS = frozenset(t for role, t in load_protocol().ops["drain"].moves if role == "slot")
 ABSENT = int(SlotState.ABSENT)
 IN_TRANSIT = int(SlotState.IN_TRANSIT)
 COMMITTED = int(SlotState.COMMITTED)
@@ -191,13 +194,23 @@ class SlotOccupancy:
 
     # ------------------------------------------------------------ moves
 
-    def apply(self, trigger: str, key: TensorName, slots: torch.Tensor, owners: torch.Tensor | int) -> int:
+    def apply(
+        self,
+        trigger: str,
+        key: TensorName,
+        slots: torch.Tensor,
+        owners: torch.Tensor | int,
+        *,
+        where_enabled: bool = False,
+    ) -> int:
         """Fire ``trigger`` on every row of ``slots`` for ``key``; returns how
         many rows moved (a row a guard refuses stays where it is).
 
         Raises OmniPrefixCacheUnmatchError naming the key, the trigger, the
         source state and the offending slots if the spec declares no such
-        move for any row; nothing is changed then. Under the state lock.
+        move for any row; nothing is changed then. ``where_enabled`` is the
+        protocol's ``slot.trigger?``: rows without the move are left as they
+        are instead. Under the state lock.
         """
         table = self.get_slot_status(key)
         moves = self._moves.get(trigger)
@@ -209,7 +222,7 @@ class SlotOccupancy:
             return 0
         owners = self._as_owners(owners, n)
         src = table.state.index_select(0, slots)
-        for bad in self._illegal[trigger]:
+        for bad in () if where_enabled else self._illegal[trigger]:
             mask = src == bad
             if bool(mask.any()):
                 raise OmniPrefixCacheUnmatchError(
@@ -289,25 +302,20 @@ class SlotOccupancy:
         return self.apply("drop", key, slots, writers)
 
     def settle(self, trigger: str, key: TensorName, slots: torch.Tensor, writers: torch.Tensor | int) -> int:
-        """``commit`` or ``drop`` for a drained write's own rows.
+        """The drain's ``slot.commit?`` / ``slot.drop?`` (spec/protocol.yaml,
+        operation ``drain``) for a drained write's own rows.
 
-        A write's rows leave IN_TRANSIT only through its own commit/drop, so
-        a row of it that is not IN_TRANSIT any more was taken over and
-        already settled by its newer owner: such rows are left out before
-        the strict move (the guard still refuses in-transit rows another
-        write owns). Manager, under the state lock, once per key per drain.
+        Fires where the move is enabled: a row of the write that already left
+        the state the move starts from was taken over and settled by its
+        newer owner, and the ``owned_by_writer`` guard leaves in-transit rows
+        another write owns. Manager, under the state lock, once per key per
+        drain. Raises for a trigger the drain operation does not fire.
         """
-        if trigger not in ("commit", "drop"):
-            raise OmniPrefixCacheUnmatchError(f"slot occupancy: settle takes commit or drop, not {trigger!r}")
-        table = self.get_slot_status(key)
-        slots = self._as_slots(key, slots)
-        if slots.numel() == 0:
-            return 0
-        owners = self._as_owners(writers, int(slots.numel()))
-        live = table.state.index_select(0, slots) == IN_TRANSIT
-        if not bool(live.all()):
-            slots, owners = slots[live], owners[live]
-        return self.apply(trigger, key, slots, owners)
+        if trigger not in _SETTLE_TRIGGERS:
+            raise OmniPrefixCacheUnmatchError(
+                f"slot occupancy: settle takes {sorted(_SETTLE_TRIGGERS)} (protocol drain), not {trigger!r}"
+            )
+        return self.apply(trigger, key, slots, writers, where_enabled=True)
 
     # ------------------------------------------------------------ checks
 
