@@ -337,7 +337,7 @@ def test_cli_simulate_json_exit_status(capsys: pytest.CaptureFixture[str]) -> No
 def test_bench_smoke_report_has_fields() -> None:
     from omni_prefix_cache.bench import format_report, run_bench
 
-    rep = run_bench(["decode"], iters=3, warmup=1, sweep=False)
+    rep = run_bench(["decode"], iters=3, warmup=1, sweep=False, modes=("eager",))
     d = rep.to_dict()
     (r,) = d["results"]
     for key in (
@@ -349,9 +349,31 @@ def test_bench_smoke_report_has_fields() -> None:
         "engine_ratio",
         "materialize_ratio",
         "tokens_per_s",
-        "engine_target",
-        "engine_met",
+        "materialize_us_per_request",
+        "staging_copy_us",
+        "move_floor_us",
+        "verdicts",
+        "met",
     ):
         assert key in r
     assert r["steps"] == 3 and d["mode"] == "eager"
+    assert {v["name"] for v in r["verdicts"]} == {"engine us/request", "materialize / floor"}
+    assert r["move_floor_us"] >= r["staging_copy_us"] > 0
     assert "decode" in format_report(rep)
+
+
+@needs_manager
+def test_bench_runs_both_modes_and_compares_with_a_baseline(tmp_path: Any) -> None:
+    from omni_prefix_cache.bench import format_report, run_bench
+
+    first = run_bench(["decode_mm4"], iters=2, warmup=1, sweep=False)
+    assert [(r.name, r.mode) for r in first.results] == [("decode_mm4", "eager"), ("decode_mm4", "threaded")]
+    path = tmp_path / "base.json"
+    path.write_text(json.dumps(first.to_dict()))
+    again = run_bench(["decode_mm4"], iters=2, warmup=1, sweep=False, baseline=str(path))
+    for r in again.results:
+        assert r.engine_vs_baseline is not None and r.engine_vs_baseline > 0
+    assert "against the baseline" in format_report(again)
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="not a bench --json report"):
+        run_bench(["decode_mm4"], iters=1, warmup=0, sweep=False, baseline=str(path))

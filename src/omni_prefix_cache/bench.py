@@ -16,7 +16,15 @@ Scenarios:
   block size 16, 2048-token steps; later arrivals hit the system prompt.
 - ``deferred``: a deferred mm key; two-turn conversations whose second turn
   hits the first turn's prompt and answer.
+- ``decode_256``: ``decode`` at 256 requests.
+- ``decode_mm4``: ``decode`` with four token-major mm keys.
 - ``sweep``: ``decode`` at 16, 64 and 256 requests (engine us per request).
+
+Every scenario runs in eager and threaded mode (``--mode``). Targets (issue
+"batched write path") are checked per (scenario, mode) and printed with
+their verdicts; with a baseline file (the previous release's report, kept as
+``docs/bench_baseline.json``) every row also shows its floor-normalised
+ratio to the baseline's.
 """
 
 from __future__ import annotations
@@ -26,11 +34,12 @@ import cProfile
 import gc
 import io
 import json
+import os
 import pstats
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +51,9 @@ from omni_prefix_cache.simulate.workload import FollowupSpec, RequestSpec
 
 MM_KEY = "talker.h"
 DEFERRED_KEY = "codes.audio"
+BASELINE_PATH = "docs/bench_baseline.json"
+# A scenario may not get slower than the baseline by more than this (floor-normalised).
+BASELINE_SLACK = 1.05
 
 
 # ---------------------------------------------------------------- scenarios
@@ -63,8 +75,46 @@ class Scenario:
     dtype: torch.dtype = torch.bfloat16
     warmup: int = 10
     iters: int = 100
-    engine_target: float | None = None
-    materialize_target: float | None = None
+    mm_keys: int = 1  # token-major mm keys per step (talker.h, talker.h1, ...)
+    targets: tuple[Target, ...] = ()
+
+
+@dataclass(frozen=True)
+class Target:
+    """A bench target: ``metric(result) <= limit(result)`` in ``modes``."""
+
+    name: str
+    metric: Callable[[ScenarioResult], float]
+    limit: Callable[[ScenarioResult], float]
+    describe: str
+    modes: tuple[str, ...] = ("eager", "threaded")
+
+
+def _mm_key(i: int) -> str:
+    return MM_KEY if i == 0 else f"{MM_KEY}{i}"
+
+
+DECODE_TARGETS = (
+    Target("engine us/request", lambda r: r.engine_us_per_request, lambda r: 5.0, "<= 5 us", ("eager",)),
+    Target("materialize / floor", lambda r: r.materialize_ratio, lambda r: 20.0, "<= 20x", ("eager",)),
+)
+PREFILL_TARGETS = (
+    Target(
+        "engine / data movement",
+        lambda r: r.engine_us_p50 / r.move_floor_us if r.move_floor_us > 0 else float("inf"),
+        lambda r: 2.0,
+        "<= 2x (staging copy + pool index_copy_)",
+        ("eager",),
+    ),
+    Target(
+        "engine - staging copy",
+        lambda r: r.engine_us_p50 - r.staging_copy_us,
+        lambda r: 150.0,
+        "<= 150 us",
+        ("threaded",),
+    ),
+    Target("materialize / floor", lambda r: r.materialize_ratio, lambda r: 2.5, "<= 2.5x", ("eager", "threaded")),
+)
 
 
 def _toks(rng: random.Random, n: int) -> tuple[int, ...]:
@@ -107,20 +157,21 @@ def _deferred_trace(steps: int, per_step: int = 2) -> Callable[[random.Random], 
     return make
 
 
-def decode_scenario(num_reqs: int = 64, *, warmup: int = 20, iters: int = 200) -> Scenario:
+def decode_scenario(num_reqs: int = 64, *, warmup: int = 20, iters: int = 200, mm_keys: int = 1) -> Scenario:
     steps = warmup + iters + 2
     prompt = 16
     blocks = num_reqs * (-(-(prompt + steps + 8) // 16) + 1)
+    name = "decode" if num_reqs == 64 else f"decode_{num_reqs}"
     return Scenario(
-        name="decode" if num_reqs == 64 else f"decode_{num_reqs}",
+        name=name if mm_keys == 1 else f"{name}_mm{mm_keys}",
         trace=_decode_trace(num_reqs, prompt, steps),
         token_budget=max(2048, num_reqs * prompt),
         max_num_seqs=num_reqs,
         num_blocks=blocks,
         warmup=warmup,
         iters=iters,
-        engine_target=120.0 if num_reqs == 64 else None,
-        materialize_target=60.0 if num_reqs == 64 else None,
+        mm_keys=mm_keys,
+        targets=DECODE_TARGETS if num_reqs == 64 and mm_keys == 1 else (),
     )
 
 
@@ -131,8 +182,7 @@ def prefill_hits_scenario(*, warmup: int = 5, iters: int = 40) -> Scenario:
         num_blocks=1024,
         warmup=warmup,
         iters=iters,
-        engine_target=8.0,
-        materialize_target=2.5,
+        targets=PREFILL_TARGETS,
     )
 
 
@@ -149,9 +199,12 @@ def deferred_scenario(*, warmup: int = 20, iters: int = 150) -> Scenario:
 
 SCENARIOS: dict[str, Callable[..., Scenario]] = {
     "decode": decode_scenario,
+    "decode_256": lambda **kw: decode_scenario(256, **{"iters": 100, **kw}),
+    "decode_mm4": lambda **kw: decode_scenario(64, mm_keys=4, **kw),
     "prefill_hits": prefill_hits_scenario,
     "deferred": deferred_scenario,
 }
+MODES = ("eager", "threaded")
 SWEEP_SIZES = (16, 64, 256)
 SWEEP_TARGET = 1.30  # max/min engine us per request across the sweep
 
@@ -207,8 +260,17 @@ def plan_steps(sc: Scenario, total: int, seed: int = 0) -> list[StepInput]:
 
 
 @dataclass
+class TargetVerdict:
+    name: str
+    describe: str
+    value: float
+    limit: float
+    met: bool
+
+
+@dataclass
 class ScenarioResult:
-    """Medians/p90s of one scenario, floors and verdicts."""
+    """Medians/p90s of one scenario in one mode, its floors and target verdicts."""
 
     name: str
     mode: str
@@ -225,22 +287,35 @@ class ScenarioResult:
     materialize_ratio: float
     tokens_per_s: float
     engine_us_per_request: float
-    engine_target: float | None = None
-    materialize_target: float | None = None
+    materialize_us_per_request: float = 0.0
+    # The data movement the engine must do, timed in the same loop: a copy of
+    # the step's rows into a staging buffer, then index_copy_ of those rows
+    # into a pool of the same shape at the step's slots.
+    staging_copy_us: float = 0.0
+    move_floor_us: float = 0.0
     hit_rows_per_step: float = 0.0
     # Thread CPU time of the calling thread (time another process or thread ran is not counted).
     engine_cpu_us_p50: float = 0.0
     materialize_cpu_us_p50: float = 0.0
     engine_cpu_ratio: float = 0.0
     materialize_cpu_ratio: float = 0.0
+    verdicts: list[TargetVerdict] = field(default_factory=list)
+    # Floor-normalised ratio to the baseline report's same row (None: no baseline row).
+    engine_vs_baseline: float | None = None
+    materialize_vs_baseline: float | None = None
+
+    def judge(self, targets: tuple[Target, ...]) -> None:
+        """Evaluate ``targets`` that apply to this result's mode."""
+        self.verdicts = []
+        for t in targets:
+            if self.mode in t.modes:
+                value, limit = t.metric(self), t.limit(self)
+                self.verdicts.append(TargetVerdict(t.name, t.describe, value, limit, value <= limit))
 
     @property
-    def engine_met(self) -> bool | None:
-        return None if self.engine_target is None else self.engine_ratio <= self.engine_target
-
-    @property
-    def materialize_met(self) -> bool | None:
-        return None if self.materialize_target is None else self.materialize_ratio <= self.materialize_target
+    def met(self) -> bool | None:
+        """All of this row's targets met (None: it has none)."""
+        return None if not self.verdicts else all(v.met for v in self.verdicts)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -255,6 +330,22 @@ def _floor_us(tensors: list[torch.Tensor]) -> tuple[float, float]:
         t.clone()
     t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
     return (t1 - t0) / 1000.0, (c1 - c0) / 1000.0
+
+
+def _move_floor_us(
+    srcs: list[torch.Tensor], staging: list[torch.Tensor], pools: list[torch.Tensor], slots: torch.Tensor
+) -> tuple[float, float]:
+    """Wall microseconds of (copying ``srcs`` into ``staging``; that copy plus
+    ``index_copy_`` of the staged rows into ``pools`` at ``slots``)."""
+    t0 = time.perf_counter_ns()
+    for src, stage in zip(srcs, staging):
+        stage[: src.shape[0]].copy_(src)
+    t1 = time.perf_counter_ns()
+    for src, stage, pool in zip(srcs, staging, pools):
+        n = src.shape[0]
+        pool.index_copy_(0, slots[:n], stage[:n])
+    t2 = time.perf_counter_ns()
+    return (t1 - t0) / 1000.0, (t2 - t0) / 1000.0
 
 
 def _returned_rows(outs: Any) -> dict[str, int]:
@@ -300,12 +391,19 @@ def run_scenario(
     gen = torch.Generator().manual_seed(seed)
     # Static forward buffers, as with CUDA graphs: each step's outputs are views of them.
     hidden_buf = torch.randn((max_n, sc.hidden), generator=gen).to(sc.dtype)
-    mm_buf = torch.randn((max_n, sc.mm_width), generator=gen).to(sc.dtype)
-    widths = {HIDDEN_KEY: sc.hidden, MM_KEY: sc.mm_width}
+    mm_bufs = {_mm_key(i): torch.randn((max_n, sc.mm_width), generator=gen).to(sc.dtype) for i in range(sc.mm_keys)}
+    widths = {HIDDEN_KEY: sc.hidden, **{k: sc.mm_width for k in mm_bufs}}
     if sc.deferred:
         widths[DEFERRED_KEY] = 16
         def_buf = torch.randn((max_n, 16), generator=gen).to(sc.dtype)
     floor_src = {k: torch.randn((max(4 * max_n, 8192), w), generator=gen).to(sc.dtype) for k, w in widths.items()}
+    pool_rows = sc.num_blocks * sc.block_size
+    move_keys = list(widths)
+    staging = [torch.empty((max_n, widths[k]), dtype=sc.dtype) for k in move_keys]
+    pools = [torch.zeros((pool_rows, widths[k]), dtype=sc.dtype) for k in move_keys]
+    move_slots = torch.randperm(pool_rows, generator=gen)[:max_n]
+    stage_copy: list[float] = []
+    move_floor: list[float] = []
     eng: list[float] = []
     mat: list[float] = []
     eng_floor: list[float] = []
@@ -322,7 +420,7 @@ def run_scenario(
         for i, st in enumerate(steps):
             view.set_step(st.order, st.blocks, st.computed)
             n = st.n
-            mm = {MM_KEY: mm_buf[:n]}
+            mm = {k: b[:n] for k, b in mm_bufs.items()}
             if sc.deferred:
                 mm[DEFERRED_KEY] = def_buf[:n]
             timed = i >= warmup
@@ -347,6 +445,10 @@ def run_scenario(
             wall, cpu = _floor_us([hidden_buf[:n], *mm.values()])
             eng_floor.append(wall)
             eng_floor_cpu.append(cpu)
+            srcs = [hidden_buf[:n], *(mm[k] for k in move_keys[1:])]
+            staged, moved = _move_floor_us(srcs, staging, pools, move_slots)
+            stage_copy.append(staged)
+            move_floor.append(moved)
             returned = _returned_rows(outs)
             wall, cpu = _floor_us([floor_src[k][:r] for k, r in returned.items() if k in floor_src])
             mat_floor.append(wall)
@@ -363,7 +465,8 @@ def run_scenario(
     ec, mc = _pct(eng_cpu, 50), _pct(mat_cpu, 50)
     efc, mfc = _pct(eng_floor_cpu, 50), _pct(mat_floor_cpu, 50)
     total_s = (sum(eng) + sum(mat)) / 1e6
-    return ScenarioResult(
+    per_step = reqs / len(eng)
+    result = ScenarioResult(
         name=sc.name,
         mode="eager" if eager else "threaded",
         steps=len(eng),
@@ -378,46 +481,64 @@ def run_scenario(
         engine_ratio=e50 / ef if ef > 0 else float("inf"),
         materialize_ratio=m50 / mf if mf > 0 else float("inf"),
         tokens_per_s=tokens / total_s if total_s > 0 else 0.0,
-        engine_us_per_request=e50 / (reqs / len(eng)),
-        engine_target=sc.engine_target,
-        materialize_target=sc.materialize_target,
+        engine_us_per_request=e50 / per_step,
+        materialize_us_per_request=m50 / per_step,
+        staging_copy_us=_pct(stage_copy, 50),
+        move_floor_us=_pct(move_floor, 50),
         hit_rows_per_step=hit_rows / len(eng),
         engine_cpu_us_p50=ec,
         materialize_cpu_us_p50=mc,
         engine_cpu_ratio=ec / efc if efc > 0 else float("inf"),
         materialize_cpu_ratio=mc / mfc if mfc > 0 else float("inf"),
     )
+    result.judge(sc.targets)
+    return result
 
 
 @dataclass
 class BenchReport:
-    mode: str
+    modes: tuple[str, ...]
     torch_threads: int
     results: list[ScenarioResult]
     sweep: list[ScenarioResult]
     sweep_spread: float | None = None  # max/min engine us per request across the sweep (wall p50)
     sweep_cpu_spread: float | None = None  # the same from thread CPU time
     sweep_target: float = SWEEP_TARGET
+    baseline: str | None = None  # where the baseline came from
+    baseline_slack: float = BASELINE_SLACK
+
+    @property
+    def mode(self) -> str:
+        return "+".join(self.modes)
 
     @property
     def sweep_met(self) -> bool | None:
         return None if self.sweep_spread is None else self.sweep_spread <= self.sweep_target
 
+    def baseline_verdicts(self) -> list[tuple[ScenarioResult, str, float, bool]]:
+        """(row, side, ratio to baseline, within slack) for every row the baseline has."""
+        out = []
+        for r in self.results:
+            for side, ratio in (("engine", r.engine_vs_baseline), ("materialize", r.materialize_vs_baseline)):
+                if ratio is not None:
+                    out.append((r, side, ratio, ratio <= self.baseline_slack))
+        return out
+
     @property
     def all_met(self) -> bool:
-        verdicts = [r.engine_met for r in self.results] + [r.materialize_met for r in self.results]
-        verdicts.append(self.sweep_met)
+        verdicts = [r.met for r in self.results] + [self.sweep_met]
+        verdicts += [ok for *_, ok in self.baseline_verdicts()]
         return all(v is not False for v in verdicts)
 
     def to_dict(self) -> dict[str, Any]:
         def one(r: ScenarioResult) -> dict[str, Any]:
             d = asdict(r)
-            d["engine_met"] = r.engine_met
-            d["materialize_met"] = r.materialize_met
+            d["met"] = r.met
             return d
 
         return {
             "mode": self.mode,
+            "modes": list(self.modes),
             "torch_threads": self.torch_threads,
             "results": [one(r) for r in self.results],
             "sweep": [one(r) for r in self.sweep],
@@ -425,31 +546,58 @@ class BenchReport:
             "sweep_cpu_spread": self.sweep_cpu_spread,
             "sweep_target": self.sweep_target,
             "sweep_met": self.sweep_met,
+            "baseline": self.baseline,
             "all_met": self.all_met,
         }
+
+
+def load_baseline(path: str) -> dict[tuple[str, str], dict[str, float]]:
+    """(scenario, mode) -> the baseline row's ``engine_ratio`` / ``materialize_ratio``
+    (floor-normalised, so they compare across runs better than raw times).
+    Raises ValueError naming the file when it is not a bench ``--json`` report."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        rows = data["results"]
+        return {
+            (r["name"], r["mode"]): {"engine": float(r["engine_ratio"]), "materialize": float(r["materialize_ratio"])}
+            for r in rows
+        }
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"baseline {path}: not a bench --json report ({exc})") from exc
 
 
 def run_bench(
     names: list[str] | None = None,
     *,
-    eager: bool = True,
+    eager: bool | None = None,
+    modes: tuple[str, ...] | None = None,
     iters: int | None = None,
     warmup: int | None = None,
     sweep: bool = True,
+    baseline: str | None = None,
     manager_factory: Callable[[PrefixCacheConfig, Any, bool], Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> BenchReport:
-    """Run the named scenarios (default all) and the decode sweep.
+    """Run the named scenarios (default all) in each of ``modes`` (default
+    both; ``eager`` picks one, for old callers), then the decode sweep
+    (eager). ``baseline``: a bench ``--json`` report to compare with.
     ``progress(done, total)`` is called after every step of every run."""
     names = list(SCENARIOS) if not names else names
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         raise ValueError(f"unknown scenario(s) {unknown}; choose from {sorted(SCENARIOS)}")
+    if modes is None:
+        modes = MODES if eager is None else ("eager" if eager else "threaded",)
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"unknown mode(s) {bad}; choose from {list(MODES)}")
+    base = load_baseline(baseline) if baseline else None
     plan = [SCENARIOS[n]() for n in names]
     sweep_plan = [decode_scenario(r, iters=100) for r in SWEEP_SIZES] if sweep else []
     total = sum(
         (sc.warmup if warmup is None else warmup) + (sc.iters if iters is None else iters)
-        for sc in [*plan, *sweep_plan]
+        for sc in [*[p for p in plan for _ in modes], *sweep_plan]
     )
     done = 0
 
@@ -460,28 +608,35 @@ def run_bench(
             progress(done, total)
 
     kw: dict[str, Any] = {
-        "eager": eager,
         "iters": iters,
         "warmup": warmup,
         "manager_factory": manager_factory,
         "on_step": step_done if progress is not None else None,
     }
-    results = [run_scenario(sc, **kw) for sc in plan]
+    # Modes side by side per scenario, so their ratios share the machine's state.
+    results = [run_scenario(sc, eager=mode == "eager", **kw) for sc in plan for mode in modes]
+    if base is not None:
+        for r in results:
+            row = base.get((r.name, r.mode))
+            if row is not None:
+                r.engine_vs_baseline = r.engine_ratio / row["engine"] if row["engine"] > 0 else None
+                r.materialize_vs_baseline = r.materialize_ratio / row["materialize"] if row["materialize"] > 0 else None
     sweep_results: list[ScenarioResult] = []
     spread = cpu_spread = None
     if sweep:
-        sweep_results = [run_scenario(sc, **kw) for sc in sweep_plan]
+        sweep_results = [run_scenario(sc, eager=True, **kw) for sc in sweep_plan]
         per_req = [r.engine_us_per_request for r in sweep_results]
         spread = max(per_req) / min(per_req)
         per_req_cpu = [r.engine_cpu_us_p50 / r.requests_per_step for r in sweep_results]
         cpu_spread = max(per_req_cpu) / min(per_req_cpu)
     return BenchReport(
-        mode="eager" if eager else "threaded",
+        modes=tuple(modes),
         torch_threads=torch.get_num_threads(),
         results=results,
         sweep=sweep_results,
         sweep_spread=spread,
         sweep_cpu_spread=cpu_spread,
+        baseline=baseline,
     )
 
 
@@ -492,33 +647,50 @@ def _verdict(met: bool | None) -> str:
     return "-" if met is None else ("met" if met else "MISSED")
 
 
-def format_report(rep: BenchReport) -> str:
-    """The bench table: one row per (scenario, side), then the sweep.
+def _vs(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
-    ``ratio`` (wall p50 / floor p50) carries the verdict; ``cpu ratio`` is the
-    same with the calling thread's CPU time, which a busy machine disturbs less.
+
+def format_report(rep: BenchReport) -> str:
+    """The bench tables: one row per (scenario, mode, side), the targets with
+    their verdicts, the sweep, and the comparison with the baseline.
+
+    ``ratio`` is wall p50 / floor p50; ``cpu ratio`` the same with the calling
+    thread's CPU time, which a busy machine disturbs less; ``us/req`` the p50
+    per request; ``vs base`` the ratio divided by the baseline report's.
     """
     head = (
-        f"{'scenario':<13} {'side':<11} {'p50 us':>9} {'p90 us':>9} {'floor us':>9} {'ratio':>7} "
-        f"{'target':>7} {'verdict':>7} {'cpu us':>9} {'cpu ratio':>9} {'tok/s':>9} {'req/step':>8}"
+        f"{'scenario':<13} {'mode':<8} {'side':<11} {'p50 us':>9} {'p90 us':>9} {'floor us':>9} {'ratio':>7} "
+        f"{'cpu us':>9} {'cpu ratio':>9} {'us/req':>8} {'req/step':>8} {'vs base':>7}"
     )
-    lines = [f"mode: {rep.mode} (torch threads: {rep.torch_threads})", head, "-" * len(head)]
+    lines = [f"modes: {', '.join(rep.modes)} (torch threads: {rep.torch_threads})", head, "-" * len(head)]
     for r in rep.results:
         sides = (
-            ("engine", r.engine_us_p50, r.engine_us_p90, r.engine_floor_us, r.engine_ratio, r.engine_target,
-             r.engine_met, r.engine_cpu_us_p50, r.engine_cpu_ratio),
+            ("engine", r.engine_us_p50, r.engine_us_p90, r.engine_floor_us, r.engine_ratio, r.engine_cpu_us_p50,
+             r.engine_cpu_ratio, r.engine_us_per_request, r.engine_vs_baseline),
             ("materialize", r.materialize_us_p50, r.materialize_us_p90, r.materialize_floor_us, r.materialize_ratio,
-             r.materialize_target, r.materialize_met, r.materialize_cpu_us_p50, r.materialize_cpu_ratio),
+             r.materialize_cpu_us_p50, r.materialize_cpu_ratio, r.materialize_us_per_request,
+             r.materialize_vs_baseline),
         )  # fmt: skip
-        for side, p50, p90, floor, ratio, target, met, cpu, cpu_ratio in sides:
-            tgt = "-" if target is None else f"<={target:g}x"
+        for side, p50, p90, floor, ratio, cpu, cpu_ratio, per_req, vs in sides:
             lines.append(
-                f"{r.name:<13} {side:<11} {p50:>9.1f} {p90:>9.1f} {floor:>9.1f} {ratio:>6.1f}x {tgt:>7} "
-                f"{_verdict(met):>7} {cpu:>9.1f} {cpu_ratio:>8.1f}x {r.tokens_per_s:>9.0f} {r.requests_per_step:>8.1f}"
+                f"{r.name:<13} {r.mode:<8} {side:<11} {p50:>9.1f} {p90:>9.1f} {floor:>9.1f} {ratio:>6.1f}x "
+                f"{cpu:>9.1f} {cpu_ratio:>8.1f}x {per_req:>8.2f} {r.requests_per_step:>8.1f} {_vs(vs):>7}"
+            )
+        lines.append(
+            f"{'':<13} {r.mode:<8} {'floors':<11} staging copy {r.staging_copy_us:.1f} us, "
+            f"staging copy + pool index_copy_ {r.move_floor_us:.1f} us"
+        )
+    lines.append("")
+    lines.append("targets:")
+    for r in rep.results:
+        for v in r.verdicts:
+            lines.append(
+                f"  {r.name:<13} {r.mode:<8} {v.name:<24} {v.value:>9.2f} (target {v.describe}): {_verdict(v.met)}"
             )
     if rep.sweep:
         lines.append("")
-        lines.append("decode sweep (engine us per request per step, p50):")
+        lines.append("decode sweep, eager (engine us per request per step, p50):")
         for r in rep.sweep:
             cpu_per_req = r.engine_cpu_us_p50 / r.requests_per_step
             lines.append(
@@ -531,6 +703,11 @@ def format_report(rep: BenchReport) -> str:
             f"  spread max/min {rep.sweep_spread:.2f} (target <= {rep.sweep_target:.2f}): {_verdict(rep.sweep_met)}"
             f"; from cpu time {rep.sweep_cpu_spread:.2f}"
         )
+    if rep.baseline:
+        lines.append("")
+        lines.append(f"against the baseline {rep.baseline} (floor-normalised; target <= {rep.baseline_slack:.2f}x):")
+        for r, side, ratio, ok in rep.baseline_verdicts():
+            lines.append(f"  {r.name:<13} {r.mode:<8} {side:<11} {ratio:.2f}x: {_verdict(ok)}")
     lines.append("all targets met" if rep.all_met else "some targets MISSED")
     return "\n".join(lines)
 
@@ -561,15 +738,19 @@ def main_bench(args: argparse.Namespace) -> int:
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     if args.profile:
-        print(profile_scenario(args.profile, eager=args.eager, top=args.top, iters=args.iters))
+        print(profile_scenario(args.profile, eager=args.mode != "threaded", top=args.top, iters=args.iters))
         return 0
     from omni_prefix_cache.progress import StepProgress
 
     line = StepProgress("step", enabled=False if args.json or args.quiet else None)
     try:
+        baseline = args.baseline
+        if baseline is None and os.path.isfile(BASELINE_PATH):
+            baseline = BASELINE_PATH
         rep = run_bench(
             args.scenario,
-            eager=args.eager,
+            modes=MODES if args.mode == "both" else (args.mode,),
+            baseline=baseline or None,
             iters=args.iters,
             warmup=args.warmup,
             sweep=not args.no_sweep,
@@ -577,6 +758,10 @@ def main_bench(args: argparse.Namespace) -> int:
         )
     finally:
         line.close()
+    if args.save_baseline:
+        with open(args.save_baseline, "w") as f:
+            json.dump(rep.to_dict(), f, indent=2)
+            f.write("\n")
     if args.json:
         print(json.dumps(rep.to_dict(), indent=2))
     else:

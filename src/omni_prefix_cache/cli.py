@@ -25,7 +25,7 @@ EXIT_STATUS_HELP = (
 )
 
 # Scenario names of bench.SCENARIOS (bench imports torch; tests keep the two in step).
-BENCH_SCENARIOS = ("decode", "prefill_hits", "deferred")
+BENCH_SCENARIOS = ("decode", "decode_256", "decode_mm4", "prefill_hits", "deferred")
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -310,17 +310,31 @@ def _add_bench_parser(sub: Any) -> None:
         "bench",
         help="engine and materialize cost per step against a memcpy floor, with targets",
         description=_describe(
-            "Scenarios decode, prefill_hits, deferred and a decode batch sweep. Each row reports "
-            "microseconds per step, tokens/s and the ratio to a torch clone of the step's row bytes measured "
-            "in the same run; rows with a target say met or missed (a miss fails the run only with --strict).",
+            "Scenarios decode (64x1), decode_256, decode_mm4 (four mm keys), prefill_hits, deferred, each in "
+            "eager and threaded mode, and a decode batch sweep. Each row reports microseconds per step and per "
+            "request and the ratio to floors measured in the same run (a torch clone of the step's row bytes; "
+            "a staging copy plus a pool index_copy_ of them); the targets table says met or missed (a miss "
+            "fails the run only with --strict). With a baseline report (default docs/bench_baseline.json when "
+            "present) each row is compared with the baseline's, floor-normalised.",
             "A progress line (steps, elapsed, ETA) is drawn on stderr when it is a terminal.",
         ),
         formatter_class=_Formatter,
     )
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--eager", dest="eager", action="store_true", help="inline copies (the default)")
-    mode.add_argument("--threaded", dest="eager", action="store_false", help="real committer thread")
-    p.set_defaults(eager=True)
+    mode.add_argument(
+        "--mode", choices=("eager", "threaded", "both"), default="both", help="committer mode(s), side by side"
+    )
+    mode.add_argument("--eager", dest="mode", action="store_const", const="eager", help="short for --mode eager")
+    mode.add_argument(
+        "--threaded", dest="mode", action="store_const", const="threaded", help="short for --mode threaded"
+    )
+    p.add_argument(
+        "--baseline",
+        metavar="JSON",
+        default=None,
+        help="a bench --json report to compare with; when absent, docs/bench_baseline.json if it exists ('' for none)",
+    )
+    p.add_argument("--save-baseline", metavar="JSON", default=None, help="also write this run's --json report here")
     p.add_argument(
         "--scenario",
         action="append",
