@@ -282,7 +282,7 @@ def test_3_every_entry_after_shutdown_raises_the_shutdown_error_and_nothing_is_h
     ):
         with pytest.raises(OmniPrefixCacheShutdownError):
             call()
-    mgr._prefetch.shutdown(wait=True)
+    mgr._hits.prefetch.shutdown(wait=True)
     assert not mgr._step_ctxs and not mgr._hits.pending and not mgr._reads.pending
     assert all(not holders for holders in mgr._controller._staging_pool._busy)
     assert mgr.stats()["open_steps"] == 0
@@ -299,7 +299,7 @@ def test_3_a_materialize_waiting_on_a_hit_read_cancelled_by_shutdown_raises_the_
     # Keep both prefetch workers busy so the hit's read stays queued.
     release = threading.Event()
     for _ in range(2):
-        mgr._prefetch.submit(release.wait, 10)
+        mgr._hits.prefetch.submit(release.wait, 10)
     sid, _ = drv.run({"b": Req([0, 1], 4, 1, hit=4)}, finished=["a"])
     waiting = threading.Event()
     real = mgr._materializer.hit_rows

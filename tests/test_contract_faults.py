@@ -45,7 +45,7 @@ SEAMS: dict[str, Callable[[OmniPrefixCacheManager], tuple[Any, str]]] = {
     "staging view": lambda m: (m._controller._staging_pool, "views"),
     "pool write": lambda m: (m._pool, "write"),
     "pool read": lambda m: (m._pool, "rows"),
-    "prefetch executor": lambda m: (m._prefetch, "submit"),
+    "prefetch executor": lambda m: (m._hits.prefetch, "submit"),
 }
 INJECTED: Counter[tuple[str, str]] = Counter()  # (seam, what the facade said), printed with -s
 
@@ -163,7 +163,7 @@ def test_a_fault_at_any_seam_gives_exact_rows_or_a_documented_error(eager: bool,
         mgr.shutdown()
         took = time.monotonic() - started
     assert took < 5.0, f"shutdown took {took:.1f}s"
-    mgr._prefetch.shutdown(wait=True)
+    mgr._hits.prefetch.shutdown(wait=True)
     assert_nothing_held(mgr)
     INJECTED[(seam, outcome if fault.fired else "seam not reached")] += 1
 

@@ -275,5 +275,5 @@ def test_every_call_gives_exact_rows_or_a_documented_error_and_a_refusal_changes
         assert_nothing_leaked(mgr)
     finally:
         mgr.shutdown()
-        mgr._prefetch.shutdown(wait=True)
+        mgr._hits.prefetch.shutdown(wait=True)
     assert not mgr._reads.pending and all(not holders for holders in mgr._controller._staging_pool._busy)

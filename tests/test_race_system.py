@@ -59,8 +59,8 @@ class SystemRace(RuleBasedStateMachine):
         committer = {} if self.EAGER else {"committer": "on_demand"}
         self.mgr = OmniPrefixCacheManager(config, self.model.view, eager=self.EAGER, **committer)
         self.mgr.register_policy(ModelCachePolicy(needs_full_hidden_states=True, deferred_keys=frozenset({DEFERRED})))
-        self.mgr._prefetch.shutdown(wait=False)
-        self.mgr._prefetch = self.prefetch = LazyExecutor()
+        self.mgr._hits.prefetch.shutdown(wait=False)
+        self.mgr._hits.prefetch = self.prefetch = LazyExecutor()
         self.ctrl = self.mgr._controller
         self.expects: dict[int, list] = {}
         self.step_sizes: dict[int, int] = {}

@@ -59,6 +59,8 @@ HitJob = tuple[PendingHit, TensorName, PlannedRead]
 class HitPlanner:
     """Pending hits (``pending``, by request) and the planning of their reads.
 
+    ``prefetch`` is the executor the reads run on (the facade shuts it down).
+
     ``policy`` and ``is_closed`` are read when called (the facade may swap
     its policy); ``layouts`` is the step layout's ``known`` table.
     """
@@ -77,7 +79,7 @@ class HitPlanner:
         self._block_size = int(config.block_size)
         self._occupancy = occupancy
         self._reads = reads
-        self._prefetch = prefetch
+        self.prefetch = prefetch
         self._layouts = layouts
         self._policy = policy
         self._is_closed = is_closed
@@ -291,7 +293,7 @@ class HitPlanner:
             layout = self._layouts[key]
             total = hit.num_computed + hit.num_scheduled
             try:
-                fut = self._prefetch.submit(self._reads.prefetch, ref, layout, hit.num_computed, total)
+                fut = self.prefetch.submit(self._reads.prefetch, ref, layout, hit.num_computed, total)
             except Exception as exc:
                 self._reads.forget(ref)
                 fut = Future()

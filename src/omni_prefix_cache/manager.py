@@ -127,7 +127,6 @@ class OmniPrefixCacheManager:
         # Operator counters (state lock); see stats().
         self._counters: Counter[str] = Counter()
         self._closed = False
-        self._prefetch = ThreadPoolExecutor(max_workers=2, thread_name_prefix=PREFETCH_THREAD_PREFIX)
         # The components (see the module docstring). The occupancy's hooks
         # are installed once both sides exist.
         self._slot_status = SlotOccupancy(self._pool.num_slots)
@@ -140,7 +139,7 @@ class OmniPrefixCacheManager:
             config,
             self._slot_status,
             self._reads,
-            self._prefetch,
+            ThreadPoolExecutor(max_workers=2, thread_name_prefix=PREFETCH_THREAD_PREFIX),
             self._layout.known,
             policy=lambda: self._policy,
             is_closed=lambda: self._closed,
@@ -396,7 +395,7 @@ class OmniPrefixCacheManager:
             self._step_ctxs.clear()
             self._hits.drop_all()
             self._pending_sched = None
-        self._prefetch.shutdown(wait=False, cancel_futures=True)
+        self._hits.prefetch.shutdown(wait=False, cancel_futures=True)
         for ctx in open_steps:
             # Cleanup must not raise: a refused release is logged, the rest go on.
             try:
