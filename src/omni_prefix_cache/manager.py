@@ -24,11 +24,11 @@ copy of step rows, an eager dispatch or a staging claim: each of those can
 wait on another thread that may itself need the lock. Publishing a new pool
 key does happen under it, together with its occupancy tables.
 
-A second, leaf lock, the reads lock (``HitReads.lock``), covers the pending hit reads (their
-preserved copies) and the slot versions a delayed read is checked against.
-Writers take it inside ``_state_lock`` (lock order: state, then reads); the
-prefetch thread takes only it, so a prefetch never holds the state lock and
-can never stall the engine behind a gather.
+A second, leaf lock, the reads lock (``HitReads.lock``), covers the pending
+hit reads (their preserved copies) and the slot versions a delayed read is
+checked against. Writers take it inside ``_state_lock`` (lock order: state,
+then reads); the prefetch thread takes only it, so a prefetch never holds the
+state lock and can never stall the engine behind a gather.
 """
 
 from __future__ import annotations
@@ -110,7 +110,6 @@ class OmniPrefixCacheManager:
             raise OmniPrefixCacheUnmatchError(
                 f"group view block_size {view_bs} does not match PrefixCacheConfig.block_size {config.block_size}"
             )
-        self._config = config
         self._view = view
         self._pool = PrefixBlockPool(config)
         # ``engine``: where rows leave the device (default: CUDA lanes when
@@ -145,8 +144,6 @@ class OmniPrefixCacheManager:
             is_closed=lambda: self._closed,
         )
         self._materializer = Materializer(self._ledger, self._reads, self._state_lock)
-
-    # ============================================================ facade
 
     def register_policy(self, policy: ModelCachePolicy) -> None:
         """Set the model's cache policy (hidden or not, deferred mm keys).
