@@ -38,23 +38,23 @@ from test_manager import (
 
 def manager_state(mgr: OmniPrefixCacheManager) -> dict[str, Any]:
     """Every manager-owned table, by value: a rejected call must leave it equal."""
-    rt = mgr._request_tasks
+    rt = mgr._ledger.requests
     with mgr._state_lock:
         return {
             "live": set(mgr._live),
             "pending_sched": mgr._pending_sched,
-            "pending_hits": dict(mgr._pending_hits),
+            "pending_hits": dict(mgr._hits.pending),
             "next_step_id": mgr._next_step_id,
             "step_ctxs": dict(mgr._step_ctxs),
-            "records": dict(mgr._records),
+            "records": dict(mgr._ledger.records),
             "tasks": {r: dict(t) for r, t in rt.tasks.items()},
             "deferred": dict(rt.deferred),
             "opened": dict(rt.opened),
-            "pending_reads": set(mgr._pending_reads),
-            "layouts": dict(mgr._layouts),
+            "pending_reads": set(mgr._reads.pending),
+            "layouts": dict(mgr._layout.known),
             "counters": dict(mgr._counters),
             "policy": mgr._policy,
-            "failure": mgr._failure,
+            "failure": mgr._ledger.failure,
             "occupancy": {k: mgr._slot_status.state[k].clone() for k in mgr._slot_status.keys()},
         }
 
@@ -282,8 +282,8 @@ def test_3_every_entry_after_shutdown_raises_the_shutdown_error_and_nothing_is_h
     ):
         with pytest.raises(OmniPrefixCacheShutdownError):
             call()
-    mgr._prefetch.shutdown(wait=True)
-    assert not mgr._step_ctxs and not mgr._pending_hits and not mgr._pending_reads
+    mgr._hits.prefetch.shutdown(wait=True)
+    assert not mgr._step_ctxs and not mgr._hits.pending and not mgr._reads.pending
     assert all(not holders for holders in mgr._controller._staging_pool._busy)
     assert mgr.stats()["open_steps"] == 0
 
@@ -299,16 +299,16 @@ def test_3_a_materialize_waiting_on_a_hit_read_cancelled_by_shutdown_raises_the_
     # Keep both prefetch workers busy so the hit's read stays queued.
     release = threading.Event()
     for _ in range(2):
-        mgr._prefetch.submit(release.wait, 10)
+        mgr._hits.prefetch.submit(release.wait, 10)
     sid, _ = drv.run({"b": Req([0, 1], 4, 1, hit=4)}, finished=["a"])
     waiting = threading.Event()
-    real = mgr._hit_rows
+    real = mgr._materializer.hit_rows
 
     def hit_rows(*args: Any) -> torch.Tensor:
         waiting.set()
         return real(*args)
 
-    mgr._hit_rows = hit_rows
+    mgr._materializer.hit_rows = hit_rows
     got: list[BaseException] = []
 
     def consume() -> None:
@@ -344,8 +344,8 @@ def test_4_a_finished_request_leaves_no_entry_behind(eager: bool, managers: list
     mgr.new_step_starts(sched(finished={"r5"}))
     quiesce(mgr)
     mgr.new_step_starts(sched())
-    rt = mgr._request_tasks
-    assert not mgr._live and not rt.opened and not rt.tasks and not rt.deferred and not mgr._records
+    rt = mgr._ledger.requests
+    assert not mgr._live and not rt.opened and not rt.tasks and not rt.deferred and not mgr._ledger.records
 
 
 # ============================================================ 5. bad devices, None counts, faults off the write path

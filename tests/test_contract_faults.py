@@ -45,7 +45,7 @@ SEAMS: dict[str, Callable[[OmniPrefixCacheManager], tuple[Any, str]]] = {
     "staging view": lambda m: (m._controller._staging_pool, "views"),
     "pool write": lambda m: (m._pool, "write"),
     "pool read": lambda m: (m._pool, "rows"),
-    "prefetch executor": lambda m: (m._prefetch, "submit"),
+    "prefetch executor": lambda m: (m._hits.prefetch, "submit"),
 }
 INJECTED: Counter[tuple[str, str]] = Counter()  # (seam, what the facade said), printed with -s
 
@@ -100,7 +100,7 @@ def plan(model: ServingModel, rng: random.Random) -> PlannedStep | None:
 
 def assert_nothing_held(mgr: OmniPrefixCacheManager) -> None:
     ctrl = mgr._controller
-    assert not mgr._step_ctxs and not mgr._pending_hits and not mgr._pending_reads
+    assert not mgr._step_ctxs and not mgr._hits.pending and not mgr._reads.pending
     assert all(not holders for holders in ctrl._staging_pool._busy), ctrl._staging_pool._busy
     assert ctrl._staged_bytes == 0
     assert all(t.is_terminal for t in list(ctrl._tasks.values()))
@@ -163,7 +163,7 @@ def test_a_fault_at_any_seam_gives_exact_rows_or_a_documented_error(eager: bool,
         mgr.shutdown()
         took = time.monotonic() - started
     assert took < 5.0, f"shutdown took {took:.1f}s"
-    mgr._prefetch.shutdown(wait=True)
+    mgr._hits.prefetch.shutdown(wait=True)
     assert_nothing_held(mgr)
     INJECTED[(seam, outcome if fault.fired else "seam not reached")] += 1
 
@@ -190,13 +190,13 @@ def test_long_run_tables_stay_bounded_by_the_live_working_set(eager: bool) -> No
             check_rows(model, step, mgr.materialize(sid, rids), rids)
             live = len(mgr._live)
             assert live <= len(model.requests) + len(model.finished_pending)
-            rt = mgr._request_tasks
-            bound = live + len(mgr._records)  # a request is live or has an undrained write
+            rt = mgr._ledger.requests
+            bound = live + len(mgr._ledger.records)  # a request is live or has an undrained write
             sizes = {
                 "request_tasks.opened": len(rt.opened),
                 "request_tasks.tasks": len(rt.tasks),
                 "request_tasks.deferred": len(rt.deferred),
-                "pending_hits": len(mgr._pending_hits),
+                "pending_hits": len(mgr._hits.pending),
             }
             for name, size in sizes.items():
                 assert size <= bound, (name, size, bound)
@@ -204,21 +204,21 @@ def test_long_run_tables_stay_bounded_by_the_live_working_set(eager: bool) -> No
             # Undrained writes: at most one deferred write per live request,
             # plus the immediate writes of the steps whose pool writes are
             # not drained yet (a few steps' worth of requests).
-            assert len(mgr._records) <= live + 3 * CAPACITY
-            assert len(ctrl._tasks) <= len(mgr._records) + 3 * CAPACITY
-            assert not mgr._step_ctxs and len(mgr._pending_reads) <= 2 * live + 2
+            assert len(mgr._ledger.records) <= live + 3 * CAPACITY
+            assert len(ctrl._tasks) <= len(mgr._ledger.records) + 3 * CAPACITY
+            assert not mgr._step_ctxs and len(mgr._reads.pending) <= 2 * live + 2
             assert len(ctrl._staging_pool._page_of) <= 1 + 3 * CAPACITY
             peak["live"] = max(peak["live"], live)
-            peak["records"] = max(peak["records"], len(mgr._records))
+            peak["records"] = max(peak["records"], len(mgr._ledger.records))
         assert steps > 100  # far more requests than ever live at once
         for rid in list(model.requests):
             model.end(rid)
         mgr.new_step_starts(SchedOut([], model.finished_pending, {}))
         ctrl.join([t.tid for t in list(ctrl._tasks.values())])
         mgr.new_step_starts(SchedOut([], set(), {}))
-        rt = mgr._request_tasks
-        assert not mgr._live and not rt.opened and not rt.tasks and not rt.deferred and not mgr._records
-        assert not ctrl._tasks and not mgr._pending_reads and not ctrl._causes
+        rt = mgr._ledger.requests
+        assert not mgr._live and not rt.opened and not rt.tasks and not rt.deferred and not mgr._ledger.records
+        assert not ctrl._tasks and not mgr._reads.pending and not ctrl._causes
         print(f"{'eager' if eager else 'threaded'}: {model._next} requests over {steps} steps; peaks {dict(peak)}")
     finally:
         mgr.shutdown()

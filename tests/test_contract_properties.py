@@ -211,8 +211,8 @@ def check_rows(model: ServingModel, step: PlannedStep, outs: Any, rids: list[str
 
 def assert_nothing_leaked(mgr: OmniPrefixCacheManager) -> None:
     ctrl = mgr._controller
-    assert not mgr._step_ctxs and not mgr._pending_hits and not mgr._records
-    rt = mgr._request_tasks
+    assert not mgr._step_ctxs and not mgr._hits.pending and not mgr._ledger.records
+    rt = mgr._ledger.requests
     assert not rt.tasks and not rt.deferred and not rt.opened and not mgr._live
     assert all(not holders for holders in ctrl._staging_pool._busy)
     assert ctrl._staged_bytes == 0 and not ctrl._tasks and not ctrl._failed
@@ -275,5 +275,5 @@ def test_every_call_gives_exact_rows_or_a_documented_error_and_a_refusal_changes
         assert_nothing_leaked(mgr)
     finally:
         mgr.shutdown()
-        mgr._prefetch.shutdown(wait=True)
-    assert not mgr._pending_reads and all(not holders for holders in mgr._controller._staging_pool._busy)
+        mgr._hits.prefetch.shutdown(wait=True)
+    assert not mgr._reads.pending and all(not holders for holders in mgr._controller._staging_pool._busy)

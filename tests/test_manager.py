@@ -244,10 +244,10 @@ def test_delayed_materialize_after_reuse_serves_preserved_rows(eager: bool, mana
     drv.check(sid, want)
     sid, want = drv.run({"z": Req([9], 0, 1)})  # the reuse has landed in the pool
     drv.check(sid, want)
-    assert any(ref.preserved for ref in mgr._pending_reads)
+    assert any(ref.preserved for ref in mgr._reads.pending)
     gate.set()
     drv.check(s_hit, want_hit)
-    assert not mgr._pending_reads
+    assert not mgr._reads.pending
     assert_nothing_held(mgr)
 
 
@@ -260,7 +260,7 @@ def test_deferred_key_accumulates_flushes_on_finish_and_serves_hits(eager: bool,
     drv.check(sid, want)
     sid, want = drv.run({"a": Req([1, 2], 6, 1)}, new=[])
     drv.check(sid, want)
-    task = mgr._request_tasks.deferred["a"]
+    task = mgr._ledger.requests.deferred["a"]
     assert len(task.chunks) == 2 and task.state.name == "PENDING"
     # A hit on a's still-pending deferred rows reads the task's own copy.
     sid, want = drv.run({"a": Req([1, 2], 7, 1), "h": Req([1, 7], 4, 1, hit=4)}, new=["h"])
@@ -283,9 +283,9 @@ def test_budget_pressure_closes_the_deferred_write_and_opens_another(eager: bool
     for pos in range(5):
         sid, want = drv.run({"a": Req([3, 4], pos, 1)}, new=["a"] if pos == 0 else [])
         drv.check(sid, want)
-        first = first or mgr._request_tasks.deferred["a"]
+        first = first or mgr._ledger.requests.deferred["a"]
     # The fourth chunk flushed the first write (three chunks); a new one holds the rest.
-    now = mgr._request_tasks.deferred["a"]
+    now = mgr._ledger.requests.deferred["a"]
     assert now is not first and now.write_n > first.write_n and len(now.chunks) == 2
     assert first.state.name == "WRITTEN" and len(first.chunks) == 3
     assert mgr._controller._staged_bytes == 2 * 2 * 4
@@ -465,7 +465,7 @@ def test_misaligned_hit_raises_and_registers_nothing(eager: bool, managers: list
     drv.check(sid, want)
     with pytest.raises(OmniPrefixCacheUnmatchError, match=r"prefix hit not block aligned: request 'b'.*=6"):
         start_step(mgr, drv.view, {"b": Req([0, 1, 2], 6, 2, hit=6), "x": Req([5], 0, 1)})
-    assert "x" not in mgr._live and not mgr._pending_hits and mgr._pending_sched is None
+    assert "x" not in mgr._live and not mgr._hits.pending and mgr._pending_sched is None
     assert_nothing_held(mgr)
     sid, want = drv.run({"b": Req([0, 1, 2], 8, 2, hit=8)}, finished=["a"])
     drv.check(sid, want)
@@ -483,7 +483,7 @@ def test_hit_without_enough_group0_block_ids_raises(eager: bool, block_ids: Any,
     )
     with pytest.raises(OmniPrefixCacheUnmatchError, match=r"prefix hit of request 'b' \(8 tokens, 2 blocks\)"):
         mgr.new_step_starts(sched)
-    assert not mgr._pending_hits
+    assert not mgr._hits.pending
     assert_nothing_held(mgr)
 
 
@@ -575,7 +575,7 @@ def test_save_failing_after_reserve_hands_the_budget_back(eager: bool, managers:
     policy = ModelCachePolicy(needs_full_hidden_states=True, deferred_keys=frozenset({"d"}))
     mgr, drv = make(eager, policy)
     managers.append(mgr)
-    real = mgr._commit_drained_writes
+    real = mgr._ledger.commit_drained_locked
     calls = {"n": 0}
 
     def fail_in_save() -> None:
@@ -584,12 +584,12 @@ def test_save_failing_after_reserve_hands_the_budget_back(eager: bool, managers:
             raise OmniPrefixCacheUnmatchError("injected")
         real()
 
-    mgr._commit_drained_writes = fail_in_save
+    mgr._ledger.commit_drained_locked = fail_in_save
     with pytest.raises(OmniPrefixCacheUnmatchError, match="injected"):
         drv.run({"a": Req([0], 0, 4)})
-    mgr._commit_drained_writes = real
+    mgr._ledger.commit_drained_locked = real
     assert_nothing_held(mgr)
-    assert not mgr._records and not mgr._request_tasks.tasks
+    assert not mgr._ledger.records and not mgr._ledger.requests.tasks
     sid, want = drv.run({"a": Req([0], 0, 4)})
     drv.check(sid, want)
 

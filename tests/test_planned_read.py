@@ -52,7 +52,7 @@ def step(
 
 class SeamLock:
     """The manager's reads lock, holding the prefetch thread's acquisition
-    in ``_ensure_not_reassigned`` (the version check) until
+    in ``HitReads.ensure_not_reassigned`` (the version check) until
     ``release_prefetch`` is set (``arrived`` says it got there)."""
 
     def __init__(self, real: Any) -> None:
@@ -63,7 +63,7 @@ class SeamLock:
 
     def _gate(self, caller: str) -> None:
         if (
-            caller == "_ensure_not_reassigned"
+            caller == "ensure_not_reassigned"
             and not self._held_once
             and threading.current_thread().name.startswith(PREFETCH_THREAD_PREFIX)
         ):
@@ -100,10 +100,10 @@ def test_reuse_between_version_check_and_reads_lock_serves_preserved_rows(eager:
     managers.append(mgr)
     s = step(mgr, "a", [2], 0, 4, value=1.0)
     mgr.materialize(s, ["a"])
-    seam = SeamLock(mgr._reads_lock)
-    mgr._reads_lock = seam
+    seam = SeamLock(mgr._reads.lock)
+    mgr._reads.lock = seam
     moves: list[tuple[str, str, str]] = []
-    real_move = mgr._reads.move
+    real_move = mgr._reads.registry.move
 
     def recording_move(ref: Any, trigger: str, reused: Any = None) -> None:
         before = ReadState(ref.state).name
@@ -111,7 +111,7 @@ def test_reuse_between_version_check_and_reads_lock_serves_preserved_rows(eager:
         if ref.req_id == "b":
             moves.append((trigger, before, ReadState(ref.state).name))
 
-    mgr._reads.move = recording_move
+    mgr._reads.registry.move = recording_move
     s_hit = step(mgr, "b", [2, 6], 4, 1, value=2.0, hit=4, finished=["a"])
     assert seam.arrived.wait(10), "the prefetch thread never reached the reads lock"
     # b's read is planned, its preserved dict is empty, its prefetch waits
@@ -121,7 +121,7 @@ def test_reuse_between_version_check_and_reads_lock_serves_preserved_rows(eager:
     out = mgr.materialize(s_hit, ["b"])
     assert out.hidden_states["b"][:, 0].tolist() == [1.0] * 4 + [2.0]
     assert mgr.materialize(s_reuse, ["c"]).hidden_states["c"][:, 0].tolist() == [3.0] * 4
-    assert not mgr._pending_reads
+    assert not mgr._reads.pending
     # Copy on write is the spec's preserve move, taken while b's read was FETCHING.
     assert moves == [
         ("register", "PLANNING", "PENDING"),
@@ -136,12 +136,12 @@ def test_a_read_dropped_twice_is_an_illegal_move_naming_the_read(managers: list)
     managers.append(mgr)
     s = step(mgr, "a", [2], 0, 4, value=1.0)
     mgr.materialize(s, ["a"])
-    ref = mgr._slot_ref(torch.arange(8, 12), HIDDEN_KEY, "b")
-    assert ref.state is ReadState.PENDING and ref in mgr._pending_reads
-    mgr._forget_read(ref)
-    assert ref.state is ReadState.DROPPED and not mgr._pending_reads
+    ref = mgr._reads.plan(torch.arange(8, 12), HIDDEN_KEY, "b")
+    assert ref.state is ReadState.PENDING and ref in mgr._reads.pending
+    mgr._reads.forget(ref)
+    assert ref.state is ReadState.DROPPED and not mgr._reads.pending
     with pytest.raises(OmniPrefixCacheUnmatchError, match=r"request 'b', key .* drop is illegal from DROPPED"):
-        mgr._forget_read(ref)
+        mgr._reads.forget(ref)
 
 
 def test_an_unservable_plan_is_refused_and_never_pending(managers: list) -> None:
@@ -151,7 +151,10 @@ def test_an_unservable_plan_is_refused_and_never_pending(managers: list) -> None
     mgr.materialize(s, ["a"])
     seen: list[str] = []
     real_move = PlannedReads.move
-    mgr._reads.move = lambda ref, trigger, reused=None: (seen.append(trigger), real_move(mgr._reads, ref, trigger))
+    mgr._reads.registry.move = lambda ref, trigger, reused=None: (
+        seen.append(trigger),
+        real_move(mgr._reads.registry, ref, trigger),
+    )
     with pytest.raises(OmniPrefixCacheUnmatchError, match="never written"):
-        mgr._slot_ref(torch.arange(0, 4), HIDDEN_KEY, "b")  # block 0: hidden rows ABSENT
-    assert seen == ["refuse"] and not mgr._pending_reads
+        mgr._reads.plan(torch.arange(0, 4), HIDDEN_KEY, "b")  # block 0: hidden rows ABSENT
+    assert seen == ["refuse"] and not mgr._reads.pending

@@ -59,8 +59,8 @@ class SystemRace(RuleBasedStateMachine):
         committer = {} if self.EAGER else {"committer": "on_demand"}
         self.mgr = OmniPrefixCacheManager(config, self.model.view, eager=self.EAGER, **committer)
         self.mgr.register_policy(ModelCachePolicy(needs_full_hidden_states=True, deferred_keys=frozenset({DEFERRED})))
-        self.mgr._prefetch.shutdown(wait=False)
-        self.mgr._prefetch = self.prefetch = LazyExecutor()
+        self.mgr._hits.prefetch.shutdown(wait=False)
+        self.mgr._hits.prefetch = self.prefetch = LazyExecutor()
         self.ctrl = self.mgr._controller
         self.expects: dict[int, list] = {}
         self.step_sizes: dict[int, int] = {}
@@ -104,9 +104,9 @@ class SystemRace(RuleBasedStateMachine):
 
     def _install_fetch_seam(self) -> None:
         """Let a rule hold a prefetch at its version check, just before it
-        takes the reads lock (``_ensure_not_reassigned``): the one point of
+        takes the reads lock (``HitReads.ensure_not_reassigned``): the one point of
         a fetch where another thread's reuse of its slots can interleave."""
-        real, race = self.mgr._reads_lock, self
+        real, race = self.mgr._reads.lock, self
         self.paused: threading.Thread | None = None
         self.paused_reader: str | None = None
         self.at_seam, self.go = threading.Event(), threading.Event()
@@ -114,7 +114,7 @@ class SystemRace(RuleBasedStateMachine):
         class SeamLock:
             def __enter__(self) -> SeamLock:
                 caller = sys._getframe(1).f_code.co_name
-                if threading.current_thread() is race.paused and caller == "_ensure_not_reassigned":
+                if threading.current_thread() is race.paused and caller == "ensure_not_reassigned":
                     race.at_seam.set()
                     assert race.go.wait(30), "a paused prefetch was never resumed"
                 real.acquire()
@@ -132,7 +132,7 @@ class SystemRace(RuleBasedStateMachine):
             def locked(self) -> bool:
                 return real.locked()
 
-        self.mgr._reads_lock = SeamLock()
+        self.mgr._reads.lock = SeamLock()
 
     def _resume_paused(self) -> None:
         if self.paused is None:
@@ -249,7 +249,7 @@ class SystemRace(RuleBasedStateMachine):
             task = self.ctrl.get_task(tid)
             if task is not None and not task.is_terminal:
                 self.violations.append(f"step {sid} saved before task {tid} of the previous step was written")
-        self.previous_immediate = list(self.mgr._join_next_step_tids)
+        self.previous_immediate = list(self.mgr._ledger.previous_step_writes)
         self.expects[sid] = planned.expects
         self.step_sizes[sid] = planned.n
         self.step_absent[sid] = absent
@@ -345,7 +345,7 @@ class SystemRace(RuleBasedStateMachine):
         resumes."""
         fut = self.prefetch.pending.pop(0)
         self.paused_fut = fut
-        self.paused_ref = fut._job[1][0]  # _prefetch_read(ref, ...)
+        self.paused_ref = fut._job[1][0]  # HitReads.prefetch(ref, ...)
         self.paused_reader = getattr(self.paused_ref, "req_id", None)
         self.at_seam.clear()
         self.go.clear()

@@ -7,23 +7,42 @@ fetch. While PENDING or FETCHING, a write reusing one of its committed slots
 first copies the old rows into it (``preserve``), so the delayed read still
 returns the old tenant's rows.
 
+``HitReads`` runs the reads of prefix hits through that machine: ``plan``
+(under the state lock) decides where each row comes from, ``fetch`` (the
+prefetch thread, never the state lock) reads them and overlays preserved
+copies, ``forget`` drops a read nobody will fetch.
+
 Threading: ``PlannedReads`` has no lock of its own. Every move runs under the
 manager's reads lock, the same lock that covers the slot versions, so a
-version bump and the copy it requires are seen together.
+version bump and the copy it requires are seen together. Lock order: state,
+then reads; the prefetch thread takes only the reads lock.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from omni_prefix_cache.block_pool import PrefixBlockPool
-from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, ReqId, TensorName, Tid
+from omni_prefix_cache.controller import OmniPrefixCacheController, TaskState
+from omni_prefix_cache.interface import (
+    OmniPrefixCacheUnmatchError,
+    ReqId,
+    TensorName,
+    Tid,
+    WriteSchedule,
+    is_hidden_key,
+)
+from omni_prefix_cache.occupancy import ABSENT, IN_TRANSIT, SlotOccupancy
 from omni_prefix_cache.spec_types.planned_read import ReadState as ReadState  # re-exported
 from omni_prefix_cache.specs import compile_machine, load_spec
+from omni_prefix_cache.step_context import KeyLayout
+from omni_prefix_cache.validation import listed
 
 logger = logging.getLogger(__name__)
 
@@ -161,3 +180,204 @@ class PlannedReads:
         for ref in list(refs):
             if not ref.slot_set.isdisjoint(reused):
                 self.move(ref, "preserve", reused)
+
+
+class HitReads:
+    """Plans, fetches and drops the planned reads of prefix hits.
+
+    ``registry`` holds every live read; ``lock`` is the manager's reads lock
+    (a leaf: taken inside the state lock, or alone by the prefetch thread).
+    The occupancy's ``on_reuse`` hook is ``registry.preserve``.
+    """
+
+    def __init__(
+        self,
+        pool: PrefixBlockPool,
+        controller: OmniPrefixCacheController,
+        occupancy: SlotOccupancy,
+        reads_lock: threading.Lock,
+    ) -> None:
+        self._pool = pool
+        self._controller = controller
+        self._occupancy = occupancy
+        self.lock = reads_lock
+        self.registry = PlannedReads(pool)
+
+    @property
+    def pending(self) -> set[PlannedRead]:
+        """Every live (PENDING or FETCHING) read."""
+        return self.registry.pending
+
+    def plan(self, slots: torch.Tensor, key: TensorName, req_id: ReqId) -> PlannedRead:
+        """Plan a read of ``slots`` for ``key`` and register it as pending,
+        so a reuse of a committed slot preserves its rows. The hit planner
+        calls it with the state lock held; takes the reads lock.
+
+        COMMITTED rows read the pool; rows in transit wait for their
+        JOIN_NEXT_STEP write (``join_tids``) or read their JOIN_ON_FINISH
+        task (``staged_list``); ABSENT mm rows keep the baseline (zeros) taken
+        now. Raises OmniPrefixCacheUnmatchError for ABSENT hidden rows, an
+        in-transit owner the controller no longer knows, or a failed owner.
+        """
+        table = self._occupancy.get_slot_status(key)
+        slots = slots.to(torch.int64)
+        state = table.state.index_select(0, slots)
+        ref = PlannedRead(req_id=req_id, key=key, slots=slots, planned_version=table.slot_version[slots])
+        try:
+            self._plan_rows(ref, table.tids, state)
+        except OmniPrefixCacheUnmatchError:
+            with self.lock:
+                self.registry.move(ref, "refuse")
+            raise
+        with self.lock:
+            self.registry.move(ref, "register")
+        return ref
+
+    def _plan_rows(self, ref: PlannedRead, tids: torch.Tensor, state: torch.Tensor) -> None:
+        """Where each row of ``ref`` comes from (see ``plan``)."""
+        slots, key, req_id = ref.slots, ref.key, ref.req_id
+        absent = state == ABSENT
+        if bool(absent.any()):
+            if is_hidden_key(key):
+                raise OmniPrefixCacheUnmatchError(
+                    f"prefix hit of request {req_id!r}: hidden rows at slots {listed(slots[absent])} were never "
+                    "written (ABSENT); the omni cache diverged from the KV cache"
+                )
+            pos = absent.nonzero().flatten()
+            # Not the slab's rows: after a tenancy reset they may still be
+            # a previous tenant's.
+            baseline = self._pool.baseline(key, int(pos.numel()))
+            for i, slot in enumerate(slots[pos].tolist()):
+                ref.preserved[slot] = baseline[i]
+        transit = state == IN_TRANSIT
+        if bool(transit.any()):
+            pos = transit.nonzero().flatten()
+            owners = tids.index_select(0, slots[pos])
+            for tid in dict.fromkeys(owners.tolist()):
+                task = self._controller.get_task(tid)
+                where = pos[owners == tid]
+                if task is None:
+                    raise OmniPrefixCacheUnmatchError(
+                        f"prefix hit of request {req_id!r}: {key!r} rows at slots {listed(slots[where])} are in "
+                        f"transit with task {tid}, which the controller no longer holds"
+                    )
+                if task.state is TaskState.FAILED:
+                    raise OmniPrefixCacheUnmatchError(
+                        f"prefix hit of request {req_id!r}: write failed for task {tid} holding {key!r} rows at "
+                        f"slots {listed(slots[where])}"
+                    )
+                if task.schedule is WriteSchedule.JOIN_NEXT_STEP:
+                    ref.join_tids.append(tid)
+                else:
+                    ref.staged_list.append(StagedRows(task=task, positions=where, slots=slots[where]))
+
+    def prefetch(self, ref: PlannedRead, layout: KeyLayout, computed: int, total: int) -> torch.Tensor:
+        """Prefetch thread: build ``[prefix | empty tail]`` so materialize
+        only writes the tail. Raises OmniPrefixCacheUnmatchError naming the
+        request, key and slots when the read fails."""
+        try:
+            buf = torch.empty((total, layout.width), dtype=layout.dtype)
+            self.fetch(ref, out=buf[:computed])
+        except OmniPrefixCacheUnmatchError:
+            raise
+        except Exception as exc:
+            raise OmniPrefixCacheUnmatchError(
+                f"prefix hit of request {ref.req_id!r}: reading {ref.key!r} rows at slots {listed(ref.slots)} "
+                f"failed: {exc!r}"
+            ) from exc
+        return buf
+
+    def fetch(self, src: PlannedRead, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read a planned read's rows (never under the state lock; the
+        prefetch thread or a test). Waits for JOIN_NEXT_STEP owners' pool
+        writes, reads the pool, overlays rows of
+        JOIN_ON_FINISH owners and preserved copies, and raises
+        ("reassigned") when a pool row changed version with no preserved
+        copy. The read is served or failed afterwards (spec planned_read),
+        no longer pending whatever happens."""
+        with self.lock:
+            self.registry.move(src, "fetch")
+        try:
+            if src.join_tids:
+                # Once `done` is set the rows are in the pool. Publishing the
+                # completion (the occupancy commit) is left to the next
+                # facade entry: this thread never takes the state lock. A
+                # reuse racing this read is caught by the version check.
+                self._controller.join(list(src.join_tids))
+            rows = self._pool.rows(src.key, src.slots)
+            if out is not None:
+                out.copy_(rows)
+                rows = out
+            staged: torch.Tensor | None = None
+            for part in src.staged_list:
+                got = self._controller.fetch_host(part.task, part.slots, src.key)
+                rows.index_copy_(0, part.positions, got.reshape(int(got.shape[0]), int(rows.shape[1])).to(rows.dtype))
+                if staged is None:
+                    staged = torch.zeros(int(src.slots.numel()), dtype=torch.bool)
+                staged[part.positions] = True
+            for pos, row in self.ensure_not_reassigned(
+                src.slots,
+                src.key,
+                req_id=src.req_id,
+                planned_version=src.planned_version,
+                preserved=src.preserved,
+                skip=staged,
+            ):
+                rows[pos] = row
+        except BaseException:
+            with self.lock:
+                self.registry.move(src, "fail")
+            raise
+        with self.lock:
+            self.registry.move(src, "serve")
+        return rows
+
+    def ensure_not_reassigned(
+        self,
+        slots: torch.Tensor,
+        key: TensorName,
+        *,
+        req_id: ReqId,
+        planned_version: torch.Tensor,
+        preserved: Mapping[int, torch.Tensor] | None = None,
+        skip: torch.Tensor | None = None,
+    ) -> list[tuple[int, torch.Tensor]]:
+        """Check a delayed pool read against the versions it was planned at
+        (see below). Returns ``(position, row)`` overlays from
+        ``preserved``; raises OmniPrefixCacheUnmatchError ("reassigned")
+        naming the request, key and slots that changed version with no
+        preserved copy. ``skip`` masks positions not read from the pool.
+        Any thread; takes the reads lock (versions and preserved copies
+        change together under it). ``preserved`` is the read's own dict,
+        looked at only under that lock: a reuse may fill it between this
+        call and the lock, together with the version bump."""
+        with self.lock:
+            if preserved is None:
+                preserved = {}
+            current = self._occupancy.get_slot_status(key).slot_version.index_select(0, slots)
+            changed = current != planned_version
+            if skip is not None:
+                changed &= ~skip
+            if bool(changed.any()):
+                lost = [s for s in slots[changed].tolist() if s not in preserved]
+                if lost:
+                    raise OmniPrefixCacheUnmatchError(
+                        f"delayed read for request {req_id!r}: {key!r} rows at slots {listed(lost)} were "
+                        "reassigned to a new tenant before the read (no preserved copy)"
+                    )
+            if not preserved:
+                return []
+            skipped = skip.tolist() if skip is not None else None
+            return [
+                (i, preserved[s])
+                for i, s in enumerate(slots.tolist())
+                if s in preserved and not (skipped is not None and skipped[i])
+            ]
+
+    def forget(self, ref: PlannedRead) -> None:
+        """The read is abandoned before its fetch began (``drop``): no later
+        reuse needs to preserve rows for it. Any thread; takes the reads
+        lock only. Raises OmniPrefixCacheUnmatchError when the read is no
+        longer pending (spec planned_read)."""
+        with self.lock:
+            self.registry.move(ref, "drop")

@@ -105,6 +105,20 @@ class CacheStats:
         return cls(**values)
 
 
+# The manager's counters (historical ``stats()`` keys), kept under its state lock.
+MANAGER_COUNTERS: tuple[str, ...] = (
+    "query_requests",
+    "query_tokens",
+    "hit_requests",
+    "hit_tokens",
+    "steps_saved",
+    "steps_materialized",
+    "steps_discarded",
+    "tokens_saved",
+    "rows_committed",
+    "failed_writes",
+)
+
 STAT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(CacheStats))
 
 # One line per field: the metric's HELP text and the stats documentation.

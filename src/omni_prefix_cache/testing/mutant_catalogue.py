@@ -238,9 +238,9 @@ def _tombstone_drops_fresh_rows(stack: contextlib.ExitStack) -> None:
 def _leftover_sliced_by_ge(stack: contextlib.ExitStack) -> None:
     import torch
 
-    from omni_prefix_cache import manager
+    from omni_prefix_cache import step_layout
 
-    original = manager._snapshot_leftover_mm_cpu
+    original = step_layout.snapshot_leftover_mm_cpu
 
     def snapshot(mm: Any, skip_keys: set[str], n: int) -> Any:
         def cut(value: Any) -> Any:
@@ -250,7 +250,7 @@ def _leftover_sliced_by_ge(stack: contextlib.ExitStack) -> None:
 
         return original({k: cut(v) for k, v in mm.items()}, skip_keys, n)
 
-    _set(stack, manager, "_snapshot_leftover_mm_cpu", snapshot)
+    _set(stack, step_layout, "snapshot_leftover_mm_cpu", snapshot)
 
 
 @_register("state_lock_across_join", "the manager's state lock is held across a join")
@@ -277,33 +277,30 @@ def _state_lock_across_join(stack: contextlib.ExitStack) -> None:
 
 @_register("save_skips_previous_write_barrier", "save does not wait for the previous step's pool writes")
 def _save_skips_barrier(stack: contextlib.ExitStack) -> None:
-    from omni_prefix_cache.manager import OmniPrefixCacheManager
+    from omni_prefix_cache.write_ledger import WriteLedger
 
-    save = OmniPrefixCacheManager.save_outputs
+    def join_previous_step(self: WriteLedger) -> None:
+        self.previous_step_writes = []  # forgotten, never joined
 
-    def save_outputs(self: Any, *args: Any, **kwargs: Any) -> int:
-        self._join_next_step_tids = []
-        return save(self, *args, **kwargs)
-
-    _set(stack, OmniPrefixCacheManager, "save_outputs", save_outputs)
+    _set(stack, WriteLedger, "join_previous_step", join_previous_step)
 
 
 @_register("same_step_hit_planned_early", "a same-step hit is planned before its write is registered")
 def _same_step_hit_planned_early(stack: contextlib.ExitStack) -> None:
     # Plan every hit at new_step_starts, even on ABSENT rows this step is
     # about to compute, and never plan it again at save.
-    from omni_prefix_cache.manager import OmniPrefixCacheManager
+    from omni_prefix_cache.hit_planner import HitPlanner
 
-    plan = OmniPrefixCacheManager._plan_hit_locked
-    _set(stack, OmniPrefixCacheManager, "_plan_hit_locked", lambda self, hit, *, at_save: plan(self, hit, at_save=True))
-    _set(stack, OmniPrefixCacheManager, "_replan_same_step_hits_locked", lambda self, hits, slots: None)
+    plan = HitPlanner.plan
+    _set(stack, HitPlanner, "plan", lambda self, hit, *, at_save: plan(self, hit, at_save=True))
+    _set(stack, HitPlanner, "replan_same_step_hits", lambda self, hits, slots: None)
 
 
 @_register("reused_block_hit_not_replanned", "a hit on a block this step reallocates reads the old tenant's rows")
 def _reused_block_hit_not_replanned(stack: contextlib.ExitStack) -> None:
-    from omni_prefix_cache.manager import OmniPrefixCacheManager
+    from omni_prefix_cache.hit_planner import HitPlanner
 
-    _set(stack, OmniPrefixCacheManager, "_replan_same_step_hits_locked", lambda self, hits, slots: None)
+    _set(stack, HitPlanner, "replan_same_step_hits", lambda self, hits, slots: None)
 
 
 @_register("stale_tenant_keys_kept", "a new tenant maps only the keys it writes; its slots keep older tenants' rows")
@@ -324,14 +321,14 @@ def _cow_copy_missed_before_reads_lock(stack: contextlib.ExitStack) -> None:
     # The race: `preserved = preserved or {}` ran before the lock, so a
     # still-empty dict was swapped for a fresh one while a reuse filled the
     # read's own dict and bumped the versions.
-    from omni_prefix_cache.manager import OmniPrefixCacheManager
+    from omni_prefix_cache.planned_read import HitReads
 
-    check = OmniPrefixCacheManager._ensure_not_reassigned
+    check = HitReads.ensure_not_reassigned
 
     def ensure_not_reassigned(self: Any, slots: Any, key: Any, *, preserved: Any = None, **kw: Any) -> Any:
         return check(self, slots, key, preserved=preserved or {}, **kw)
 
-    _set(stack, OmniPrefixCacheManager, "_ensure_not_reassigned", ensure_not_reassigned)
+    _set(stack, HitReads, "ensure_not_reassigned", ensure_not_reassigned)
 
 
 # ------------------------------------------------------------------ runner

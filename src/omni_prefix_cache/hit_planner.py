@@ -1,0 +1,314 @@
+"""Prefix hits: from new_step_starts to planned reads on the prefetch thread.
+
+``HitPlanner`` validates a hit (block aligned, group-0 block ids in range),
+keeps it pending until its step's save, plans one read per cached key
+(``HitReads.plan``) and submits the reads to the prefetch thread. A hit on a
+block its own step reallocates is planned again at save, against that step's
+tables (``replan_same_step_hits``).
+
+Threading: every method but ``hit_blocks`` (pure), ``block_slots`` (pure) and
+``start_prefetch`` (engine thread, outside the lock) expects the manager's
+state lock held.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omni_prefix_cache.interface import (
+    ModelCachePolicy,
+    OmniPrefixCacheInvalidArgumentError,
+    OmniPrefixCacheInvalidTypeError,
+    OmniPrefixCacheShutdownError,
+    OmniPrefixCacheUnmatchError,
+    PrefixCacheConfig,
+    ReqId,
+    TensorName,
+)
+from omni_prefix_cache.occupancy import ABSENT, SlotOccupancy
+from omni_prefix_cache.planned_read import HitReads, PlannedRead
+from omni_prefix_cache.step_context import KeyLayout, StepContext
+from omni_prefix_cache.validation import as_int, listed
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class PendingHit:
+    """A prefix hit registered at new_step_starts, handed to its save."""
+
+    req_id: ReqId
+    num_computed: int
+    block_ids: list[int]
+    slots: torch.Tensor
+    num_scheduled: int
+    futures: dict[TensorName, Future[torch.Tensor]] = field(default_factory=dict)
+    refs: dict[TensorName, PlannedRead] = field(default_factory=dict)
+
+
+# One planned hit read waiting for the prefetch thread.
+HitJob = tuple[PendingHit, TensorName, PlannedRead]
+
+
+class HitPlanner:
+    """Pending hits (``pending``, by request) and the planning of their reads.
+
+    ``prefetch`` is the executor the reads run on (the facade shuts it down).
+
+    ``policy`` and ``is_closed`` are read when called (the facade may swap
+    its policy); ``layouts`` is the step layout's ``known`` table.
+    """
+
+    def __init__(
+        self,
+        config: PrefixCacheConfig,
+        occupancy: SlotOccupancy,
+        reads: HitReads,
+        prefetch: ThreadPoolExecutor,
+        layouts: Mapping[TensorName, KeyLayout],
+        policy: Callable[[], ModelCachePolicy],
+        is_closed: Callable[[], bool],
+    ) -> None:
+        self._config = config
+        self._block_size = int(config.block_size)
+        self._occupancy = occupancy
+        self._reads = reads
+        self.prefetch = prefetch
+        self._layouts = layouts
+        self._policy = policy
+        self._is_closed = is_closed
+        self.pending: dict[ReqId, PendingHit] = {}
+
+    def hit_blocks(self, rid: ReqId, computed: int, block_ids: Any) -> list[int]:
+        """Validate a hit and return its group-0 prefix block ids. Raises
+        the invalid-argument or invalid-type error naming the request."""
+        bs = self._block_size
+        if computed % bs:
+            raise OmniPrefixCacheInvalidArgumentError(
+                f"prefix hit not block aligned: request {rid!r} has num_computed_tokens={computed}, block_size={bs}"
+            )
+        need = computed // bs
+        group0 = None
+        if isinstance(block_ids, (str, bytes)) or (block_ids is not None and not isinstance(block_ids, Sequence)):
+            raise OmniPrefixCacheInvalidTypeError(
+                f"prefix hit of request {rid!r}: block_ids must be a sequence of per-group block id lists, "
+                f"got {type(block_ids).__name__}"
+            )
+        if block_ids is not None and len(block_ids) > 0:
+            group0 = block_ids[0]
+        if group0 is not None and (isinstance(group0, (str, bytes)) or not isinstance(group0, Sequence)):
+            raise OmniPrefixCacheInvalidTypeError(
+                f"prefix hit of request {rid!r}: group-0 block ids must be a sequence, got {type(group0).__name__}"
+            )
+        if group0 is None or len(group0) < need:
+            have = 0 if group0 is None else len(group0)
+            raise OmniPrefixCacheInvalidArgumentError(
+                f"prefix hit of request {rid!r} ({computed} tokens, {need} blocks) comes with {have} group-0 block ids"
+            )
+        blocks = [as_int(f"prefix hit of request {rid!r}: block id", b) for b in list(group0)[:need]]
+        bad = [b for b in blocks if b < 0 or b >= self._config.num_blocks]
+        if bad:
+            raise OmniPrefixCacheInvalidArgumentError(
+                f"prefix hit of request {rid!r}: block ids {listed(bad)} outside [0, {self._config.num_blocks})"
+            )
+        return blocks
+
+    def block_slots(self, blocks: list[int]) -> torch.Tensor:
+        """The KV slot ids of ``blocks``, in order."""
+        bs = self._block_size
+        base = torch.tensor(blocks, dtype=torch.int64).unsqueeze(1) * bs
+        return (base + torch.arange(bs, dtype=torch.int64)).reshape(-1)
+
+    def candidates(
+        self,
+        new_reqs: list[tuple[ReqId, int, Any, Any]],
+        num_sched: Mapping[ReqId, int],
+        live: set[ReqId],
+        gone: set[ReqId],
+    ) -> tuple[list[tuple[ReqId, int, list[int]]], int, int]:
+        """The prefix queries of newly scheduled requests (new_step_starts,
+        state lock): ``([(req_id, computed, blocks)] of the hits, queried
+        requests, queried tokens)``. A live request re-entering the new list
+        (not in ``gone``) is no query. Raises like ``hit_blocks`` before any
+        table changes."""
+        candidates: list[tuple[ReqId, int, list[int]]] = []
+        queried = query_tokens = 0
+        for rid, computed, block_ids, req in new_reqs:
+            if rid in live and rid not in gone:
+                continue
+            queried += 1
+            query_tokens += _query_tokens(req, computed, num_sched.get(rid, 0))
+            if computed > 0:
+                candidates.append((rid, computed, self.hit_blocks(rid, computed, block_ids)))
+        return candidates, queried, query_tokens
+
+    def register(
+        self, candidates: list[tuple[ReqId, int, list[int]]], num_sched: Mapping[ReqId, int]
+    ) -> list[PendingHit]:
+        """Make each validated ``(req_id, computed, blocks)`` the request's
+        pending hit, dropping an older one (new_step_starts, state lock)."""
+        new_hits: list[PendingHit] = []
+        for rid, computed, blocks in candidates:
+            hit = PendingHit(
+                req_id=rid,
+                num_computed=computed,
+                block_ids=blocks,
+                slots=self.block_slots(blocks),
+                num_scheduled=num_sched.get(rid, 0),
+            )
+            self.drop_request(rid)
+            self.pending[rid] = hit
+            new_hits.append(hit)
+        return new_hits
+
+    def drop_request(self, rid: ReqId) -> None:
+        """The request finished (or hits again): its pending hit, if any,
+        will never be served (state lock)."""
+        stale = self.pending.pop(rid, None)
+        if stale is not None:
+            self.drop(stale)
+
+    def take_all(self) -> dict[ReqId, PendingHit]:
+        """Hand every pending hit to the save that serves it (state lock)."""
+        hits, self.pending = self.pending, {}
+        return hits
+
+    def drop_all(self) -> None:
+        """Drop every pending hit (shutdown, state lock)."""
+        for hit in self.pending.values():
+            self.drop(hit)
+        self.pending.clear()
+
+    def drop(self, hit: PendingHit) -> None:
+        """A hit that will never be served: cancel its prefetches and forget
+        its pending reads (a running prefetch forgets its own). Any lock."""
+        for key, fut in hit.futures.items():
+            if fut.cancel():
+                ref = hit.refs.get(key)
+                if ref is not None:
+                    self._reads.forget(ref)
+        for key, ref in hit.refs.items():
+            if key not in hit.futures:
+                self._reads.forget(ref)
+
+    def plan(self, hit: PendingHit, *, at_save: bool) -> list[HitJob]:
+        """Plan the hit's reads for every cached key not planned yet (state
+        lock held). At new_step_starts a key with ABSENT rows (or no slab
+        yet) waits for save: this very step may compute them. A read that
+        cannot be served becomes a failed future, raised by materialize."""
+        jobs: list[HitJob] = []
+        if hit.num_computed <= 0:
+            return jobs
+        occupancy = self._occupancy
+        for key in self._policy().get_hit_keys(occupancy.keys()):
+            if key in hit.futures:
+                continue
+            if not occupancy.has_key(key):
+                if not at_save:
+                    continue
+                self._fail(
+                    hit,
+                    key,
+                    OmniPrefixCacheUnmatchError(
+                        f"prefix hit of request {hit.req_id!r}: key {key!r} was never cached "
+                        f"(slots {listed(hit.slots)} are ABSENT)"
+                    ),
+                )
+                continue
+            if not at_save:
+                state = occupancy.state[key].index_select(0, hit.slots)
+                if bool((state == ABSENT).any()):
+                    continue
+            try:
+                ref = self._reads.plan(hit.slots, key, hit.req_id)
+            except OmniPrefixCacheUnmatchError as exc:
+                self._fail(hit, key, exc)
+                continue
+            hit.refs[key] = ref
+            jobs.append((hit, key, ref))
+        return jobs
+
+    def replan_same_step_hits(self, hits: dict[ReqId, PendingHit], slots: torch.Tensor) -> None:
+        """A hit planned at new_step_starts whose slots this very step maps
+        is a same-step hit on a reused block: vLLM dropped the old block
+        hash before reallocating it, so the hit means the rows this step
+        computes, not the old tenant's (which the reuse just preserved for
+        it). The step is the new tenant of every key of those slots (keys it
+        does not write were reset), so drop the plans of every key; save
+        plans them again against this step's tables right after (state lock
+        held)."""
+        if int(slots.numel()) == 0:
+            return
+        step_slots: set[int] | None = None
+        for hit in hits.values():
+            stale = list(hit.futures)
+            if not stale:
+                continue
+            if step_slots is None:
+                step_slots = set(slots.tolist())
+            if step_slots.isdisjoint(hit.slots.tolist()):
+                continue
+            for key in stale:
+                fut = hit.futures.pop(key)
+                ref = hit.refs.pop(key, None)
+                # A prefetch already running forgets its own read; its
+                # result is simply never looked at.
+                if fut.cancel() and ref is not None:
+                    self._reads.forget(ref)
+
+    def attach_to_step(self, hits: dict[ReqId, PendingHit], ctx: StepContext) -> list[HitJob]:
+        """Hand the save's hits to its step context and plan their reads at
+        save (state lock held). A hit not scheduled this step gets an empty
+        span. Returns the reads to start on the prefetch thread."""
+        jobs: list[HitJob] = []
+        for rid, hit in hits.items():
+            if rid in ctx.spans:
+                hit.num_scheduled = ctx.spans[rid][1]
+            jobs.extend(self.plan(hit, at_save=True))
+            ctx.hits[rid] = (hit.num_computed, list(hit.block_ids))
+            ctx.hit_prefetch[rid] = hit.futures
+            ctx.hit_refs[rid] = hit.refs
+            if rid not in ctx.spans:
+                ctx.spans[rid] = (0, 0)
+        return jobs
+
+    @staticmethod
+    def _fail(hit: PendingHit, key: TensorName, exc: OmniPrefixCacheUnmatchError) -> None:
+        logger.warning("omni prefix cache unmatch: %s", exc)
+        fut: Future[torch.Tensor] = Future()
+        fut.set_exception(exc)
+        hit.futures[key] = fut
+
+    def start_prefetch(self, jobs: list[HitJob]) -> None:
+        """Submit planned reads to the prefetch thread (engine thread,
+        outside the state lock). A read that cannot start becomes a failed
+        future (the shutdown error after shutdown)."""
+        for hit, key, ref in jobs:
+            layout = self._layouts[key]
+            total = hit.num_computed + hit.num_scheduled
+            try:
+                fut = self.prefetch.submit(self._reads.prefetch, ref, layout, hit.num_computed, total)
+            except Exception as exc:
+                self._reads.forget(ref)
+                fut = Future()
+                kind = OmniPrefixCacheShutdownError if self._is_closed() else OmniPrefixCacheUnmatchError
+                error = kind(f"prefetch of {key!r} rows for request {hit.req_id!r} could not start: {exc!r}")
+                error.__cause__ = exc
+                fut.set_exception(error)
+            hit.futures[key] = fut
+
+
+def _query_tokens(req: Any, computed: int, scheduled: int) -> int:
+    """Prompt tokens a new request looked up in the prefix cache (vLLM's
+    ``prompt_token_ids`` when present, else computed plus first-step tokens)."""
+    prompt = getattr(req, "prompt_token_ids", None)
+    try:
+        return len(prompt) if prompt is not None else computed + scheduled
+    except TypeError:
+        return computed + scheduled

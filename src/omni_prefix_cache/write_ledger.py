@@ -1,0 +1,419 @@
+"""The write ledger: every write the manager opened, per request, until drained.
+
+``WriteLedger`` registers a save's writes with the controller (one
+JOIN_NEXT_STEP write per request viewing the staging page; deferred chunks
+appended to the request's open JOIN_ON_FINISH write or a new one), makes the
+step the tenant of its slots, and settles drained writes into the slot
+occupancy: written rows commit, failed rows drop and the first failure
+becomes sticky. It also keeps the save barrier: the previous step's
+JOIN_NEXT_STEP writes, joined before a save may reuse their slots.
+
+Threading: methods named ``*_locked`` and the occupancy hook expect the
+manager's state lock held (``take_tenancy_locked`` the reads lock too);
+``raise_if_failed`` and ``record_fault`` take the state lock themselves;
+``join_previous_step`` runs on the engine thread outside it (a join waits on
+the committer, which may need the lock).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from omni_prefix_cache.controller import OmniPrefixCacheController, StagingBufferHolder, StepD2HClaim, WriteTask
+from omni_prefix_cache.interface import (
+    OmniPrefixCacheUnmatchError,
+    OmniPrefixCacheWriteFailedError,
+    ReqId,
+    StepId,
+    TensorName,
+    Tid,
+    WriteSchedule,
+)
+from omni_prefix_cache.occupancy import SlotOccupancy
+from omni_prefix_cache.step_layout import StepOutputs
+from omni_prefix_cache.write_task import _BudgetTicket, _WriteChunk
+
+logger = logging.getLogger(__name__)
+
+
+def per_row(values: list[int], counts: list[int], total: int) -> torch.Tensor:
+    """``values[i]`` repeated ``counts[i]`` times, as int64.
+
+    Not ``torch.repeat_interleave``: its CPU kernel opens a parallel region
+    with grain size 1 for any size, which costs milliseconds whenever the
+    host's cores are busy. A decode step (one row per request) is a plain
+    tensor; few long runs are one fill per run; otherwise a Python repeat.
+    """
+    if total == len(values):
+        return torch.tensor(values, dtype=torch.int64)
+    if total > 32 * len(values):
+        return torch.cat([torch.full((c,), v, dtype=torch.int64) for v, c in zip(values, counts)])
+    return torch.tensor(
+        list(itertools.chain.from_iterable(itertools.repeat(v, c) for v, c in zip(values, counts))), dtype=torch.int64
+    )
+
+
+@dataclass(eq=False)
+class TaskRecord:
+    """What the ledger must remember about a write until it is drained:
+    the task, whose it is, and which (keys, slots) it maps."""
+
+    task: WriteTask
+    req_id: ReqId
+    parts: list[tuple[tuple[TensorName, ...], torch.Tensor]]
+
+
+class RequestTasks:
+    """Per-request write bookkeeping (under the state lock).
+
+    ``tasks[req]``: tids of the request's undrained writes, in opening order.
+    ``deferred[req]``: its open JOIN_ON_FINISH write (chunks append to it).
+    ``opened[req]``: how many writes the request has opened (``write_n``).
+    An entry lives while the request is live or has undrained writes
+    (``drop_if_idle``), so every table is bounded by the working set, not
+    by the requests ever seen.
+    """
+
+    def __init__(self) -> None:
+        self.tasks: dict[ReqId, dict[Tid, None]] = {}
+        self.deferred: dict[ReqId, WriteTask] = {}
+        self.opened: dict[ReqId, int] = {}
+
+    def open(self, req_id: ReqId, tid: Tid) -> int:
+        """Record a new write of ``req_id``; returns its ``write_n``."""
+        n = self.opened.get(req_id, 0) + 1
+        self.opened[req_id] = n
+        self.tasks.setdefault(req_id, {})[tid] = None
+        return n
+
+    def forget(self, req_id: ReqId, task: WriteTask) -> None:
+        """The write was drained (written or failed)."""
+        tids = self.tasks.get(req_id)
+        if tids is not None:
+            tids.pop(task.tid, None)
+            if not tids:
+                del self.tasks[req_id]
+        if self.deferred.get(req_id) is task:
+            del self.deferred[req_id]
+
+    def drop_if_idle(self, req_id: ReqId) -> None:
+        """Forget ``req_id`` (no longer live) once it has no undrained write;
+        a later request reusing the id counts its writes from 1 again."""
+        if req_id not in self.tasks:
+            self.opened.pop(req_id, None)
+            self.deferred.pop(req_id, None)
+
+
+class WriteLedger:
+    """Undrained writes (``records`` by tid, ``requests`` per request), the
+    save barrier (``previous_step_writes``) and the sticky ``failure``.
+
+    ``live`` is the facade's set of live requests (read only here);
+    ``counters`` its operator counters (``rows_committed``, ``failed_writes``).
+    """
+
+    def __init__(
+        self,
+        controller: OmniPrefixCacheController,
+        occupancy: SlotOccupancy,
+        state_lock: threading.Lock,
+        live: set[ReqId],
+        counters: Counter[str],
+    ) -> None:
+        self._controller = controller
+        self._occupancy = occupancy
+        self._state_lock = state_lock
+        self._live = live
+        self._counters = counters
+        self._tids = itertools.count(1)
+        self.records: dict[Tid, TaskRecord] = {}
+        self.requests = RequestTasks()
+        self.previous_step_writes: list[Tid] = []
+        self.failure: OmniPrefixCacheWriteFailedError | None = None  # the first, sticky
+
+    # ------------------------------------------------------------ requests
+
+    def finish_request_locked(self, rid: ReqId) -> list[Tid]:
+        """The request finished or was aborted: close its open deferred write
+        and return its writes still to escalate (state lock held)."""
+        self.requests.deferred.pop(rid, None)
+        escalate: list[Tid] = []
+        for tid in self.requests.tasks.get(rid, ()):
+            rec = self.records.get(tid)
+            if rec is not None and not rec.task.is_terminal:
+                escalate.append(tid)
+        self.requests.drop_if_idle(rid)
+        return escalate
+
+    # ------------------------------------------------------------ save
+
+    def join_previous_step(self) -> None:
+        """Save barrier (engine thread, outside the state lock): a slot this
+        step may reuse must be pool-complete, so join the previous step's
+        JOIN_NEXT_STEP writes. Raises what the join raises."""
+        previous = self.previous_step_writes
+        if previous:
+            self._controller.join(previous)
+            self.previous_step_writes = []
+
+    def register_immediate_locked(
+        self,
+        split: StepOutputs,
+        claimed: StepD2HClaim,
+        req_order: list[ReqId],
+        spans: dict[ReqId, tuple[int, int]],
+        slots: torch.Tensor,
+        registered: list[WriteTask],
+    ) -> list[WriteTask]:
+        """One JOIN_NEXT_STEP task per request, its host rows viewing the
+        staging page, bound to the page and queued (not dispatched). Appends
+        each task to ``registered`` as soon as the controller may know it."""
+        if not split.immediate or not req_order:
+            return []
+        sizes = [spans[r][1] for r in req_order]
+        slot_parts = torch.split(slots, sizes)
+        host_parts = {k: torch.split(v, sizes) for k, v in claimed.views.items()}
+        ctrl = self._controller
+        frozen = {k: torch.split(t, sizes) for k, t in split.immediate.items() if ctrl.is_device(t)}
+        keys = tuple(split.immediate)
+        page = claimed.staging_slot
+        tasks: list[WriteTask] = []
+        for i, rid in enumerate(req_order):
+            tid = next(self._tids)
+            chunk = _WriteChunk(
+                slots_cpu=slot_parts[i],
+                tensors={k: parts[i] for k, parts in frozen.items()},
+                host={k: parts[i] for k, parts in host_parts.items()},
+            )
+            task = WriteTask(
+                tid=tid,
+                req_id=rid,
+                write_n=self.requests.open(rid, tid),
+                schedule=WriteSchedule.JOIN_NEXT_STEP,
+                chunks=[chunk],
+                freeze_event=split.freeze_event,
+                staging_slot=page,
+                step_d2h_event=claimed.event,
+            )
+            self.records[tid] = TaskRecord(task, rid, [(keys, slot_parts[i])])
+            tasks.append(task)
+        # One controller lock and one staging lock for the whole step.
+        # Registered first (queued, not dispatched: the committer cannot see
+        # them yet), so a failed bind is cleaned up by failing the tasks.
+        registered.extend(tasks)
+        ctrl.register_many(tasks, queued=True)
+        ctrl.staging_bind_many(page, [StagingBufferHolder.for_task(t.tid) for t in tasks])
+        return tasks
+
+    def register_deferred_locked(self, split: StepOutputs, registered: list[WriteTask]) -> list[Tid]:
+        """Append each request's deferred chunk to its open JOIN_ON_FINISH
+        write, or open a new one when there is none, it is closed (copy
+        claimed: budget flush, escalate) or it already lost a slot the chunk
+        would re-add (the old write would skip the fresh rows). Returns the
+        owning tid per chunk, in request order."""
+        owners: list[Tid] = []
+        ticket = split.deferred_ticket
+        ctrl = self._controller
+        keys = tuple(split.deferred_clone)
+        for rid, chunk in split.deferred_chunks:
+            task = self.requests.deferred.get(rid)
+            if task is not None and (
+                task.reassigned_intersects(chunk) or ctrl.append_chunk(task, chunk, split.freeze_event) is not None
+            ):
+                task = None
+            if task is None:
+                tid = next(self._tids)
+                task = WriteTask(
+                    tid=tid,
+                    req_id=rid,
+                    write_n=self.requests.open(rid, tid),
+                    schedule=WriteSchedule.JOIN_ON_FINISH,
+                    chunks=[chunk],
+                    freeze_event=split.freeze_event,
+                )
+                self.records[tid] = TaskRecord(task, rid, [(keys, chunk.slots_cpu)])
+                if ticket is not None:
+                    ctrl.pin_budget(ticket, tid)
+                ctrl.register(task, queued=False)
+                registered.append(task)
+                self.requests.deferred[rid] = task
+            else:
+                self.records[task.tid].parts.append((keys, chunk.slots_cpu))
+                if ticket is not None:
+                    ctrl.pin_budget(ticket, task.tid)
+            owners.append(task.tid)
+        return owners
+
+    def take_tenancy_locked(
+        self,
+        split: StepOutputs,
+        slots: torch.Tensor,
+        req_order: list[ReqId],
+        spans: dict[ReqId, tuple[int, int]],
+        immediate: list[WriteTask],
+        deferred_tids: list[Tid],
+    ) -> None:
+        """The step becomes the tenant of its slots (occupancy coupling
+        ``take_tenancy``), one move per key for the whole step: a key the
+        step writes goes IN_TRANSIT, owned by its request's write; every
+        other open key of those slots is reset to ABSENT, so it can never
+        serve a previous tenant's rows. State and reads locks held (version
+        bumps and preserved copies change together)."""
+        if not req_order:
+            return
+        sizes = [spans[r][1] for r in req_order]
+        writes: dict[TensorName, torch.Tensor] = {}
+        if immediate:
+            owners = per_row([t.tid for t in immediate], sizes, int(slots.numel()))
+            writes.update(dict.fromkeys(split.immediate, owners))
+        if deferred_tids:
+            owners = per_row(deferred_tids, sizes, int(slots.numel()))
+            writes.update(dict.fromkeys(split.deferred_clone, owners))
+        self._occupancy.take_tenancy(slots, writes)
+
+    def on_reassign(self, tid: Tid, key: TensorName, slots: torch.Tensor) -> None:
+        """Occupancy hook (state lock held): a newer write took these rows."""
+        rec = self.records.get(tid)
+        if rec is not None:
+            rec.task.add_reassigned(key, slots)
+
+    @staticmethod
+    def stranded(registered: list[WriteTask]) -> list[WriteTask]:
+        """Registered writes a failed save never handed to the committer.
+        Before publish no committer or dispatch has seen them, so every one
+        the write_task spec does not call final is stranded."""
+        return [t for t in registered if not t.is_terminal]
+
+    def abandon_save(
+        self,
+        sid: StepId,
+        claimed: StepD2HClaim | None,
+        reserved: list[_BudgetTicket],
+        registered: list[WriteTask],
+        published: bool,
+        error: BaseException,
+    ) -> None:
+        """The write side of undoing a failed save (no lock held): tasks
+        registered but never handed to the committer fail with ``error``
+        (their rows will never land: the failure is sticky); budget no task
+        pinned is refunded; the step's staging holder is released
+        (``abandon``). An eager dispatch failure already failed its batch."""
+        if not published:
+            self._controller.fail_tasks(self.stranded(registered), error)
+        if reserved:
+            # Uncharges exactly the tickets no task pinned (release is once per ticket).
+            self._controller.refund_unpinned(reserved)
+        if claimed is not None:
+            self._controller.staging_release(claimed.staging_slot, StagingBufferHolder.for_step(sid), "abandon")
+
+    def save_error(
+        self, sid: StepId, exc: BaseException, registered: list[WriteTask], published: bool
+    ) -> BaseException:
+        """What a failed save raises: a library error (or a non-Exception)
+        as is; otherwise a write-failed error when the failure strands
+        registered writes (sticky), else a contract error naming the step."""
+        if isinstance(exc, OmniPrefixCacheUnmatchError) or not isinstance(exc, Exception):
+            return exc
+        stranded = [] if published else self.stranded(registered)
+        if stranded:
+            return self._controller.write_error(stranded[0], exc, "registration")
+        error = OmniPrefixCacheUnmatchError(f"save_outputs (step {sid}) failed: {exc!r}")
+        error.__cause__ = exc
+        return error
+
+    # ------------------------------------------------------------ drains
+
+    def commit_drained_locked(self) -> None:
+        """Publish what the committer finished (state lock held): written
+        tasks commit their rows (one occupancy move per key for the whole
+        drain); failed tasks drop theirs and make the failure sticky."""
+        self.drain_failures_locked()
+        done = self._controller.drain_completed()
+        if done:
+            self.settle_locked(done, "commit")
+
+    def drain_failures_locked(self) -> None:
+        """Record failures the committer reported but nobody drained yet
+        (state lock held)."""
+        failed = self._controller.drain_failed()
+        if failed:
+            self._note_failures_locked(failed)
+
+    def settle_locked(self, tids: list[Tid], trigger: str) -> list[TaskRecord]:
+        """``commit`` or ``drop`` the rows of drained writes and forget them
+        (state lock held). Rows are grouped by their key tuple (one per save
+        and schedule), so a drain costs one occupancy move per key group,
+        not one per task."""
+        groups: dict[tuple[TensorName, ...], tuple[list[torch.Tensor], list[int], list[int]]] = {}
+        settled: list[TaskRecord] = []
+        records = self.records
+        forget = self.requests.forget
+        for tid in tids:
+            rec = records.pop(tid, None)
+            if rec is None:
+                continue
+            settled.append(rec)
+            forget(rec.req_id, rec.task)
+            if rec.req_id not in self._live:
+                self.requests.drop_if_idle(rec.req_id)
+            for keys, part in rec.parts:
+                slot_parts, owners, counts = groups.setdefault(keys, ([], [], []))
+                slot_parts.append(part)
+                owners.append(tid)
+                counts.append(int(part.shape[0]))
+        for keys, (slot_parts, owners, counts) in groups.items():
+            if trigger == "commit":
+                self._counters["rows_committed"] += sum(counts) * len(keys)
+            slots = slot_parts[0] if len(slot_parts) == 1 else torch.cat(slot_parts)
+            writers = per_row(owners, counts, int(slots.shape[0]))
+            for key in keys:
+                self._occupancy.settle(trigger, key, slots, writers)
+        return settled
+
+    def _note_failures_locked(self, failed: list[Tid]) -> None:
+        self._counters["failed_writes"] += len(failed)
+        settled = {rec.task.tid: rec for rec in self.settle_locked(failed, "drop")}
+        names = [f"task {tid} (req {settled[tid].req_id!r})" if tid in settled else f"task {tid}" for tid in failed]
+        causes = [c for tid in failed if (c := self._controller.failure_of(tid)) is not None]
+        first = causes[0] if causes else None
+        message = (
+            f"omni prefix cache write failed: {', '.join(names)}; rows behind published block hashes never "
+            "landed, so the cache can no longer serve hits" + (f" (first: {first})" if first is not None else "")
+        )
+        logger.error("%s", message)
+        if self.failure is None:
+            rec = settled.get(failed[0])
+            error = OmniPrefixCacheWriteFailedError(
+                message,
+                tid=first.tid if first is not None else failed[0],
+                req_id=first.req_id if first is not None else (rec.req_id if rec is not None else None),
+                keys=first.keys if first is not None else (),
+                slots=first.slots if first is not None else (),
+            )
+            error.__cause__ = first.__cause__ if first is not None else None
+            self.failure = error
+
+    # ------------------------------------------------------------ sticky failure
+
+    def raise_if_failed(self) -> None:
+        """Sticky failure check at every serving facade entry (takes the
+        state lock). Raises the first write failure again."""
+        with self._state_lock:
+            self.drain_failures_locked()
+            failure = self.failure
+        if failure is not None:
+            raise failure.again()
+
+    def record_fault(self, error: OmniPrefixCacheWriteFailedError) -> None:
+        """A device fault lost every write in flight: sticky like a failed
+        pool write, unless a failure is already recorded (takes the state
+        lock)."""
+        with self._state_lock:
+            if self.failure is None:
+                self.failure = error
