@@ -399,8 +399,7 @@ class ControllerRace(RuleBasedStateMachine):
                 step_d2h_event=StepEvent(self.inject, tid),
             )
             self._probe(task)
-            self.ctrl.register(task)
-            self.ctrl.staging_bind(page, StagingBufferHolder.for_task(tid))
+            self.ctrl.register(task)  # queues it and binds its holder to the page
             self.model.tasks[tid] = MTask(
                 tid, WriteSchedule.JOIN_NEXT_STEP, TaskState.QUEUED, {s: value(tid, s) for s in slots}, page=page
             )

@@ -998,12 +998,11 @@ class OmniPrefixCacheManager:
             )
             self._records[tid] = _TaskRecord(task, rid, [(keys, slot_parts[i])])
             tasks.append(task)
-        # One controller lock and one staging lock for the whole step.
-        # Registered first (queued, not dispatched: the committer cannot see
-        # them yet), so a failed bind is cleaned up by failing the tasks.
+        # One controller lock and one staging lock for the whole step; each
+        # task is queued and bound to the page (not dispatched: the committer
+        # cannot see them yet), so a failed bind is cleaned up by failing them.
         registered.extend(tasks)
         ctrl.register_many(tasks, queued=True)
-        ctrl.staging_bind_many(page, [StagingBufferHolder.for_task(t.tid) for t in tasks])
         return tasks
 
     def _register_deferred_locked(self, split: _StepOutputs, registered: list[WriteTask]) -> list[Tid]:

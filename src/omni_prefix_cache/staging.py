@@ -77,6 +77,9 @@ HOLDER_MACHINE = compile_machine(
     effects={"wake_claimers_if_free": _wake_claimers_if_free},
     state_enum=HolderState,
 )
+# States in which a holder holds its page (the spec's holds_page tag): a move
+# into one takes the page, a move out of one lets it go.
+_HOLDS_PAGE = HOLDER_MACHINE.tagged("holds_page")
 
 
 class StagingBufferPool:
@@ -108,6 +111,11 @@ class StagingBufferPool:
         self._page_freed = threading.Condition()
         self._closed = False
 
+    @property
+    def lock(self) -> threading.Condition:
+        """The pool's condition (reentrant): hold it to batch several moves."""
+        return self._page_freed
+
     # ----------------------------------------------------------- holder moves
 
     def holder_state(self, holder: StagingBufferHolder) -> Any:
@@ -137,7 +145,7 @@ class StagingBufferPool:
             )
         if not all(guard(self, page, holder) for guard in move.guards):
             return False
-        if move.dest is HolderState.HELD:
+        if move.dest in _HOLDS_PAGE:
             self._busy[page].add(holder)
             self._page_of[holder] = page
             if holder.owner_id > self._high_water.get(holder.kind, -1):
@@ -152,6 +160,21 @@ class StagingBufferPool:
         for effect in move.effects:
             effect(self, page, holder)
         return True
+
+    def enabled(self, trigger: str, page: int, holder: StagingBufferHolder) -> bool:
+        """True if the spec lets ``holder`` fire ``trigger`` on ``page`` now
+        (its move exists and its guards pass; a release names its own page)."""
+        with self._page_freed:
+            move = HOLDER_MACHINE.move(self.holder_state(holder), trigger)
+            if move is None or not all(guard(self, page, holder) for guard in move.guards):
+                return False
+            return move.dest in _HOLDS_PAGE or self._page_of.get(holder) == page
+
+    def fire(self, trigger: str, page: int, holder: StagingBufferHolder) -> None:
+        """Fire ``trigger`` for ``holder`` on ``page``; raises naming the
+        holder when the spec or a guard refuses it."""
+        with self._page_freed:
+            self._apply_many(trigger, [(page, holder)])
 
     def claim(self, holder: StagingBufferHolder, timeout: float) -> int:
         """Claim a free page for a step holder; waits up to ``timeout``

@@ -147,6 +147,42 @@ class OperationSpec:
         """(role, trigger) of every move this operation may fire."""
         return frozenset((s.role, s.trigger) for s in self.walk() if isinstance(s, Fire))
 
+    def segment(self, index: int, name: str | None = None) -> OperationSpec:
+        """Segment ``index`` alone, as an operation (an executor runs the
+        segments of an operation it shares with another executor)."""
+        seg = self.segments[index]
+        return OperationSpec(name or f"{self.name}[{index}]", self.caller, self.meaning, self.for_each, (seg,))
+
+    def projected(self, roles: frozenset[str], effects: frozenset[str], name: str | None = None) -> OperationSpec:
+        """The steps of ``roles`` and ``effects`` only, in the same order and
+        under the same guards (a ``when`` whose branches project to nothing
+        is dropped; an empty segment stays, as a no-op): what one executor
+        runs of an operation whose other steps another executor runs."""
+
+        def keep(steps: tuple[Step, ...]) -> tuple[Step, ...]:
+            out: list[Step] = []
+            for s in steps:
+                if isinstance(s, Fire | Couple):
+                    if s.role in roles:
+                        out.append(s)
+                elif isinstance(s, Do):
+                    if s.effect in effects:
+                        out.append(s)
+                elif isinstance(s, When):
+                    then, orelse = keep(s.then), keep(s.orelse)
+                    if then or orelse:
+                        out.append(When(s.guard, s.negate, then, orelse))
+                else:
+                    alts = tuple(keep(a) for a in s.alternatives)
+                    if any(alts):
+                        out.append(FirstOf(alts))
+            return tuple(out)
+
+        segments = tuple(
+            seg if seg.wait else Segment(seg.lock, keep(seg.steps), None, None, None) for seg in self.segments
+        )
+        return OperationSpec(name or f"{self.name}|{sorted(roles)}", self.caller, self.meaning, self.for_each, segments)
+
     def order_labels(self) -> list[str]:
         """Step labels in order (waits as ``wait EVENT``), for ordering rules."""
         out: list[str] = []
