@@ -199,7 +199,8 @@ def test_failing_pool_write_fails_only_its_task_and_releases_its_staging_hold():
         ctrl.staging_release(claim.staging_slot, step)
         assert not any(ctrl._staging_pool._busy)
         pool.poison = set()
-        again = staged_task(ctrl, 3, [3], ctrl.stage_step_host({}, 0, None, StagingBufferHolder.for_step(2)).staging_slot)
+        page = ctrl.stage_step_host({}, 0, None, StagingBufferHolder.for_step(2)).staging_slot
+        again = staged_task(ctrl, 3, [3], page)
         ctrl.submit(again)
         ctrl.join([3])
         assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([3])), rows_for([3]))

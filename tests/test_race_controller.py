@@ -11,6 +11,7 @@ printed ``@reproduce_failure`` blob or the same seed to replay it.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
@@ -36,6 +37,8 @@ from omni_prefix_cache.interface import (
     PrefixCacheConfig,
     WriteSchedule,
 )
+from omni_prefix_cache.spec_types.copy_queue import QueuePosition
+from omni_prefix_cache.specs.protocol import load_protocol
 from omni_prefix_cache.write_task import WRITE_TASK_MACHINE
 
 NUM_BLOCKS, BLOCK_SIZE, WIDTH, PAGES = 4, 2, 2, 2
@@ -602,6 +605,22 @@ class ControllerRace(RuleBasedStateMachine):
         assert list(self.ctrl._queue_lo) == self.model.lo
         assert list(self.ctrl._claimed) == self.model.claimed
         assert self.ctrl._blocked == self.model.blocked
+
+    @invariant()
+    def position_matches_task(self):
+        """Composition invariant: a task's queue position and its state form
+        a pair spec/protocol.yaml lists (``pairs``)."""
+        pairs = load_protocol().pairs
+        for tid, task in self.ctrl._tasks.items():
+            position = QueuePosition(int(task.position)).name
+            assert task.state.name in pairs[position], f"task {tid}: {task.state.name} at queue position {position}"
+
+    @invariant()
+    def one_queue_entry(self):
+        """Composition invariant: a task is on at most one queue or list, once."""
+        entries = [*self.ctrl._queue_hi, *self.ctrl._queue_lo, *self.ctrl._claimed, *self.ctrl._blocked]
+        twice = sorted(tid for tid, n in Counter(entries).items() if n > 1)
+        assert not twice, f"tasks {twice} are on the copy queues more than once: {entries}"
 
     @invariant()
     def holders_match_live_steps_and_unwritten_tasks(self):

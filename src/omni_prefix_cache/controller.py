@@ -140,7 +140,9 @@ class OmniPrefixCacheController:
         self._committer = Committer(self)
         self._worker: threading.Thread | None = None
         if not self.eager and committer == "thread":
-            self._worker = threading.Thread(target=self._committer.loop, name="omni-prefix-cache-committer", daemon=True)
+            self._worker = threading.Thread(
+                target=self._committer.loop, name="omni-prefix-cache-committer", daemon=True
+            )
             self._worker.start()
 
     # ------------------------------------------------------------ protocol handlers
@@ -229,13 +231,12 @@ class OmniPrefixCacheController:
         """Every segment of ``op`` for ``ctx``, each under the lock it
         declares; the entry move is checked under the first segment's lock.
         False when the entry does not admit ``ctx``."""
-        admits = op.admits
+        first = True
         for name, segment in zip(op.locks, op.segments):
             with self._lock_for(name, ctx):
-                if admits is not None:
-                    if not admits(ctx):
-                        return False
-                    admits = None
+                if first and not op.admits(ctx):
+                    return False
+                first = False
                 segment(ctx)
         return True
 
@@ -322,7 +323,9 @@ class OmniPrefixCacheController:
         """Release a step holder by a ``staging_holder`` spec trigger
         (``consume``, ``abandon``). Task holders move only in operations."""
         if holder.kind != "step":
-            raise OmniPrefixCacheUnmatchError(f"staging: task {holder.owner_id} is released by its own write or failure")
+            raise OmniPrefixCacheUnmatchError(
+                f"staging: task {holder.owner_id} is released by its own write or failure, not by a caller"
+            )
         self._staging_pool.release(slot, holder, trigger)
 
     def in_flight_tasks(self) -> int:

@@ -203,10 +203,10 @@ def compile_ops(
             op = op.segment(index)
         if project:
             op = op.projected(CONTROLLER_ROLES, CONTROLLER_EFFECTS)
-        tail = next(
-            (i + 1 for i, seg in enumerate(op.segments) if any(getattr(s, "effect", None) == "pool_write" for s in seg.steps)),
-            len(op.segments),
-        )
+        writes = [
+            i for i, seg in enumerate(op.segments) if any(getattr(s, "effect", None) == "pool_write" for s in seg.steps)
+        ]
+        tail = writes[0] + 1 if writes else len(op.segments)
         return RuntimeOp(compile_operation(op, binding, effects, guards), tuple(seg.lock for seg in op.segments), tail)
 
     join = spec.ops["join"].segments[0]

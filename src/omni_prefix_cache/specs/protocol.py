@@ -283,13 +283,18 @@ class ProtocolSpec:
                 out.append(f"{rule.name}: operation {rule.operation} runs {labels} (rule order {list(rule.order)})")
         return out
 
-    def mutated(self, patch: Callable[[dict[str, Any]], None], *, check_orderings: bool = False) -> ProtocolSpec:
+    def mutated(
+        self, patch: Callable[[dict[str, Any]], None], *, check_orderings: bool = False, check_coverage: bool = True
+    ) -> ProtocolSpec:
         """A copy with ``patch`` applied to the raw mapping, re-validated.
         Ordering rules are not enforced on a mutant (breaking one is what a
-        mutant may do; the model check and the tests must find it)."""
+        mutant may do; the model check and the tests must find it);
+        ``check_coverage=False`` also lets it drop every firing of a move."""
         data = copy.deepcopy(dict(self.raw))
         patch(data)
-        return parse_protocol(data, origin=f"{self.origin} (mutated)", check_orderings=check_orderings)
+        return parse_protocol(
+            data, origin=f"{self.origin} (mutated)", check_orderings=check_orderings, check_coverage=check_coverage
+        )
 
 
 # ----------------------------------------------------------------- parsing
@@ -391,15 +396,15 @@ class _Parser:
 
 
 def parse_protocol(
-    data: Mapping[str, Any], origin: str = "protocol.yaml", *, check_orderings: bool = True
+    data: Mapping[str, Any], origin: str = "protocol.yaml", *, check_orderings: bool = True, check_coverage: bool = True
 ) -> ProtocolSpec:
     """Validate a composition mapping against the shipped component specs.
 
     Raises SpecError naming the item on: unknown fields, a role naming no
     machine, a step firing a trigger its machine lacks, an undeclared effect,
     guard or lock, a `pairs` table not covering the position machine, a
-    component trigger no operation or link fires, and (``check_orderings``)
-    an ordering rule the operations' step order breaks.
+    component trigger no operation or link fires (``check_coverage``), and
+    (``check_orderings``) an ordering rule the operations' step order breaks.
     """
     if not isinstance(data, Mapping):
         raise _fail(origin, "top level", "must be a mapping")
@@ -501,7 +506,7 @@ def parse_protocol(
     machines_fired = {(components[r].name, t) for r, t in fired}
     for role, machine in components.items():
         unused = [t for t in machine.triggers if (machine.name, t) not in machines_fired]
-        if unused:
+        if unused and check_coverage:
             raise _fail(origin, f"component {role}", f"{machine.name} triggers {unused} are fired by no operation")
     used_effects = {s.effect for op in spec.operations for s in op.walk() if isinstance(s, Do)}
     if spec.effect_names - used_effects:

@@ -1066,7 +1066,7 @@ class CopyQueueAdapter(SpecAdapter):
         def one_position(m: GeneratedMachine) -> None:
             queues = m.system.queues
             boxes = {"high": queues.high, "low": queues.low, "claimed": queues.claimed, "blocked": queues.blocked}
-            for h, entry in m.system.entries.items():
+            for h in m.system.entries:
                 state = self.read_state(m.system, h)
                 where = [name for name, box in boxes.items() for tid in box if tid == h]
                 allowed = _QUEUE_BOXES[state]
