@@ -1,7 +1,6 @@
 """The GPU-byte budget of device clones (spec/protocol.yaml: effects
-``charge_budget``, ``refund_unpinned``, ``unpin_budget``; guard
-``over_budget``; ``flush_oldest`` is the controller's, it escalates and
-joins).
+``charge_budget``, ``flush_oldest``, ``refund_unpinned``, ``unpin_budget``;
+guard ``over_budget``).
 
 A ``_BudgetTicket`` is one clone's charge; the writes viewing the clone pin
 it, and it uncharges once, when its last write leaves (or, never pinned, at
@@ -10,12 +9,15 @@ its refund).
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from omni_prefix_cache.interface import Tid
 from omni_prefix_cache.write_task import WriteTask, _BudgetTicket
+
+logger = logging.getLogger(__name__)
 
 
 class GpuBudget:
@@ -48,6 +50,21 @@ class GpuBudget:
             if oldest is not None:
                 self.flushes += 1
             return oldest
+
+    def flush(
+        self,
+        nbytes: int,
+        unfinished: Callable[[], list[WriteTask]],
+        escalate: Callable[[list[Tid]], None],
+        join: Callable[[list[Tid]], None],
+    ) -> None:
+        """Effect ``flush_oldest``: escalate and join the oldest unfinished
+        task until charging ``nbytes`` fits or no task is unfinished."""
+        while (oldest := self.over(nbytes, unfinished())) is not None:
+            # DEBUG: a small budget flushes every few steps; stats() counts them (budget_flushes_total).
+            logger.debug("omni prefix cache: GPU staging budget full, flushing task %d", oldest.tid)
+            escalate([oldest.tid])
+            join([oldest.tid])
 
     def charge(self, nbytes: int) -> None:
         with self._lock:

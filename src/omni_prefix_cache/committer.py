@@ -5,13 +5,15 @@ a daemon thread, by a test (manual), or by a joiner (on_demand)."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from omni_prefix_cache.interface import Tid
+from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, Tid
 from omni_prefix_cache.specs.protocol import ProtocolViolation
+from omni_prefix_cache.write_errors import join_error
 from omni_prefix_cache.write_task import WriteTask
 
 if TYPE_CHECKING:
@@ -110,6 +112,22 @@ class Committer:
             return "copy"
         return None
 
+    def drain(self, worker: threading.Thread | None) -> None:
+        """Effect ``drain_queues``: the committer finishes what is queued
+        (the thread drains, or this thread steps), then every task still
+        unfinished runs operation ``fail`` so no joiner hangs."""
+        ctrl = self._ctrl
+        with ctrl.wake:
+            ctrl.stopping = True
+            ctrl.wake.notify_all()
+        if worker is not None:
+            worker.join(timeout=5.0)
+        elif not ctrl.eager:
+            while self.step() is not None:
+                pass
+        for task in ctrl.registered():
+            ctrl.fail_task(task, None)
+
     def loop(self) -> None:
         """The committer thread: serve the queues until shutdown and empty."""
         # A dead committer would strand every join, so nothing escapes this
@@ -126,6 +144,32 @@ class Committer:
                     self.step()
             except BaseException:  # pragma: no cover - step already attributes failures
                 logger.exception("omni prefix cache committer step failed")
+
+    def wait(self, tids: list[Tid], event: Literal["done", "host_ready"]) -> None:
+        """Operation ``join``'s wait (``event`` of each task) and its raise
+        (guard ``task_failed``): an on_demand joiner first runs committer
+        steps itself. Raises if a task failed or does not reach ``event``
+        within ``staging_claim_timeout_s``."""
+        ctrl = self._ctrl
+        timeout = ctrl.config.staging_claim_timeout_s
+        deadline = time.monotonic() + timeout
+        raises = ctrl.ops.join_raises
+        for tid in tids:
+            task = ctrl.get_task(tid)
+            if task is None:
+                continue  # drained: already written
+            if ctrl.committer_mode == "on_demand" and not ctrl.eager:
+                self.step_until(task, event, deadline)
+            if not getattr(task, event).wait(max(0.0, deadline - time.monotonic())):
+                raise OmniPrefixCacheUnmatchError(
+                    f"task {tid} ({task.schedule.value}) did not reach {event} within {timeout:g}s "
+                    f"(state={task.state.name}, in_flight_tasks={ctrl.in_flight_tasks()})"
+                )
+            if raises(task):
+                # The one-shot failure record may already be drained
+                # elsewhere, so the joiner raises too.
+                error = join_error(task, event, ctrl.failure_of(tid), ctrl.stopping)
+                raise error from error.__cause__
 
     def step_until(self, task: WriteTask, event: Literal["done", "host_ready"], deadline: float) -> None:
         """on_demand joins: run committer steps on this thread until the event

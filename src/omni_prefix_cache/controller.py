@@ -47,12 +47,12 @@ import torch
 from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.budget import GpuBudget
 from omni_prefix_cache.committer import Committer
+from omni_prefix_cache.controller_seams import UpstreamSeams
 from omni_prefix_cache.copy_engine import CopyEngine, DeviceEvents, default_engine
 from omni_prefix_cache.copy_queues import CopyQueues
 from omni_prefix_cache.eager import EagerDispatch, _joined, _PoolWriteBatch
 from omni_prefix_cache.host_rows import HostRows
 from omni_prefix_cache.interface import (
-    OmniPrefixCacheShutdownError,
     OmniPrefixCacheUnmatchError,
     OmniPrefixCacheWriteFailedError,
     PrefixCacheConfig,
@@ -60,8 +60,16 @@ from omni_prefix_cache.interface import (
     Tid,
     WriteSchedule,
 )
-from omni_prefix_cache.protocol_runtime import ControllerBinding, RuntimeOp, active_protocol, compile_ops, task_failed
+from omni_prefix_cache.protocol_runtime import (
+    ControllerBinding,
+    OpRunner,
+    RuntimeOp,
+    active_protocol,
+    compile_ops,
+    task_failed,
+)
 from omni_prefix_cache.staging import StagingBufferHolder, StagingBufferPool, StepD2HClaim
+from omni_prefix_cache.write_errors import write_error
 from omni_prefix_cache.write_task import (
     TaskEvent,
     TaskState,
@@ -90,7 +98,7 @@ __all__ = [
 _NO_LOCK = contextlib.nullcontext()
 
 
-class OmniPrefixCacheController:
+class OmniPrefixCacheController(UpstreamSeams):
     """Staging pool + queues + committer for one manager.
 
     Locking: ``lock`` (reentrant, shared with the ``wake`` condition) covers
@@ -111,9 +119,9 @@ class OmniPrefixCacheController:
         if committer not in ("thread", "manual", "on_demand"):
             raise OmniPrefixCacheUnmatchError(f"committer must be 'thread', 'manual' or 'on_demand', got {committer!r}")
         self.pool = pool
-        self._config = config
+        self.config = config
         self.eager = (not torch.cuda.is_available()) if eager is None else bool(eager)
-        self._committer_mode = committer
+        self.committer_mode = committer
         self._tasks: dict[Tid, WriteTask] = {}
         self._completed: deque[Tid] = deque()  # pool-written, not yet drained by the manager
         self._failed: deque[Tid] = deque()  # failed; the manager raises from every later entry
@@ -132,6 +140,7 @@ class OmniPrefixCacheController:
             alloc=self._engine.host_empty,
         )
         self.queues = CopyQueues()
+        self._runner = OpRunner(self.lock, self._staging_pool.lock)
         self._registering_queued = False
         self._inline: list[WriteTask] = []  # dispatch_inline's tasks, run after the dispatch segment
         self.binding = ControllerBinding(self.queues, self._staging_pool)
@@ -155,22 +164,10 @@ class OmniPrefixCacheController:
             task.queued_at_submit = self._registering_queued
             self._tasks[task.tid] = task
 
-        def drain_queues(_: Any) -> None:
-            with self.wake:
-                self.stopping = True
-                self.wake.notify_all()
-            if self._worker is not None:
-                self._worker.join(timeout=5.0)
-            elif not self.eager:
-                while self._committer.step() is not None:
-                    pass
-            for task in list(self._tasks.values()):
-                self._run(self.ops.fail, task)
-
         return {
             "register_task": register_task,
             "charge_budget": budget.charge,
-            "flush_oldest": self._flush_oldest,
+            "flush_oldest": lambda nbytes: budget.flush(nbytes, self._unfinished, self.escalate, self.join),
             "refund_unpinned": budget.refund_unpinned,
             "unpin_budget": budget.unpin,
             "wake_committer": lambda _: self.wake.notify_all(),
@@ -182,7 +179,7 @@ class OmniPrefixCacheController:
             "publish_failed": lambda task: self._failed.append(task.tid),
             "wake_failed": lambda task: task.wake_failed_waiters(),
             "close_staging": lambda _: self._staging_pool.close(),
-            "drain_queues": drain_queues,
+            "drain_queues": lambda _: self._committer.drain(self._worker),
         }
 
     def _guards(self) -> dict[str, Callable[[Any], bool]]:
@@ -192,7 +189,7 @@ class OmniPrefixCacheController:
             # The manager appends to an open write itself; the controller
             # registers only writes it does not know yet.
             "open_write_accepts": lambda task: task.tid in self._tasks,
-            "over_budget": lambda nbytes: self._budget.exceeded_by(nbytes) and self._has_unfinished(),
+            "over_budget": lambda nbytes: self._budget.exceeded_by(nbytes) and bool(self._unfinished()),
             "task_failed": task_failed,
             "eager": lambda _: self.eager,
         }
@@ -218,59 +215,15 @@ class OmniPrefixCacheController:
         """Operation ``eager_run`` for ``task`` on this thread (see ``EagerDispatch.run``)."""
         self._eager_dispatch.run(task)
 
-    def _lock_for(self, name: str, task: WriteTask) -> Any:
-        if name == "controller":
-            return self.lock
-        if name == "task":
-            return task.lock
-        if name == "staging":
-            return self._staging_pool.lock
-        return _NO_LOCK  # "none"; "state" is the manager's, held by the caller
-
     def _run(self, op: RuntimeOp, ctx: Any) -> bool:
-        """Every segment of ``op`` for ``ctx``, each under the lock it
-        declares; the entry move is checked under the first segment's lock.
-        False when the entry does not admit ``ctx``."""
-        first = True
-        for name, segment in zip(op.locks, op.segments):
-            with self._lock_for(name, ctx):
-                if first and not op.admits(ctx):
-                    return False
-                first = False
-                segment(ctx)
-        return True
+        return self._runner.run(op, ctx)
 
     def finish_writes(self, tasks: list[WriteTask], op: RuntimeOp) -> None:
-        """The segments of ``op`` after its pool write, for tasks whose rows
-        are in the pool: per task in the spec's order, one lock acquisition
-        per segment for the whole batch. A task whose move the state no
-        longer allows (it failed meanwhile) is failed and dropped."""
-        for index in range(op.tail, len(op.segments)):
-            segment, name = op.segments[index], op.locks[index]
-            batched = name in ("controller", "staging")
-            keep: list[WriteTask] = []
-            # A controller segment may release staging holds: one staging
-            # acquisition for the batch too (lock order controller -> staging).
-            with self.lock if batched else _NO_LOCK, self._staging_pool.lock if batched else _NO_LOCK:
-                for task in tasks:
-                    try:
-                        with _NO_LOCK if batched else self._lock_for(name, task):
-                            segment(task)
-                        keep.append(task)
-                    except OmniPrefixCacheUnmatchError as exc:
-                        logger.error("omni prefix cache: finishing the write of task %s: %s", task.tid, exc)
-                        self.fail_task(task, None)
-            tasks = keep
+        """The segments of ``op`` after its pool write (see ``OpRunner.finish``);
+        a task the state no longer lets finish fails."""
+        self._runner.finish(tasks, op, lambda task: self.fail_task(task, None))
 
     # ------------------------------------------------------------ staging
-
-    @property
-    def _engine(self) -> CopyEngine:
-        return self._host.engine
-
-    @_engine.setter
-    def _engine(self, engine: CopyEngine) -> None:
-        self._host.engine = engine
 
     def stage_step_host(
         self,
@@ -280,44 +233,10 @@ class OmniPrefixCacheController:
         step_holder: StagingBufferHolder,
     ) -> StepD2HClaim:
         """Claim a staging page for ``step_holder`` and launch one whole-step
-        device-to-host copy of ``tensors`` (each ``n`` rows) into it.
-
-        Engine thread, outside the manager's state lock (the claim may wait).
-        A leftover-only save passes no tensors and still claims a page.
-        Raises OmniPrefixCacheUnmatchError when ``n`` exceeds the page, and
-        the pool's timeout error when no page frees in time. On any failure
-        the step holder is released (``abandon``) before raising.
-        """
-        if tensors and n > self._staging_pool.capacity:
-            raise OmniPrefixCacheUnmatchError(
-                f"step {step_holder.owner_id} has {n} tokens; staging capacity is {self._staging_pool.capacity} "
-                "(size staging_capacity_tokens to max_num_batched_tokens)"
-            )
-        page = self._staging_pool.claim(step_holder, self._config.staging_claim_timeout_s)
-        try:
-            views = {
-                key: self._staging_pool.views(page, key, n, int(src.shape[-1]), src.dtype)
-                for key, src in tensors.items()
-            }
-            # Each key's rows land straight in its slice of the page: no
-            # device-side temporary on the copy stream.
-            copies = [(views[key], src) for key, src in tensors.items()]
-            event = None
-            if any(self._engine.is_device(src) for _, src in copies):
-                event = self._engine.launch(freeze_event, copies)
-            else:
-                for dst, src in copies:
-                    dst.copy_(src)
-            return StepD2HClaim(staging_slot=page, views=views, event=event)
-        except BaseException as exc:
-            self._staging_pool.release(page, step_holder, "abandon")
-            if isinstance(exc, OmniPrefixCacheUnmatchError) or not isinstance(exc, Exception):
-                raise
-            # Nothing was registered yet, so nothing is lost but this step.
-            raise OmniPrefixCacheUnmatchError(
-                f"step {step_holder.owner_id}: copying keys {sorted(tensors)} ({n} rows) into staging page {page} "
-                f"failed: {exc!r}"
-            ) from exc
+        device-to-host copy of ``tensors`` (see ``StagingBufferPool.stage_step``)."""
+        return self._staging_pool.stage_step(
+            tensors, n, freeze_event, step_holder, self._engine, self.config.staging_claim_timeout_s
+        )
 
     def staging_release(self, slot: int, holder: StagingBufferHolder, trigger: str = "consume") -> None:
         """Release a step holder by a ``staging_holder`` spec trigger
@@ -400,12 +319,6 @@ class OmniPrefixCacheController:
                 self._causes.setdefault(task.tid, error)
         return self._run(self.ops.fail, task)
 
-    def _fail_task(self, tid: Tid | None) -> None:
-        """``fail_task`` by tid, with no cause (tests)."""
-        task = self._tasks.get(tid) if tid is not None else None
-        if task is not None:
-            self.fail_task(task, None)
-
     def write_error(
         self,
         task: WriteTask,
@@ -414,31 +327,8 @@ class OmniPrefixCacheController:
         key: TensorName | None = None,
         slots: torch.Tensor | None = None,
     ) -> BaseException:
-        """The error to raise for ``task`` failing at ``stage`` (``copy`` or
-        ``pool write``): ``cause`` itself when it is already one (or not an
-        Exception), else a write-failed error naming the task, request, keys
-        and slots, with ``cause`` as its ``__cause__``."""
-        if isinstance(cause, OmniPrefixCacheWriteFailedError) or not isinstance(cause, Exception):
-            return cause
-        if key is not None:
-            keys: tuple[TensorName, ...] = (key,)
-        else:
-            keys = tuple(dict.fromkeys(k for c in task.chunks for k in (*c.host, *c.tensors)))
-        if slots is None:
-            parts = [c.slots_cpu for c in task.chunks]
-            slots = torch.cat(parts) if parts else torch.empty((0,), dtype=torch.int64)
-        listed = [int(x) for x in slots.tolist()]
-        shown = f"{listed[:16]}" + (f" (+{len(listed) - 16} more)" if len(listed) > 16 else "")
-        error = OmniPrefixCacheWriteFailedError(
-            f"omni prefix cache write failed: {stage} of task {task.tid} (req {task.req_id!r}, "
-            f"{task.schedule.value}) keys {list(keys)} slots {shown}: {cause!r}",
-            tid=task.tid,
-            req_id=task.req_id,
-            keys=keys,
-            slots=tuple(listed),
-        )
-        error.__cause__ = cause
-        return error
+        """The error to raise for ``task`` failing at ``stage`` (see ``write_errors.write_error``)."""
+        return write_error(task, cause, stage, key, slots)
 
     def failure_of(self, tid: Tid) -> OmniPrefixCacheWriteFailedError | None:
         """The recorded cause of a failed task (None if it failed without a
@@ -462,10 +352,6 @@ class OmniPrefixCacheController:
 
     # ------------------------------------------------------------ budget
 
-    @property
-    def _staged_bytes(self) -> int:
-        return self._budget.staged_bytes
-
     def pin_budget(self, ticket: _BudgetTicket, tid: Tid) -> None:
         """Record that ``tid`` views the clone ``ticket`` charges."""
         self._budget.pin(ticket, tid)
@@ -476,30 +362,15 @@ class OmniPrefixCacheController:
         charge ``nbytes``. Blocks: never call under the manager's state lock."""
         self.ops.reserve.segments[0](nbytes)
 
-    def _has_unfinished(self) -> bool:
+    def _unfinished(self) -> list[WriteTask]:
         with self.lock:
-            return any(not t.is_terminal for t in self._tasks.values())
-
-    def _flush_oldest(self, nbytes: int) -> None:
-        while True:
-            with self.lock:
-                oldest = self._budget.over(nbytes, [t for t in self._tasks.values() if not t.is_terminal])
-            if oldest is None:
-                return
-            # DEBUG: a small budget flushes every few steps; stats() counts them (budget_flushes_total).
-            logger.debug("omni prefix cache: GPU staging budget full, flushing task %d", oldest.tid)
-            self.escalate([oldest.tid])
-            self.join([oldest.tid])
+            return [t for t in self._tasks.values() if not t.is_terminal]
 
     def refund_unpinned(self, tickets: list[_BudgetTicket]) -> None:
         """Uncharge reservations that no task ever pinned (``abandon_save``'s
         refund; also a clone no request views). A pinned or already freed
         ticket refunds nothing: its last task uncharges it."""
         self.ops.refund.segments[-1](tickets)
-
-    def _release_staged_bytes(self, task: WriteTask) -> None:
-        """Unpin ``task`` from its tickets (effect ``unpin_budget``)."""
-        self._budget.unpin(task)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -529,37 +400,7 @@ class OmniPrefixCacheController:
         self._wait_tasks(tids, "host_ready")
 
     def _wait_tasks(self, tids: list[Tid], event: Literal["done", "host_ready"]) -> None:
-        timeout = self._config.staging_claim_timeout_s
-        deadline = time.monotonic() + timeout
-        raises = self.ops.join_raises
-        for tid in tids:
-            task = self._tasks.get(tid)
-            if task is None:
-                continue  # drained: already written
-            if self._committer_mode == "on_demand" and not self.eager:
-                self._committer.step_until(task, event, deadline)
-            if not getattr(task, event).wait(max(0.0, deadline - time.monotonic())):
-                raise OmniPrefixCacheUnmatchError(
-                    f"task {tid} ({task.schedule.value}) did not reach {event} within {timeout:g}s "
-                    f"(state={task.state.name}, in_flight_tasks={len(self._tasks)})"
-                )
-            if raises(task):
-                # The one-shot failure record may already be drained
-                # elsewhere, so the joiner raises too.
-                cause = self.failure_of(tid)
-                if cause is None and self.stopping:
-                    raise OmniPrefixCacheShutdownError(
-                        f"task {tid} ({task.schedule.value}) failed before {event}: the cache was shut down"
-                    )
-                error = OmniPrefixCacheWriteFailedError(
-                    f"task {tid} ({task.schedule.value}) write failed before {event}"
-                    + (f": {cause}" if cause is not None else ""),
-                    tid=tid,
-                    req_id=task.req_id,
-                    keys=cause.keys if cause is not None else (),
-                    slots=cause.slots if cause is not None else (),
-                )
-                raise error from (cause.__cause__ if cause is not None else None)
+        self._committer.wait(tids, event)
 
     def drain_completed(self) -> list[Tid]:
         """Pop pool-written tids and forget their tasks (manager, under its lock)."""
@@ -579,6 +420,11 @@ class OmniPrefixCacheController:
 
     def get_task(self, tid: Tid) -> WriteTask | None:
         return self._tasks.get(tid)
+
+    def registered(self) -> list[WriteTask]:
+        """Every registered task (not yet drained)."""
+        with self.lock:
+            return list(self._tasks.values())
 
     def shutdown(self) -> None:
         """Operation ``shutdown``: close the staging pool (waiting claims
@@ -606,33 +452,6 @@ class OmniPrefixCacheController:
         """One unit of committer work (see ``Committer.step``)."""
         return self._committer.step()
 
-    def _scatter_host_ready(self) -> list[Tid]:
-        return self._committer.write()
-
-    @property
-    def _queue_hi(self) -> deque[Tid]:
-        return self.queues.high
-
-    @property
-    def _queue_lo(self) -> deque[Tid]:
-        return self.queues.low
-
-    @property
-    def _claimed(self) -> deque[Tid]:
-        return self.queues.claimed
-
-    @property
-    def _blocked(self) -> list[Tid]:
-        return self.queues.blocked
-
-    @property
-    def _eager(self) -> bool:
-        return self.eager
-
-    @_eager.setter
-    def _eager(self, value: bool) -> None:
-        self.eager = value
-
     # ------------------------------------------------------------ reads
 
     def fetch_host(self, task: WriteTask, slots: torch.Tensor, key: TensorName) -> torch.Tensor:
@@ -658,5 +477,5 @@ class OmniPrefixCacheController:
         out["staging_host_bytes"] = self._staging_pool.host_bytes()
         holders = Counter(h.kind for h in self._staging_pool.holders())
         out["holders"] = {"step": holders.get("step", 0), "task": holders.get("task", 0)}
-        out["mode"] = "eager" if self.eager else f"{self._committer_mode}:{self._engine.name}"
+        out["mode"] = "eager" if self.eager else f"{self.committer_mode}:{self._engine.name}"
         return out

@@ -21,11 +21,13 @@ compiled from (spec mutants and tests only).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from omni_prefix_cache.copy_queues import CopyQueues
+from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError
 from omni_prefix_cache.specs.loader import SpecError
 from omni_prefix_cache.specs.protocol import (
     CompiledOperation,
@@ -35,6 +37,8 @@ from omni_prefix_cache.specs.protocol import (
 )
 from omni_prefix_cache.staging import StagingBufferHolder, StagingBufferPool
 from omni_prefix_cache.write_task import TaskState
+
+logger = logging.getLogger(__name__)
 
 Pred = Callable[[Any], bool]
 Run = Callable[[Any], None]
@@ -164,6 +168,58 @@ class RuntimeOp:
     @property
     def admits(self) -> Pred:
         return self.op.admits
+
+
+_NO_LOCK = contextlib.nullcontext()
+
+
+class OpRunner:
+    """Runs compiled operations segment by segment, each under the lock it
+    declares: ``controller`` and ``staging`` are the given locks, ``task``
+    the context task's own; ``none`` takes nothing and ``state`` (the
+    manager's) is held by the caller."""
+
+    def __init__(self, controller_lock: Any, staging_lock: Any):
+        self._locks = {"controller": controller_lock, "staging": staging_lock}
+
+    def lock_for(self, name: str, ctx: Any) -> Any:
+        if name == "task":
+            return ctx.lock
+        return self._locks.get(name, _NO_LOCK)
+
+    def run(self, op: RuntimeOp, ctx: Any) -> bool:
+        """Every segment of ``op`` for ``ctx``; the entry move is checked
+        under the first segment's lock. False when it does not admit ``ctx``."""
+        first = True
+        for name, segment in zip(op.locks, op.segments):
+            with self.lock_for(name, ctx):
+                if first and not op.admits(ctx):
+                    return False
+                first = False
+                segment(ctx)
+        return True
+
+    def finish(self, tasks: list[Any], op: RuntimeOp, on_violation: Callable[[Any], object]) -> None:
+        """The segments of ``op`` after its pool write, for tasks whose rows
+        are in the pool: per task in the spec's order, one acquisition per
+        segment for the whole batch (a controller segment may release staging
+        holds: the staging lock is taken with it, in that order). A task whose
+        move the state no longer allows (it failed meanwhile) goes to
+        ``on_violation`` and is dropped."""
+        for index in range(op.tail, len(op.segments)):
+            segment, name = op.segments[index], op.locks[index]
+            batched = name in ("controller", "staging")
+            keep: list[Any] = []
+            with self._locks["controller"] if batched else _NO_LOCK, self._locks["staging"] if batched else _NO_LOCK:
+                for task in tasks:
+                    try:
+                        with _NO_LOCK if batched else self.lock_for(name, task):
+                            segment(task)
+                        keep.append(task)
+                    except OmniPrefixCacheUnmatchError as exc:
+                        logger.error("omni prefix cache: finishing the write of task %s: %s", task.tid, exc)
+                        on_violation(task)
+            tasks = keep
 
 
 @dataclass(frozen=True, eq=False, slots=True)

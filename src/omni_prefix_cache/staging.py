@@ -255,6 +255,53 @@ class StagingBufferPool:
         with self._page_freed:
             return list(self._page_of)
 
+    def stage_step(
+        self,
+        tensors: dict[TensorName, torch.Tensor],
+        n: int,
+        freeze_event: Any,
+        step_holder: StagingBufferHolder,
+        engine: Any,
+        timeout: float,
+    ) -> StepD2HClaim:
+        """Claim a page for ``step_holder`` and launch one whole-step
+        device-to-host copy of ``tensors`` (each ``n`` rows) into it on
+        ``engine``.
+
+        Engine thread, outside the manager's state lock (the claim may wait).
+        A leftover-only save passes no tensors and still claims a page.
+        Raises OmniPrefixCacheUnmatchError when ``n`` exceeds the page, and
+        the timeout error when no page frees in ``timeout`` seconds. On any
+        failure the step holder is released (``abandon``) before raising.
+        """
+        if tensors and n > self.capacity:
+            raise OmniPrefixCacheUnmatchError(
+                f"step {step_holder.owner_id} has {n} tokens; staging capacity is {self.capacity} "
+                "(size staging_capacity_tokens to max_num_batched_tokens)"
+            )
+        page = self.claim(step_holder, timeout)
+        try:
+            views = {key: self.views(page, key, n, int(src.shape[-1]), src.dtype) for key, src in tensors.items()}
+            # Each key's rows land straight in its slice of the page: no
+            # device-side temporary on the copy stream.
+            copies = [(views[key], src) for key, src in tensors.items()]
+            event = None
+            if any(engine.is_device(src) for _, src in copies):
+                event = engine.launch(freeze_event, copies)
+            else:
+                for dst, src in copies:
+                    dst.copy_(src)
+            return StepD2HClaim(staging_slot=page, views=views, event=event)
+        except BaseException as exc:
+            self.release(page, step_holder, "abandon")
+            if isinstance(exc, OmniPrefixCacheUnmatchError) or not isinstance(exc, Exception):
+                raise
+            # Nothing was registered yet, so nothing is lost but this step.
+            raise OmniPrefixCacheUnmatchError(
+                f"step {step_holder.owner_id}: copying keys {sorted(tensors)} ({n} rows) into staging page {page} "
+                f"failed: {exc!r}"
+            ) from exc
+
     # ----------------------------------------------------------------- buffers
 
     def _buf(self, key: TensorName, width: int, dtype: torch.dtype) -> torch.Tensor:
