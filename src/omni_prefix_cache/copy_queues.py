@@ -71,6 +71,15 @@ class CopyQueues:
         self._effects[trigger](task.tid)
         task.position = move.dest
 
+    def try_fire(self, task: Any, trigger: str) -> bool:
+        """``fire`` if the position has the move; False (nothing moved) otherwise."""
+        move = COPY_QUEUE_MACHINE.move(task.position, trigger)
+        if move is None:
+            return False
+        self._effects[trigger](task.tid)
+        task.position = move.dest
+        return True
+
     def _unqueue(self, tid: Tid) -> None:
         for queue in (self.high, self.low):
             if queue and queue[0] == tid:

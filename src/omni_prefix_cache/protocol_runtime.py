@@ -107,6 +107,35 @@ class ControllerBinding:
             return self._holder_move(trigger)
         raise SpecError(f"protocol.yaml: the controller fires no {role}.{trigger} (roles {sorted(CONTROLLER_ROLES)})")
 
+    def try_move(self, role: str, trigger: str) -> Pred:
+        """``attempt(task)``: fire the move if it is enabled, atomically
+        (under the task's, the queues' or the pool's own lock)."""
+        if role == "task":
+            if trigger == "host_ready":
+                enabled, fire = self._task_move(trigger)
+
+                def attempt_host_ready(task: Any) -> bool:
+                    # Only the copy's claimant moves a COPYING task on; the
+                    # move itself re-checks under the task's lock.
+                    if not enabled(task):
+                        return False
+                    fire(task)
+                    return True
+
+                return attempt_host_ready
+            defer = trigger == "fail"  # operation fail runs the wakes once its record is public
+            return lambda task: bool(task.try_fire(trigger, defer=defer))
+        if role == "position":
+            queues = self._queues
+            return lambda task: queues.try_fire(task, trigger)
+        if role == "task_holder":
+            staging = self._staging
+            for_task = StagingBufferHolder.for_task
+            return lambda task: (
+                task.staging_slot is not None and staging.try_fire(trigger, task.staging_slot, for_task(task.tid))
+            )
+        return self.move(role, trigger)[0]  # raises: not the controller's role
+
     def coupling(self, role: str, name: str) -> Run:
         raise SpecError(f"protocol.yaml: the controller runs no coupling {role}.{name}")
 
@@ -213,8 +242,8 @@ class OpRunner:
             with self._locks["controller"] if batched else _NO_LOCK, self._locks["staging"] if batched else _NO_LOCK:
                 for task in tasks:
                     try:
-                        with _NO_LOCK if batched else self.lock_for(name, task):
-                            segment(task)
+                        # A task segment's moves take the task's lock themselves.
+                        segment(task)
                         keep.append(task)
                     except OmniPrefixCacheUnmatchError as exc:
                         logger.error("omni prefix cache: finishing the write of task %s: %s", task.tid, exc)
@@ -256,7 +285,7 @@ def compile_ops(
         op = spec.ops[name]
         if lock is not None:
             index = next(i for i, seg in enumerate(op.segments) if seg.lock == lock and not seg.wait)
-            op = op.segment(index)
+            op = op.segment(index, f"{name} ({lock} segment)")
         if project:
             op = op.projected(CONTROLLER_ROLES, CONTROLLER_EFFECTS)
         writes = [

@@ -133,12 +133,13 @@ class StagingBufferPool:
             return HolderState.RELEASED
         return HolderState.UNHELD
 
-    def _apply(self, trigger: str, page: int, holder: StagingBufferHolder) -> bool:
-        """Fire ``trigger`` for ``holder`` on ``page`` under the condition.
+    def _apply(self, trigger: str, page: int, holder: StagingBufferHolder, move: Any = None) -> bool:
+        """Fire ``trigger`` for ``holder`` on ``page`` under the condition
+        (``move``: its compiled move, when the caller looked it up already).
         Raises if the spec has no such move (or a release names a page the
         holder does not hold); False if a guard refuses."""
         state = self.holder_state(holder)
-        move = HOLDER_MACHINE.move(state, trigger)
+        move = move or HOLDER_MACHINE.move(state, trigger)
         if move is None:
             raise OmniPrefixCacheUnmatchError(
                 f"staging page {page}: {holder.kind} {holder.owner_id} cannot {trigger} from {state.name}"
@@ -160,6 +161,15 @@ class StagingBufferPool:
         for effect in move.effects:
             effect(self, page, holder)
         return True
+
+    def try_fire(self, trigger: str, page: int, holder: StagingBufferHolder) -> bool:
+        """Fire ``trigger`` for ``holder`` on ``page`` if the spec lets it
+        now (see ``enabled``); False, with nothing moved, otherwise."""
+        with self._page_freed:
+            move = HOLDER_MACHINE.move(self.holder_state(holder), trigger)
+            if move is None or (move.dest not in _HOLDS_PAGE and self._page_of.get(holder) != page):
+                return False
+            return self._apply(trigger, page, holder, move)
 
     def enabled(self, trigger: str, page: int, holder: StagingBufferHolder) -> bool:
         """True if the spec lets ``holder`` fire ``trigger`` on ``page`` now

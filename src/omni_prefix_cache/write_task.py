@@ -134,7 +134,7 @@ def illegal_move(task: WriteTask, to: Any) -> OmniPrefixCacheUnmatchError:
     return OmniPrefixCacheUnmatchError(f"task {task.tid}: illegal transition {task.state.name} -> {name}")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class WriteTask:
     """One write of (slot, key) rows for one request (``req_id``'s
     ``write_n``-th write). May cover several keys and, for deferred writes,
@@ -178,6 +178,12 @@ class WriteTask:
     # Effects a deferred ``fail`` still owes (run by wake_failed_waiters).
     _owed_wakes: tuple[Any, ...] = ()
 
+    def __repr__(self) -> str:
+        return (
+            f"WriteTask(tid={self.tid}, req={self.req_id!r}, {self.schedule.value}, "
+            f"{TaskState(self.state).name}, position {QueuePosition(self.position).name})"
+        )
+
     # ------------------------------------------------------------ lifecycle
 
     def _move_locked(self, to: Any, *, defer: bool = False) -> None:
@@ -202,6 +208,23 @@ class WriteTask:
     def can(self, trigger: str) -> bool:
         """True if the spec has a ``trigger`` move from the current state."""
         return WRITE_TASK_MACHINE.move(self.state, trigger) is not None
+
+    def try_fire(self, trigger: str, *, defer: bool = False) -> bool:
+        """``fire`` if the spec has the move from the current state, atomically;
+        False (nothing moved) otherwise."""
+        with self.lock:
+            move = WRITE_TASK_MACHINE.move(self.state, trigger)
+            if move is None:
+                return False
+            self.state = move.dest
+            if defer:
+                for effect in move.undeferrable:
+                    effect(self)
+                self._owed_wakes = move.deferrable
+            else:
+                for effect in move.effects:
+                    effect(self)
+            return True
 
     def fire(self, trigger: str, *, defer: bool = False, rows: Sequence[HostRow] = ()) -> None:
         """Fire ``trigger``; raises OmniPrefixCacheUnmatchError unless the

@@ -541,6 +541,12 @@ class Binding(Protocol):
     state and guards) and ``fire(ctx)`` performs it with its effects;
     ``coupling(role, name)`` returns the coupling's runner. ``ctx`` is the
     executor's per-call context (a task, a world, a step...).
+
+    Optional: ``try_move(role, trigger)`` returns ``attempt(ctx) -> bool``,
+    which fires the move if it is enabled, atomically, and says whether it
+    did. Where a binding has it, a step calls it instead of ``enabled`` then
+    ``fire`` (one check, no window between them); ``first_of`` still tests
+    its alternatives with ``enabled``.
     """
 
     def move(self, role: str, trigger: str) -> tuple[Callable[[Any], bool], Callable[[Any], None]]: ...
@@ -599,7 +605,20 @@ def compile_operation(
 
         return run_all
 
+    try_move: Callable[[str, str], Callable[[Any], bool]] | None = getattr(binding, "try_move", None)
+
     def step(s: Step) -> Run:
+        if isinstance(s, Fire) and try_move is not None:
+            attempt = try_move(s.role, s.trigger)
+            if s.optional:
+                return attempt  # type: ignore[return-value]  # its bool is ignored
+            what = s.label
+
+            def must_now(ctx: Any) -> None:
+                if not attempt(ctx):
+                    raise ProtocolViolation(f"operation {op.name}: {what} is not enabled for {ctx!r}")
+
+            return must_now
         if isinstance(s, Fire):
             enabled, fire = binding.move(s.role, s.trigger)
             if s.optional:
