@@ -189,7 +189,7 @@ class OmniPrefixCacheController(UpstreamSeams):
             # The manager appends to an open write itself; the controller
             # registers only writes it does not know yet.
             "open_write_accepts": lambda task: task.tid in self._tasks,
-            "over_budget": lambda nbytes: self._budget.exceeded_by(nbytes) and bool(self._unfinished()),
+            "over_budget": lambda nbytes: self._budget.exceeded_by(nbytes) and self._any_unfinished(),
             "task_failed": task_failed,
             "eager": lambda _: self.eager,
         }
@@ -361,6 +361,10 @@ class OmniPrefixCacheController(UpstreamSeams):
         tasks (escalate + join) until under budget or none is left; then
         charge ``nbytes``. Blocks: never call under the manager's state lock."""
         self.ops.reserve.segments[0](nbytes)
+
+    def _any_unfinished(self) -> bool:
+        with self.lock:
+            return any(not t.is_terminal for t in self._tasks.values())
 
     def _unfinished(self) -> list[WriteTask]:
         with self.lock:
