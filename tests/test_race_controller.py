@@ -569,6 +569,17 @@ class ControllerRace(RuleBasedStateMachine):
     def committer_write(self):
         assert self.ctrl.committer_write() == self.model.write()
 
+    @precondition(lambda self: not self.EAGER)
+    @rule()
+    def committer_catches_up(self):
+        """The committer runs until idle: claim, copy, write in turn."""
+        for _ in range(12):
+            if not (self.model.hi or self.model.lo or self.model.claimed or self.model.blocked):
+                return
+            self.committer_claim()
+            self.committer_copy()
+            self.committer_write()
+
     # ------------------------------------------------------------ invariants
 
     @invariant()
