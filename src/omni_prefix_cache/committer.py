@@ -1,6 +1,20 @@
 """The single committer: operations ``committer_claim``, ``committer_copy``
-and ``committer_write`` (spec/protocol.yaml) over the copy queues, run by
-a daemon thread, by a test (manual), or by a joiner (on_demand)."""
+and ``committer_write`` (spec/protocol.yaml) over the copy queues.
+
+Four ways to run the committer:
+
+    threaded  (eager=False)  a daemon thread serves the queues (CUDA lanes
+                             where CUDA exists, host copies on CPU).
+    manual    (eager=False, committer="manual")  no thread; a test drives
+                             ``committer_claim`` / ``committer_copy`` /
+                             ``committer_write`` to pick the interleaving.
+    on_demand (eager=False, committer="on_demand")  as manual, but a join
+                             first runs committer steps on the joining
+                             thread until the awaited event fires or the
+                             committer is idle: single-threaded runs of the
+                             whole manager whose interleaving a test picks.
+    eager     (eager=True)   ``dispatch`` runs copy and pool write inline.
+"""
 
 from __future__ import annotations
 

@@ -10,19 +10,7 @@ class runs the writes. Two schedules (``WriteSchedule``):
     JOIN_ON_FINISH   rows stay in a device clone; the committer copies them
                      to owned host tensors, then writes the pool.
 
-Three ways to run the committer:
-
-    threaded  (eager=False)  a daemon thread serves the queues (CUDA lanes
-                             where CUDA exists, host copies on CPU).
-    manual    (eager=False, committer="manual")  no thread; a test drives
-                             ``committer_claim`` / ``committer_copy`` /
-                             ``committer_write`` to pick the interleaving.
-    on_demand (eager=False, committer="on_demand")  as manual, but a join
-                             first runs committer steps on the joining
-                             thread until the awaited event fires or the
-                             committer is idle: single-threaded runs of the
-                             whole manager whose interleaving a test picks.
-    eager     (eager=True)   ``dispatch`` runs copy and pool write inline.
+The committer runs threaded, manual, on_demand or eager (see ``committer``).
 
 Every operation is the composition's (spec/protocol.yaml), compiled once per
 controller (``protocol_runtime``): a task, its queue position and its
@@ -270,14 +258,9 @@ class OmniPrefixCacheController(UpstreamSeams):
                 register(task)
 
     def dispatch(self, tasks: list[WriteTask]) -> None:
-        """Hand registered writes to the committer (``save``'s dispatch).
-
-        Threaded/manual: push and wake. Eager: copy and pool write run
-        here, inline (never call under the manager's state lock); the pool
-        is written once per key for the batch, and if any task fails, every
-        task of the batch not yet written fails too before the write-failed
-        error (naming the failed task, its cause as ``__cause__``) propagates.
-        """
+        """Hand registered writes to the committer (``save``'s dispatch):
+        push and wake; eager, ``eager_run`` inline (never under the manager's
+        state lock; see ``EagerDispatch.dispatch`` for its failure rule)."""
         if not tasks:
             return
         segment = self.ops.dispatch.segments[0]
@@ -319,16 +302,8 @@ class OmniPrefixCacheController(UpstreamSeams):
                 self._causes.setdefault(task.tid, error)
         return self._run(self.ops.fail, task)
 
-    def write_error(
-        self,
-        task: WriteTask,
-        cause: BaseException,
-        stage: str,
-        key: TensorName | None = None,
-        slots: torch.Tensor | None = None,
-    ) -> BaseException:
-        """The error to raise for ``task`` failing at ``stage`` (see ``write_errors.write_error``)."""
-        return write_error(task, cause, stage, key, slots)
+    # The error to raise for a task failing at a stage (see write_errors).
+    write_error = staticmethod(write_error)
 
     def failure_of(self, tid: Tid) -> OmniPrefixCacheWriteFailedError | None:
         """The recorded cause of a failed task (None if it failed without a
@@ -466,8 +441,7 @@ class OmniPrefixCacheController(UpstreamSeams):
     # ------------------------------------------------------------ metrics
 
     def stats(self) -> dict[str, Any]:
-        """A snapshot for operators: tasks by state, queue depths, staged
-        bytes, staging holders by kind, pending completion/failure records."""
+        """Tasks by state, queue depths, staged bytes, holders by kind, records."""
         with self.lock:
             by_state = Counter(t.state.name for t in self._tasks.values())
             out: dict[str, Any] = {
