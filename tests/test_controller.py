@@ -188,8 +188,7 @@ def test_failing_pool_write_fails_only_its_task_and_releases_its_staging_hold():
         good = staged_task(ctrl, 2, [6, 7], claim.staging_slot)
         pool.poison = {3}
         for task in (bad, good):
-            ctrl.register(task)
-            ctrl.staging_bind(claim.staging_slot, StagingBufferHolder.for_task(task.tid))
+            ctrl.register(task)  # binds its holder to the step's page
         ctrl.dispatch([bad, good])
         with pytest.raises(OmniPrefixCacheUnmatchError, match="write failed"):
             ctrl.join([1])
@@ -200,7 +199,8 @@ def test_failing_pool_write_fails_only_its_task_and_releases_its_staging_hold():
         ctrl.staging_release(claim.staging_slot, step)
         assert not any(ctrl._staging_pool._busy)
         pool.poison = set()
-        again = staged_task(ctrl, 3, [3], None)
+        page = ctrl.stage_step_host({}, 0, None, StagingBufferHolder.for_step(2)).staging_slot
+        again = staged_task(ctrl, 3, [3], page)
         ctrl.submit(again)
         ctrl.join([3])
         assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([3])), rows_for([3]))
@@ -291,8 +291,7 @@ def test_eager_dispatch_writes_pool_once_per_key_for_a_batch():
     claim = ctrl.stage_step_host({}, 0, None, step)
     tasks = [staged_task(ctrl, tid, [tid * 2, tid * 2 + 1], claim.staging_slot) for tid in range(1, 5)]
     for task in tasks:
-        ctrl.register(task)
-        ctrl.staging_bind(claim.staging_slot, StagingBufferHolder.for_task(task.tid))
+        ctrl.register(task)  # binds its holder to the step's page
     ctrl.dispatch(tasks)
     assert len(pool.writes) == 1 and sorted(pool.writes[0][1]) == list(range(2, 10))
     assert all(t.state is TaskState.WRITTEN for t in tasks)
@@ -302,7 +301,8 @@ def test_eager_dispatch_writes_pool_once_per_key_for_a_batch():
 
 def test_eager_batch_write_failure_is_attributed_to_the_failing_task_only():
     ctrl, pool = make(eager=True)
-    tasks = [staged_task(ctrl, tid, [tid], None) for tid in range(1, 4)]
+    claim = ctrl.stage_step_host({}, 0, None, StagingBufferHolder.for_step(1))
+    tasks = [staged_task(ctrl, tid, [tid], claim.staging_slot) for tid in range(1, 4)]
     for task in tasks:
         ctrl.register(task)
     pool.poison = {2}
@@ -314,8 +314,9 @@ def test_eager_batch_write_failure_is_attributed_to_the_failing_task_only():
 
 def test_eager_batch_with_a_slot_written_twice_keeps_the_later_task():
     ctrl, pool = make(eager=True)
-    first = staged_task(ctrl, 1, [5], None, salt=1.0)
-    second = staged_task(ctrl, 2, [5], None, salt=2.0)
+    claim = ctrl.stage_step_host({}, 0, None, StagingBufferHolder.for_step(1))
+    first = staged_task(ctrl, 1, [5], claim.staging_slot, salt=1.0)
+    second = staged_task(ctrl, 2, [5], claim.staging_slot, salt=2.0)
     for task in (first, second):
         ctrl.register(task)
     ctrl.dispatch([first, second])
@@ -333,8 +334,8 @@ def test_staging_release_twice_raises_naming_the_holder():
 
 def test_task_cannot_bind_to_a_free_page():
     ctrl, _ = make(eager=True)
-    with pytest.raises(OmniPrefixCacheUnmatchError, match="cannot bind"):
-        ctrl.staging_bind(0, StagingBufferHolder.for_task(3))
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="task_holder.bind is not enabled"):
+        ctrl.register(staged_task(ctrl, 3, [3], 0))
 
 
 def test_stats_counts_tasks_holders_and_bytes():

@@ -195,8 +195,7 @@ def test_staging_copy_waits_the_freeze_records_the_clone_and_lands_before_the_po
         staging_slot=claim.staging_slot,
         step_d2h_event=claim.event,
     )
-    ctrl.register(task)
-    ctrl.staging_bind(claim.staging_slot, StagingBufferHolder.for_task(1))
+    ctrl.register(task)  # binds its holder to the step's page
     ctrl.dispatch([task])
     while ctrl.committer_step() is not None:
         pass

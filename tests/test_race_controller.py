@@ -11,6 +11,7 @@ printed ``@reproduce_failure`` blob or the same seed to replay it.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
@@ -36,6 +37,8 @@ from omni_prefix_cache.interface import (
     PrefixCacheConfig,
     WriteSchedule,
 )
+from omni_prefix_cache.spec_types.copy_queue import QueuePosition
+from omni_prefix_cache.specs.protocol import load_protocol
 from omni_prefix_cache.write_task import WRITE_TASK_MACHINE
 
 NUM_BLOCKS, BLOCK_SIZE, WIDTH, PAGES = 4, 2, 2, 2
@@ -399,8 +402,7 @@ class ControllerRace(RuleBasedStateMachine):
                 step_d2h_event=StepEvent(self.inject, tid),
             )
             self._probe(task)
-            self.ctrl.register(task)
-            self.ctrl.staging_bind(page, StagingBufferHolder.for_task(tid))
+            self.ctrl.register(task)  # queues it and binds its holder to the page
             self.model.tasks[tid] = MTask(
                 tid, WriteSchedule.JOIN_NEXT_STEP, TaskState.QUEUED, {s: value(tid, s) for s in slots}, page=page
             )
@@ -567,6 +569,17 @@ class ControllerRace(RuleBasedStateMachine):
     def committer_write(self):
         assert self.ctrl.committer_write() == self.model.write()
 
+    @precondition(lambda self: not self.EAGER)
+    @rule()
+    def committer_catches_up(self):
+        """The committer runs until idle: claim, copy, write in turn."""
+        for _ in range(12):
+            if not (self.model.hi or self.model.lo or self.model.claimed or self.model.blocked):
+                return
+            self.committer_claim()
+            self.committer_copy()
+            self.committer_write()
+
     # ------------------------------------------------------------ invariants
 
     @invariant()
@@ -603,6 +616,22 @@ class ControllerRace(RuleBasedStateMachine):
         assert list(self.ctrl._queue_lo) == self.model.lo
         assert list(self.ctrl._claimed) == self.model.claimed
         assert self.ctrl._blocked == self.model.blocked
+
+    @invariant()
+    def position_matches_task(self):
+        """Composition invariant: a task's queue position and its state form
+        a pair spec/protocol.yaml lists (``pairs``)."""
+        pairs = load_protocol().pairs
+        for tid, task in self.ctrl._tasks.items():
+            position = QueuePosition(int(task.position)).name
+            assert task.state.name in pairs[position], f"task {tid}: {task.state.name} at queue position {position}"
+
+    @invariant()
+    def one_queue_entry(self):
+        """Composition invariant: a task is on at most one queue or list, once."""
+        entries = [*self.ctrl._queue_hi, *self.ctrl._queue_lo, *self.ctrl._claimed, *self.ctrl._blocked]
+        twice = sorted(tid for tid, n in Counter(entries).items() if n > 1)
+        assert not twice, f"tasks {twice} are on the copy queues more than once: {entries}"
 
     @invariant()
     def holders_match_live_steps_and_unwritten_tasks(self):

@@ -77,6 +77,9 @@ HOLDER_MACHINE = compile_machine(
     effects={"wake_claimers_if_free": _wake_claimers_if_free},
     state_enum=HolderState,
 )
+# States in which a holder holds its page (the spec's holds_page tag): a move
+# into one takes the page, a move out of one lets it go.
+_HOLDS_PAGE = HOLDER_MACHINE.tagged("holds_page")
 
 
 class StagingBufferPool:
@@ -108,6 +111,11 @@ class StagingBufferPool:
         self._page_freed = threading.Condition()
         self._closed = False
 
+    @property
+    def lock(self) -> threading.Condition:
+        """The pool's condition (reentrant): hold it to batch several moves."""
+        return self._page_freed
+
     # ----------------------------------------------------------- holder moves
 
     def holder_state(self, holder: StagingBufferHolder) -> Any:
@@ -125,19 +133,20 @@ class StagingBufferPool:
             return HolderState.RELEASED
         return HolderState.UNHELD
 
-    def _apply(self, trigger: str, page: int, holder: StagingBufferHolder) -> bool:
-        """Fire ``trigger`` for ``holder`` on ``page`` under the condition.
+    def _apply(self, trigger: str, page: int, holder: StagingBufferHolder, move: Any = None) -> bool:
+        """Fire ``trigger`` for ``holder`` on ``page`` under the condition
+        (``move``: its compiled move, when the caller looked it up already).
         Raises if the spec has no such move (or a release names a page the
         holder does not hold); False if a guard refuses."""
         state = self.holder_state(holder)
-        move = HOLDER_MACHINE.move(state, trigger)
+        move = move or HOLDER_MACHINE.move(state, trigger)
         if move is None:
             raise OmniPrefixCacheUnmatchError(
                 f"staging page {page}: {holder.kind} {holder.owner_id} cannot {trigger} from {state.name}"
             )
         if not all(guard(self, page, holder) for guard in move.guards):
             return False
-        if move.dest is HolderState.HELD:
+        if move.dest in _HOLDS_PAGE:
             self._busy[page].add(holder)
             self._page_of[holder] = page
             if holder.owner_id > self._high_water.get(holder.kind, -1):
@@ -152,6 +161,30 @@ class StagingBufferPool:
         for effect in move.effects:
             effect(self, page, holder)
         return True
+
+    def try_fire(self, trigger: str, page: int, holder: StagingBufferHolder) -> bool:
+        """Fire ``trigger`` for ``holder`` on ``page`` if the spec lets it
+        now (see ``enabled``); False, with nothing moved, otherwise."""
+        with self._page_freed:
+            move = HOLDER_MACHINE.move(self.holder_state(holder), trigger)
+            if move is None or (move.dest not in _HOLDS_PAGE and self._page_of.get(holder) != page):
+                return False
+            return self._apply(trigger, page, holder, move)
+
+    def enabled(self, trigger: str, page: int, holder: StagingBufferHolder) -> bool:
+        """True if the spec lets ``holder`` fire ``trigger`` on ``page`` now
+        (its move exists and its guards pass; a release names its own page)."""
+        with self._page_freed:
+            move = HOLDER_MACHINE.move(self.holder_state(holder), trigger)
+            if move is None or not all(guard(self, page, holder) for guard in move.guards):
+                return False
+            return move.dest in _HOLDS_PAGE or self._page_of.get(holder) == page
+
+    def fire(self, trigger: str, page: int, holder: StagingBufferHolder) -> None:
+        """Fire ``trigger`` for ``holder`` on ``page``; raises naming the
+        holder when the spec or a guard refuses it."""
+        with self._page_freed:
+            self._apply_many(trigger, [(page, holder)])
 
     def claim(self, holder: StagingBufferHolder, timeout: float) -> int:
         """Claim a free page for a step holder; waits up to ``timeout``
@@ -231,6 +264,53 @@ class StagingBufferPool:
         """Every holder currently holding a page (diagnostics)."""
         with self._page_freed:
             return list(self._page_of)
+
+    def stage_step(
+        self,
+        tensors: dict[TensorName, torch.Tensor],
+        n: int,
+        freeze_event: Any,
+        step_holder: StagingBufferHolder,
+        engine: Any,
+        timeout: float,
+    ) -> StepD2HClaim:
+        """Claim a page for ``step_holder`` and launch one whole-step
+        device-to-host copy of ``tensors`` (each ``n`` rows) into it on
+        ``engine``.
+
+        Engine thread, outside the manager's state lock (the claim may wait).
+        A leftover-only save passes no tensors and still claims a page.
+        Raises OmniPrefixCacheUnmatchError when ``n`` exceeds the page, and
+        the timeout error when no page frees in ``timeout`` seconds. On any
+        failure the step holder is released (``abandon``) before raising.
+        """
+        if tensors and n > self.capacity:
+            raise OmniPrefixCacheUnmatchError(
+                f"step {step_holder.owner_id} has {n} tokens; staging capacity is {self.capacity} "
+                "(size staging_capacity_tokens to max_num_batched_tokens)"
+            )
+        page = self.claim(step_holder, timeout)
+        try:
+            views = {key: self.views(page, key, n, int(src.shape[-1]), src.dtype) for key, src in tensors.items()}
+            # Each key's rows land straight in its slice of the page: no
+            # device-side temporary on the copy stream.
+            copies = [(views[key], src) for key, src in tensors.items()]
+            event = None
+            if any(engine.is_device(src) for _, src in copies):
+                event = engine.launch(freeze_event, copies)
+            else:
+                for dst, src in copies:
+                    dst.copy_(src)
+            return StepD2HClaim(staging_slot=page, views=views, event=event)
+        except BaseException as exc:
+            self.release(page, step_holder, "abandon")
+            if isinstance(exc, OmniPrefixCacheUnmatchError) or not isinstance(exc, Exception):
+                raise
+            # Nothing was registered yet, so nothing is lost but this step.
+            raise OmniPrefixCacheUnmatchError(
+                f"step {step_holder.owner_id}: copying keys {sorted(tensors)} ({n} rows) into staging page {page} "
+                f"failed: {exc!r}"
+            ) from exc
 
     # ----------------------------------------------------------------- buffers
 

@@ -203,12 +203,11 @@ class WriteLedger:
             )
             self.records[tid] = TaskRecord(task, rid, [(keys, slot_parts[i])])
             tasks.append(task)
-        # One controller lock and one staging lock for the whole step.
-        # Registered first (queued, not dispatched: the committer cannot see
-        # them yet), so a failed bind is cleaned up by failing the tasks.
+        # One controller lock and one staging lock for the whole step; each
+        # task is queued and bound to the page (not dispatched: the committer
+        # cannot see them yet), so a failed bind is cleaned up by failing them.
         registered.extend(tasks)
         ctrl.register_many(tasks, queued=True)
-        ctrl.staging_bind_many(page, [StagingBufferHolder.for_task(t.tid) for t in tasks])
         return tasks
 
     def register_deferred_locked(self, split: StepOutputs, registered: list[WriteTask]) -> list[Tid]:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, ReqId, TensorName, Tid, WriteSchedule
+from omni_prefix_cache.spec_types.copy_queue import QueuePosition
 from omni_prefix_cache.spec_types.write_task import TaskState as TaskState  # re-exported
 from omni_prefix_cache.specs import compile_machine, load_spec
 
@@ -93,6 +95,10 @@ class _WriteChunk:
     budget: _BudgetTicket | None = None  # charge of the clone `tensors` views
 
 
+# (chunk, key, host rows): one key's rows of one chunk, as a copy stage made them.
+HostRow = tuple[_WriteChunk, TensorName, torch.Tensor]
+
+
 # --------------------------------------------------------------- spec effects
 # Each runs under the task's lock, as part of the move that declares it.
 
@@ -128,15 +134,18 @@ def illegal_move(task: WriteTask, to: Any) -> OmniPrefixCacheUnmatchError:
     return OmniPrefixCacheUnmatchError(f"task {task.tid}: illegal transition {task.state.name} -> {name}")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class WriteTask:
     """One write of (slot, key) rows for one request (``req_id``'s
     ``write_n``-th write). May cover several keys and, for deferred writes,
     several chunks (one per save).
 
     ``state`` is the single source of truth; it moves only through the
-    compiled ``write_task`` spec. ``lock`` covers ``state``, ``reassigned``,
-    chunk appends, host/clone swaps and ``slot_to_row``.
+    compiled ``write_task`` spec. ``lock`` (reentrant: an operation's
+    ``task`` segment holds it while its moves take it again) covers
+    ``state``, ``reassigned``, chunk appends, host/clone swaps and
+    ``slot_to_row``. ``position`` is the task's ``copy_queue`` state, moved
+    only by the controller's compiled operations under the controller lock.
     """
 
     tid: Tid
@@ -153,7 +162,12 @@ class WriteTask:
     reassigned: dict[TensorName, torch.Tensor] = field(default_factory=dict)
     host_ready: TaskEvent = field(default_factory=TaskEvent)
     done: TaskEvent = field(default_factory=TaskEvent)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: Any = field(default_factory=threading.RLock)
+    position: Any = QueuePosition.UNQUEUED
+    # A deferred write registered queued (its dispatch pushes it to the low queue).
+    queued_at_submit: bool = False
+    # Host rows a copy stage made, installed by its host_ready move.
+    copied_rows: Sequence[HostRow] = ()
     # Budget flush picks the pending task with the oldest of these.
     enqueued_time: float = field(default_factory=time.monotonic)
     # Immediate path: the staging page this write views, and the step's
@@ -163,6 +177,12 @@ class WriteTask:
     _slot_to_row: dict[int, tuple[int, int]] | None = None
     # Effects a deferred ``fail`` still owes (run by wake_failed_waiters).
     _owed_wakes: tuple[Any, ...] = ()
+
+    def __repr__(self) -> str:
+        return (
+            f"WriteTask(tid={self.tid}, req={self.req_id!r}, {self.schedule.value}, "
+            f"{TaskState(self.state).name}, position {QueuePosition(self.position).name})"
+        )
 
     # ------------------------------------------------------------ lifecycle
 
@@ -184,6 +204,47 @@ class WriteTask:
         declares the move from the current state. Any thread."""
         with self.lock:
             self._move_locked(to)
+
+    def can(self, trigger: str) -> bool:
+        """True if the spec has a ``trigger`` move from the current state."""
+        return WRITE_TASK_MACHINE.move(self.state, trigger) is not None
+
+    def try_fire(self, trigger: str, *, defer: bool = False) -> bool:
+        """``fire`` if the spec has the move from the current state, atomically;
+        False (nothing moved) otherwise."""
+        with self.lock:
+            move = WRITE_TASK_MACHINE.move(self.state, trigger)
+            if move is None:
+                return False
+            self.state = move.dest
+            if defer:
+                for effect in move.undeferrable:
+                    effect(self)
+                self._owed_wakes = move.deferrable
+            else:
+                for effect in move.effects:
+                    effect(self)
+            return True
+
+    def fire(self, trigger: str, *, defer: bool = False, rows: Sequence[HostRow] = ()) -> None:
+        """Fire ``trigger``; raises OmniPrefixCacheUnmatchError unless the
+        spec declares it from the current state. ``rows``: host rows the
+        move installs (a copy stage's output), before its effects run;
+        ``defer``: as ``mark_failed(defer_wake=True)``."""
+        with self.lock:
+            move = WRITE_TASK_MACHINE.move(self.state, trigger)
+            if move is None:
+                raise illegal_move(self, trigger)
+            for chunk, key, tensor in rows:
+                chunk.host[key] = tensor
+            self.state = move.dest
+            if defer:
+                for effect in move.undeferrable:
+                    effect(self)
+                self._owed_wakes = move.deferrable
+            else:
+                for effect in move.effects:
+                    effect(self)
 
     def try_transition(self, to: Any) -> bool:
         """Move to ``to`` if the spec allows it from the current state."""

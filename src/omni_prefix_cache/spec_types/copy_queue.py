@@ -15,7 +15,7 @@ class QueuePosition(SpecState):
     """
     UNQUEUED -> HIGH | LOW -> CLAIMED -> BLOCKED -> DONE. An escalate promotes LOW to HIGH; a failure takes the
     task out (a queue entry is left STALE and dropped at its pop). Eager dispatch runs a task inline without
-    queueing it.
+    queueing it (UNQUEUED -> INLINE -> DONE).
     """
 
     UNQUEUED = 0
@@ -28,9 +28,11 @@ class QueuePosition(SpecState):
     """popped by the committer, which owns the copy stage"""
     BLOCKED = 4
     """host rows ready, waiting for the committer's pool write"""
-    STALE = 5
+    INLINE = 5
+    """claimed by an eager dispatch, which runs its copy and pool write on the calling thread"""
+    STALE = 6
     """the task failed while queued; its entry stays on the queue until popped"""
-    DONE = 6
+    DONE = 7
     """out of the pipeline (written, failed, or run inline) (final)"""
 
 
@@ -58,7 +60,7 @@ class CopyQueueTrigger(StrEnum):
     SKIP = "skip"
     """the committer pops a failed task's entry and drops it"""
     INLINE = "inline"
-    """eager dispatch ran the task on the calling thread"""
+    """eager dispatch claimed the task to run it on the calling thread"""
     FAIL = "fail"
     """the task failed while queued"""
 

@@ -147,6 +147,42 @@ class OperationSpec:
         """(role, trigger) of every move this operation may fire."""
         return frozenset((s.role, s.trigger) for s in self.walk() if isinstance(s, Fire))
 
+    def segment(self, index: int, name: str | None = None) -> OperationSpec:
+        """Segment ``index`` alone, as an operation (an executor runs the
+        segments of an operation it shares with another executor)."""
+        seg = self.segments[index]
+        return OperationSpec(name or f"{self.name}[{index}]", self.caller, self.meaning, self.for_each, (seg,))
+
+    def projected(self, roles: frozenset[str], effects: frozenset[str], name: str | None = None) -> OperationSpec:
+        """The steps of ``roles`` and ``effects`` only, in the same order and
+        under the same guards (a ``when`` whose branches project to nothing
+        is dropped; an empty segment stays, as a no-op): what one executor
+        runs of an operation whose other steps another executor runs."""
+
+        def keep(steps: tuple[Step, ...]) -> tuple[Step, ...]:
+            out: list[Step] = []
+            for s in steps:
+                if isinstance(s, Fire | Couple):
+                    if s.role in roles:
+                        out.append(s)
+                elif isinstance(s, Do):
+                    if s.effect in effects:
+                        out.append(s)
+                elif isinstance(s, When):
+                    then, orelse = keep(s.then), keep(s.orelse)
+                    if then or orelse:
+                        out.append(When(s.guard, s.negate, then, orelse))
+                else:
+                    alts = tuple(keep(a) for a in s.alternatives)
+                    if any(alts):
+                        out.append(FirstOf(alts))
+            return tuple(out)
+
+        segments = tuple(
+            seg if seg.wait else Segment(seg.lock, keep(seg.steps), None, None, None) for seg in self.segments
+        )
+        return OperationSpec(name or f"{self.name}|{sorted(roles)}", self.caller, self.meaning, self.for_each, segments)
+
     def order_labels(self) -> list[str]:
         """Step labels in order (waits as ``wait EVENT``), for ordering rules."""
         out: list[str] = []
@@ -247,13 +283,18 @@ class ProtocolSpec:
                 out.append(f"{rule.name}: operation {rule.operation} runs {labels} (rule order {list(rule.order)})")
         return out
 
-    def mutated(self, patch: Callable[[dict[str, Any]], None], *, check_orderings: bool = False) -> ProtocolSpec:
+    def mutated(
+        self, patch: Callable[[dict[str, Any]], None], *, check_orderings: bool = False, check_coverage: bool = True
+    ) -> ProtocolSpec:
         """A copy with ``patch`` applied to the raw mapping, re-validated.
         Ordering rules are not enforced on a mutant (breaking one is what a
-        mutant may do; the model check and the tests must find it)."""
+        mutant may do; the model check and the tests must find it);
+        ``check_coverage=False`` also lets it drop every firing of a move."""
         data = copy.deepcopy(dict(self.raw))
         patch(data)
-        return parse_protocol(data, origin=f"{self.origin} (mutated)", check_orderings=check_orderings)
+        return parse_protocol(
+            data, origin=f"{self.origin} (mutated)", check_orderings=check_orderings, check_coverage=check_coverage
+        )
 
 
 # ----------------------------------------------------------------- parsing
@@ -355,15 +396,15 @@ class _Parser:
 
 
 def parse_protocol(
-    data: Mapping[str, Any], origin: str = "protocol.yaml", *, check_orderings: bool = True
+    data: Mapping[str, Any], origin: str = "protocol.yaml", *, check_orderings: bool = True, check_coverage: bool = True
 ) -> ProtocolSpec:
     """Validate a composition mapping against the shipped component specs.
 
     Raises SpecError naming the item on: unknown fields, a role naming no
     machine, a step firing a trigger its machine lacks, an undeclared effect,
     guard or lock, a `pairs` table not covering the position machine, a
-    component trigger no operation or link fires, and (``check_orderings``)
-    an ordering rule the operations' step order breaks.
+    component trigger no operation or link fires (``check_coverage``), and
+    (``check_orderings``) an ordering rule the operations' step order breaks.
     """
     if not isinstance(data, Mapping):
         raise _fail(origin, "top level", "must be a mapping")
@@ -465,7 +506,7 @@ def parse_protocol(
     machines_fired = {(components[r].name, t) for r, t in fired}
     for role, machine in components.items():
         unused = [t for t in machine.triggers if (machine.name, t) not in machines_fired]
-        if unused:
+        if unused and check_coverage:
             raise _fail(origin, f"component {role}", f"{machine.name} triggers {unused} are fired by no operation")
     used_effects = {s.effect for op in spec.operations for s in op.walk() if isinstance(s, Do)}
     if spec.effect_names - used_effects:
@@ -500,6 +541,12 @@ class Binding(Protocol):
     state and guards) and ``fire(ctx)`` performs it with its effects;
     ``coupling(role, name)`` returns the coupling's runner. ``ctx`` is the
     executor's per-call context (a task, a world, a step...).
+
+    Optional: ``try_move(role, trigger)`` returns ``attempt(ctx) -> bool``,
+    which fires the move if it is enabled, atomically, and says whether it
+    did. Where a binding has it, a step calls it instead of ``enabled`` then
+    ``fire`` (one check, no window between them); ``first_of`` still tests
+    its alternatives with ``enabled``.
     """
 
     def move(self, role: str, trigger: str) -> tuple[Callable[[Any], bool], Callable[[Any], None]]: ...
@@ -558,7 +605,20 @@ def compile_operation(
 
         return run_all
 
+    try_move: Callable[[str, str], Callable[[Any], bool]] | None = getattr(binding, "try_move", None)
+
     def step(s: Step) -> Run:
+        if isinstance(s, Fire) and try_move is not None:
+            attempt = try_move(s.role, s.trigger)
+            if s.optional:
+                return attempt  # type: ignore[return-value]  # its bool is ignored
+            what = s.label
+
+            def must_now(ctx: Any) -> None:
+                if not attempt(ctx):
+                    raise ProtocolViolation(f"operation {op.name}: {what} is not enabled for {ctx!r}")
+
+            return must_now
         if isinstance(s, Fire):
             enabled, fire = binding.move(s.role, s.trigger)
             if s.optional:

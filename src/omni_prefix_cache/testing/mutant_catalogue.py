@@ -62,64 +62,71 @@ def _set(stack: contextlib.ExitStack, owner: Any, attr: str, value: Any) -> None
 # ------------------------------------------------------------------ controller
 
 
+def _spec_mutant(stack: contextlib.ExitStack, patch: Callable[[dict[str, Any]], None]) -> None:
+    """Controllers built while the mutant is applied compile their
+    operations from the composition with ``patch`` applied."""
+    from omni_prefix_cache.protocol_runtime import use_protocol
+    from omni_prefix_cache.specs.protocol import load_protocol
+
+    stack.enter_context(use_protocol(load_protocol().mutated(patch, check_coverage=False)))
+
+
+def _op(data: dict[str, Any], name: str) -> dict[str, Any]:
+    op: dict[str, Any] = next(o for o in data["operations"] if o["name"] == name)
+    return op
+
+
+def _segment_with(op: dict[str, Any], step: Any) -> list[Any]:
+    """The steps list of the segment of ``op`` that holds ``step``."""
+    steps: list[Any] = next(seg["steps"] for seg in op["segments"] if step in seg.get("steps", []))
+    return steps
+
+
 @_register("escalate_requeues_claimed", "escalate re-queues a task the committer already claimed (double copy)")
 def _escalate_requeues_claimed(stack: contextlib.ExitStack) -> None:
     from omni_prefix_cache.controller import OmniPrefixCacheController, TaskState
+    from omni_prefix_cache.spec_types.copy_queue import QueuePosition
 
     original = OmniPrefixCacheController.escalate
 
     def escalate(self: OmniPrefixCacheController, tids: list[int]) -> None:
-        with self._wake:
+        with self.lock:
             for tid in tids:
                 task = self._tasks.get(tid)
                 if task is not None and task.state is TaskState.COPYING:
                     with task.lock:
                         task.state = TaskState.QUEUED  # the old bug: no claim check
-                    self._queue_hi.appendleft(tid)
+                    task.position = QueuePosition.HIGH
+                    self.queues.high.appendleft(tid)
         original(self, tids)
 
     _set(stack, OmniPrefixCacheController, "escalate", escalate)
 
 
+def _done_first(data: dict[str, Any]) -> None:
+    # `task.written` (which sets done) moved before publish_completed.
+    for name in ("committer_write", "eager_run"):
+        op = _op(data, name)
+        op["segments"] = [seg for seg in op["segments"] if seg.get("steps") != ["task.written"]]
+        steps = _segment_with(op, {"do": "publish_completed"})
+        steps.insert(steps.index({"do": "publish_completed"}), "task.written")
+
+
 @_register("done_before_completion_record", "`done` fires before the completion record is published")
 def _done_before_record(stack: contextlib.ExitStack) -> None:
-    from omni_prefix_cache.controller import OmniPrefixCacheController
+    _spec_mutant(stack, _done_first)
 
-    def complete(self: OmniPrefixCacheController, task: Any) -> None:
-        self._release_task_slot(task, "written")
-        task.mark_done()
-        with self._lock:
-            self._completed.append(task.tid)
 
-    def complete_many(self: OmniPrefixCacheController, tasks: list[Any]) -> None:
-        for task in tasks:
-            complete(self, task)
-
-    _set(stack, OmniPrefixCacheController, "_complete", complete)
-    _set(stack, OmniPrefixCacheController, "_complete_many", complete_many)
+def _wake_first(data: dict[str, Any]) -> None:
+    op = _op(data, "fail")
+    op["segments"] = [seg for seg in op["segments"] if seg.get("steps") != [{"do": "wake_failed"}]]
+    steps = _segment_with(op, {"do": "publish_failed"})
+    steps.insert(steps.index({"do": "publish_failed"}), {"do": "wake_failed"})
 
 
 @_register("failure_wake_before_record", "failure waiters are woken before the failure record is published")
 def _failure_wake_before_record(stack: contextlib.ExitStack) -> None:
-    from omni_prefix_cache.controller import OmniPrefixCacheController
-
-    def fail_task(self: OmniPrefixCacheController, tid: int | None) -> None:
-        if tid is None:
-            return
-        task = self._tasks.get(tid)
-        if task is None or not task.mark_failed(defer_wake=False):
-            return
-        self._release_staged_bytes(task)
-        with self._wake:
-            if tid in self._blocked:
-                self._blocked.remove(tid)
-            if tid in self._claimed:
-                self._claimed.remove(tid)
-        self._release_task_slot(task, "fail")
-        with self._lock:
-            self._failed.append(task.tid)
-
-    _set(stack, OmniPrefixCacheController, "_fail_task", fail_task)
+    _spec_mutant(stack, _wake_first)
 
 
 @_register("budget_uncharged_twice", "a budget ticket uncharges again when a task releases it twice")
@@ -135,58 +142,66 @@ def _budget_uncharged_twice(stack: contextlib.ExitStack) -> None:
 
 @_register("committer_dies_on_exception", "a copy failure escapes the committer instead of failing its task")
 def _committer_dies(stack: contextlib.ExitStack) -> None:
-    from omni_prefix_cache.controller import OmniPrefixCacheController
+    from omni_prefix_cache.committer import Committer
 
-    def committer_copy(self: OmniPrefixCacheController) -> int | None:
-        with self._wake:
-            if not self._claimed:
-                return None
-            tid = self._claimed.popleft()
-        task = self._tasks.get(tid)
+    def copy(self: Committer) -> int | None:
+        ctrl = self._ctrl
+        with ctrl.lock:
+            tid = self._queues.take_claimed()
+        task = ctrl.get_task(tid) if tid is not None else None
         if task is not None:
-            self._copy_task(task)
-            with self._wake:
-                self._blocked.append(tid)
+            copy_rows, copied = ctrl.ops.copy.segments
+            copy_rows(task)
+            with ctrl.lock:
+                copied(task)
         return tid
 
-    _set(stack, OmniPrefixCacheController, "committer_copy", committer_copy)
+    _set(stack, Committer, "copy", copy)
 
 
 @_register("pool_write_failure_wrong_task", "a pool-write failure is charged to another task")
 def _pool_write_failure_wrong_task(stack: contextlib.ExitStack) -> None:
-    from omni_prefix_cache.controller import OmniPrefixCacheController, TaskState
+    from omni_prefix_cache.committer import Committer
 
-    def scatter_host_ready(self: OmniPrefixCacheController) -> list[int]:
-        with self._wake:
-            ready = [tid for tid in self._blocked if (t := self._tasks.get(tid)) and t.state is TaskState.HOST_READY]
-            for tid in ready:
-                self._blocked.remove(tid)
-        for tid in ready:
+    def write(self: Committer) -> list[int]:
+        ctrl = self._ctrl
+        op = ctrl.ops.eager if ctrl.eager else ctrl.ops.write
+        with ctrl.lock:
+            ready = [t for tid in self._queues.blocked if (t := ctrl.get_task(tid)) is not None and self._ready(t)]
+            for task in ready:
+                self._queues.blocked.remove(task.tid)
+        for task in ready:
             try:
-                self._scatter(self._tasks[tid])
+                op.segments[op.tail - 1](task)
             except BaseException:
-                others = [t for t, task in self._tasks.items() if t != tid and not task.is_terminal]
-                self._fail_task(min(others) if others else None)
-        return ready
+                others = [t for t in ctrl._tasks.values() if t is not task and not t.is_terminal]
+                if others:
+                    ctrl.fail_task(min(others, key=lambda t: t.tid), None)
+        return [t.tid for t in ready]
 
-    _set(stack, OmniPrefixCacheController, "_scatter_host_ready", scatter_host_ready)
+    _set(stack, Committer, "write", write)
 
 
 @_register("eager_failure_leaves_later_tasks", "a failed eager dispatch leaves the batch's later tasks unfailed")
 def _eager_failure_leaves_later(stack: contextlib.ExitStack) -> None:
-    from omni_prefix_cache.controller import OmniPrefixCacheController, _PoolWriteBatch
+    from omni_prefix_cache.eager import EagerDispatch, _PoolWriteBatch
 
-    def dispatch_eager(self: OmniPrefixCacheController, tasks: list[Any]) -> None:
+    def dispatch(self: EagerDispatch, tasks: list[Any]) -> None:
         batch = _PoolWriteBatch()
-        self._batch.open = batch
+        self._local.open = batch
         try:
             for task in tasks:
-                self._run_eager(task)
+                self._ctrl._run_eager(task)
         finally:
-            self._batch.open = None
-            self._flush_batch(batch, reraise=False)
+            self._local.open = None
+            self._flush(batch, reraise=False)
 
-    _set(stack, OmniPrefixCacheController, "_dispatch_eager", dispatch_eager)
+    _set(stack, EagerDispatch, "dispatch", dispatch)
+
+
+def _no_release_at_write(data: dict[str, Any]) -> None:
+    for name in ("committer_write", "eager_run"):
+        _segment_with(_op(data, name), "task_holder.written?").remove("task_holder.written?")
 
 
 @_register("task_holder_released_at_drain", "a task's staging hold is released at drain, not at its pool write")
@@ -194,30 +209,62 @@ def _holder_released_at_drain(stack: contextlib.ExitStack) -> None:
     from omni_prefix_cache.controller import OmniPrefixCacheController
     from omni_prefix_cache.staging import StagingBufferHolder
 
+    _spec_mutant(stack, _no_release_at_write)
     original_drain = OmniPrefixCacheController.drain_completed
-
-    def complete_many(self: OmniPrefixCacheController, tasks: list[Any]) -> None:
-        with self._lock:
-            self._completed.extend(t.tid for t in tasks)
-        for task in tasks:
-            task.mark_done()
-
-    def complete(self: OmniPrefixCacheController, task: Any) -> None:
-        complete_many(self, [task])
 
     def drain_completed(self: OmniPrefixCacheController) -> list[int]:
         tasks = [self._tasks.get(tid) for tid in list(self._completed)]
         out = original_drain(self)
+        pool = self._staging_pool
         for task in tasks:
             if task is not None and task.staging_slot is not None:
                 holder = StagingBufferHolder.for_task(task.tid)
-                if self._staging_pool.holds(holder):
-                    self._staging_pool.release(task.staging_slot, holder, "written")
+                if pool.enabled("written", task.staging_slot, holder):
+                    pool.fire("written", task.staging_slot, holder)
         return out
 
-    _set(stack, OmniPrefixCacheController, "_complete", complete)
-    _set(stack, OmniPrefixCacheController, "_complete_many", complete_many)
     _set(stack, OmniPrefixCacheController, "drain_completed", drain_completed)
+
+
+# Composition rules broken by a spec mutation alone.
+
+
+def _fail_keeps_position(data: dict[str, Any]) -> None:
+    _segment_with(_op(data, "fail"), "position.fail").remove("position.fail")
+
+
+@_register("fail_keeps_queue_entry", "a failed task keeps its queue position, so a later claim pops a dead entry")
+def _fail_keeps_queue_entry(stack: contextlib.ExitStack) -> None:
+    _spec_mutant(stack, _fail_keeps_position)
+
+
+def _fail_keeps_hold(data: dict[str, Any]) -> None:
+    _segment_with(_op(data, "fail"), "task_holder.fail?").remove("task_holder.fail?")
+
+
+@_register("fail_keeps_staging_hold", "a failed immediate write keeps its staging page busy")
+def _fail_keeps_staging_hold(stack: contextlib.ExitStack) -> None:
+    _spec_mutant(stack, _fail_keeps_hold)
+
+
+def _deferred_high(data: dict[str, Any]) -> None:
+    # The dispatch's low push becomes a high push.
+    dispatch = next(seg for seg in _op(data, "save")["segments"] if seg.get("lock") == "controller")
+
+    def swap(steps: list[Any]) -> None:
+        for i, step in enumerate(steps):
+            if step == "position.push_low":
+                steps[i] = "position.push"
+            elif isinstance(step, dict):
+                for branch in ("then", "else"):
+                    swap(step.get(branch, []))
+
+    swap(dispatch["steps"])
+
+
+@_register("queued_deferred_pushed_high", "a deferred write queued at submit is pushed to the high queue")
+def _queued_deferred_pushed_high(stack: contextlib.ExitStack) -> None:
+    _spec_mutant(stack, _deferred_high)
 
 
 # ------------------------------------------------------------------ manager

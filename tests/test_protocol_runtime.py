@@ -1,0 +1,120 @@
+"""The controller runs the composition (spec/protocol.yaml) it compiled:
+listed moves that are not enabled raise, unlisted ones cannot be fired, and
+a mutated composition changes what the controller does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from omni_prefix_cache.block_pool import PrefixBlockPool
+from omni_prefix_cache.controller import (
+    OmniPrefixCacheController,
+    StagingBufferHolder,
+    TaskState,
+    WriteTask,
+    _WriteChunk,
+)
+from omni_prefix_cache.copy_queues import CopyQueues
+from omni_prefix_cache.interface import HIDDEN_KEY, PrefixCacheConfig, WriteSchedule
+from omni_prefix_cache.protocol_runtime import use_protocol
+from omni_prefix_cache.spec_types.copy_queue import QueuePosition
+from omni_prefix_cache.specs.loader import SpecError
+from omni_prefix_cache.specs.protocol import ProtocolViolation, load_protocol
+
+
+def _controller(**kw: Any) -> OmniPrefixCacheController:
+    cfg = PrefixCacheConfig(num_blocks=8, block_size=4, staging_depth=2, staging_capacity_tokens=32)
+    pool = PrefixBlockPool(cfg)
+    pool.ensure_key(HIDDEN_KEY, torch.float32, 2)
+    return OmniPrefixCacheController(pool, cfg, **kw)
+
+
+def _deferred(tid: int) -> WriteTask:
+    chunk = _WriteChunk(slots_cpu=torch.tensor([tid]), tensors={HIDDEN_KEY: torch.full((1, 2), float(tid))})
+    return WriteTask(tid=tid, req_id=f"r{tid}", write_n=1, schedule=WriteSchedule.JOIN_ON_FINISH, chunks=[chunk])
+
+
+def test_positions_follow_the_committer_stages() -> None:
+    ctrl = _controller(eager=False, committer="manual")
+    task = _deferred(1)
+    ctrl.submit(task, queued=True)
+    assert task.position is QueuePosition.LOW and list(ctrl.queues.low) == [1]
+    ctrl.escalate([1])
+    assert task.position is QueuePosition.HIGH and list(ctrl.queues.high) == [1]
+    assert ctrl.committer_claim() == 1 and task.position is QueuePosition.CLAIMED
+    assert ctrl.committer_copy() == 1 and task.position is QueuePosition.BLOCKED
+    assert ctrl.committer_write() == [1]
+    assert task.position is QueuePosition.DONE and task.state is TaskState.WRITTEN
+    ctrl.shutdown()
+
+
+def test_a_failed_queued_task_leaves_a_stale_entry_the_claim_drops() -> None:
+    ctrl = _controller(eager=False, committer="manual")
+    task = _deferred(1)
+    ctrl.submit(task, queued=True)
+    ctrl.fail_task(task, None)
+    assert task.position is QueuePosition.STALE and list(ctrl.queues.low) == [1]
+    assert ctrl.committer_claim() is None
+    assert task.position is QueuePosition.DONE and not ctrl.queues.has_work()
+    ctrl.shutdown()
+
+
+def test_a_listed_move_that_is_not_enabled_raises_a_protocol_violation() -> None:
+    ctrl = _controller(eager=False, committer="manual")
+    task = _deferred(1)
+    ctrl.submit(task, queued=True)
+    # save's dispatch pushes a deferred write queued at submit: a second
+    # dispatch finds its position already LOW.
+    with pytest.raises(ProtocolViolation, match=r"save \(controller segment\): position.push_low is not enabled .*LOW"):
+        ctrl.dispatch([task])
+    ctrl.shutdown()
+
+
+def test_an_immediate_write_on_a_free_page_cannot_register() -> None:
+    ctrl = _controller(eager=True)
+    chunk = _WriteChunk(slots_cpu=torch.tensor([0]), tensors={}, host={HIDDEN_KEY: torch.zeros(1, 2)})
+    task = WriteTask(
+        tid=1, req_id="r", write_n=1, schedule=WriteSchedule.JOIN_NEXT_STEP, chunks=[chunk], staging_slot=0
+    )
+    with pytest.raises(ProtocolViolation, match=r"save \(state segment\).*: task_holder.bind is not enabled"):
+        ctrl.register(task)
+
+
+def test_the_controller_binds_only_its_own_roles() -> None:
+    ctrl = _controller(eager=True)
+    with pytest.raises(SpecError, match="the controller fires no slot.take_tenancy"):
+        ctrl.binding.move("slot", "take_tenancy")
+    with pytest.raises(ProtocolViolation, match="has no move 'claim'"):
+        CopyQueues().fire(_deferred(1), "claim")  # UNQUEUED cannot be claimed
+
+
+def test_task_holders_are_released_only_by_their_write_or_failure() -> None:
+    ctrl = _controller(eager=True)
+    with pytest.raises(Exception, match="released by its own write or failure"):
+        ctrl.staging_release(0, StagingBufferHolder.for_task(1))
+
+
+def test_a_mutated_composition_changes_what_the_controller_does() -> None:
+    def no_low_queue(data: dict[str, Any]) -> None:
+        save = next(op for op in data["operations"] if op["name"] == "save")
+        dispatch = next(seg for seg in save["segments"] if seg.get("lock") == "controller")
+        text = repr(dispatch["steps"]).replace("position.push_low", "position.push")
+        dispatch["steps"] = eval(text)  # noqa: S307 - a literal of our own
+
+    with use_protocol(load_protocol().mutated(no_low_queue, check_coverage=False)):
+        ctrl = _controller(eager=False, committer="manual")
+    task = _deferred(1)
+    ctrl.submit(task, queued=True)
+    assert task.position is QueuePosition.HIGH and list(ctrl.queues.high) == [1]
+    ctrl.shutdown()
+    assert _controller(eager=False, committer="manual").ops is not ctrl.ops
+
+
+def test_projection_keeps_the_controller_steps_in_order() -> None:
+    save = load_protocol().ops["save"]
+    state = next(i for i, seg in enumerate(save.segments) if seg.lock == "state")
+    labels = save.segment(state).projected(frozenset({"task", "task_holder"}), frozenset({"register_task"}))
+    assert labels.order_labels() == ["register_task", "task.enqueue", "task_holder.bind", "task.enqueue"]
