@@ -105,6 +105,8 @@ class Read(NamedTuple):
     step: int  # the step whose materialize serves it
 
 
+# An action: (operation, first segment, last segment, arguments, what it raised).
+Label = tuple[str, int, int, tuple[int, ...], str]
 # One thread's operation in progress: (operation, next segment, arguments).
 Running = tuple[str, int, tuple[int, ...]] | tuple[()]
 
@@ -475,6 +477,9 @@ class ComposedModel:
         }
         self.guards = self._guards()
         self.ops: dict[str, CompiledOperation] = compile_protocol(spec, self, self._effects(), self.guards)
+        self.invisible = {
+            name: tuple(self._invisible(seg) for seg in op.spec.segments) for name, op in self.ops.items()
+        }
         self.checkers = self._checkers()
         declared = set(spec.invariants_for("model"))
         missing, extra = sorted(declared - set(self.checkers)), sorted(set(self.checkers) - declared)
@@ -486,6 +491,15 @@ class ComposedModel:
         for name in ("new_step", "save", "escalate", "committer_claim", "committer_copy", "committer_write"):
             if name not in self.ops:
                 raise SpecError(f"{spec.origin}: the model needs operation {name!r}")
+
+    # Protocol effects that change nothing in the model's world (rows are abstract).
+    _NO_OPS = frozenset({"wake_committer", "copy_to_host", "pool_write", "fetch_rows", "merge_outputs"})
+
+    def _invisible(self, seg: Any) -> bool:
+        """A wait on a monotone event, or a segment of no-op effects only."""
+        if seg.wait:
+            return seg.wait in ("done", "host_ready")
+        return all(getattr(s, "effect", None) in self._NO_OPS for s in seg.steps)
 
     # ------------------------------------------------------ machine handlers
     def _compile(self, spec: MachineSpec, handlers: dict[str, Callable[..., Any]]) -> CompiledMachine:
@@ -535,15 +549,15 @@ class ComposedModel:
 
     @staticmethod
     def _set_task(c: _Ctx, tid: int, **kw: Any) -> None:
-        c.tasks[tid] = c.tasks[tid]._replace(**kw)
+        c.tasks[tid] = _rep(c.tasks[tid], **kw)
 
     @staticmethod
     def _set_slot(c: _Ctx, **kw: Any) -> None:
-        c.slots[c.cur_slot] = c.slots[c.cur_slot]._replace(**kw)
+        c.slots[c.cur_slot] = _rep(c.slots[c.cur_slot], **kw)
 
     @staticmethod
     def _set_read(c: _Ctx, rid: int, **kw: Any) -> None:
-        c.reads[rid] = c.reads[rid]._replace(**kw)
+        c.reads[rid] = _rep(c.reads[rid], **kw)
 
     def _reassign_from_old_owner(self, c: _Ctx) -> None:
         old = c.slots[c.cur_slot].owner
@@ -600,7 +614,7 @@ class ComposedModel:
             new_page = page if dest == self.held else -1
             kind, ident = holder
             if kind == STEP:
-                c.steps[ident] = c.steps[ident]._replace(holder=dest, page=new_page)
+                c.steps[ident] = _rep(c.steps[ident], holder=dest, page=new_page)
             else:
                 self._set_task(c, ident, holder=dest, page=new_page)
 
@@ -618,7 +632,7 @@ class ComposedModel:
             c.cur_slot, c.cur_tid = i
 
         def put_slot(c: _Ctx, i: Any, dest: int, trigger: str) -> None:
-            c.slots[i[0]] = c.slots[i[0]]._replace(state=dest)
+            c.slots[i[0]] = _rep(c.slots[i[0]], state=dest)
 
         def read_instances(c: _Ctx, trigger: str) -> list[Any]:
             if c.link_slot >= 0:
@@ -654,7 +668,7 @@ class ComposedModel:
                 m["step"],
                 one_step,
                 lambda c, i: c.steps[i].state,
-                lambda c, i, d, t: c.steps.__setitem__(i, c.steps[i]._replace(state=d)),
+                lambda c, i, d, t: c.steps.__setitem__(i, _rep(c.steps[i], state=d)),
                 lambda c, i, t: setattr(c, "cur_tid", i),
             ),
             "slot": _Role(m["slot"], slot_instances, lambda c, i: c.slots[i[0]].state, put_slot, focus_slot),
@@ -767,15 +781,15 @@ class ComposedModel:
 
             return run
 
-        return {
+        # Rows are abstract: a copy's or a pool write's outcome is where a failure is
+        # injected, and a fetch's version check is rows_fetched, under the state lock.
+        nothing: dict[str, Callable[[Any], None]] = {name: _nothing for name in self._NO_OPS}
+        return nothing | {
             "register_task": self._register_task,
             "append_chunk": self._append_chunk,
             "charge_budget": self._charge_budget,
             "refund_unpinned": self._refund_unpinned,
             "unpin_budget": self._unpin_budget,
-            "wake_committer": lambda c: None,
-            "copy_to_host": lambda c: None,  # rows are abstract; the copy's outcome is where a failure is injected
-            "pool_write": lambda c: None,
             "publish_completed": lambda c: c.completed.append(c.tid),
             "publish_failed": lambda c: c.failed.append(c.tid),
             "wake_failed": self._wake_failed,
@@ -784,8 +798,6 @@ class ComposedModel:
             "plan_hits": self._plan_hits,
             # Reads plan committed slots of earlier steps; a same-step hit is not modelled.
             "replan_same_step_hits": lambda c: None,
-            "fetch_rows": lambda c: None,  # the version check is rows_fetched, under the state lock
-            "merge_outputs": lambda c: None,
             "dispatch_inline": outside("dispatch_inline"),
             "flush_oldest": outside("flush_oldest"),
             "close_staging": outside("close_staging"),
@@ -850,17 +862,17 @@ class ComposedModel:
 
     def _pin(self, c: _Ctx, tid: int) -> None:
         st = c.steps[c.sid]
-        c.steps[c.sid] = st._replace(tids=tuple(sorted({*st.tids, tid})))
+        c.steps[c.sid] = _rep(st, tids=tuple(sorted({*st.tids, tid})))
 
     def _charge_budget(self, c: _Ctx) -> None:
-        c.steps[c.sid] = c.steps[c.sid]._replace(charged=1)
+        c.steps[c.sid] = _rep(c.steps[c.sid], charged=1)
         c.staged += 1
 
     def _refund_unpinned(self, c: _Ctx) -> None:
         st = c.steps[c.sid]
         if not st.tids and not st.freed:
             c.staged -= st.charged
-            c.steps[c.sid] = st._replace(freed=True)
+            c.steps[c.sid] = _rep(st, freed=True)
 
     def _unpin_budget(self, c: _Ctx) -> None:
         """Leave the task's tickets; a ticket uncharges once, when its last task leaves."""
@@ -872,7 +884,7 @@ class ComposedModel:
             if not tids and not freed:
                 c.staged -= st.charged
                 freed = True
-            c.steps[sid] = st._replace(tids=tids, freed=freed)
+            c.steps[sid] = _rep(st, tids=tids, freed=freed)
 
     def _wake_failed(self, c: _Ctx) -> None:
         t = c.tasks[c.tid]
@@ -954,7 +966,7 @@ class ComposedModel:
         )
 
     # ----------------------------------------------------------- actions
-    def successors(self, w: World) -> Iterator[tuple[str, World]]:
+    def successors(self, w: World) -> Iterator[tuple[Label, World]]:
         """``(label, next world)`` for every enabled action. Raises
         Violation (with the label in ``.label``) for a broken move."""
         b = self.bounds
@@ -1003,7 +1015,7 @@ class ComposedModel:
                 if t.state not in self.task_final and tid not in busy:
                     yield from self._start(w, FAILER, "fail", _args(tid=tid))
 
-    def _new_steps(self, w: World) -> Iterator[tuple[str, World]]:
+    def _new_steps(self, w: World) -> Iterator[tuple[Label, World]]:
         if "new_step" not in self.ops or sum(r.state not in self.read_final for r in w.reads) >= self.bounds.reads:
             return
         sid = len(w.steps)
@@ -1013,7 +1025,7 @@ class ComposedModel:
             if w.slots[slot].state == self.COMMITTED:
                 yield from self._start(w, ENGINE, "new_step", _args(slot=slot, sid=sid))
 
-    def _saves(self, w: World) -> Iterator[tuple[str, World]]:
+    def _saves(self, w: World) -> Iterator[tuple[Label, World]]:
         if not any(not p for p in w.pages):
             return  # the engine never saves into a full staging pool (it would block until a timeout)
         sid = len(w.steps)
@@ -1042,51 +1054,61 @@ class ComposedModel:
         fresh = next((i for i in range(len(w.slots)) if i not in used), None)
         return out if fresh is None else sorted([*out, fresh])
 
-    def _start(self, w: World, thread: int, op: str, args: tuple[int, ...]) -> Iterator[tuple[str, World]]:
+    def _start(self, w: World, thread: int, op: str, args: tuple[int, ...]) -> Iterator[tuple[Label, World]]:
         compiled = self.ops[op]
-        if not compiled.admits(_Ctx(w, args)):
+        if compiled.spec.entry is not None and not compiled.admits(_Ctx(w, args)):
             return
         yield from self._segment(w, thread, op, 0, args, start=True)
 
-    def _continue(self, w: World, thread: int) -> Iterator[tuple[str, World]]:
+    def _continue(self, w: World, thread: int) -> Iterator[tuple[Label, World]]:
         op, seg, args = w.threads[thread]  # type: ignore[misc]
         yield from self._segment(w, thread, op, seg, args, start=False)
 
     def _segment(
         self, w: World, thread: int, op: str, seg: int, args: tuple[int, ...], *, start: bool
-    ) -> Iterator[tuple[str, World]]:
+    ) -> Iterator[tuple[Label, World]]:
+        """One action: segment ``seg`` of ``op``, run on in the same action
+        through segments the model cannot observe (a wait on a monotone
+        event, or only effects that are no-ops here): interleaving another
+        thread before or after such a segment reaches the same states."""
         compiled = self.ops[op]
-        spec_seg = compiled.spec.segments[seg]
-        label = self.label(op, seg, args)
+        segs = compiled.spec.segments
         c = _Ctx(w, args)
         raised = ""
+        last = seg
         try:
-            if spec_seg.wait:
-                waited = self._waited(c, spec_seg.of or "")
-                if not all(self._event(c.tasks[t], spec_seg.wait) for t in waited):
-                    return  # blocked: the thread waits
-                if spec_seg.raises:
-                    guard = self.guards[spec_seg.raises]
-                    hit = [t for t in waited if guard(_with_tid(c, t))]
-                    c.tid = args[4]
-                    if hit:
-                        raised = f" raises: {spec_seg.raises} (task {hit[0]})"
-            else:
-                compiled.segments[seg](c)
+            while True:
+                spec_seg = segs[last]
+                if spec_seg.wait:
+                    waited = self._waited(c, spec_seg.of or "")
+                    if not all(self._event(c.tasks[t], spec_seg.wait) for t in waited):
+                        return  # blocked: the thread waits
+                    if spec_seg.raises:
+                        guard = self.guards[spec_seg.raises]
+                        hit = [t for t in waited if guard(_with_tid(c, t))]
+                        c.tid = args[4]
+                        if hit:
+                            raised = f" raises: {spec_seg.raises} (task {hit[0]})"
+                            break
+                else:
+                    compiled.segments[last](c)
+                if last + 1 == len(segs) or not self.invisible[op][last]:
+                    break
+                last += 1
         except ProtocolViolation as exc:
             v = Violation("protocol.required_move", str(exc))
-            v.label = label  # type: ignore[attr-defined]
+            v.label = (op, seg, last, args, "")  # type: ignore[attr-defined]
             raise v from None
         except Violation as exc:
-            exc.label = label  # type: ignore[attr-defined]
+            exc.label = (op, seg, last, args, "")  # type: ignore[attr-defined]
             raise
-        nxt = self._next(op, seg, c, raised)
+        nxt = self._next(op, last, c, raised)
         threads = list(w.threads)
         threads[thread] = nxt
         out = c.freeze(tuple(threads))
-        if start and not nxt and out == w._replace(threads=tuple(threads)) and not raised:
+        if start and not nxt and not raised and out == w._replace(threads=out.threads):
             return  # the operation changed nothing
-        yield label + raised, out
+        yield (op, seg, last, args, raised), out
 
     def _next(self, op: str, seg: int, c: _Ctx, raised: str) -> Running:
         """Where the thread goes after this segment (its program)."""
@@ -1121,7 +1143,7 @@ class ComposedModel:
         tasks = w.tasks
         if any(t.drained and t.slots and not t.owed and t.state in final for t in tasks):
             tasks = tuple(
-                t._replace(req=-1, slots=(), reassigned=(), pins=(), clone=False)
+                _rep(t, req=-1, slots=(), reassigned=(), pins=(), clone=False)
                 if t.drained and t.slots and not t.owed and t.state in final
                 else t
                 for t in tasks
@@ -1133,16 +1155,18 @@ class ComposedModel:
         if any(s.version for s in slots):
             read_slots = {r.slot for r in reads}
             slots = tuple(
-                s if s.version == 0 or i in read_slots else s._replace(version=0) for i, s in enumerate(slots)
+                s if s.version == 0 or i in read_slots else _rep(s, version=0) for i, s in enumerate(slots)
             )
         steps = w.steps
         if any(st.freed and st.charged for st in steps):
-            steps = tuple(st._replace(charged=0) if st.freed else st for st in steps)
+            steps = tuple(_rep(st, charged=0) if st.freed else st for st in steps)
         completed, failed = w.completed, w.failed
         if len(completed) > 1:
             completed = tuple(sorted(completed))
         if len(failed) > 1:
             failed = tuple(sorted(failed))
+        if (tasks, slots, completed, failed, reads, steps) == (w.tasks, w.slots, w.completed, w.failed, w.reads, w.steps):
+            return w
         return w._replace(tasks=tasks, slots=slots, completed=completed, failed=failed, reads=reads, steps=steps)
 
     # -------------------------------------------------------- invariants
@@ -1284,6 +1308,8 @@ class ComposedModel:
 
     def check_move(self, before: World, after: World) -> None:
         """Per-move invariants: versions only grow, by one per reuse."""
+        if before.slots == after.slots:
+            return
         for slot, (a, b) in enumerate(zip(before.slots, after.slots, strict=True)):
             if a is b:
                 continue
@@ -1293,9 +1319,14 @@ class ComposedModel:
                 raise Violation("slot_occupancy.version_monotonic", f"slot {slot} bumped from {self.Occ(a.state).name}")
 
     # ------------------------------------------------------------ printing
-    def label(self, op: str, seg: int, args: tuple[int, ...]) -> str:
+    def describe_label(self, label: Label) -> str:
+        op, first, last, args, raised = label
+        return self.label(op, first, args, last) + raised
+
+    def label(self, op: str, seg: int, args: tuple[int, ...], last: int = -1) -> str:
         req, kind, slot, sid, tid, _ = args
-        name = op + (f"[{seg}]" if len(self.ops[op].segments) > 1 else "")
+        segs = f"{seg}" if last <= seg else f"{seg}-{last}"
+        name = op + (f"[{segs}]" if len(self.ops[op].segments) > 1 else "")
         if op == "save":
             what = f"r{req}, {_KIND[kind]} write of slot {slot}, step {sid}"
         elif op == "new_step":
@@ -1371,6 +1402,25 @@ class ComposedModel:
         return lines
 
 
+_FIELDS: dict[type, dict[str, int]] = {}
+
+
+def _rep(t: Any, **kw: Any) -> Any:
+    """``t._replace(**kw)`` without its per-call overhead (a hot path here)."""
+    cls = type(t)
+    index = _FIELDS.get(cls)
+    if index is None:
+        index = _FIELDS[cls] = {name: i for i, name in enumerate(cls._fields)}
+    values = list(t)
+    for name, value in kw.items():
+        values[index[name]] = value
+    return tuple.__new__(cls, values)
+
+
+def _nothing(c: Any) -> None:
+    return None
+
+
 def _with_tid(c: _Ctx, tid: int) -> _Ctx:
     c.tid = tid
     return c
@@ -1406,7 +1456,7 @@ def check(
     index: dict[World, int] = {init: 0}
     worlds: list[World] = [init]
     parent: list[int] = [-1]
-    via: list[str] = [""]
+    via: list[Label | None] = [None]
     depth: list[int] = [0]
     succ: list[list[int]] = []
     transitions = 0
@@ -1416,13 +1466,16 @@ def check(
         while parent[i] >= 0:
             path.append(i)
             i = parent[i]
-        return [f"{via[j]}  =>  {model.describe_change(worlds[parent[j]], worlds[j])}" for j in reversed(path)]
+        return [
+            f"{model.describe_label(via[j])}  =>  {model.describe_change(worlds[parent[j]], worlds[j])}"  # type: ignore[arg-type]
+            for j in reversed(path)
+        ]
 
-    def fail(i: int, exc: Violation, label: str | None = None) -> CheckResult:
+    def fail(i: int, exc: Violation, label: Label | None = None) -> CheckResult:
         result.violation = exc
         result.trace = trace_to(i)
         if label is not None:
-            result.trace.append(f"{label}  =>  breaks {exc.name}")
+            result.trace.append(f"{model.describe_label(label)}  =>  breaks {exc.name}")
         result.final_state = model.describe_world(worlds[i])
         result.states, result.transitions = len(worlds), transitions
         result.depth = max(depth)
