@@ -47,6 +47,7 @@ from omni_prefix_cache.specs.compiled import CompiledMachine, compile_machine
 from omni_prefix_cache.specs.loader import MachineSpec, MoveSpec, SpecError, parse_spec
 from omni_prefix_cache.specs.protocol import (
     CompiledOperation,
+    Fire,
     ProtocolSpec,
     ProtocolViolation,
     compile_protocol,
@@ -222,8 +223,17 @@ BROKEN: dict[str, Mutation] = {
         "(copy_queue: push_head from CLAIMED; escalate: a third alternative)",
         "position_matches_task",
         _requeue_claimed,
-        {"copy_queue": lambda s: with_move(s, {"trigger": "push_head", "source": "CLAIMED", "dest": "HIGH",
-                                               "meaning": "mutant: requeue a claimed task"})},
+        {
+            "copy_queue": lambda s: with_move(
+                s,
+                {
+                    "trigger": "push_head",
+                    "source": "CLAIMED",
+                    "dest": "HIGH",
+                    "meaning": "mutant: requeue a claimed task",
+                },
+            )
+        },
     ),
     "done-before-publish": Mutation(
         "the pool write sets done before it publishes the completion record", "done_after_record", _done_before_publish
@@ -247,7 +257,8 @@ BROKEN: dict[str, Mutation] = {
         _split_claim,
     ),
     "save-without-barrier": Mutation(
-        "save maps slots without waiting for the previous step's immediate writes", "save_waits_previous_writes",
+        "save maps slots without waiting for the previous step's immediate writes",
+        "save_waits_previous_writes",
         _save_without_barrier,
     ),
     "unpin-twice": Mutation(
@@ -267,7 +278,9 @@ def load_variant(broken: str | None) -> tuple[ProtocolSpec, str | None]:
         mut = BROKEN[broken]
         spec = base.mutated(mut.protocol) if mut.protocol is not None else base
         if mut.machines:
-            comps = {role: mut.machines[m.name](m) if m.name in mut.machines else m for role, m in spec.components.items()}
+            comps = {
+                role: mut.machines[m.name](m) if m.name in mut.machines else m for role, m in spec.components.items()
+            }
             spec = dataclasses.replace(spec, components=comps)
         return spec, mut.invariant
     path = Path(broken)
@@ -304,7 +317,17 @@ class _Ctx:
     __slots__ = (
         *("tasks", "steps", "slots", "pages", "hi", "lo", "completed", "failed", "staged", "sticky"),
         *("failures_drained", "reads", "req", "kind", "slot", "sid", "tid", "target", "rid", "drop_pairs"),
-        *("commit_pairs", "found_failures", "link_slot", "fired", "cur_tid", "cur_slot", "cur_holder", "cur_page", "cur_read"),
+        *(
+            "commit_pairs",
+            "found_failures",
+            "link_slot",
+            "fired",
+            "cur_tid",
+            "cur_slot",
+            "cur_holder",
+            "cur_page",
+            "cur_read",
+        ),
     )
 
     def __init__(self, w: World, args: tuple[int, ...]):
@@ -470,10 +493,7 @@ class ComposedModel:
         self.pairs = {int(P[p]): frozenset(int(T[t]) for t in ts) for p, ts in spec.pairs.items()}
         self.roles = self._roles()
         self._required = {
-            (s.role, s.trigger)
-            for op in spec.operations
-            for s in op.walk()
-            if getattr(s, "optional", True) is False
+            (s.role, s.trigger) for op in spec.operations for s in op.walk() if isinstance(s, Fire) and not s.optional
         }
         self.guards = self._guards()
         self.ops: dict[str, CompiledOperation] = compile_protocol(spec, self, self._effects(), self.guards)
@@ -993,7 +1013,8 @@ class ComposedModel:
             yield from self._continue(w, READER)
         elif "materialize" in self.ops:
             for sid, st in enumerate(w.steps):
-                if st.state == self.SAVED and not (th[ENGINE] and th[ENGINE][2][3] == sid):
+                # A save still in progress has not returned its step id to anyone yet.
+                if st.state == self.SAVED and not (th[ENGINE] and th[ENGINE][2][3] == sid):  # type: ignore[misc]
                     yield from self._start(w, READER, "materialize", _args(sid=sid))
         # committer
         run = th[COMMITTER]
@@ -1154,9 +1175,7 @@ class ComposedModel:
         slots = w.slots
         if any(s.version for s in slots):
             read_slots = {r.slot for r in reads}
-            slots = tuple(
-                s if s.version == 0 or i in read_slots else _rep(s, version=0) for i, s in enumerate(slots)
-            )
+            slots = tuple(s if s.version == 0 or i in read_slots else _rep(s, version=0) for i, s in enumerate(slots))
         steps = w.steps
         if any(st.freed and st.charged for st in steps):
             steps = tuple(_rep(st, charged=0) if st.freed else st for st in steps)
@@ -1165,7 +1184,14 @@ class ComposedModel:
             completed = tuple(sorted(completed))
         if len(failed) > 1:
             failed = tuple(sorted(failed))
-        if (tasks, slots, completed, failed, reads, steps) == (w.tasks, w.slots, w.completed, w.failed, w.reads, w.steps):
+        if (tasks, slots, completed, failed, reads, steps) == (
+            w.tasks,
+            w.slots,
+            w.completed,
+            w.failed,
+            w.reads,
+            w.steps,
+        ):
             return w
         return w._replace(tasks=tasks, slots=slots, completed=completed, failed=failed, reads=reads, steps=steps)
 
@@ -1198,7 +1224,8 @@ class ComposedModel:
         for tid, t in enumerate(w.tasks):
             if (t.position in self.on_queue) != (tid in queued):
                 raise Violation(
-                    "one_queue_entry", f"task {tid} at {self.P(t.position).name}, queues hi={list(w.hi)} lo={list(w.lo)}"
+                    "one_queue_entry",
+                    f"task {tid} at {self.P(t.position).name}, queues hi={list(w.hi)} lo={list(w.lo)}",
                 )
 
     def _done_after_record(self, w: World) -> None:
@@ -1375,8 +1402,11 @@ class ComposedModel:
             parts.append("failure sticky")
         if a.reads != b.reads:
             parts.append(
-                "reads " + ", ".join(f"{self.R(r.state).name} slot {r.slot} v{r.version}"
-                                     + (" preserved" if r.preserved else "") for r in b.reads)
+                "reads "
+                + ", ".join(
+                    f"{self.R(r.state).name} slot {r.slot} v{r.version}" + (" preserved" if r.preserved else "")
+                    for r in b.reads
+                )
             )
         return "; ".join(parts) or "no change"
 
