@@ -57,6 +57,13 @@ def test_the_shipped_spec_passes_at_small_bounds(bounds: Bounds) -> None:
     assert result.depth >= 2 * bounds.steps
 
 
+def test_a_new_tenant_resets_the_keys_it_does_not_write() -> None:
+    # Two keys: a step that leaves the mm key out resets it (slot tenancy); the shipped spec keeps no stale rows.
+    result = check(Bounds(requests=1, tasks=2, slots=1, pages=1, steps=2, reads=1, failures=1, keys=2))
+    assert result.ok, result.report()
+    assert result.states > 1000
+
+
 @pytest.mark.parametrize("name", sorted(BROKEN))
 def test_every_spec_mutation_is_found_with_a_shortest_trace(name: str) -> None:
     result = check(SMALL, name)

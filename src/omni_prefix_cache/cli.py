@@ -367,6 +367,7 @@ _BOUND_HELP = {
     "steps": "saved steps in all",
     "reads": "planned delayed reads at a time",
     "failures": "injected write failures",
+    "keys": "pool keys per slot (hidden, then mm keys a step may leave out)",
 }
 _BOUND_MIN = {"reads": 0, "failures": 0}
 

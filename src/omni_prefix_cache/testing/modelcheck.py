@@ -93,9 +93,12 @@ class Step(NamedTuple):
 
 
 class Slot(NamedTuple):
-    state: int  # slot_occupancy (one key)
+    """One (slot, key) cell: index ``slot * keys + key`` in ``World.slots``."""
+
+    state: int  # slot_occupancy
     owner: int  # -1 when none
     version: int
+    stale: bool  # holds rows of a previous tenant of the slot (tenant_owns_all_keys)
 
 
 class Read(NamedTuple):
@@ -143,10 +146,12 @@ class Bounds:
     steps: int = 2
     reads: int = 1
     failures: int = 1
+    keys: int = 1  # pool keys per slot: hidden (always written), then mm keys a step may write
 
     def describe(self) -> str:
+        keys = f" ({self.keys} keys each)" if self.keys > 1 else ""
         return (
-            f"{self.requests} requests, {self.tasks} tasks, {self.slots} slots, "
+            f"{self.requests} requests, {self.tasks} tasks, {self.slots} slots{keys}, "
             f"{self.pages} staging pages, {self.steps} steps, {self.reads} planned reads, {self.failures} failures"
         )
 
@@ -173,6 +178,7 @@ class Mutation:
     invariant: str
     protocol: Callable[[dict[str, Any]], None] | None = None
     machines: Mapping[str, Callable[[MachineSpec], MachineSpec]] = field(default_factory=dict)
+    at_least: Mapping[str, int] = field(default_factory=dict)  # bounds the bug needs (e.g. two keys)
 
 
 def _requeue_claimed(data: dict[str, Any]) -> None:
@@ -205,6 +211,11 @@ def _save_without_barrier(data: dict[str, Any]) -> None:
 
 def _unpin_twice(data: dict[str, Any]) -> None:
     _op(data, "committer_claim")["segments"][0]["steps"][0]["first_of"][0].append({"do": "unpin_budget"})
+
+
+def _reset_keeps_committed(spec: MachineSpec) -> MachineSpec:
+    move = {"trigger": "reset", "source": "COMMITTED", "dest": "COMMITTED", "meaning": "mutant: keep the old rows"}
+    return with_move(without_move(spec, "reset", "COMMITTED"), move)
 
 
 def _without_effect(effect: str) -> Callable[[MachineSpec], MachineSpec]:
@@ -261,6 +272,13 @@ BROKEN: dict[str, Mutation] = {
         "save_waits_previous_writes",
         _save_without_barrier,
     ),
+    "stale-tenant": Mutation(
+        "slot_occupancy's reset keeps a COMMITTED key: a new tenant that does not write an mm key "
+        "serves the previous tenant's rows",
+        "slot_occupancy.tenant_owns_all_keys",
+        machines={"slot_occupancy": _reset_keeps_committed},
+        at_least={"keys": 2},
+    ),
     "unpin-twice": Mutation(
         "unpin_budget runs twice: at the claim (too early, the clone is still held) and after the copy",
         "staged_bytes",
@@ -316,7 +334,7 @@ class _Ctx:
 
     __slots__ = (
         *("tasks", "steps", "slots", "pages", "hi", "lo", "completed", "failed", "staged", "sticky"),
-        *("failures_drained", "reads", "req", "kind", "slot", "sid", "tid", "target", "rid", "drop_pairs"),
+        *("failures_drained", "reads", "req", "kind", "slot", "sid", "tid", "target", "rid", "keys", "drop_pairs"),
         *(
             "commit_pairs",
             "found_failures",
@@ -343,8 +361,9 @@ class _Ctx:
         self.sticky = w.sticky
         self.failures_drained = w.failures_drained
         self.reads = list(w.reads)
-        # Operation arguments: (req, kind, slot, sid, tid, rid); -1 = none.
-        self.req, self.kind, self.slot, self.sid, self.tid, self.rid = args
+        # Operation arguments: (req, kind, slot, sid, tid, rid, keys); -1 = none. ``slot``
+        # is a slot for a save (``keys``: the bit mask of mm keys it writes), a cell for a read.
+        self.req, self.kind, self.slot, self.sid, self.tid, self.rid, self.keys = args
         self.target = -1
         self.commit_pairs: list[tuple[int, int]] = []
         self.drop_pairs: list[tuple[int, int]] = []
@@ -356,7 +375,7 @@ class _Ctx:
 
     @property
     def args(self) -> tuple[int, ...]:
-        return (self.req, self.kind, self.slot, self.sid, self.tid, self.rid)
+        return (self.req, self.kind, self.slot, self.sid, self.tid, self.rid, self.keys)
 
     def freeze(self, threads: tuple[Running, ...]) -> World:
         return World(
@@ -379,11 +398,11 @@ class _Ctx:
         return f"<task {self.tid} step {self.sid} slot {self.slot}>"
 
 
-NO_ARGS = (-1, -1, -1, -1, -1, -1)
+NO_ARGS = (-1, -1, -1, -1, -1, -1, 0)
 
 
 def _args(**kw: int) -> tuple[int, ...]:
-    a = dict(zip(("req", "kind", "slot", "sid", "tid", "rid"), NO_ARGS))
+    a = dict(zip(("req", "kind", "slot", "sid", "tid", "rid", "keys"), NO_ARGS))
     a.update(kw)
     return tuple(a.values())
 
@@ -487,7 +506,7 @@ class ComposedModel:
         self.held, self.unheld = int(H["HELD"]), int(H[comps["task_holder"].initial])
         self.FAILED = int(T["FAILED"])
         self.UNSAVED, self.SAVED = int(S["UNSAVED"]), int(S["SAVED"])
-        self.IN_TRANSIT, self.COMMITTED = int(Occ["IN_TRANSIT"]), int(Occ["COMMITTED"])
+        self.ABSENT, self.IN_TRANSIT, self.COMMITTED = int(Occ["ABSENT"]), int(Occ["IN_TRANSIT"]), int(Occ["COMMITTED"])
         self.HIGH, self.LOW, self.STALE = int(P["HIGH"]), int(P["LOW"]), int(P["STALE"])
         self.on_queue = frozenset((self.HIGH, self.LOW, self.STALE))
         self.pairs = {int(P[p]): frozenset(int(T[t]) for t in ts) for p, ts in spec.pairs.items()}
@@ -535,7 +554,7 @@ class ComposedModel:
             "set_done": lambda c: self._set_task(c, c.cur_tid, done=True),
             # slot_occupancy
             "owned_by_writer": lambda c: c.slots[c.cur_slot].owner == c.cur_tid,
-            "set_owner": lambda c: self._set_slot(c, owner=c.cur_tid),
+            "set_owner": lambda c: self._set_slot(c, owner=c.cur_tid, stale=False),
             "clear_owner": lambda c: self._set_slot(c, owner=-1),
             "reassign_from_old_owner": self._reassign_from_old_owner,
             "bump_version": lambda c: self._set_slot(c, version=c.slots[c.cur_slot].version + 1),
@@ -652,7 +671,8 @@ class ComposedModel:
             c.cur_slot, c.cur_tid = i
 
         def put_slot(c: _Ctx, i: Any, dest: int, trigger: str) -> None:
-            c.slots[i[0]] = _rep(c.slots[i[0]], state=dest)
+            # A cell back at its initial state holds no rows, stale or not.
+            c.slots[i[0]] = _rep(c.slots[i[0]], state=dest, stale=c.slots[i[0]].stale and dest != self.ABSENT)
 
         def read_instances(c: _Ctx, trigger: str) -> list[Any]:
             if c.link_slot >= 0:
@@ -769,13 +789,23 @@ class ComposedModel:
 
     def coupling(self, role: str, name: str) -> Callable[[Any], None]:
         cp = next(x for x in self.spec.components[role].couplings if x.name == name)
-        fire_on = self._instance_move(role, cp.fires)
+        fire_on, others = self._instance_move(role, cp.fires), self._instance_move(role, cp.others)
+        K = self.bounds.keys
 
         def run(c: _Ctx) -> None:
-            # One key: the step's written slot fires `fires`; there is no other key to fire `others` on.
-            fire_on(c, (c.slot, c.tid))
+            # The slot changes tenant: what its cells hold is the previous tenant's until rewritten.
+            written = self._written(c)
+            for cell in range(c.slot * K, c.slot * K + K):
+                if c.slots[cell].state != self.ABSENT:
+                    c.slots[cell] = _rep(c.slots[cell], stale=True)
+                (fire_on if cell in written else others)(c, (cell, c.tid))
 
         return run
+
+    def _written(self, c: _Ctx) -> tuple[int, ...]:
+        """The cells a save writes: hidden, and the mm keys in its mask."""
+        K = self.bounds.keys
+        return tuple(c.slot * K + k for k in range(K) if k == 0 or c.keys >> (k - 1) & 1)
 
     def _instance_move(self, role: str, trigger: str) -> Callable[[_Ctx, Any], None]:
         r = self.roles[role]
@@ -842,7 +872,8 @@ class ComposedModel:
         if c.kind != DEF:
             return False
         for tid, t in enumerate(c.tasks):
-            if t.req == c.req and t.sched == DEF and t.state in self.accepts and c.slot not in t.reassigned:
+            taken = any(cell in t.reassigned for cell in self._written(c))
+            if t.req == c.req and t.sched == DEF and t.state in self.accepts and not taken:
                 c.target = tid
         return c.target >= 0
 
@@ -862,7 +893,7 @@ class ComposedModel:
                 owed=(),
                 clone=True,
                 pins=(c.sid,),
-                slots=(c.slot,),
+                slots=self._written(c),
                 reassigned=(),
                 claims=0,
                 drained=False,
@@ -876,7 +907,8 @@ class ComposedModel:
         t = c.tasks[tid]
         if t.state not in self.accepts:
             raise Violation("write_task.append_only_before_copy", f"append to task {tid} in {self.T(t.state).name}")
-        self._set_task(c, tid, slots=tuple(sorted({*t.slots, c.slot})), pins=(*t.pins, c.sid), clone=True)
+        cells = tuple(sorted({*t.slots, *self._written(c)}))
+        self._set_task(c, tid, slots=cells, pins=(*t.pins, c.sid), clone=True)
         c.tid = tid
         self._pin(c, tid)
 
@@ -943,14 +975,14 @@ class ComposedModel:
     # ------------------------------------------------------------- world
     @property
     def fresh_slot(self) -> Slot:
-        return Slot(int(self.m["slot"].initial), -1, 0)
+        return Slot(int(self.m["slot"].initial), -1, 0, False)
 
     def initial(self) -> World:
         b = self.bounds
         return World(
             tasks=(),
             steps=(),
-            slots=tuple(self.fresh_slot for _ in range(b.slots)),
+            slots=tuple(self.fresh_slot for _ in range(b.slots * b.keys)),
             pages=tuple(frozenset() for _ in range(b.pages)),
             hi=(),
             lo=(),
@@ -971,7 +1003,11 @@ class ComposedModel:
             if t.state not in self.task_final or t.owed
         ]
         why += [f"page {p} is held by {_holders(busy)}" for p, busy in enumerate(w.pages) if busy]
-        why += [f"slot {i} is {self.Occ(s.state).name}" for i, s in enumerate(w.slots) if s.state not in self.slot_rest]
+        why += [
+            f"{self.cell(i)} is {self.Occ(s.state).name}"
+            for i, s in enumerate(w.slots)
+            if s.state not in self.slot_rest
+        ]
         why += [f"the {_THREAD[i]} is inside {run[0]}" for i, run in enumerate(w.threads) if run]
         return why
 
@@ -1042,9 +1078,11 @@ class ComposedModel:
         sid = len(w.steps)
         if any(r.step == sid for r in w.reads):
             return
+        K = self.bounds.keys
         for slot in self._distinct_slots(w):
-            if w.slots[slot].state == self.COMMITTED:
-                yield from self._start(w, ENGINE, "new_step", _args(slot=slot, sid=sid))
+            for cell in range(slot * K, slot * K + K):
+                if w.slots[cell].state == self.COMMITTED:
+                    yield from self._start(w, ENGINE, "new_step", _args(slot=cell, sid=sid))
 
     def _saves(self, w: World) -> Iterator[tuple[Label, World]]:
         if not any(not p for p in w.pages):
@@ -1058,7 +1096,9 @@ class ComposedModel:
                 if full and not (kind == DEF and open_def):
                     continue
                 for slot in self._distinct_slots(w):
-                    yield from self._start(with_step, ENGINE, "save", _args(req=r, kind=kind, slot=slot, sid=sid))
+                    for keys in range(1 << (self.bounds.keys - 1)):
+                        args = _args(req=r, kind=kind, slot=slot, sid=sid, keys=keys)
+                        yield from self._start(with_step, ENGINE, "save", args)
 
     def _distinct_requests(self, w: World) -> list[int]:
         """Requests with a write, plus the first without one: those are
@@ -1069,10 +1109,11 @@ class ComposedModel:
 
     def _distinct_slots(self, w: World) -> list[int]:
         """Slots in use, plus the first untouched one (symmetry reduction)."""
-        used = {s for t in w.tasks for s in t.slots} | {r.slot for r in w.reads}
-        used |= {i for i, s in enumerate(w.slots) if s != self.fresh_slot}
+        K = self.bounds.keys
+        used = {s // K for t in w.tasks for s in t.slots} | {r.slot // K for r in w.reads}
+        used |= {i // K for i, s in enumerate(w.slots) if s != self.fresh_slot}
         out = sorted(used)
-        fresh = next((i for i in range(len(w.slots)) if i not in used), None)
+        fresh = next((i for i in range(self.bounds.slots) if i not in used), None)
         return out if fresh is None else sorted([*out, fresh])
 
     def _start(self, w: World, thread: int, op: str, args: tuple[int, ...]) -> Iterator[tuple[Label, World]]:
@@ -1261,7 +1302,7 @@ class ComposedModel:
             if r.state not in self.read_final and w.slots[r.slot].version != r.version and not r.preserved:
                 raise Violation(
                     "copy_on_write",
-                    f"a planned read of slot {r.slot} (version {r.version}) lost its rows: the slot is now "
+                    f"a planned read of {self.cell(r.slot)} (version {r.version}) lost its rows: it is now "
                     f"version {w.slots[r.slot].version} and nothing was preserved",
                 )
 
@@ -1304,14 +1345,20 @@ class ComposedModel:
         for slot, s in enumerate(w.slots):
             if (s.owner >= 0) != (s.state == self.IN_TRANSIT):
                 raise Violation(
-                    "slot_occupancy.owner_iff_in_transit", f"slot {slot} is {self.Occ(s.state).name}, owner {s.owner}"
+                    "slot_occupancy.owner_iff_in_transit",
+                    f"{self.cell(slot)} is {self.Occ(s.state).name}, owner {s.owner}",
+                )
+            if s.stale and s.state != self.ABSENT:
+                raise Violation(
+                    "slot_occupancy.tenant_owns_all_keys",
+                    f"{self.cell(slot)} is {self.Occ(s.state).name} with rows of the slot's previous tenant",
                 )
             if s.owner >= 0:
                 owner = w.tasks[s.owner]
                 if owner.drained or slot in owner.reassigned:
                     raise Violation(
                         "slot_occupancy.owner_is_live_task",
-                        f"slot {slot} is owned by task {s.owner}, which is drained or reassigned",
+                        f"{self.cell(slot)} is owned by task {s.owner}, which is drained or reassigned",
                     )
         held: list[set[tuple[int, int]]] = [set() for _ in w.pages]
         for sid, st in enumerate(w.steps):
@@ -1341,23 +1388,33 @@ class ComposedModel:
             if a is b:
                 continue
             if b.version < a.version or b.version > a.version + 1:
-                raise Violation("slot_occupancy.version_monotonic", f"slot {slot} version {a.version} -> {b.version}")
+                raise Violation(
+                    "slot_occupancy.version_monotonic", f"{self.cell(slot)} version {a.version} -> {b.version}"
+                )
             if b.version == a.version + 1 and a.state != self.COMMITTED:
-                raise Violation("slot_occupancy.version_monotonic", f"slot {slot} bumped from {self.Occ(a.state).name}")
+                raise Violation(
+                    "slot_occupancy.version_monotonic", f"{self.cell(slot)} bumped from {self.Occ(a.state).name}"
+                )
 
     # ------------------------------------------------------------ printing
+    def cell(self, index: int) -> str:
+        """A (slot, key) cell by name."""
+        K = self.bounds.keys
+        return f"slot {index // K}" + (f" key {index % K}" if K > 1 else "")
+
     def describe_label(self, label: Label) -> str:
         op, first, last, args, raised = label
         return self.label(op, first, args, last) + raised
 
     def label(self, op: str, seg: int, args: tuple[int, ...], last: int = -1) -> str:
-        req, kind, slot, sid, tid, _ = args
+        req, kind, slot, sid, tid, _, keys = args
         segs = f"{seg}" if last <= seg else f"{seg}-{last}"
         name = op + (f"[{segs}]" if len(self.ops[op].segments) > 1 else "")
         if op == "save":
-            what = f"r{req}, {_KIND[kind]} write of slot {slot}, step {sid}"
+            mm = "".join(f"+mm{k}" for k in range(1, self.bounds.keys) if keys >> (k - 1) & 1)
+            what = f"r{req}, {_KIND[kind]} write of slot {slot}{mm}, step {sid}"
         elif op == "new_step":
-            what = f"plan a read of slot {slot} for step {sid}"
+            what = f"plan a read of {self.cell(slot)} for step {sid}"
         elif op in ("materialize", "discard", "abandon_save"):
             what = f"step {sid}"
         elif tid >= 0:
@@ -1391,7 +1448,8 @@ class ComposedModel:
         for slot, cell in enumerate(b.slots):
             if a.slots[slot] != cell:
                 owner = f" owner task {cell.owner}" if cell.owner >= 0 else ""
-                parts.append(f"slot {slot} {Occ(cell.state).name}{owner} v{cell.version}")
+                stale = " (previous tenant's rows)" if cell.stale else ""
+                parts.append(f"{self.cell(slot)} {Occ(cell.state).name}{owner} v{cell.version}{stale}")
         if (a.hi, a.lo) != (b.hi, b.lo):
             parts.append(f"queues hi={list(b.hi)} lo={list(b.lo)}")
         if a.completed != b.completed or a.failed != b.failed:
@@ -1404,7 +1462,7 @@ class ComposedModel:
             parts.append(
                 "reads "
                 + ", ".join(
-                    f"{self.R(r.state).name} slot {r.slot} v{r.version}" + (" preserved" if r.preserved else "")
+                    f"{self.R(r.state).name} {self.cell(r.slot)} v{r.version}" + (" preserved" if r.preserved else "")
                     for r in b.reads
                 )
             )
@@ -1427,7 +1485,10 @@ class ComposedModel:
         ]
         lines.append("pages " + ", ".join(f"{p}: [{_holders(h)}]" for p, h in enumerate(w.pages)))
         lines.append(
-            "slots " + ", ".join(f"{i}: {self.Occ(s.state).name}/{s.owner}/v{s.version}" for i, s in enumerate(w.slots))
+            "slots "
+            + ", ".join(
+                f"{self.cell(i)}: {self.Occ(s.state).name}/{s.owner}/v{s.version}" for i, s in enumerate(w.slots)
+            )
         )
         return lines
 
@@ -1479,6 +1540,9 @@ def check(
     1,000 expanded states.
     """
     bounds = bounds or Bounds()
+    if broken in BROKEN and BROKEN[broken].at_least:
+        raise_to = {k: max(v, getattr(bounds, k)) for k, v in BROKEN[broken].at_least.items()}
+        bounds = dataclasses.replace(bounds, **raise_to)
     model = ComposedModel(bounds, broken, specs, protocol)
     result = CheckResult(bounds=bounds, broken=broken)
     start = time.perf_counter()
