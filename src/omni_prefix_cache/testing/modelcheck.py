@@ -519,6 +519,15 @@ class ComposedModel:
         self.invisible = {
             name: tuple(self._invisible(seg) for seg in op.spec.segments) for name, op in self.ops.items()
         }
+        # Where a save may fail and abandon its step: after the claim, before the step is issued.
+        save = self.ops["save"].spec
+        at = {x.label: i for i, sg in enumerate(save.segments) for x in sg.steps if isinstance(x, Fire)}
+        claim, issue = at.get("step_holder.claim"), at.get("step.save")
+        self._abandon_at = (
+            frozenset(range(claim + 1, issue + 1))
+            if "abandon_save" in self.ops and claim is not None and issue is not None
+            else frozenset()
+        )
         self.checkers = self._checkers()
         declared = set(spec.invariants_for("model"))
         missing, extra = sorted(declared - set(self.checkers)), sorted(set(self.checkers) - declared)
@@ -1032,6 +1041,9 @@ class ComposedModel:
         # engine
         if th[ENGINE]:
             yield from self._continue(w, ENGINE)
+            op, seg, args = th[ENGINE]  # type: ignore[misc]
+            if op == "save" and seg in self._abandon_at:
+                yield from self._start(w, ENGINE, "abandon_save", args)  # the save fails after its claim
         else:
             if not w.sticky and len(w.steps) < b.steps:
                 yield from self._new_steps(w)
