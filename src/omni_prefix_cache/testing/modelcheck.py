@@ -1,33 +1,40 @@
 """Bounded exhaustive check of the composition spec (TLC-style).
 
 The model interprets ``spec/protocol.yaml``: its actions are the protocol's
-operations, compiled with ``specs.protocol.compile_protocol`` against a
-model ``Binding`` whose component moves come from the compiled machines
-(``write_task``, ``copy_queue``, ``staging_holder``, ``step_context``,
-``slot_occupancy``, ``planned_read``) and whose effect and guard handlers
-act on the model's world. Each segment of an operation is one atomic
-action; an operation in progress is part of the world (which segment each
-thread is at), so other threads interleave only between segments.
+operations, compiled with ``specs.protocol.compile_protocol`` against this
+module's ``Binding`` (``ComposedModel.move`` / ``coupling``), whose
+component moves come from the compiled machines (``write_task``,
+``copy_queue``, ``staging_holder``, ``step_context``, ``slot_occupancy``,
+``planned_read``) and whose effect and guard handlers act on the model's
+world. Each segment of an operation is one atomic action; an operation in
+progress is part of the world (which segment each thread is at), so other
+threads interleave only between segments. A segment the model cannot
+observe (a wait on a monotone event, or only effects that are no-ops here)
+runs on into the next one in the same action. No action moves a component
+except through a compiled operation.
 
-What the model chooses itself is the environment: which operation a
-thread starts, for which request, task, step or slot, which save kind
-(immediate, deferred, deferred submitted queued), where a write fails (the
-committer's copy or pool write, or a failure on another thread), and the
-bounds. The threads: the engine (new_step, save, escalate, drain,
-discard), a reader (lagged materialize), the committer (claim -> copy ->
-write) and a failing thread. Outside the model: eager dispatch, budget
-flushes (over_budget is false; escalate of any task covers the flush's
-escalate), shutdown, abandoned saves, joins by readers; reads plan
-committed slots only.
+What the model chooses itself is the environment: which operation a thread
+starts, for which request, task, step, slot or key, which save kind
+(immediate, deferred, deferred submitted queued; which mm keys it writes),
+where something fails (the committer's copy or pool write, a failure on
+another thread, a save after its claim: ``abandon_save``), and the bounds.
+The threads: the engine (new_step, save, escalate of any unfinished task,
+drain, discard), a reader (lagged materialize), the committer (claim ->
+copy -> write, high queue first) and a failing thread. Left out: eager
+dispatch and budget flushes (``eager`` and ``over_budget`` are false; the
+flush's escalate is covered by escalate), shutdown, joins by readers, a
+read of an in-transit slot (reads plan committed cells) and hits on the
+step's own writes (``replan_same_step_hits`` is a no-op).
 
 The system invariants are the protocol's ``invariants_for("model")``, each
-bound to one checker here by name (a name without a checker, or a checker
-without a name, refuses to build the model); the machines' own invariants
+bound to one checker here by name; a name without a checker, or a checker
+without a name, refuses to build the model. The machines' own invariants
 are checked too. ``can_settle`` is liveness: every reachable state can
-still reach a settled one. Broken variants (``BROKEN``) are spec
-mutations: patches applied to the loaded specs, or a whole protocol file.
-A violation is reported with a shortest trace from the initial state, in
-operation-level labels (``escalate(task 0)``, ``committer_write[2](task 1)``).
+still reach a settled one. Broken variants (``BROKEN``) are spec mutations:
+patches of the loaded protocol and/or component machines, or a whole
+protocol file. A violation is reported with a shortest trace from the
+initial state in operation-level steps (``escalate(task 0)``,
+``committer_write[2](task 1)``).
 """
 
 from __future__ import annotations
