@@ -626,6 +626,8 @@ class ComposedModel:
 
         def enabled(c: _Ctx) -> bool:
             insts = r.instances(c, trigger)
+            if len(insts) == 1:
+                return one(c, insts[0]) is not None
             if not insts:
                 return True
             if need_all:
@@ -1068,25 +1070,35 @@ class ComposedModel:
         states coincide: a drained terminal task keeps only its state,
         schedule, events and claims; finished reads go; a version no live
         read refers to reads as 0; the record lists are sets."""
-        final = self.task_final
+        final, read_final = self.task_final, self.read_final
         tasks = w.tasks
-        if any(t.drained and t.slots and not t.owed and t.state in final for t in tasks):
-            tasks = tuple(
-                _rep(t, req=-1, slots=(), reassigned=(), pins=(), clone=False)
-                if t.drained and t.slots and not t.owed and t.state in final
-                else t
-                for t in tasks
-            )
+        for t in tasks:
+            if t.drained and t.slots and not t.owed and t.state in final:
+                tasks = tuple(
+                    _rep(t, req=-1, slots=(), reassigned=(), pins=(), clone=False)
+                    if t.drained and t.slots and not t.owed and t.state in final
+                    else t
+                    for t in tasks
+                )
+                break
         reads = w.reads
-        if any(r.state in self.read_final for r in reads):
-            reads = tuple(r for r in reads if r.state not in self.read_final)
+        for r in reads:
+            if r.state in read_final:
+                reads = tuple(r for r in reads if r.state not in read_final)
+                break
         slots = w.slots
-        if any(s.version for s in slots):
-            read_slots = {r.slot for r in reads}
-            slots = tuple(s if s.version == 0 or i in read_slots else _rep(s, version=0) for i, s in enumerate(slots))
+        for s in slots:
+            if s.version:
+                read_slots = {r.slot for r in reads}
+                slots = tuple(
+                    s if s.version == 0 or i in read_slots else _rep(s, version=0) for i, s in enumerate(slots)
+                )
+                break
         steps = w.steps
-        if any(st.freed and st.charged for st in steps):
-            steps = tuple(_rep(st, charged=0) if st.freed else st for st in steps)
+        for st in steps:
+            if st.freed and st.charged:
+                steps = tuple(_rep(st, charged=0) if st.freed else st for st in steps)
+                break
         completed, failed = w.completed, w.failed
         if len(completed) > 1:
             completed = tuple(sorted(completed))
