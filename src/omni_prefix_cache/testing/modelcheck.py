@@ -422,7 +422,7 @@ class ComposedModel:
             "clear_owner": lambda c: self._set_slot(c, owner=-1),
             "reassign_from_old_owner": self._reassign_from_old_owner,
             "bump_version": lambda c: self._set_slot(c, version=c.slots[c.cur_slot].version + 1),
-            "preserve_pending_reads": lambda c: None,  # replaced by the protocol's link below, if any
+            "preserve_pending_reads": self._unlinked("preserve_pending_reads"),  # the protocol links it below
             # staging_holder
             "is_step_holder": lambda c: c.cur_holder[0] == STEP,
             "is_task_holder": lambda c: c.cur_holder[0] == TASK,
@@ -440,6 +440,13 @@ class ComposedModel:
         for link in self.spec.links:
             h[link.effect[1]] = functools.partial(self._run_link, link.fires.role, link.fires.trigger)
         return h
+
+    @staticmethod
+    def _unlinked(effect: str) -> Callable[[Any], None]:
+        def run(c: Any) -> None:
+            raise Violation("model.outside", f"component effect {effect} ran, and the protocol links it to no move")
+
+        return run
 
     def _run_link(self, role: str, trigger: str, c: _Ctx) -> None:
         fire = self._link_fires.get((role, trigger))
