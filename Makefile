@@ -54,8 +54,9 @@ bench:
 mutants:
 	$(PYTHON) -m omni_prefix_cache.testing.mutant_catalogue
 
-# Bounded exhaustive check of the composed model (the CI bound, about a minute).
-# CHECKFLAGS: e.g. CHECKFLAGS="--tasks 3 --steps 3" or CHECKFLAGS="--broken escalate-requeues-copying"
+# Bounded exhaustive check of the composition spec (the CI bound, well under a minute).
+# CHECKFLAGS: e.g. CHECKFLAGS="--tasks 3 --steps 3 --keys 2", CHECKFLAGS="--broken escalate-requeues-copying"
+# (a catalogued spec mutation) or CHECKFLAGS="--broken path/to/protocol.yaml" (a mutation kept as a file)
 check:
 	$(PYTHON) -m omni_prefix_cache check $(CHECKFLAGS)
 

@@ -1,94 +1,141 @@
-"""The bounded exhaustive check of the composed model (``omni-prefix-cache check``).
+"""The bounded exhaustive check of the composition spec (``omni-prefix-cache check``).
 
-Small bounds here (seconds); the CI bound runs through ``make check``.
+Small bounds here (seconds), and the CI bound once; ``make test`` runs the CI bound too.
 """
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+from typing import Any
+
 import pytest
+import yaml
 
 from omni_prefix_cache.cli import main
-from omni_prefix_cache.specs import load_spec
-from omni_prefix_cache.testing.modelcheck import BROKEN, Bounds, ComposedModel, check
+from omni_prefix_cache.specs import SpecError, load_spec
+from omni_prefix_cache.specs.protocol import load_protocol
+from omni_prefix_cache.testing.modelcheck import BROKEN, CI_BOUNDS, Bounds, ComposedModel, check
 from omni_prefix_cache.testing.mutants import without_move
 
 SMALL = Bounds(requests=1, tasks=2, slots=2, pages=1, steps=2, reads=1, failures=1)
-# Two requests so takeover across requests and finish of one are explored.
+# Two requests so takeover across requests is explored.
 TWO_REQUESTS = Bounds(requests=2, tasks=2, slots=2, pages=1, steps=2, reads=0, failures=1)
-
-# broken variant -> the invariant it must break
-EXPECTED = {
-    "escalate-requeues-copying": "composed.queued_not_claimed",
-    "done-before-publish": "composed.done_after_record",
-    "fail-never-wakes": "composed.can_settle",
-    "no-copy-on-write": "composed.copy_on_write",
-    "spec-no-drop": "slot_occupancy.declared_moves",
-}
+SMALL_ARGV = ["check", "--requests", "1", "--tasks", "2", "--slots", "2", "--pages", "1", "--steps", "2", "--quiet"]
 
 
-def test_every_broken_variant_has_an_expectation() -> None:
-    assert set(EXPECTED) == set(BROKEN)
+def _op(data: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(o for o in data["operations"] if o["name"] == name)
+
+
+def _steps_are_operations(trace: list[str]) -> None:
+    """Each step names a protocol operation (and segments), as a reader of the spec knows them."""
+    ops = set(load_protocol().ops)
+    for step in trace:
+        head = re.match(r"(\w+)(\[[\d-]+\])?\(", step)
+        assert head is not None and head.group(1) in ops, step
+
+
+def test_every_mutation_expects_an_invariant_the_model_checks() -> None:
+    model_invariants = set(load_protocol().invariants_for("model"))
+    machine_invariants = {f"{m.name}.{i.name}" for m in load_protocol().components.values() for i in m.invariants}
+    for name, mutation in BROKEN.items():
+        assert mutation.invariant in model_invariants | machine_invariants, name
+
+
+def test_the_shipped_spec_passes_at_the_ci_bound() -> None:
+    result = check(CI_BOUNDS)
+    assert result.ok, result.report()
+    assert result.states > 50_000 and result.transitions > result.states
 
 
 @pytest.mark.parametrize("bounds", [SMALL, TWO_REQUESTS], ids=["one-request", "two-requests"])
-def test_real_specs_pass(bounds: Bounds) -> None:
+def test_the_shipped_spec_passes_at_small_bounds(bounds: Bounds) -> None:
     result = check(bounds)
     assert result.ok, result.report()
     assert result.states > 1000 and result.transitions > result.states
     assert result.depth >= 2 * bounds.steps
 
 
+def test_a_new_tenant_resets_the_keys_it_does_not_write() -> None:
+    # Two keys: a step that leaves the mm key out resets it (slot tenancy); the shipped spec keeps no stale rows.
+    result = check(Bounds(requests=1, tasks=2, slots=1, pages=1, steps=2, reads=1, failures=1, keys=2))
+    assert result.ok, result.report()
+    assert result.states > 1000
+
+
 @pytest.mark.parametrize("name", sorted(BROKEN))
-def test_broken_variant_fails_with_a_readable_trace(name: str) -> None:
+def test_every_spec_mutation_is_found_with_a_shortest_trace(name: str) -> None:
     result = check(SMALL, name)
-    assert not result.ok
-    assert result.violation is not None and result.violation.name == EXPECTED[name]
+    expected = BROKEN[name].invariant
+    assert result.violation is not None and result.violation.name == expected, result.report()
+    assert result.trace
+    _steps_are_operations(result.trace)
     report = result.report()
-    assert f"VIOLATION {EXPECTED[name]}" in report
+    assert f"VIOLATION {expected}" in report
     assert all(f"  {i}. " in report for i in range(1, len(result.trace) + 1))
+    # BFS: the violation is found at its shallowest depth.
+    assert len(result.trace) <= result.depth + 1
 
 
-def test_requeue_counterexample_is_shortest() -> None:
-    # A task must be saved, claimed by the committer, then escalated: no
-    # trace shorter than those three steps can re-queue a COPYING task.
-    result = check(SMALL, "escalate-requeues-copying")
-    assert len(result.trace) == 3
-    assert "save" in result.trace[0] and "claim" in result.trace[1] and "QUEUED->COPYING" in result.trace[1]
-    assert "hi=[0]" in result.trace[2]
-
-
-def test_invariant_violation_is_found_at_its_shallowest_depth() -> None:
-    result = check(SMALL, "done-before-publish")
-    # BFS: nothing shallower breaks it, so the trace ends where the search did.
-    assert len(result.trace) <= result.depth
+def test_split_claim_counterexample_is_save_then_the_first_half_of_the_claim() -> None:
+    result = check(SMALL, "split-claim")
+    assert [step.split("  =>")[0] for step in result.trace][-1] == "committer_claim[0](task 0)"
+    assert all(step.startswith("save[") for step in result.trace[:-1])
+    assert "QUEUED at queue position CLAIMED" in result.violation.message  # type: ignore[union-attr]
 
 
 def test_stuck_state_is_reported_with_what_cannot_settle() -> None:
     result = check(SMALL, "fail-never-wakes")
     assert result.violation is not None
     assert "owes its wakes" in result.violation.message
-    assert any("fails" in step for step in result.trace)
+    assert any(step.startswith("fail[") for step in result.trace)
+
+
+def test_a_claim_of_a_task_failed_on_another_thread_is_a_protocol_violation_when_required() -> None:
+    # The shipped committer_claim pops such a task unclaimed (task.claim_copy?); requiring the
+    # claim makes the race of fail's first segment with the pop a protocol violation.
+    def require(data: dict[str, Any]) -> None:
+        _op(data, "committer_claim")["segments"][0]["steps"][0]["first_of"][0][1] = "task.claim_copy"
+
+    result = check(SMALL, protocol=load_protocol().mutated(require))
+    assert result.violation is not None and result.violation.name == "protocol.required_move"
+    assert "committer_claim: task.claim_copy is not enabled" in result.violation.message
+    assert result.trace[-2].startswith("fail[0](task 0)")
 
 
 def test_component_moves_come_from_the_specs() -> None:
-    # The committer claims through the write_task spec: without the claim
-    # move the model has nowhere to go and says which move is missing.
+    # Without the claim_copy move the committer pops a task it cannot claim.
     spec = without_move(load_spec("write_task"), "claim_copy", "QUEUED")
     result = check(SMALL, specs={"write_task": spec})
-    assert result.violation is not None and result.violation.name == "write_task.declared_moves"
-    assert "claim_copy from QUEUED" in result.violation.message
+    assert result.violation is not None and result.violation.name == "position_matches_task"
 
 
-def test_removing_a_holder_release_strands_a_page() -> None:
+def test_removing_a_holder_release_is_a_protocol_violation() -> None:
     spec = without_move(load_spec("staging_holder"), "consume", "HELD")
     result = check(SMALL, specs={"staging_holder": spec})
-    assert result.violation is not None and "consume" in result.violation.message
+    assert result.violation is not None and result.violation.name == "protocol.required_move"
+    assert "step_holder.consume is not enabled" in result.violation.message
 
 
 def test_symmetric_slots_add_no_states() -> None:
     few = check(Bounds(requests=1, tasks=1, slots=1, pages=1, steps=1, reads=0))
     many = check(Bounds(requests=1, tasks=1, slots=4, pages=1, steps=1, reads=0))
     assert few.ok and many.ok and few.states == many.states
+
+
+def test_the_model_refuses_a_protocol_invariant_it_cannot_check() -> None:
+    def add(data: dict[str, Any]) -> None:
+        data["invariants"].append({"name": "mystery", "meaning": "no checker for this", "checked_by": ["model"]})
+
+    with pytest.raises(SpecError, match=r"without a checker: \['mystery'\]"):
+        ComposedModel(SMALL, protocol=load_protocol().mutated(add))
+
+    def drop(data: dict[str, Any]) -> None:
+        data["invariants"] = [i for i in data["invariants"] if i["name"] != "staged_bytes"]
+
+    with pytest.raises(SpecError, match=r"checkers with no declared name: \['staged_bytes'\]"):
+        ComposedModel(SMALL, protocol=load_protocol().mutated(drop))
 
 
 def test_unknown_broken_variant_is_refused() -> None:
@@ -104,11 +151,27 @@ def test_cli_check_passes_and_reports_counts(capsys: pytest.CaptureFixture[str])
 
 
 def test_cli_check_broken_prints_counterexample(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["check", "--requests", "1", "--tasks", "2", "--steps", "2", "--pages", "1"]
-    rc = main([*argv, "--broken", "escalate-requeues-copying"])
+    rc = main([*SMALL_ARGV, "--broken", "escalate-requeues-copying"])
     out = capsys.readouterr().out
     assert rc == 1
-    assert "shortest counterexample (3 steps):" in out and "  1. " in out
+    assert "VIOLATION position_matches_task" in out and "shortest counterexample (" in out
+    assert re.search(r"  \d+\. escalate\(task 0\)  =>  ", out)
+
+
+def test_cli_check_runs_a_mutation_kept_as_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = yaml.safe_load(yaml.safe_dump(dict(load_protocol().raw)))  # a deep copy
+    write = _op(data, "committer_write")["segments"]
+    write[1]["steps"].remove({"do": "publish_completed"})
+    write.append({"lock": "controller", "steps": [{"do": "publish_completed"}]})
+    path = tmp_path / "done_first.yaml"
+    path.write_text(yaml.safe_dump(data))
+    rc = main([*SMALL_ARGV, "--broken", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "VIOLATION done_after_record" in out and "committer_write[" in out
+    path.write_text("name: protocol\ncomponents: {}\n")
+    assert main([*SMALL_ARGV, "--broken", str(path)]) == 2
+    assert "does not load" in capsys.readouterr().err
 
 
 def test_cli_check_gives_up_past_max_states(capsys: pytest.CaptureFixture[str]) -> None:

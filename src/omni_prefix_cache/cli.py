@@ -372,7 +372,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ check
 
-_CHECK_SUMMARY = "bounded exhaustive check of the composed model (every reachable state, TLC-style)"
+_CHECK_SUMMARY = "bounded exhaustive check of the composition spec (every reachable state, TLC-style)"
 _BOUND_HELP = {
     "requests": "requests",
     "tasks": "write tasks in all",
@@ -381,6 +381,7 @@ _BOUND_HELP = {
     "steps": "saved steps in all",
     "reads": "planned delayed reads at a time",
     "failures": "injected write failures",
+    "keys": "pool keys per slot (hidden, then mm keys a step may leave out)",
 }
 _BOUND_MIN = {"reads": 0, "failures": 0}
 
@@ -397,11 +398,12 @@ def _add_check_parser(sub: Any, *, full: bool = True) -> None:
         "check",
         help=_CHECK_SUMMARY,
         description=_describe(
-            "Breadth-first over every reachable state of the composed write pipeline (write tasks, "
-            "slot occupancy, staging holders, step contexts, the committer, escalate/join/fail/reuse/materialize/"
-            "discard), with every component move taken from the compiled specs. Checks every invariant in every "
-            "state and that every state can still settle; prints states explored, depth and time, or a shortest "
-            "counterexample.",
+            "Breadth-first over every reachable state of the composition spec (spec/protocol.yaml): each "
+            "segment of an operation (save, escalate, committer claim/copy/write, fail, drain, materialize, "
+            "discard, ...) is one atomic action over the component machines, interleaved with the other threads' "
+            "segments. Checks the protocol's model invariants and the machines' own in every state, and that every "
+            "state can still settle; prints states explored, depth and time, or a shortest counterexample in "
+            "operation-level steps.",
             "A bound left out takes the CI bound's value (the --big bound's with --big). A progress line "
             "(states expanded and found, depth, elapsed) is drawn on stderr when it is a terminal.",
         ),
@@ -416,8 +418,11 @@ def _add_check_parser(sub: Any, *, full: bool = True) -> None:
         )
     p.add_argument(
         "--broken",
-        choices=sorted(BROKEN),
-        help="check a deliberately broken variant instead: " + "; ".join(f"{k}: {v}" for k, v in BROKEN.items()),
+        type=_broken_variant,
+        metavar="NAME|FILE.yaml",
+        help="check a spec mutation instead: a catalogued one ("
+        + "; ".join(f"{k}: {v.meaning}" for k, v in BROKEN.items())
+        + ") or a whole replacement protocol file (a mutation kept as a file)",
     )
     p.add_argument(
         "--big",
@@ -430,6 +435,22 @@ def _add_check_parser(sub: Any, *, full: bool = True) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON (no progress line)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=_cmd_check)
+
+
+def _broken_variant(text: str) -> str:
+    """``--broken``: a catalogued mutation name or a readable .yaml file."""
+    from omni_prefix_cache.testing.modelcheck import BROKEN
+
+    if text in BROKEN:
+        return text
+    path = Path(text)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise argparse.ArgumentTypeError(f"no such protocol file: {text}")
+        return text
+    raise argparse.ArgumentTypeError(
+        f"unknown variant {text!r} (catalogued: {', '.join(sorted(BROKEN))}; or a protocol .yaml file)"
+    )
 
 
 def check_result_dict(result: Any) -> dict[str, Any]:
@@ -466,8 +487,14 @@ def _cmd_check(args: argparse.Namespace) -> int:
     def progress(expanded: int, found: int, depth: int) -> None:
         line.update(expanded, None, f"states found {found}  depth {depth}")
 
+    from omni_prefix_cache.specs.loader import SpecError
+
     try:
         result = check(bounds, args.broken, max_states=args.max_states, progress=progress)
+    except SpecError as exc:
+        line.close()
+        print(f"check: the protocol does not load: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except ValueError as exc:
         line.close()
         print(f"check: {exc}", file=sys.stderr)

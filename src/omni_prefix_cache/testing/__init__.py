@@ -6,7 +6,8 @@
 - ``interpreter``: a generic runtime that runs a spec's compiled table.
 - ``adapters``: the adapters for the real runtime objects.
 - ``mutants``: spec copies with a move added or removed.
-- ``modelcheck``: the bounded exhaustive check of the composed model
-  (``omni-prefix-cache check``); needs no Hypothesis.
+- ``modelcheck``: the bounded exhaustive check of the composition spec
+  (``omni-prefix-cache check``); needs no Hypothesis. Its broken variants
+  are spec mutations (``model_mutations``).
 - ``mutant_catalogue``: runtime bugs re-injected for ``make mutants``.
 """
