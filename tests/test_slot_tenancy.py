@@ -20,8 +20,10 @@ import torch
 
 from omni_prefix_cache.interface import ModelCachePolicy, PrefixCacheConfig
 from omni_prefix_cache.manager import OmniPrefixCacheManager
-from omni_prefix_cache.occupancy import ABSENT, SLOT_MACHINE
+from omni_prefix_cache.occupancy import SLOT_MACHINE, SlotState
 from test_manager import BS, BlockView
+
+ABSENT = int(SlotState.ABSENT)
 
 HID, MW = 6, 3
 

@@ -108,9 +108,24 @@ SLOT_MACHINE = compile_machine(
 )
 # The slot moves the protocol's drain operation fires (where enabled).
 _SETTLE_TRIGGERS = frozenset(t for role, t in load_protocol().ops["drain"].moves if role == "slot")
-ABSENT = int(SlotState.ABSENT)
-IN_TRANSIT = int(SlotState.IN_TRANSIT)
-COMMITTED = int(SlotState.COMMITTED)
+INITIAL = int(SLOT_MACHINE.initial)
+
+
+def state_mask(tag: str) -> torch.Tensor:
+    """A bool lookup table over slot states: True for the states the spec
+    tags ``tag`` (index it with a state tensor: ``state_mask(t)[state.long()]``)."""
+    tagged = SLOT_MACHINE.tagged(tag)
+    if not tagged:
+        raise OmniPrefixCacheUnmatchError(f"{SLOT_MACHINE.spec.origin}: no state is tagged {tag!r}")
+    return torch.tensor([SlotState(s) in tagged for s in range(len(SlotState))], dtype=torch.bool)
+
+
+def rows_tagged(state: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Which rows of a state tensor are in a state of ``table`` (a ``state_mask``)."""
+    return table.index_select(0, state.to(torch.int64))
+
+
+_OWNED = state_mask("owned")
 
 # Hooks the manager installs. on_reassign(old_tid, key, slots): a newer write
 # took these in-transit rows from old_tid. on_reuse(key, slots): these
@@ -170,7 +185,7 @@ class SlotOccupancy:
         table = self._keys.get(key)
         if table is None:
             table = KeySlots(
-                state=torch.full((self.num_slots,), ABSENT, dtype=torch.int8),
+                state=torch.full((self.num_slots,), INITIAL, dtype=torch.int8),
                 tids=torch.full((self.num_slots,), _NO_OWNER, dtype=torch.int64),
                 slot_version=torch.zeros((self.num_slots,), dtype=torch.int64),
             )
@@ -325,7 +340,7 @@ class SlotOccupancy:
         ``owner_is_live_task`` when ``live_tids`` is given. (Version
         monotonicity is a property of the moves; tests check it across them.)"""
         for key, table in self._keys.items():
-            in_transit = table.state == IN_TRANSIT
+            in_transit = rows_tagged(table.state, _OWNED)
             owned = table.tids != _NO_OWNER
             bad = (in_transit != owned).nonzero().flatten()
             if bad.numel():

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from omni_prefix_cache.block_pool import PrefixBlockPool
-from omni_prefix_cache.controller import OmniPrefixCacheController, TaskState
+from omni_prefix_cache.controller import OmniPrefixCacheController
 from omni_prefix_cache.interface import (
     OmniPrefixCacheUnmatchError,
     ReqId,
@@ -38,7 +38,8 @@ from omni_prefix_cache.interface import (
     WriteSchedule,
     is_hidden_key,
 )
-from omni_prefix_cache.occupancy import ABSENT, IN_TRANSIT, SlotOccupancy
+from omni_prefix_cache.occupancy import SlotOccupancy, rows_tagged, state_mask
+from omni_prefix_cache.protocol_runtime import task_failed
 from omni_prefix_cache.spec_types.planned_read import ReadState as ReadState  # re-exported
 from omni_prefix_cache.specs import compile_machine, load_spec
 from omni_prefix_cache.step_context import KeyLayout
@@ -47,6 +48,9 @@ from omni_prefix_cache.validation import listed
 logger = logging.getLogger(__name__)
 
 _MAX_LISTED = 16
+# Where a planned read takes a row from, by its slot state's tag (slot_occupancy spec).
+_READ_BASELINE = state_mask("read_baseline")
+_READ_OWNER = state_mask("read_owner")
 
 
 @dataclass(eq=False)
@@ -236,7 +240,7 @@ class HitReads:
     def _plan_rows(self, ref: PlannedRead, tids: torch.Tensor, state: torch.Tensor) -> None:
         """Where each row of ``ref`` comes from (see ``plan``)."""
         slots, key, req_id = ref.slots, ref.key, ref.req_id
-        absent = state == ABSENT
+        absent = rows_tagged(state, _READ_BASELINE)
         if bool(absent.any()):
             if is_hidden_key(key):
                 raise OmniPrefixCacheUnmatchError(
@@ -249,7 +253,7 @@ class HitReads:
             baseline = self._pool.baseline(key, int(pos.numel()))
             for i, slot in enumerate(slots[pos].tolist()):
                 ref.preserved[slot] = baseline[i]
-        transit = state == IN_TRANSIT
+        transit = rows_tagged(state, _READ_OWNER)
         if bool(transit.any()):
             pos = transit.nonzero().flatten()
             owners = tids.index_select(0, slots[pos])
@@ -261,7 +265,7 @@ class HitReads:
                         f"prefix hit of request {req_id!r}: {key!r} rows at slots {listed(slots[where])} are in "
                         f"transit with task {tid}, which the controller no longer holds"
                     )
-                if task.state is TaskState.FAILED:
+                if task_failed(task):
                     raise OmniPrefixCacheUnmatchError(
                         f"prefix hit of request {req_id!r}: write failed for task {tid} holding {key!r} rows at "
                         f"slots {listed(slots[where])}"

@@ -36,7 +36,7 @@ from omni_prefix_cache.specs.protocol import (
     load_protocol,
 )
 from omni_prefix_cache.staging import StagingBufferHolder, StagingBufferPool
-from omni_prefix_cache.write_task import TaskState
+from omni_prefix_cache.write_task import WRITE_TASK_MACHINE
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +65,12 @@ CONTROLLER_EFFECTS = frozenset(
 )
 
 _override: list[ProtocolSpec] = []
+_FAILURE = WRITE_TASK_MACHINE.tagged("failure")
 
 
 def task_failed(task: Any) -> bool:
-    """Guard ``task_failed``: the task is FAILED."""
-    return task.state is TaskState.FAILED
+    """Guard ``task_failed``: the task is in a state the write_task spec tags ``failure``."""
+    return task.state in _FAILURE
 
 
 def active_protocol() -> ProtocolSpec:

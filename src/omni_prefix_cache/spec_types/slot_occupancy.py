@@ -20,12 +20,12 @@ class SlotState(SpecState):
     ABSENT = 0
     """
     not written for this key by the slot's tenant (hits on hidden raise; mm serves the baseline, zeros)
-    (initial, tag rest)
+    (initial, tag rest, tag read_baseline)
     """
     IN_TRANSIT = 1
-    """owned by one unfinished write task (tids holds the owner)"""
+    """owned by one unfinished write task (tids holds the owner) (tag owned, tag read_owner)"""
     COMMITTED = 2
-    """the owner's pool write was published; the pool row is durable (tag rest)"""
+    """the owner's pool write was published; the pool row is durable (tag rest, tag read_pool)"""
 
 
 SlotState.final_states = frozenset()

@@ -28,7 +28,7 @@ class TaskState(SpecState):
     WRITTEN = 4
     """rows are in the CPU block pool (final)"""
     FAILED = 5
-    """the committer could not finish; every later facade entry raises (final)"""
+    """the committer could not finish; every later facade entry raises (final, tag failure)"""
 
 
 TaskState.final_states = frozenset({TaskState.WRITTEN, TaskState.FAILED})
