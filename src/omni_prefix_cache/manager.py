@@ -65,7 +65,7 @@ from omni_prefix_cache.planned_read import HitReads
 from omni_prefix_cache.protocols import SchedulerOutputLike
 from omni_prefix_cache.specs import CompiledMove
 from omni_prefix_cache.stats import MANAGER_COUNTERS, CacheStats
-from omni_prefix_cache.step_context import StepContext, StepState, step_move
+from omni_prefix_cache.step_context import STEP_CONSUMED, STEP_INITIAL, StepContext, step_move
 from omni_prefix_cache.step_layout import SchedSnapshot, StepLayout
 from omni_prefix_cache.step_layout import is_step_token_tensor as _is_step_token_tensor
 from omni_prefix_cache.step_layout import snapshot_leftover_mm_cpu as _snapshot_leftover_mm_cpu
@@ -284,7 +284,7 @@ class OmniPrefixCacheManager:
                 ctx = self._layout.step_context(
                     sid, self._controller, claimed, split, n, req_order, spans, snapshot, mm_event, self._policy
                 )
-                ctx.state = step_move(sid, StepState.UNSAVED, "save").dest
+                ctx.state = step_move(sid, STEP_INITIAL, "save").dest
                 jobs = self._hits.attach_to_step(hits, ctx)
                 self._step_ctxs[sid] = ctx
                 ledger.previous_step_writes = [t.tid for t in immediate]
@@ -436,7 +436,7 @@ class OmniPrefixCacheManager:
         ctx = self._step_ctxs.get(step_id)
         if ctx is None:
             issued = isinstance(step_id, int) and 0 < step_id < self._next_step_id
-            step_move(step_id, StepState.CONSUMED if issued else StepState.UNSAVED, trigger)
+            step_move(step_id, STEP_CONSUMED if issued else STEP_INITIAL, trigger)
             raise AssertionError("unreachable: step_move raises for a step without a context")
         move = step_move(step_id, ctx.state, trigger)
         del self._step_ctxs[step_id]

@@ -76,18 +76,21 @@ STEP_MACHINE = compile_machine(
 )
 
 
+_MEANING = {st.name: st.meaning for st in STEP_MACHINE.spec.states}
+# Where an id without a context is: never saved, or consumed already.
+STEP_INITIAL = STEP_MACHINE.initial
+(STEP_CONSUMED,) = STEP_MACHINE.final
+
+
 def step_move(step_id: StepId, state: Any, trigger: str) -> CompiledMove:
     """The spec's move for ``trigger`` from ``state``; raises
     OmniPrefixCacheUnmatchError naming the step and its state when there is
     none (unknown id, or a second consume)."""
     move = STEP_MACHINE.move(state, trigger)
     if move is None:
-        why = {
-            StepState.UNSAVED: "no save issued this step id",
-            StepState.CONSUMED: "it was already materialized or discarded (or its save failed)",
-        }.get(state, "")
+        why = _MEANING[StepState(state).name]
         raise OmniPrefixCacheUnmatchError(
-            f"{trigger}(step {step_id}): illegal from {StepState(state).name}: {why}; "
+            f"{trigger}(step {step_id}): illegal from {StepState(state).name} ({why}); "
             "every step id is consumed exactly once by materialize or discard_step"
         )
     return move

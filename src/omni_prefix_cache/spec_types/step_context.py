@@ -18,11 +18,11 @@ class StepState(SpecState):
     """
 
     UNSAVED = 0
-    """no such step id yet (unknown ids are in this state) (initial)"""
+    """no save issued this step id yet (unknown ids are in this state) (initial)"""
     SAVED = 1
     """save_outputs returned this id; it holds a staging page"""
     CONSUMED = 2
-    """materialized or discarded; a second consume raises (final)"""
+    """already materialized or discarded (or its save failed); a second consume raises (final)"""
 
 
 StepState.final_states = frozenset({StepState.CONSUMED})
