@@ -147,9 +147,9 @@ def expected_rows(slots: torch.Tensor) -> torch.Tensor:
 
 def plan_fetch(mgr, slots, key, *, req_id):
     with mgr._state_lock:
-        src = mgr._reads.plan(slots, key, req_id)
+        src = mgr._slot_ref(slots, key, req_id)
     with torch.inference_mode():
-        return mgr._reads.fetch(src)
+        return mgr._fetch_source(src)
 
 
 def _assert_leftover_shapes(inp, got, n: int) -> None:
@@ -409,8 +409,7 @@ def test_split_step_outputs_routes_immediate_deferred_leftover():
         "codes.ref": torch.zeros(15, 2),
         "tok": torch.full((n, 2), 7.0),
     }
-    step_outputs = mgr._layout.split(
-        policy,
+    step_outputs = mgr._split_step_outputs(
         hidden,
         mm,
         n,
@@ -418,6 +417,7 @@ def test_split_step_outputs_routes_immediate_deferred_leftover():
         slots_cpu=view.step_slots_cpu(["a"], {"a": n}),
         req_order=["a"],
         num_sched={"a": n},
+        query_start={"a": 0},
     )
     assert HIDDEN_KEY in step_outputs.immediate and "tok" in step_outputs.immediate
     assert "codes.audio" not in step_outputs.immediate and "codes.ref" not in step_outputs.immediate
@@ -576,8 +576,8 @@ def test_cap_forces_flush_of_deferred():
     assert mgr._controller._staged_bytes == 16
     rows = mgr._pool.rows("k", view.slots_for("a", 0, 4))[:, 0].tolist()
     assert rows == [1.0, 2.0, 3.0, 0.0]
-    assert mgr._ledger.requests.deferred["a"].write_n == 2
-    assert len(mgr._ledger.requests.tasks["a"]) == 1  # the flushed write was drained
+    assert mgr._request_tasks.deferred["a"].write_n == 2
+    assert len(mgr._request_tasks.tasks["a"]) == 1  # the flushed write was drained
 
 
 def test_deferred_tenant_succession_no_stale_wins():
@@ -634,11 +634,11 @@ def test_append_to_closed_deferred_entry_opens_new_one():
     mgr, view = make_manager(policy=policy)
     s1 = run_step(mgr, view, {"a": ([2], 0, 1)}, mm={"k": torch.full((1, 2), 1.0)})
     mgr.materialize(s1, ["a"])
-    first = mgr._ledger.requests.deferred["a"]
+    first = mgr._request_tasks.deferred["a"]
     mgr._controller.escalate([first.tid])
     s2 = run_step(mgr, view, {"a": ([2], 1, 1)}, mm={"k": torch.full((1, 2), 2.0)})
     mgr.materialize(s2, ["a"])
-    assert mgr._ledger.requests.deferred["a"].tid != first.tid
+    assert mgr._request_tasks.deferred["a"].tid != first.tid
     slots = view.slots_for("a", 0, 2)
     rows = plan_fetch(mgr, slots, "k", req_id="a")
     assert torch.equal(rows[:, 0], torch.tensor([1.0, 2.0]))
@@ -749,8 +749,8 @@ def test_group_view_step_slots_cpu():
 def test_join_next_step_previous_save():
     mgr, view = make_manager()
     s1 = run_step(mgr, view, {"a": ([0], 0, 2)})
-    assert len(mgr._ledger.previous_step_writes) == 1
-    task_id = mgr._ledger.previous_step_writes[0]
+    assert len(mgr._join_next_step_tids) == 1
+    task_id = mgr._join_next_step_tids[0]
     mgr.materialize(s1, ["a"])
     s2 = run_step(mgr, view, {"a": ([0], 2, 1)})
     assert mgr._controller.get_task(task_id) is None
@@ -826,7 +826,7 @@ def test_slot_reuse_pushes_skip_to_old_task():
     mgr.register_policy(policy)
     s1 = run_step(mgr, view, {"a": ([2], 0, 1)}, mm={"k": torch.ones(1, 2)})
     mgr.materialize(s1, ["a"])
-    old_tid = next(iter(mgr._ledger.requests.tasks["a"]))
+    old_tid = next(iter(mgr._request_tasks.tasks["a"]))
     old_task = mgr._controller.get_task(old_tid)
     s2 = run_step(mgr, view, {"b": ([2], 0, 2)}, mm={"k": torch.full((2, 2), 2.0)})
     assert old_task is not None and "k" in old_task.reassigned
@@ -1009,7 +1009,7 @@ def test_mm_in_transit_unresolvable_fails_fast():
     mgr, view = make_manager(policy=policy)
     s1 = run_step(mgr, view, {"a": ([0], 0, 4)}, mm={"k": torch.full((4, 2), 1.0)})
     mgr.materialize(s1, ["a"])
-    tid = mgr._ledger.requests.deferred["a"].tid
+    tid = mgr._request_tasks.deferred["a"].tid
     mgr._controller._tasks.pop(tid)
     s2 = run_step(mgr, view, {"b": ([0, 1], 4, 2)}, new_hits={"b": 4}, mm={"k": torch.full((2, 2), 9.0)})
     with pytest.raises(OmniPrefixCacheUnmatchError):
@@ -1072,7 +1072,7 @@ def test_join_raises_on_failed_task():
     mgr, view = make_manager()
     _hold_writes(mgr)
     run_step(mgr, view, {"a": ([0], 0, 4)})
-    tid = next(iter(mgr._ledger.requests.tasks["a"]))
+    tid = next(iter(mgr._request_tasks.tasks["a"]))
     mgr._controller._fail_task(tid)
     with pytest.raises(OmniPrefixCacheUnmatchError, match="failed before done"):
         mgr._controller.join([tid])
@@ -1158,11 +1158,11 @@ def test_eager_escalation_failure_releases_deferred_tasks(monkeypatch):
 def test_per_request_staging_writes():
     mgr, view = make_manager()
     sid = run_step(mgr, view, {"p": ([0, 1], 0, 8), "d": ([2], 0, 1)})
-    tp = mgr._controller.get_task(next(iter(mgr._ledger.requests.tasks["p"])))
-    td = mgr._controller.get_task(next(iter(mgr._ledger.requests.tasks["d"])))
+    tp = mgr._controller.get_task(next(iter(mgr._request_tasks.tasks["p"])))
+    td = mgr._controller.get_task(next(iter(mgr._request_tasks.tasks["d"])))
     assert tp is not None and td is not None
     assert (tp.req_id, td.req_id) == ("p", "d")
-    assert mgr._ledger.previous_step_writes == [tp.tid, td.tid]
+    assert mgr._join_next_step_tids == [tp.tid, td.tid]
     outs = mgr.materialize(sid, ["p", "d"])
     assert torch.equal(outs.hidden_states["p"], expected_rows(view.slots_for("p", 0, 8)))
     assert torch.equal(outs.hidden_states["d"], expected_rows(view.slots_for("d", 0, 1)))
@@ -1269,7 +1269,7 @@ def test_staging_task_slot_released_at_pool_write_not_drain():
     _hold_writes(mgr)
     sid = run_step(mgr, view, {"p": ([0, 1], 0, 8)})
     ctx = mgr._step_ctxs[sid]
-    tid = next(iter(mgr._ledger.requests.tasks["p"]))
+    tid = next(iter(mgr._request_tasks.tasks["p"]))
     busy = mgr._controller._staging_pool._busy[ctx.d2h.staging_slot]
     assert StagingBufferHolder.for_task(tid) in busy and StagingBufferHolder.for_step(sid) in busy
     task = mgr._controller.get_task(tid)
@@ -1288,7 +1288,7 @@ def test_blocked_save_is_released_by_pool_write_alone():
     mgr, view = make_manager(staging_depth=1, staging_claim_timeout_s=2.0)
     _hold_writes(mgr)
     s0 = run_step(mgr, view, {"a": ([0], 0, 1)})
-    tid = next(iter(mgr._ledger.requests.tasks["a"]))
+    tid = next(iter(mgr._request_tasks.tasks["a"]))
     mgr.materialize(s0, ["a"])
     slot = mgr._step_ctxs.get(s0)  # consumed
     assert slot is None
@@ -1358,7 +1358,7 @@ def test_delayed_read_of_reassigned_hit_raises():
     s2 = run_step(mgr, view, {"c": ([0, 1], 0, 8)}, finished=["a"])
     for req in ("c", "a"):  # live then finished — both fatal without a preserved copy
         with pytest.raises(OmniPrefixCacheUnmatchError, match="reassigned"):
-            mgr._reads.ensure_not_reassigned(slots, HIDDEN_KEY, req_id=req, planned_version=planned)
+            mgr._ensure_not_reassigned(slots, HIDDEN_KEY, req_id=req, planned_version=planned)
     mgr.discard_step(s2)
 
 
@@ -1371,7 +1371,7 @@ def test_delayed_read_after_committed_reuse_serves_preserved():
     mgr.materialize(sa, ["a"])  # A committed into block 0
     slots = view.slots_for("a", 0, 4)
     with mgr._state_lock:
-        src = mgr._reads.plan(slots, HIDDEN_KEY, "a")  # plan A's read
+        src = mgr._slot_ref(slots, HIDDEN_KEY, "a")  # plan A's read
     assert src.already_staged and not src.staged_list and not src.join_tids
     sb = run_step(mgr, view, {"b": ([0], 0, 4)}, finished=["a"])
     mgr.materialize(sb, ["b"])  # A freed, block 0 reused by B and COMMITTED
@@ -1380,9 +1380,9 @@ def test_delayed_read_after_committed_reuse_serves_preserved():
     assert set(src.preserved) == {int(s) for s in slots.tolist()}
     with torch.inference_mode():
         mgr._pool.write(HIDDEN_KEY, slots, torch.full((4, HIDDEN), 99.0, dtype=DTYPE))
-        got = mgr._reads.fetch(src)
+        got = mgr._fetch_source(src)
     assert torch.equal(got, expected_rows(slots))
-    assert all(ref is not src for ref in mgr._reads.pending)
+    assert all(ref is not src for ref in mgr._pending_reads)
 
 
 def test_done_fires_only_after_completion_record_published():
@@ -1415,7 +1415,7 @@ def test_failed_wakes_only_after_failure_record_published():
     mgr, view = make_manager()
     _hold_writes(mgr)  # keep the write non-terminal
     run_step(mgr, view, {"a": ([0], 0, 4)})
-    tid = next(iter(mgr._ledger.requests.tasks["a"]))
+    tid = next(iter(mgr._request_tasks.tasks["a"]))
     task = mgr._controller.get_task(tid)
     checks = []
     orig_set = task.done.set
@@ -1445,14 +1445,14 @@ def test_join_next_step_hit_survives_task_already_drained():
     view.req_blocks["a"] = [0, 1]
     sid = run_step(mgr, view, {"a": ([0, 1], 0, 8), "b": ([0, 1, 2], 8, 4)}, new_hits={"b": 8})
     with mgr._state_lock:
-        src = mgr._reads.plan(view.slots_for("b", 0, 8), HIDDEN_KEY, "b")
+        src = mgr._slot_ref(view.slots_for("b", 0, 8), HIDDEN_KEY, "b")
     for tid in src.join_tids:
         mgr._controller._run_eager(mgr._controller.get_task(tid))
     with torch.inference_mode():
         with mgr._state_lock:
-            mgr._ledger.commit_drained_locked()
+            mgr._commit_drained_writes()
         assert mgr._controller.get_task(src.join_tids[0]) is None
-        assert torch.equal(mgr._reads.fetch(src), expected_rows(view.slots_for("b", 0, 8)))
+        assert torch.equal(mgr._fetch_source(src), expected_rows(view.slots_for("b", 0, 8)))
     mgr.materialize(sid, ["a", "b"])
 
 
@@ -1516,7 +1516,7 @@ def test_hidden_opt_out_miss_returns_mm_and_releases_slot():
 def test_save_releases_staging_if_commit_drained_writes_fails():
     mgr, view = make_manager(staging_depth=2)
     calls = {"n": 0}
-    real = mgr._ledger.commit_drained_locked
+    real = mgr._commit_drained_writes
 
     def wrapped():
         calls["n"] += 1
@@ -1524,11 +1524,11 @@ def test_save_releases_staging_if_commit_drained_writes_fails():
             raise OmniPrefixCacheUnmatchError("injected fail")
         return real()
 
-    mgr._ledger.commit_drained_locked = wrapped
+    mgr._commit_drained_writes = wrapped
     with pytest.raises(OmniPrefixCacheUnmatchError, match="injected fail"):
         run_step(mgr, view, {"a": ([0], 0, 4)})
     assert all(not busy for busy in mgr._controller._staging_pool._busy)
-    mgr._ledger.commit_drained_locked = real
+    mgr._commit_drained_writes = real
     sid = run_step(mgr, view, {"a": ([0], 0, 4)})
     assert mgr._step_ctxs[sid].d2h is not None
     mgr.materialize(sid, ["a"])

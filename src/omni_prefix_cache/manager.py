@@ -59,6 +59,7 @@ from omni_prefix_cache.interface import (
     StepId,
     Tid,
 )
+from omni_prefix_cache.manager_seams import UpstreamSeams
 from omni_prefix_cache.materializer import Materializer
 from omni_prefix_cache.occupancy import SlotOccupancy
 from omni_prefix_cache.planned_read import HitReads
@@ -84,7 +85,7 @@ logger = logging.getLogger(__name__)
 PREFETCH_THREAD_PREFIX = "omni-prefix-cache-prefetch"
 
 
-class OmniPrefixCacheManager:
+class OmniPrefixCacheManager(UpstreamSeams):
     """Full-prompt hidden states and token-major mm outputs for one stage.
 
     ``view`` is the group view over vLLM's input batch (``block_size``,
@@ -200,7 +201,7 @@ class OmniPrefixCacheManager:
             self._counters["query_tokens"] += query_tokens
             self._counters["hit_requests"] += len(new_hits)
             self._counters["hit_tokens"] += sum(hit.num_computed for hit in new_hits)
-            self._ledger.commit_drained_locked()
+            self._commit_drained_writes()
             for hit in new_hits:
                 jobs.extend(self._hits.plan(hit, at_save=False))
         self._hits.start_prefetch(jobs)
@@ -273,7 +274,7 @@ class OmniPrefixCacheManager:
                 registering = True
                 # First, before any table changes: a failure here leaves
                 # nothing registered.
-                ledger.commit_drained_locked()
+                self._commit_drained_writes()
                 self._layout.publish_keys(new_slabs, split, self._slot_status)
                 immediate = ledger.register_immediate_locked(split, claimed, req_order, spans, slots, registered)
                 deferred_tids = ledger.register_deferred_locked(split, registered)
