@@ -21,7 +21,9 @@ import itertools
 import logging
 import threading
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -36,6 +38,8 @@ from omni_prefix_cache.interface import (
     WriteSchedule,
 )
 from omni_prefix_cache.occupancy import SlotOccupancy
+from omni_prefix_cache.specs.loader import SpecError
+from omni_prefix_cache.specs.protocol import compile_operation, load_protocol
 from omni_prefix_cache.step_layout import StepOutputs
 from omni_prefix_cache.write_task import _BudgetTicket, _WriteChunk
 
@@ -110,6 +114,16 @@ class RequestTasks:
             self.deferred.pop(req_id, None)
 
 
+@dataclass(eq=False)
+class _Drained:
+    """One drain's records (the drain operation's context)."""
+
+    completions: bool  # False: a failing save drains the failure record only
+    failed: list[Tid] = field(default_factory=list)
+    completed: list[Tid] = field(default_factory=list)
+    settled: dict[str, list[TaskRecord]] = field(default_factory=dict)
+
+
 class WriteLedger:
     """Undrained writes (``records`` by tid, ``requests`` per request), the
     save barrier (``previous_step_writes``) and the sticky ``failure``.
@@ -136,6 +150,13 @@ class WriteLedger:
         self.requests = RequestTasks()
         self.previous_step_writes: list[Tid] = []
         self.failure: OmniPrefixCacheWriteFailedError | None = None  # the first, sticky
+        # Operation `drain`, compiled once against this ledger (its only executor).
+        self._drain = compile_operation(
+            load_protocol().ops["drain"],
+            self,
+            effects={"take_records": self._take_records, "sticky_failure": self._sticky_failure},
+            guards={"failures_drained": lambda ctx: bool(ctx.failed)},
+        )
 
     # ------------------------------------------------------------ requests
 
@@ -329,20 +350,43 @@ class WriteLedger:
     # ------------------------------------------------------------ drains
 
     def commit_drained_locked(self) -> None:
-        """Publish what the committer finished (state lock held): written
-        tasks commit their rows (one occupancy move per key for the whole
-        drain); failed tasks drop theirs and make the failure sticky."""
-        self.drain_failures_locked()
-        done = self._controller.drain_completed()
-        if done:
-            self.settle_locked(done, "commit")
+        """Operation ``drain`` (spec/protocol.yaml), state lock held: take
+        the committer's records; failed tasks drop their rows and make the
+        failure sticky; written tasks commit theirs (one occupancy move per
+        key group for the whole drain)."""
+        self._drain.run(_Drained(completions=True))
 
     def drain_failures_locked(self) -> None:
-        """Record failures the committer reported but nobody drained yet
-        (state lock held)."""
-        failed = self._controller.drain_failed()
-        if failed:
-            self._note_failures_locked(failed)
+        """``drain`` of the failure record only (state lock held): a save
+        that is failing reports the failures nobody drained yet."""
+        self._drain.run(_Drained(completions=False))
+
+    # The drain operation's bindings: its context is a _Drained.
+    def move(self, role: str, trigger: str) -> tuple[Callable[[Any], bool], Callable[[Any], None]]:
+        """Binding of the drain operation: ``slot.drop?`` / ``slot.commit?``
+        settle the drained tasks' rows where the occupancy move is enabled."""
+        if role != "slot" or trigger not in ("drop", "commit"):
+            raise SpecError(f"write ledger: drain cannot fire {role}.{trigger}")
+        field_name = "failed" if trigger == "drop" else "completed"
+
+        def enabled(ctx: _Drained) -> bool:
+            return bool(getattr(ctx, field_name))
+
+        def fire(ctx: _Drained) -> None:
+            ctx.settled[trigger] = self.settle_locked(getattr(ctx, field_name), trigger)
+
+        return enabled, fire
+
+    def coupling(self, role: str, name: str) -> Callable[[Any], None]:
+        raise SpecError(f"write ledger: drain has no coupling {role}.{name}")
+
+    def _take_records(self, ctx: _Drained) -> None:
+        ctx.failed = self._controller.drain_failed()
+        if ctx.completions:
+            ctx.completed = self._controller.drain_completed()
+
+    def _sticky_failure(self, ctx: _Drained) -> None:
+        self._note_failures_locked(ctx.failed, ctx.settled.get("drop", []))
 
     def settle_locked(self, tids: list[Tid], trigger: str) -> list[TaskRecord]:
         """``commit`` or ``drop`` the rows of drained writes and forget them
@@ -375,9 +419,9 @@ class WriteLedger:
                 self._occupancy.settle(trigger, key, slots, writers)
         return settled
 
-    def _note_failures_locked(self, failed: list[Tid]) -> None:
+    def _note_failures_locked(self, failed: list[Tid], dropped: list[TaskRecord]) -> None:
         self._counters["failed_writes"] += len(failed)
-        settled = {rec.task.tid: rec for rec in self.settle_locked(failed, "drop")}
+        settled = {rec.task.tid: rec for rec in dropped}
         names = [f"task {tid} (req {settled[tid].req_id!r})" if tid in settled else f"task {tid}" for tid in failed]
         causes = [c for tid in failed if (c := self._controller.failure_of(tid)) is not None]
         first = causes[0] if causes else None
