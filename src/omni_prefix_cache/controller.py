@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 import torch
 
+from omni_prefix_cache import sync
 from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.copy_engine import CopyEngine, DeviceEvents, default_engine
 from omni_prefix_cache.interface import (
@@ -141,8 +142,8 @@ class OmniPrefixCacheController:
         self._causes: dict[Tid, OmniPrefixCacheWriteFailedError] = {}
         self._staged_bytes = 0
         self._budget_flushes = 0
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        self._lock = sync.Lock()
+        self._wake = sync.Condition(self._lock)
         self._queue_hi: deque[Tid] = deque()  # JOIN_NEXT_STEP and escalated JOIN_ON_FINISH
         self._queue_lo: deque[Tid] = deque()  # JOIN_ON_FINISH queued without escalation
         self._claimed: deque[Tid] = deque()  # COPYING, claimed, copy stage not yet run
@@ -157,7 +158,7 @@ class OmniPrefixCacheController:
         )
         self._worker: threading.Thread | None = None
         if not self._eager and committer == "thread":
-            self._worker = threading.Thread(target=self._worker_loop, name="omni-prefix-cache-committer", daemon=True)
+            self._worker = sync.Thread(target=self._worker_loop, name="omni-prefix-cache-committer", daemon=True)
             self._worker.start()
 
     # ------------------------------------------------------------ staging

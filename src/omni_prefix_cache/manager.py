@@ -26,15 +26,15 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
-import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
+from omni_prefix_cache import sync
 from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.controller import (
     OmniPrefixCacheController,
@@ -387,8 +387,8 @@ class OmniPrefixCacheManager:
             self._pool, config, eager=eager, committer=committer, engine=engine
         )
         self._policy = ModelCachePolicy()
-        self._state_lock = threading.Lock()
-        self._reads_lock = threading.Lock()  # leaf; see the module docstring
+        self._state_lock = sync.Lock()
+        self._reads_lock = sync.Lock()  # leaf; see the module docstring
         self._slot_status = SlotOccupancy(
             self._pool.num_slots, on_reassign=self._on_reassign, on_reuse=self._preserve_pending_reads
         )
@@ -409,7 +409,7 @@ class OmniPrefixCacheManager:
         # Operator counters (state lock); see stats().
         self._counters: Counter[str] = Counter()
         self._closed = False
-        self._prefetch = ThreadPoolExecutor(max_workers=2, thread_name_prefix=PREFETCH_THREAD_PREFIX)
+        self._prefetch = sync.Executor(max_workers=2, thread_name_prefix=PREFETCH_THREAD_PREFIX)
 
     # ============================================================ facade
 

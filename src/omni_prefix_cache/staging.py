@@ -9,7 +9,6 @@ free exactly when no holder holds it. This is not the CPU block pool.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
+from omni_prefix_cache import sync
 from omni_prefix_cache.interface import (
     OmniPrefixCacheStagingTimeoutError,
     OmniPrefixCacheUnmatchError,
@@ -105,7 +105,7 @@ class StagingBufferPool:
         self._busy: list[set[StagingBufferHolder]] = [set() for _ in range(depth)]
         self._page_of: dict[StagingBufferHolder, int] = {}
         self._high_water: dict[str, int] = {}  # highest owner id per kind that ever held a page
-        self._page_freed = threading.Condition()
+        self._page_freed = sync.Condition()
         self._closed = False
 
     # ----------------------------------------------------------- holder moves

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from omni_prefix_cache import sync
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, ReqId, TensorName, Tid, WriteSchedule
 from omni_prefix_cache.spec_types.write_task import TaskState as TaskState  # re-exported
 from omni_prefix_cache.specs import compile_machine, load_spec
@@ -53,7 +54,7 @@ class TaskEvent:
             return True
         with _EVENT_COND_INIT:
             if self._cond is None:
-                self._cond = threading.Condition(threading.Lock())
+                self._cond = sync.Condition(sync.Lock())
         cond = self._cond
         with cond:
             # The predicate is re-read under the condition's lock, so a set()
@@ -153,7 +154,7 @@ class WriteTask:
     reassigned: dict[TensorName, torch.Tensor] = field(default_factory=dict)
     host_ready: TaskEvent = field(default_factory=TaskEvent)
     done: TaskEvent = field(default_factory=TaskEvent)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: threading.Lock = field(default_factory=sync.new_lock)
     # Budget flush picks the pending task with the oldest of these.
     enqueued_time: float = field(default_factory=time.monotonic)
     # Immediate path: the staging page this write views, and the step's
