@@ -27,7 +27,9 @@ def parse_token(token: str) -> tuple[str, str | None, dict[int, int]]:
     """``(scenario, mutant or None, {choice index: thread})``; ValueError if malformed."""
     parts = token.strip().split("/")
     if len(parts) != 4 or parts[0] != TOKEN_VERSION:
-        raise ValueError(f"not an explore replay token: {token!r} (expected {TOKEN_VERSION}/SCENARIO/MUTANT/DEVIATIONS)")
+        raise ValueError(
+            f"not an explore replay token: {token!r} (expected {TOKEN_VERSION}/SCENARIO/MUTANT/DEVIATIONS)"
+        )
     _, scenario, mutant, devs = parts
     out: dict[int, int] = {}
     if devs != "-":
