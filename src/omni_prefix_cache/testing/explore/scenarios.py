@@ -173,6 +173,7 @@ class Watch:
         self.ever_failed: set[int] = set()
         self.copying: set[int] = set()
         self.poison: dict[str, Callable[[Any], bool]] = {}
+        self.violations: list[str] = []
         drain_failed, wait_tasks, copy_task, scatter = (
             ctrl.drain_failed,
             ctrl._wait_tasks,
@@ -186,11 +187,9 @@ class Watch:
             return out
 
         def waited(tids: list[int], event: Any) -> None:
+            # Recorded, not raised: the manager would wrap an error raised inside its call.
             if getattr(mgr._state_lock, "owner", None) is sched.current():
-                raise _fail(
-                    "no_join_under_state_lock_and_save_waits_previous_writes",
-                    f"join({event}) of tasks {list(tids)} under the state lock",
-                )
+                self.violations.append(f"join({event}) of tasks {list(tids)} under the state lock")
             wait_tasks(tids, event)
 
         def copied(task: Any) -> Any:
@@ -216,6 +215,8 @@ class Watch:
 
     def check(self) -> None:
         ctrl = self.ctrl
+        if self.violations:
+            raise _fail("no_join_under_state_lock_and_save_waits_previous_writes", self.violations[0])
         if ctrl._lock.locked():
             return
         queued = [*ctrl._queue_hi, *ctrl._queue_lo]
