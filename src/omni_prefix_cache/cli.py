@@ -467,7 +467,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 _EXPLORE_SUMMARY = "race the runtime's real threads under a controlled scheduler"
 # Scenario names of testing.explore.scenarios.SCENARIOS (tests keep the two in step).
-EXPLORE_SCENARIOS = ("reuse-read", "deferred-flush", "copy-failure", "write-failure", "shutdown")
+EXPLORE_SCENARIOS = ("reuse-read", "deferred-flush", "escalate-copying", "copy-failure", "write-failure", "shutdown")
 # The CI bound: every schedule with at most one deviation, per scenario.
 EXPLORE_CI_BOUND = 1
 
@@ -494,6 +494,9 @@ def _add_explore_parser(sub: Any) -> None:
     p.add_argument("--bound", type=_int_at_least(0), default=2, help="deviation (preemption) bound; pct: its depth")
     p.add_argument("--budget", type=positive, default=2000, help="most schedules per scenario")
     p.add_argument("--seed", type=_int_at_least(0), default=0, help="pct: seed of the priority schedules")
+    p.add_argument(
+        "--time-budget", type=positive, default=None, metavar="S", help="stop exploring after S seconds in all"
+    )
     p.add_argument("--mutant", help="apply this catalogued mutant (testing/mutant_catalogue.py) while exploring")
     p.add_argument("--replay", metavar="TOKEN", help="re-run the one schedule a failure printed, and report it")
     p.add_argument(
@@ -506,6 +509,7 @@ def _add_explore_parser(sub: Any) -> None:
 
 def _cmd_explore(args: argparse.Namespace) -> int:
     import json
+    import time
 
     from omni_prefix_cache.testing.explore.runner import explore, replay
 
@@ -546,8 +550,10 @@ def _cmd_explore(args: argparse.Namespace) -> int:
         return EXIT_OK if failure is None else EXIT_FAILED
     bound, budget = (EXPLORE_CI_BOUND, 10**6) if args.ci else (args.bound, args.budget)
     reports = []
+    deadline = None if args.time_budget is None else time.monotonic() + args.time_budget
     try:
         for name in args.scenario or EXPLORE_SCENARIOS:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             report = explore(
                 name,
                 strategy=args.strategy,
@@ -556,6 +562,7 @@ def _cmd_explore(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 mutant=args.mutant,
                 stop_at_first=not args.keep_going,
+                time_budget_s=left,
             )
             reports.append(report)
             if not args.json:

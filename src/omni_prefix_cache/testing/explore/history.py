@@ -172,7 +172,7 @@ def stress(duration_s: float, *, materializers: int = 2, seed: int = 0) -> Stres
                 value: Hashable = _digest(
                     {
                         rid: {
-                            key: got.hidden_states[rid] if key == HIDDEN_KEY else got.mm_outputs[key][rid]
+                            key: (got.hidden_states or {})[rid] if key == HIDDEN_KEY else got.mm_outputs[key][rid]
                             for key in per_key
                         }
                         for rid, per_key in expected.items()
@@ -221,3 +221,27 @@ def stress(duration_s: float, *, materializers: int = 2, seed: int = 0) -> Stres
         mgr.shutdown()
     bad = check_history(rec.ops)
     return StressResult(len(rec.ops), steps, bad, errors, time.monotonic() - start)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``make stress``: run, check, print operations checked; exit 1 on a violation."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="free-running stress of a threaded manager, history-checked")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds to run")
+    parser.add_argument("--materializers", type=int, default=3, help="materialize threads (2-4)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    result = stress(args.duration, materializers=args.materializers, seed=args.seed)
+    print(
+        f"stress: {result.seconds:.1f}s, {result.steps} steps, {result.ops} operations checked "
+        f"(engine + {args.materializers} materialize threads + committer + prefetch), "
+        f"non-linearizable steps: {result.bad_keys or 'none'}, refusals: {len(result.errors)}"
+    )
+    for line in result.errors[:5]:
+        print(f"  {line}")
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -98,7 +98,7 @@ class Decision:
 
 def _where() -> str:
     """``function:line`` of the innermost runtime frame (outside this package and the seam)."""
-    frame = sys._getframe(2)
+    frame: Any = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
         if not name.endswith(_SKIP_NAMES):
