@@ -61,7 +61,8 @@ mutants:
 # its bound. EXPLOREFLAGS: e.g. "--mutant cow_copy_missed_before_reads_lock", "--replay TOKEN",
 # "--strategy pct --budget 500", "--scenario reuse-read --json".
 # The CI scenarios leave out `shutdown` while its known race is open (tests/test_explore.py).
-EXPLORE_CI_SCENARIOS ?= --scenario reuse-read --scenario deferred-flush --scenario copy-failure --scenario write-failure
+EXPLORE_CI_SCENARIOS ?= --scenario reuse-read --scenario deferred-flush --scenario escalate-copying \
+	--scenario copy-failure --scenario write-failure
 .PHONY: explore stress
 explore:
 	$(PYTHON) -m omni_prefix_cache explore $(EXPLOREFLAGS)
