@@ -15,8 +15,8 @@ from omni_prefix_cache.testing.explore.strategies import make_token, parse_token
 COW_TOKEN = "x1/reuse-read/cow_copy_missed_before_reads_lock/53:3,55:1"
 # Real races of shutdown against the engine and materialize threads, found by `explore --scenario
 # shutdown` and not fixed here (the manager is being split; see the issue-12 report). Each token
-# replays one; when a fix lands its test fails: move the token out and put "shutdown" back into
-# the Makefile's EXPLORE_CI_SCENARIOS.
+# replays one; when a fix lands its test fails: move the token out, and once none is left put
+# "shutdown" into cli.EXPLORE_CLEAN_SCENARIOS (what --ci and --mutant explore).
 SHUTDOWN_RACES = {
     # new_step_starts starts a hit's prefetch outside the state lock; shutdown has already
     # dropped the read, and the refused submit drops it again.

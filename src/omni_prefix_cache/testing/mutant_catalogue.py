@@ -374,7 +374,7 @@ def kill_reason(output: str, invariants: frozenset[str]) -> str | None:
 
 
 # Seconds `make mutants --explore` gives the interleaving explorer per mutant.
-EXPLORE_SECONDS = 240
+EXPLORE_SECONDS = 300
 
 
 def explore_kill(name: str, seconds: int = EXPLORE_SECONDS) -> tuple[str | None, str]:
