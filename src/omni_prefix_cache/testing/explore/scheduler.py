@@ -32,6 +32,10 @@ from typing import Any, Protocol
 _SKIP_NAMES = ("scheduler.py", "contextlib.py", "sync.py", "threading.py", "_base.py")
 
 
+# Forced timeouts of one thread in a row (nobody else running) that count as a stall.
+STALL_LIMIT = 50
+
+
 class Aborted(BaseException):
     """Unwinds a controlled thread once its run is over (a failure was found).
     A BaseException so the runtime's ``except Exception`` handlers let it pass."""
@@ -126,6 +130,8 @@ class Scheduler:
         self.check: Callable[[], None] | None = None
         self.fingerprint: Callable[[], Any] | None = None
         self.log: list[tuple[int, str, str]] = []  # (thread idx, thread name, op) of recent sync points
+        self._stall_thread: _Thread | None = None
+        self._stalled = 0
         self.states: set[Any] | None = None  # signatures seen at choice points, when collected
         self.last_sig: Any = None
 
@@ -221,8 +227,25 @@ class Scheduler:
         if not runnable:
             timed = [t for t in live if t.pending is not None and t.pending.timed]
             if timed:
-                timed[0].timed_out = True
-                return self._logged(timed[0])
+                t = timed[0]
+                # Only timeouts move the run on: fine once (the runtime reports its timeout),
+                # but a thread that keeps re-waiting while nobody else runs is stuck for good.
+                self._stalled = self._stalled + 1 if self._stall_thread is t else 1
+                self._stall_thread = t
+                if self._stalled > STALL_LIMIT:
+                    self.fail(
+                        Failure(
+                            "stall",
+                            t.name,
+                            f"stall: {t.name} timed out {STALL_LIMIT} times in a row with no other thread able to "
+                            f"run (at {t.pending.label if t.pending else '?'}): a wait only a timeout ends",
+                            self._table(),
+                            reason="invariant no_stall",
+                        )
+                    )
+                    return None
+                t.timed_out = True
+                return self._logged(t)
             blocked = "every live thread is blocked" if not exiting else "threads left blocked"
             self.fail(
                 Failure("deadlock", me.name, f"deadlock: {blocked}", self._table(), reason="invariant no_deadlock")
@@ -243,6 +266,8 @@ class Scheduler:
         return self._logged(self.threads[chosen])
 
     def _logged(self, t: _Thread) -> _Thread:
+        if t is not self._stall_thread:
+            self._stall_thread = None
         if t.pending is not None:
             self.log.append((t.idx, t.name, t.pending.label))
             if len(self.log) > 64:
