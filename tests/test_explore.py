@@ -114,3 +114,11 @@ def test_short_free_running_stress_is_linearizable() -> None:
     result = stress(2.0, materializers=2)
     assert result.ops > 20, result
     assert result.ok, (result.bad_keys, result.errors[:3])
+
+
+def test_pct_finds_the_escalate_race_and_its_token_replays() -> None:
+    report = explore("escalate-copying", strategy="pct", bound=3, budget=200, mutant="escalate_requeues_claimed")
+    assert report.found, report.line()
+    assert report.found[0].failure.reason == "invariant write_task.single_copy_claim"
+    sched, diverged = replay(report.found[0].token)
+    assert not diverged and sched.failure is not None and sched.failure.reason == report.found[0].failure.reason
