@@ -34,14 +34,13 @@ state lock and can never stall the engine behind a gather.
 from __future__ import annotations
 
 import logging
-import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import torch
 
+from omni_prefix_cache import sync
 from omni_prefix_cache import validation as check
 from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.controller import OmniPrefixCacheController, StagingBufferHolder, StepD2HClaim, WriteTask
@@ -118,7 +117,7 @@ class OmniPrefixCacheManager:
             self._pool, config, eager=eager, committer=committer, engine=engine
         )
         self._policy = ModelCachePolicy()
-        self._state_lock = threading.Lock()
+        self._state_lock = sync.Lock()
         self._step_ctxs: dict[StepId, StepContext] = {}
         self._next_step_id = 1
         self._live: set[ReqId] = set()
@@ -131,14 +130,14 @@ class OmniPrefixCacheManager:
         self._slot_status = SlotOccupancy(self._pool.num_slots)
         self._layout = StepLayout(config, view, self._pool, self._controller)
         self._ledger = WriteLedger(self._controller, self._slot_status, self._state_lock, self._live, self._counters)
-        self._reads = HitReads(self._pool, self._controller, self._slot_status, threading.Lock())  # leaf lock
+        self._reads = HitReads(self._pool, self._controller, self._slot_status, sync.Lock())  # leaf lock
         self._slot_status.on_reassign = self._ledger.on_reassign
         self._slot_status.on_reuse = self._reads.registry.preserve
         self._hits = HitPlanner(
             config,
             self._slot_status,
             self._reads,
-            ThreadPoolExecutor(max_workers=2, thread_name_prefix=PREFETCH_THREAD_PREFIX),
+            sync.Executor(max_workers=2, thread_name_prefix=PREFETCH_THREAD_PREFIX),
             self._layout.known,
             policy=lambda: self._policy,
             is_closed=lambda: self._closed,

@@ -17,6 +17,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
+from omni_prefix_cache import sync
 from omni_prefix_cache.interface import (
     OmniPrefixCacheStagingTimeoutError,
     OmniPrefixCacheUnmatchError,
@@ -108,7 +109,7 @@ class StagingBufferPool:
         self._busy: list[set[StagingBufferHolder]] = [set() for _ in range(depth)]
         self._page_of: dict[StagingBufferHolder, int] = {}
         self._high_water: dict[str, int] = {}  # highest owner id per kind that ever held a page
-        self._page_freed = threading.Condition()
+        self._page_freed = sync.Condition()
         self._closed = False
 
     @property
