@@ -154,7 +154,7 @@ class Engine:
                     "no_join_under_state_lock_and_save_waits_previous_writes",
                     f"step {sid} saved before task {tid} of the previous step was written",
                 )
-        self.previous_immediate = list(self.mgr._join_next_step_tids)
+        self.previous_immediate = list(self.mgr._ledger.previous_step_writes)
 
     def check(self, sid: int, expected: Expected) -> None:
         """materialize(sid) and compare every row with the engine's."""
@@ -226,7 +226,7 @@ class Watch:
         ctrl = self.ctrl
         if self.violations:
             raise _fail("no_join_under_state_lock_and_save_waits_previous_writes", self.violations[0])
-        if ctrl._lock.locked():
+        if ctrl.lock.locked():
             return
         queued = [*ctrl._queue_hi, *ctrl._queue_lo]
         if len(set(queued)) != len(queued):
@@ -261,7 +261,7 @@ class Watch:
             tuple(ctrl._completed),
             tuple(ctrl._failed),
             tuple(sorted((sid, str(ctx.state)) for sid, ctx in mgr._step_ctxs.items())),
-            len(mgr._pending_reads),
+            len(mgr._reads.pending),
             tuple(tuple(sorted((h.kind, h.owner_id) for h in page)) for page in ctrl._staging_pool._busy),
         )
 
@@ -296,10 +296,10 @@ class Watch:
             raise _fail("nothing_leaked", f"{ctrl._staged_bytes} staged budget bytes left")
         if mgr._step_ctxs:
             raise _fail("nothing_leaked", f"step contexts left: {sorted(mgr._step_ctxs)}")
-        if mgr._pending_reads and not dead:
+        if mgr._reads.pending and not dead:
             # After shutdown a read whose prefetch finished but was never served may stay
             # registered (the manager is going away); before it, none may.
-            raise _fail("nothing_leaked", f"{len(mgr._pending_reads)} planned reads left")
+            raise _fail("nothing_leaked", f"{len(mgr._reads.pending)} planned reads left")
 
     def check_sticky(self) -> None:
         try:

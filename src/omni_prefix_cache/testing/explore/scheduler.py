@@ -394,7 +394,8 @@ class _Waiter:
 class CCondition:
     def __init__(self, sched: Scheduler, lock: Any = None) -> None:
         self._s = sched
-        self._lock: CLock = lock if lock is not None else CLock(sched)
+        # threading.Condition() defaults to a reentrant lock; so does this one.
+        self._lock: CLock = lock if lock is not None else CRLock(sched)
         self._waiters: list[_Waiter] = []
 
     def acquire(self, *args: Any) -> bool:
@@ -415,13 +416,16 @@ class CCondition:
             raise Aborted
         w = _Waiter()
         self._waiters.append(w)
-        owner = self._lock.owner
+        # An RLock's depth is saved with its owner: another thread takes it meanwhile.
+        owner, depth = self._lock.owner, getattr(self._lock, "depth", 0)
         self._lock.owner = None
         ok = s.point("cond-wait", lambda: w.notified, timed=timeout is not None)
         if not ok and w in self._waiters:
             self._waiters.remove(w)
         s.point("cond-reacquire", lambda: self._lock.owner is None)
         self._lock.owner = owner
+        if isinstance(self._lock, CRLock):
+            self._lock.depth = depth
         return ok
 
     def wait_for(self, predicate: Callable[[], Any], timeout: float | None = None) -> Any:
