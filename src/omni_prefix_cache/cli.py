@@ -507,12 +507,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ explore
 
 _EXPLORE_SUMMARY = "race the runtime's real threads under a controlled scheduler"
-# Scenario names of testing.explore.scenarios.SCENARIOS (tests keep the two in step).
+# Scenario names of testing.explore.scenarios.SCENARIOS (tests keep the two in step), cheapest first.
 EXPLORE_SCENARIOS = ("escalate-copying", "copy-failure", "write-failure", "reuse-read", "deferred-flush", "shutdown")
-# The scenarios the runtime passes today, cheapest first: what --ci and --mutant explore unless
-# --scenario says otherwise. `shutdown` finds open races (tests/test_explore.py SHUTDOWN_RACES), so
-# a mutant's run there could not tell its own failure from theirs.
-EXPLORE_CLEAN_SCENARIOS = EXPLORE_SCENARIOS[:-1]
 # The CI bound: every schedule with at most one deviation, per scenario.
 EXPLORE_CI_BOUND = 1
 
@@ -536,7 +532,7 @@ def _add_explore_parser(sub: Any) -> None:
         "--scenario",
         action="append",
         choices=EXPLORE_SCENARIOS,
-        help="scenario to explore (repeatable; default: all, or with --ci / --mutant all but shutdown)",
+        help="scenario to explore (repeatable; default: all)",
     )
     p.add_argument("--strategy", choices=("dfs", "pct"), default="dfs", help="bounded-exhaustive or PCT")
     p.add_argument("--bound", type=_int_at_least(0), default=2, help="deviation (preemption) bound; pct: its depth")
@@ -600,8 +596,7 @@ def _cmd_explore(args: argparse.Namespace) -> int:
     reports = []
     deadline = None if args.time_budget is None else time.monotonic() + args.time_budget
     try:
-        default = EXPLORE_CLEAN_SCENARIOS if (args.ci or args.mutant is not None) else EXPLORE_SCENARIOS
-        for name in args.scenario or default:
+        for name in args.scenario or EXPLORE_SCENARIOS:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             report = explore(
                 name,

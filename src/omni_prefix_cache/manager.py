@@ -147,7 +147,7 @@ class OmniPrefixCacheManager:
     def register_policy(self, policy: ModelCachePolicy) -> None:
         """Set the model's cache policy (hidden or not, deferred mm keys).
         Engine thread, before or between steps; takes the state lock."""
-        self._check_open()
+        self._check_open("register_policy")
         if not isinstance(policy, ModelCachePolicy):
             raise OmniPrefixCacheInvalidTypeError(
                 f"register_policy needs a ModelCachePolicy, got {type(policy).__name__}"
@@ -170,13 +170,16 @@ class OmniPrefixCacheManager:
         state lock twice; escalation (which runs eager writes inline)
         happens between, outside it.
         """
-        self._check_open()
+        self._check_open("new_step_starts")
         self._ledger.raise_if_failed()
         finished = check.as_req_ids("finished_req_ids", getattr(scheduler_output, "finished_req_ids", None))
         new_reqs = check.new_requests(getattr(scheduler_output, "scheduled_new_reqs", None))
         num_sched = check.as_num_scheduled(getattr(scheduler_output, "num_scheduled_tokens", None))
         escalate: list[Tid] = []
         with self._state_lock:
+            # Checked in every segment: a shutdown between two of them drops
+            # this call's hits and steps, so the call must not go on.
+            self._check_open("new_step_starts")
             # Validate every hit before touching any table: a bad hit must
             # leave nothing half-registered behind.
             candidates, queried, query_tokens = self._hits.candidates(new_reqs, num_sched, self._live, set(finished))
@@ -195,6 +198,7 @@ class OmniPrefixCacheManager:
             self._controller.escalate(escalate)
         jobs: list[HitJob] = []
         with self._state_lock:
+            self._check_open("new_step_starts")
             self._counters["query_requests"] += queried
             self._counters["query_tokens"] += query_tokens
             self._counters["hit_requests"] += len(new_hits)
@@ -202,7 +206,10 @@ class OmniPrefixCacheManager:
             self._ledger.commit_drained_locked()
             for hit in new_hits:
                 jobs.extend(self._hits.plan(hit, at_save=False))
-        self._hits.start_prefetch(jobs)
+            # Started and their futures stored in the segment that planned
+            # them: shutdown (same lock) then cancels or waits for each one,
+            # never forgets a read a prefetch is fetching.
+            self._hits.start_prefetch(jobs)
 
     def save_outputs(
         self,
@@ -231,11 +238,12 @@ class OmniPrefixCacheManager:
         the staging timeout error naming the unconsumed steps; no staging
         holder or budget is left behind by a failed save.
         """
-        self._check_open()
+        self._check_open("save_outputs")
         self._ledger.raise_if_failed()
         n = check.as_count("save_outputs: num_tokens_unpadded", num_tokens_unpadded)
         padded = check.as_count("save_outputs: num_tokens_padded", num_tokens_padded)
         with self._state_lock:
+            self._check_open("save_outputs")
             # Engine thread only: nothing else takes a snapshot or a step id.
             sched = self._pending_sched
             sid = self._next_step_id
@@ -247,6 +255,7 @@ class OmniPrefixCacheManager:
             )
         req_order, spans, slots, split = self._layout.route_step(sid, sched, self._policy, hidden, mm, n, padded)
         with self._state_lock:
+            self._check_open(f"save_outputs (step {sid})")
             self._pending_sched = None
             hits = self._hits.take_all()
             self._next_step_id += 1
@@ -269,6 +278,9 @@ class OmniPrefixCacheManager:
             new_slabs = self._layout.new_slabs(split)  # paid here, published under the lock
 
             with self._state_lock:
+                # A shutdown since the claim released every open step: publishing
+                # this one now would keep its page forever. Abandon it instead.
+                self._check_open(f"save_outputs (step {sid})")
                 registering = True
                 # First, before any table changes: a failure here leaves
                 # nothing registered.
@@ -304,7 +316,11 @@ class OmniPrefixCacheManager:
             if error is exc:
                 raise
             raise error from exc
-        self._hits.start_prefetch(jobs)
+        with self._state_lock:
+            # After a shutdown released this step (and forgot its unstarted
+            # reads) nothing is started; its materialize raises the shutdown error.
+            if not self._closed:
+                self._hits.start_prefetch(jobs)
         return sid
 
     def materialize(self, step_id: StepId, req_ids: Sequence[ReqId]) -> StageCacheOutputs:
@@ -323,11 +339,11 @@ class OmniPrefixCacheManager:
         """
         check.as_step_id("materialize", step_id)
         req_ids = check.as_req_ids(f"materialize(step {step_id}): req_ids", req_ids)
-        self._check_open()
+        self._check_open(f"materialize(step {step_id})")
         with self._state_lock:
             ctx, move = self._consume_locked(step_id, "materialize")
         try:
-            self._check_open()
+            self._check_open(f"materialize(step {step_id})")
             self._ledger.raise_if_failed()
             return self._materializer.build(ctx, req_ids)
         finally:
@@ -339,7 +355,7 @@ class OmniPrefixCacheManager:
         Works after a write failure. Raises for an unknown or consumed id,
         and after shutdown (which already released every open step)."""
         check.as_step_id("discard_step", step_id)
-        self._check_open()
+        self._check_open(f"discard_step(step {step_id})")
         with self._state_lock:
             ctx, move = self._consume_locked(step_id, "discard")
         self._materializer.release(ctx, move)
@@ -431,7 +447,9 @@ class OmniPrefixCacheManager:
         self._ledger.abandon_save(sid, claimed, reserved, registered, published, error)
 
     def _consume_locked(self, step_id: StepId, trigger: str) -> tuple[StepContext, CompiledMove]:
-        """Pop the step's context and move it to CONSUMED (state lock held)."""
+        """Pop the step's context and move it to CONSUMED (state lock held).
+        After shutdown (which released every open step) the shutdown error."""
+        self._check_open(f"{'materialize' if trigger == 'materialize' else 'discard_step'}(step {step_id})")
         ctx = self._step_ctxs.get(step_id)
         if ctx is None:
             issued = isinstance(step_id, int) and 0 < step_id < self._next_step_id
@@ -443,6 +461,8 @@ class OmniPrefixCacheManager:
         ctx.state = move.dest
         return ctx, move
 
-    def _check_open(self) -> None:
+    def _check_open(self, call: str) -> None:
+        """Raise the shutdown error naming ``call`` once shutdown began. Read
+        under the state lock by every segment that moves a step or a read."""
         if self._closed:
-            raise OmniPrefixCacheShutdownError("omni prefix cache manager is shut down")
+            raise OmniPrefixCacheShutdownError(f"{call}: omni prefix cache manager is shut down")

@@ -24,6 +24,7 @@ from omni_prefix_cache.controller import TaskState
 from omni_prefix_cache.interface import (
     HIDDEN_KEY,
     ModelCachePolicy,
+    OmniPrefixCacheShutdownError,
     OmniPrefixCacheUnmatchError,
     PrefixCacheConfig,
 )
@@ -506,15 +507,36 @@ def shutdown_while_blocked(sched: Scheduler) -> None:
         operator.start()
         jobs.put(engine.run({"b": Req([0, 1, 2], 4, 1, hit=4)}))
     except OmniPrefixCacheUnmatchError as exc:
-        if "shut down" not in str(exc) and "shutdown" not in str(exc):
+        if not isinstance(exc, OmniPrefixCacheShutdownError):
             raise _refused("a save refused for another reason than shutdown", exc) from exc
     jobs.close()
     consumer.join()
     operator.join()
     for refusal in errors:
-        if "shut down" not in str(refusal) and "shutdown" not in str(refusal):
+        if not isinstance(refusal, OmniPrefixCacheShutdownError):
             raise _refused("materialize refused for another reason than shutdown", refusal)
     watch.check_quiesced(dead=True)
+    _check_refuses_after_shutdown(mgr)
+
+
+def _check_refuses_after_shutdown(mgr: OmniPrefixCacheManager) -> None:
+    """After shutdown every facade call raises the shutdown error naming the call."""
+    calls: dict[str, Callable[[], Any]] = {
+        "new_step_starts": lambda: mgr.new_step_starts(_EMPTY),
+        "save_outputs": lambda: mgr.save_outputs(None, {}, num_tokens_unpadded=0, num_tokens_padded=0),
+        "materialize(step 1)": lambda: mgr.materialize(1, []),
+        "discard_step(step 2)": lambda: mgr.discard_step(2),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+        except OmniPrefixCacheShutdownError as exc:
+            if name not in str(exc):
+                raise _fail("shutdown_refuses", f"{name} after shutdown: {exc!r} does not name the call") from exc
+            continue
+        except Exception as exc:
+            raise _fail("shutdown_refuses", f"{name} after shutdown raised {exc!r}, not the shutdown error") from exc
+        raise _fail("shutdown_refuses", f"{name} after shutdown returned")
 
 
 @dataclass(frozen=True)
