@@ -239,7 +239,8 @@ class Watch:
             task = ctrl._tasks.get(tid)
             if task is not None and task.state not in (TaskState.QUEUED, TaskState.FAILED):
                 raise _fail("composed.queued_not_claimed", f"task {tid} is on a copy queue while {task.state.name}")
-        for tid in self.copying:
+        # Claimed (popped, copy stage not taken yet) or copying: one claim only.
+        for tid in self.copying | set(ctrl._claimed):
             task = ctrl._tasks.get(tid)
             if task is not None and (task.state is TaskState.QUEUED or tid in queued):
                 raise _fail("write_task.single_copy_claim", f"task {tid} is queued again while its copy runs")
