@@ -60,8 +60,6 @@ mutants:
 # The runtime's real threads under a controlled scheduler (docs/explore.md): every scenario to
 # its bound. EXPLOREFLAGS: e.g. "--mutant cow_copy_missed_before_reads_lock", "--replay TOKEN",
 # "--strategy pct --budget 500", "--scenario reuse-read --json".
-# `--ci` and `--mutant` leave out the `shutdown` scenario while the races it found are open
-# (tests/test_explore.py SHUTDOWN_RACES); plain `make explore` runs it and reports them.
 .PHONY: explore stress
 explore:
 	$(PYTHON) -m omni_prefix_cache explore $(EXPLOREFLAGS)
