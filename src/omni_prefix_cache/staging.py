@@ -110,7 +110,7 @@ class StagingBufferPool:
         self._busy: list[set[StagingBufferHolder]] = [set() for _ in range(depth)]
         self._page_of: dict[StagingBufferHolder, int] = {}
         self._high_water: dict[str, int] = {}  # highest owner id per kind that ever held a page
-        self._page_freed = sync.Condition()
+        self._page_freed: threading.Condition = sync.Condition()
         self._closed = False
 
     @property
