@@ -439,7 +439,8 @@ class OmniPrefixCacheManager:
         with self._state_lock:
             if published:
                 self._step_ctxs.pop(sid, None)
-            if retry is not None and self._pending_sched is None and not self._hits.pending:
+            # After shutdown nothing is put back: the hits are dropped (shutdown did not see them).
+            if retry is not None and not self._closed and self._pending_sched is None and not self._hits.pending:
                 self._pending_sched, self._hits.pending = retry, hits
             else:
                 for hit in hits.values():
