@@ -61,8 +61,8 @@ def test_cow_race_replays_under_the_mutant_only() -> None:
 
 
 def test_explore_finds_a_mutant_by_a_named_invariant_and_its_token_replays() -> None:
-    # (done_before_completion_record, used here before the controller rewrite, is not found now:
-    # its moved `task.written` runs inside the controller-lock segment that publishes the record.)
+    # (done_before_completion_record, used here before the controller rewrite, is not found by this
+    # run any more: its moved `task.written` now lands in the controller-lock segment that publishes.)
     report = explore("reuse-read", bound=1, budget=50, mutant="save_skips_previous_write_barrier")
     assert report.found, report.line()
     found = report.found[0]
