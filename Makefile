@@ -27,9 +27,11 @@ lint:
 	$(PYTHON) -m ruff format --check src tests tests_vllm spec examples
 	$(PYTHON) -m mypy --strict src
 
-# The CI bound of the exhaustive model check (~15-60 s), then the test suite.
+# The CI bound of the exhaustive model check (~15-60 s), the CI bound of the interleaving
+# explorer (~1-2 min), then the test suite.
 test:
 	$(PYTHON) -m omni_prefix_cache check
+	$(PYTHON) -m omni_prefix_cache explore --ci
 	$(PYTEST) -q
 
 # The engine-loop examples; each checks its own rows (tests/test_examples.py runs them too).
@@ -51,8 +53,20 @@ bench:
 	$(PYTHON) -m omni_prefix_cache bench $(BENCHFLAGS)
 
 .PHONY: mutants
+# MUTANTFLAGS: e.g. MUTANTFLAGS="--explore" (also run `explore --mutant` per mutant, up to 5 min each)
 mutants:
-	$(PYTHON) -m omni_prefix_cache.testing.mutant_catalogue
+	$(PYTHON) -m omni_prefix_cache.testing.mutant_catalogue $(MUTANTFLAGS)
+
+# The runtime's real threads under a controlled scheduler (docs/explore.md): every scenario to
+# its bound. EXPLOREFLAGS: e.g. "--mutant cow_copy_missed_before_reads_lock", "--replay TOKEN",
+# "--strategy pct --budget 500", "--scenario reuse-read --json".
+.PHONY: explore stress
+explore:
+	$(PYTHON) -m omni_prefix_cache explore $(EXPLOREFLAGS)
+
+# Free-running threads at full speed, the history checked for linearizability (DURATION s).
+stress:
+	$(PYTHON) -m omni_prefix_cache.testing.explore.history --duration $(or $(DURATION),60)
 
 # Bounded exhaustive check of the composition spec (the CI bound, well under a minute).
 # CHECKFLAGS: e.g. CHECKFLAGS="--tasks 3 --steps 3 --keys 2", CHECKFLAGS="--broken escalate-requeues-copying"

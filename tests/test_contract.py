@@ -7,6 +7,7 @@ Each test names the numbered case of the issue it pins.
 
 from __future__ import annotations
 
+import re
 import threading
 from types import SimpleNamespace
 from typing import Any
@@ -273,14 +274,15 @@ def test_3_every_entry_after_shutdown_raises_the_shutdown_error_and_nothing_is_h
     start_step(mgr, drv.view, {"c": Req([0, 2], 4, 1, hit=4)})  # a pending hit, never saved
     mgr.shutdown()
     mgr.shutdown()  # idempotent
-    for call in (
-        lambda: mgr.materialize(saved, ["b"]),
-        lambda: mgr.discard_step(saved),
-        lambda: mgr.register_policy(ModelCachePolicy()),
-        lambda: mgr.new_step_starts(sched()),
-        lambda: mgr.save_outputs(None, {}, num_tokens_unpadded=0, num_tokens_padded=0),
-    ):
-        with pytest.raises(OmniPrefixCacheShutdownError):
+    calls = {
+        f"materialize(step {saved})": lambda: mgr.materialize(saved, ["b"]),
+        f"discard_step(step {saved})": lambda: mgr.discard_step(saved),
+        "register_policy": lambda: mgr.register_policy(ModelCachePolicy()),
+        "new_step_starts": lambda: mgr.new_step_starts(sched()),
+        "save_outputs": lambda: mgr.save_outputs(None, {}, num_tokens_unpadded=0, num_tokens_padded=0),
+    }
+    for name, call in calls.items():
+        with pytest.raises(OmniPrefixCacheShutdownError, match=re.escape(name)):
             call()
     mgr._hits.prefetch.shutdown(wait=True)
     assert not mgr._step_ctxs and not mgr._hits.pending and not mgr._reads.pending

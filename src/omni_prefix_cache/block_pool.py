@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import logging
 import mmap
-import threading
 
 import torch
 
+from omni_prefix_cache import sync
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, PrefixCacheConfig, TensorName
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class PrefixBlockPool:
         self._num_slots = int(config.num_blocks) * int(config.block_size)
         self._slabs: dict[TensorName, torch.Tensor] = {}
         # Serialises slab creation only; reads and the single writer never take it.
-        self._open_lock = threading.Lock()
+        self._open_lock = sync.Lock()
 
     @property
     def num_slots(self) -> int:

@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 import torch
 
+from omni_prefix_cache import sync
 from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.budget import GpuBudget
 from omni_prefix_cache.committer import Committer
@@ -116,8 +117,8 @@ class OmniPrefixCacheController(UpstreamSeams):
         # Why a task failed, for the error its joiners and the manager raise.
         # Only failed tasks have an entry, and failed tasks stay registered.
         self._causes: dict[Tid, OmniPrefixCacheWriteFailedError] = {}
-        self.lock = threading.RLock()
-        self.wake = threading.Condition(self.lock)
+        self.lock = sync.RLock()
+        self.wake = sync.Condition(self.lock)
         self.stopping = False
         self._budget = GpuBudget(config.gpu_staging_bytes, self.lock)
         self._host = HostRows(engine or default_engine(self.eager), config)
@@ -137,9 +138,7 @@ class OmniPrefixCacheController(UpstreamSeams):
         self._committer = Committer(self)
         self._worker: threading.Thread | None = None
         if not self.eager and committer == "thread":
-            self._worker = threading.Thread(
-                target=self._committer.loop, name="omni-prefix-cache-committer", daemon=True
-            )
+            self._worker = sync.Thread(target=self._committer.loop, name="omni-prefix-cache-committer", daemon=True)
             self._worker.start()
 
     # ------------------------------------------------------------ protocol handlers

@@ -15,13 +15,14 @@ See docs/cuda.md for the integration contract.
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
+
+from omni_prefix_cache import sync
 
 # (host destination, source) pairs: each source is copied into its own slice.
 Copies = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -198,7 +199,7 @@ class CudaCopyEngine:
     def __init__(self, runtime: Any = None) -> None:
         self._rt = runtime if runtime is not None else CudaRuntime()
         self._lanes: dict[tuple[int, str], Any] = {}
-        self._lanes_lock = threading.Lock()
+        self._lanes_lock = sync.Lock()
         self.lane_uses: Counter[str] = Counter()  # diagnostics: "copy"/"read" launches
 
     def is_device(self, t: torch.Tensor) -> bool:

@@ -34,14 +34,13 @@ state lock and can never stall the engine behind a gather.
 from __future__ import annotations
 
 import logging
-import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import torch
 
+from omni_prefix_cache import sync
 from omni_prefix_cache import validation as check
 from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.controller import OmniPrefixCacheController, StagingBufferHolder, StepD2HClaim, WriteTask
@@ -119,7 +118,7 @@ class OmniPrefixCacheManager(UpstreamSeams):
             self._pool, config, eager=eager, committer=committer, engine=engine
         )
         self._policy = ModelCachePolicy()
-        self._state_lock = threading.Lock()
+        self._state_lock = sync.Lock()
         self._step_ctxs: dict[StepId, StepContext] = {}
         self._next_step_id = 1
         self._live: set[ReqId] = set()
@@ -132,14 +131,14 @@ class OmniPrefixCacheManager(UpstreamSeams):
         self._slot_status = SlotOccupancy(self._pool.num_slots)
         self._layout = StepLayout(config, view, self._pool, self._controller)
         self._ledger = WriteLedger(self._controller, self._slot_status, self._state_lock, self._live, self._counters)
-        self._reads = HitReads(self._pool, self._controller, self._slot_status, threading.Lock())  # leaf lock
+        self._reads = HitReads(self._pool, self._controller, self._slot_status, sync.Lock())  # leaf lock
         self._slot_status.on_reassign = self._ledger.on_reassign
         self._slot_status.on_reuse = self._reads.registry.preserve
         self._hits = HitPlanner(
             config,
             self._slot_status,
             self._reads,
-            ThreadPoolExecutor(max_workers=2, thread_name_prefix=PREFETCH_THREAD_PREFIX),
+            sync.Executor(max_workers=2, thread_name_prefix=PREFETCH_THREAD_PREFIX),
             self._layout.known,
             policy=lambda: self._policy,
             is_closed=lambda: self._closed,
@@ -149,7 +148,7 @@ class OmniPrefixCacheManager(UpstreamSeams):
     def register_policy(self, policy: ModelCachePolicy) -> None:
         """Set the model's cache policy (hidden or not, deferred mm keys).
         Engine thread, before or between steps; takes the state lock."""
-        self._check_open()
+        self._check_open("register_policy")
         if not isinstance(policy, ModelCachePolicy):
             raise OmniPrefixCacheInvalidTypeError(
                 f"register_policy needs a ModelCachePolicy, got {type(policy).__name__}"
@@ -172,13 +171,16 @@ class OmniPrefixCacheManager(UpstreamSeams):
         state lock twice; escalation (which runs eager writes inline)
         happens between, outside it.
         """
-        self._check_open()
+        self._check_open("new_step_starts")
         self._ledger.raise_if_failed()
         finished = check.as_req_ids("finished_req_ids", getattr(scheduler_output, "finished_req_ids", None))
         new_reqs = check.new_requests(getattr(scheduler_output, "scheduled_new_reqs", None))
         num_sched = check.as_num_scheduled(getattr(scheduler_output, "num_scheduled_tokens", None))
         escalate: list[Tid] = []
         with self._state_lock:
+            # Checked in every segment: a shutdown between two of them drops
+            # this call's hits and steps, so the call must not go on.
+            self._check_open("new_step_starts")
             # Validate every hit before touching any table: a bad hit must
             # leave nothing half-registered behind.
             candidates, queried, query_tokens = self._hits.candidates(new_reqs, num_sched, self._live, set(finished))
@@ -197,6 +199,7 @@ class OmniPrefixCacheManager(UpstreamSeams):
             self._controller.escalate(escalate)
         jobs: list[HitJob] = []
         with self._state_lock:
+            self._check_open("new_step_starts")
             self._counters["query_requests"] += queried
             self._counters["query_tokens"] += query_tokens
             self._counters["hit_requests"] += len(new_hits)
@@ -204,7 +207,10 @@ class OmniPrefixCacheManager(UpstreamSeams):
             self._commit_drained_writes()
             for hit in new_hits:
                 jobs.extend(self._hits.plan(hit, at_save=False))
-        self._hits.start_prefetch(jobs)
+            # Started and their futures stored in the segment that planned
+            # them: shutdown (same lock) then cancels or waits for each one,
+            # never forgets a read a prefetch is fetching.
+            self._hits.start_prefetch(jobs)
 
     def save_outputs(
         self,
@@ -233,11 +239,12 @@ class OmniPrefixCacheManager(UpstreamSeams):
         the staging timeout error naming the unconsumed steps; no staging
         holder or budget is left behind by a failed save.
         """
-        self._check_open()
+        self._check_open("save_outputs")
         self._ledger.raise_if_failed()
         n = check.as_count("save_outputs: num_tokens_unpadded", num_tokens_unpadded)
         padded = check.as_count("save_outputs: num_tokens_padded", num_tokens_padded)
         with self._state_lock:
+            self._check_open("save_outputs")
             # Engine thread only: nothing else takes a snapshot or a step id.
             sched = self._pending_sched
             sid = self._next_step_id
@@ -249,6 +256,7 @@ class OmniPrefixCacheManager(UpstreamSeams):
             )
         req_order, spans, slots, split = self._layout.route_step(sid, sched, self._policy, hidden, mm, n, padded)
         with self._state_lock:
+            self._check_open(f"save_outputs (step {sid})")
             self._pending_sched = None
             hits = self._hits.take_all()
             self._next_step_id += 1
@@ -271,6 +279,9 @@ class OmniPrefixCacheManager(UpstreamSeams):
             new_slabs = self._layout.new_slabs(split)  # paid here, published under the lock
 
             with self._state_lock:
+                # A shutdown since the claim released every open step: publishing
+                # this one now would keep its page forever. Abandon it instead.
+                self._check_open(f"save_outputs (step {sid})")
                 registering = True
                 # First, before any table changes: a failure here leaves
                 # nothing registered.
@@ -306,7 +317,11 @@ class OmniPrefixCacheManager(UpstreamSeams):
             if error is exc:
                 raise
             raise error from exc
-        self._hits.start_prefetch(jobs)
+        with self._state_lock:
+            # After a shutdown released this step (and forgot its unstarted
+            # reads) nothing is started; its materialize raises the shutdown error.
+            if not self._closed:
+                self._hits.start_prefetch(jobs)
         return sid
 
     def materialize(self, step_id: StepId, req_ids: Sequence[ReqId]) -> StageCacheOutputs:
@@ -325,11 +340,11 @@ class OmniPrefixCacheManager(UpstreamSeams):
         """
         check.as_step_id("materialize", step_id)
         req_ids = check.as_req_ids(f"materialize(step {step_id}): req_ids", req_ids)
-        self._check_open()
+        self._check_open(f"materialize(step {step_id})")
         with self._state_lock:
             ctx, move = self._consume_locked(step_id, "materialize")
         try:
-            self._check_open()
+            self._check_open(f"materialize(step {step_id})")
             self._ledger.raise_if_failed()
             return self._materializer.build(ctx, req_ids)
         finally:
@@ -341,7 +356,7 @@ class OmniPrefixCacheManager(UpstreamSeams):
         Works after a write failure. Raises for an unknown or consumed id,
         and after shutdown (which already released every open step)."""
         check.as_step_id("discard_step", step_id)
-        self._check_open()
+        self._check_open(f"discard_step(step {step_id})")
         with self._state_lock:
             ctx, move = self._consume_locked(step_id, "discard")
         self._materializer.release(ctx, move)
@@ -425,7 +440,8 @@ class OmniPrefixCacheManager(UpstreamSeams):
         with self._state_lock:
             if published:
                 self._step_ctxs.pop(sid, None)
-            if retry is not None and self._pending_sched is None and not self._hits.pending:
+            # After shutdown nothing is put back: the hits are dropped (shutdown did not see them).
+            if retry is not None and not self._closed and self._pending_sched is None and not self._hits.pending:
                 self._pending_sched, self._hits.pending = retry, hits
             else:
                 for hit in hits.values():
@@ -433,7 +449,9 @@ class OmniPrefixCacheManager(UpstreamSeams):
         self._ledger.abandon_save(sid, claimed, reserved, registered, published, error)
 
     def _consume_locked(self, step_id: StepId, trigger: str) -> tuple[StepContext, CompiledMove]:
-        """Pop the step's context and move it to CONSUMED (state lock held)."""
+        """Pop the step's context and move it to CONSUMED (state lock held).
+        After shutdown (which released every open step) the shutdown error."""
+        self._check_open(f"{'materialize' if trigger == 'materialize' else 'discard_step'}(step {step_id})")
         ctx = self._step_ctxs.get(step_id)
         if ctx is None:
             issued = isinstance(step_id, int) and 0 < step_id < self._next_step_id
@@ -445,6 +463,8 @@ class OmniPrefixCacheManager(UpstreamSeams):
         ctx.state = move.dest
         return ctx, move
 
-    def _check_open(self) -> None:
+    def _check_open(self, call: str) -> None:
+        """Raise the shutdown error naming ``call`` once shutdown began. Read
+        under the state lock by every segment that moves a step or a read."""
         if self._closed:
-            raise OmniPrefixCacheShutdownError("omni prefix cache manager is shut down")
+            raise OmniPrefixCacheShutdownError(f"{call}: omni prefix cache manager is shut down")

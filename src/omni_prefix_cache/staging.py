@@ -17,7 +17,9 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
+from omni_prefix_cache import sync
 from omni_prefix_cache.interface import (
+    OmniPrefixCacheShutdownError,
     OmniPrefixCacheStagingTimeoutError,
     OmniPrefixCacheUnmatchError,
     TensorName,
@@ -108,7 +110,7 @@ class StagingBufferPool:
         self._busy: list[set[StagingBufferHolder]] = [set() for _ in range(depth)]
         self._page_of: dict[StagingBufferHolder, int] = {}
         self._high_water: dict[str, int] = {}  # highest owner id per kind that ever held a page
-        self._page_freed = threading.Condition()
+        self._page_freed: threading.Condition = sync.Condition()
         self._closed = False
 
     @property
@@ -190,12 +192,12 @@ class StagingBufferPool:
         """Claim a free page for a step holder; waits up to ``timeout``
         seconds (<= 0: no wait). Raises OmniPrefixCacheStagingTimeoutError
         naming the holders that keep every page busy, or
-        OmniPrefixCacheUnmatchError once the pool is closed."""
+        OmniPrefixCacheShutdownError (naming the holder) once the pool is closed."""
         deadline = time.monotonic() + max(0.0, timeout)
         with self._page_freed:
             while True:
                 if self._closed:
-                    raise OmniPrefixCacheUnmatchError("staging pool shut down while waiting for a page")
+                    raise OmniPrefixCacheShutdownError(f"staging pool shut down while {holder} waited for a page")
                 for page in range(self.depth):
                     if self._apply("claim", page, holder):
                         return page

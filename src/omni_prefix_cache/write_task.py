@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from omni_prefix_cache import sync
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, ReqId, TensorName, Tid, WriteSchedule
 from omni_prefix_cache.spec_types.copy_queue import QueuePosition
 from omni_prefix_cache.spec_types.write_task import TaskState as TaskState  # re-exported
@@ -55,7 +56,7 @@ class TaskEvent:
             return True
         with _EVENT_COND_INIT:
             if self._cond is None:
-                self._cond = threading.Condition(threading.Lock())
+                self._cond = sync.Condition(sync.Lock())
         cond = self._cond
         with cond:
             # The predicate is re-read under the condition's lock, so a set()
@@ -162,7 +163,7 @@ class WriteTask:
     reassigned: dict[TensorName, torch.Tensor] = field(default_factory=dict)
     host_ready: TaskEvent = field(default_factory=TaskEvent)
     done: TaskEvent = field(default_factory=TaskEvent)
-    lock: Any = field(default_factory=threading.RLock)
+    lock: Any = field(default_factory=sync.new_rlock)
     position: Any = QueuePosition.UNQUEUED
     # A deferred write registered queued (its dispatch pushes it to the low queue).
     queued_at_submit: bool = False

@@ -417,12 +417,51 @@ def kill_reason(output: str, invariants: frozenset[str]) -> str | None:
     return None
 
 
-def run_catalogue(names: list[str] | None = None, tests: tuple[str, ...] = KILLER_TESTS) -> int:
+# Seconds `make mutants --explore` gives the interleaving explorer per mutant.
+EXPLORE_SECONDS = 300
+
+
+def explore_kill(name: str, seconds: int = EXPLORE_SECONDS) -> tuple[str | None, str]:
+    """Run ``omni-prefix-cache explore --mutant name`` (default bound and budget,
+    at most ``seconds``): (kill reason or None, replay token or a note)."""
+    import json
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "omni_prefix_cache",
+            "explore",
+            "--mutant",
+            name,
+            "--json",
+            "--time-budget",
+            str(seconds),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode not in (0, 1):
+        return None, f"explore error rc={proc.returncode}"
+    failures = [f for sc in json.loads(proc.stdout)["scenarios"] for f in sc["failures"]]
+    if not failures:
+        return None, "survived"
+    reason = failures[0]["reason"]
+    if reason == "crash":  # a crash is not a kill
+        return None, f"crash only: {failures[0]['token']}"
+    return reason, failures[0]["token"]
+
+
+def run_catalogue(
+    names: list[str] | None = None, tests: tuple[str, ...] = KILLER_TESTS, *, with_explore: bool = False
+) -> int:
     """Run ``tests`` once per mutant; print a table and ``killed K of N``.
+    ``with_explore``: also run the interleaving explorer per mutant, add its
+    verdict to each line and print ``explore killed E of N``.
     Returns 0 when every mutant was killed."""
     chosen = names or sorted(MUTANTS)
     present = [t for t in tests if os.path.exists(t)]
-    killed = 0
+    killed = explored = 0
     invariants = invariant_names(tests)
     print(f"mutant catalogue: {len(chosen)} mutants against {', '.join(present)}")
     for name in chosen:
@@ -444,8 +483,15 @@ def run_catalogue(names: list[str] | None = None, tests: tuple[str, ...] = KILLE
             verdict = "SURVIVED" if proc.returncode == 0 else f"error rc={proc.returncode}"
         first = next((ln for ln in proc.stdout.splitlines() if ln.startswith("FAILED")), "")
         test = first.removeprefix("FAILED ").split(" - ")[0]
-        print(f"  {name:38s} {verdict:9s} {time.monotonic() - start:6.1f}s  {reason or ''}  {test[:70]}")
+        line = f"  {name:38s} {verdict:9s} {time.monotonic() - start:6.1f}s  {reason or ''}  {test[:70]}"
+        if with_explore:
+            why, token = explore_kill(name)
+            explored += why is not None
+            line += f"  | explore: {'killed by ' + why if why else 'not killed'} ({token})"
+        print(line, flush=True)
     print(f"killed {killed} of {len(chosen)}")
+    if with_explore:
+        print(f"explore killed {explored} of {len(chosen)}")
     if names is None and CANDIDATES:
         print(f"not yet killed by the racing tests (not counted): {', '.join(sorted(CANDIDATES))}")
     return 0 if killed == len(chosen) else 1
@@ -455,6 +501,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="run the generated and racing tests against each mutant")
     parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
     parser.add_argument("--list", action="store_true", help="list the catalogue and exit")
+    parser.add_argument(
+        "--explore",
+        action="store_true",
+        help=f"also run `omni-prefix-cache explore --mutant` per mutant (up to {EXPLORE_SECONDS}s each)",
+    )
     args = parser.parse_args(argv)
     if args.list:
         for m in MUTANTS.values():
@@ -462,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in CANDIDATES.values():
             print(f"{m.name:38s} {m.bug} (candidate: not yet killed)")
         return 0
-    return run_catalogue(args.names or None)
+    return run_catalogue(args.names or None, with_explore=args.explore)
 
 
 if __name__ == "__main__":
