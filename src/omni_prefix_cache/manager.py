@@ -59,12 +59,12 @@ from omni_prefix_cache.interface import (
     Tid,
 )
 from omni_prefix_cache.manager_seams import UpstreamSeams
+from omni_prefix_cache.manager_stats import ManagerStats
 from omni_prefix_cache.materializer import Materializer
 from omni_prefix_cache.occupancy import SlotOccupancy
 from omni_prefix_cache.planned_read import HitReads
 from omni_prefix_cache.protocols import SchedulerOutputLike
 from omni_prefix_cache.specs import CompiledMove
-from omni_prefix_cache.stats import MANAGER_COUNTERS, CacheStats
 from omni_prefix_cache.step_context import STEP_CONSUMED, STEP_INITIAL, StepContext, step_move
 from omni_prefix_cache.step_layout import SchedSnapshot, StepLayout
 from omni_prefix_cache.step_layout import is_step_token_tensor as _is_step_token_tensor
@@ -84,7 +84,7 @@ logger = logging.getLogger(__name__)
 PREFETCH_THREAD_PREFIX = "omni-prefix-cache-prefetch"
 
 
-class OmniPrefixCacheManager(UpstreamSeams):
+class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
     """Full-prompt hidden states and token-major mm outputs for one stage.
 
     ``view`` is the group view over vLLM's input batch (``block_size``,
@@ -360,39 +360,6 @@ class OmniPrefixCacheManager(UpstreamSeams):
         with self._state_lock:
             ctx, move = self._consume_locked(step_id, "discard")
         self._materializer.release(ctx, move)
-
-    def stats(self) -> dict[str, Any]:
-        """Metrics an operator would export, as a dict (any thread; takes the
-        state lock briefly): every :class:`CacheStats` field by name, plus
-        the historical keys: prefix queries and hits (requests, tokens), steps saved /
-        materialized / discarded, tokens saved, rows committed to the pool
-        (rows x keys), failed writes, live requests, open steps, and the
-        controller's snapshot (tasks by state, queue depths, staged bytes,
-        staging holders by kind). A write failure the committer recorded
-        counts at once (``failed_writes``, ``sticky_failure``), before any
-        serving entry drains it."""
-        out = self._raw_stats()
-        out.update(CacheStats.from_stats(out).as_dict())
-        return out
-
-    def stats_snapshot(self) -> CacheStats:
-        """``stats()`` as a typed, frozen snapshot (Prometheus-style names)."""
-        return CacheStats.from_stats(self._raw_stats())
-
-    def _raw_stats(self) -> dict[str, Any]:
-        """The historical ``stats()`` keys; CacheStats is derived from them."""
-        with self._state_lock:
-            # Report a failure the committer recorded but no entry drained yet.
-            self._ledger.drain_failures_locked()
-            out: dict[str, Any] = {name: self._counters.get(name, 0) for name in MANAGER_COUNTERS}
-            out["live_requests"] = len(self._live)
-            out["open_steps"] = len(self._step_ctxs)
-            out["sticky_failure"] = self._ledger.failure is not None
-        key_bytes = self._pool.key_nbytes()
-        out["pool_host_bytes"] = sum(key_bytes.values())  # unpinned
-        out.update(self._controller.stats())
-        out["pool_key_bytes"] = key_bytes
-        return out
 
     def shutdown(self) -> None:
         """Stop the prefetch thread and the controller (queued writes land
