@@ -35,7 +35,16 @@ from typing import Any
 import torch
 from hypothesis import event
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+)
 
 from omni_prefix_cache.controller import TaskState
 from omni_prefix_cache.interface import HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheUnmatchError, PrefixCacheConfig
@@ -74,7 +83,7 @@ DRIVERS: dict[str, str] = {
 }
 
 # Rules for the engine's workload, not protocol operations.
-WORKLOAD_RULES = ("engine_event", "prefetch_run", "prefetch_pause", "prefetch_resume", "paused_reader_slots_reused")
+WORKLOAD_RULES = ("preempt", "interim_tenant", "prefetch_run", "prefetch_pause", "prefetch_resume", "paused_reader_slots_reused")
 
 # Invariant name (spec/protocol.yaml, checked_by tests) -> checker method.
 CHECKERS: dict[str, str] = {
@@ -133,7 +142,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             staging_depth=DEPTH,
             staging_capacity_tokens=CAPACITY,
             staging_claim_timeout_s=0.0,
-            gpu_staging_bytes=5 * WIDTHS[DEFERRED] * 4,  # five deferred rows: saves force flushes
+            gpu_staging_bytes=12 * WIDTHS[DEFERRED] * 4,  # twelve deferred rows: some saves force flushes
         )
         self.mgr = OmniPrefixCacheManager(config, self.model.view, eager=self.EAGER, committer="manual")
         self.mgr.register_policy(ModelCachePolicy(needs_full_hidden_states=True, deferred_keys=frozenset({DEFERRED})))
@@ -336,20 +345,24 @@ class ProtocolMachine(RuleBasedStateMachine):
         for prefix in prefixes:
             self.model.arrive(prefix, [21, 22][:prefix])
 
-    def _drive_engine_event(self, action: str, data: Any) -> None:
-        """A request (or an identical pair) arrives, or one is preempted (its
-        blocks recycle; it resumes later, still live for the manager)."""
+    def _arrivals(self, data: Any) -> None:
+        """Requests (or identical pairs: the second hits blocks the first
+        computes in the same step) arrive before a step; prompts share prefixes."""
         model = self.model
-        if action in ("arrive", "arrive_pair"):
-            if len(model.requests) < MAX_REQUESTS:
-                prefix = data.draw(st.integers(0, 2), label="prefix")
-                tail = data.draw(st.lists(st.integers(20, 24), max_size=3), label="tail")
-                for _ in range(2 if action == "arrive_pair" else 1):
-                    model.arrive(prefix, tail)
-            return
-        pool = [r.rid for r in model.running()]
-        if pool:
-            model.preempt(data.draw(st.sampled_from(sorted(pool)), label="preempt"))
+        least = 1 if len(model.requests) < 2 else 0
+        for _ in range(data.draw(st.integers(least, 2), label="arrivals")):
+            if len(model.requests) >= MAX_REQUESTS:
+                return
+            prefix = data.draw(st.integers(0, 2), label="prefix")
+            tail = data.draw(st.lists(st.integers(20, 24), max_size=3), label="tail")
+            for _ in range(2 if data.draw(st.booleans(), label="pair") else 1):
+                model.arrive(prefix, tail)
+
+    def _drive_preempt(self, data: Any) -> None:
+        """A running request is preempted: its blocks recycle (recent first,
+        an interim tenant may take them); it resumes later, still live."""
+        pool = [r.rid for r in self.model.running()]
+        self.model.preempt(data.draw(st.sampled_from(sorted(pool)), label="preempt"))
 
     def _drive_prefetch_run(self) -> None:
         """The prefetch thread runs the oldest waiting fetch."""
@@ -379,19 +392,38 @@ class ProtocolMachine(RuleBasedStateMachine):
         assert self.paused_reader is not None
         self.model.end(self.paused_reader)
         self.model.arrive(prefix, [23, 24, 20])
-        self._drive_new_step(data)
-        self._drive_save()
+        if self._drive_new_step(data) is None:
+            self._drive_save()
+
+    def _drive_interim_tenant(self, data: Any) -> list[int]:
+        """A running request is preempted; an interim tenant takes its freed
+        blocks (recent first) for one step and aborts; the request resumes
+        onto them and rewrites rows its open deferred write already lost."""
+        rid = data.draw(st.sampled_from(sorted(r.rid for r in self.model.running())), label="preempt")
+        self.model.preempt(rid)
+        tenant = self.model.arrive(data.draw(st.integers(0, 2), label="tenant prefix"), [24, 23])
+        sids = [self._drive_new_step(data, admit_only=tenant)]
+        if tenant in self.model.requests:
+            self.model.end(tenant)
+        self._drive_drain()
+        if not self.dead:
+            sids.append(self._drive_new_step(data, admit_only=rid))
+        return [sid for sid in sids if sid is not None]
 
     # ------------------------------------------------------------ operations
 
-    def _drive_new_step(self, data: Any) -> None:
+    def _drive_new_step(self, data: Any, admit_only: str | None = None) -> int | None:
         """new_step: the scheduler plans a step; the manager plans its hits."""
         draw = data.draw
+        if admit_only is None:
+            self._arrivals(data)
         # A pool key that is not token-major this step is a leftover: the
         # step's tenant does not write it (hits later get the baseline).
         absent = frozenset(draw(st.sampled_from([(), (), (IMMEDIATE,), (DEFERRED,)]), label="keys as leftovers"))
         planned = self.model.schedule(
-            admit=lambda req: draw(st.integers(1, 6), label=f"admit {req.rid}"),
+            admit=lambda req: (
+                draw(st.integers(1, 6), label=f"admit {req.rid}") if admit_only in (None, req.rid) else 0
+            ),
             run=lambda req: draw(st.integers(1, 3), label=f"run {req.rid}"),
             capacity=CAPACITY,
             absent_keys=absent,
@@ -401,6 +433,13 @@ class ProtocolMachine(RuleBasedStateMachine):
         self._facade(self.mgr.new_step_starts, planned.out)
         if not self.dead:
             self.pending, self.pending_absent = planned, absent
+        if self.pending is not None and (
+            admit_only is not None or draw(st.integers(0, 3), label="forward, then save at once") > 0
+        ):
+            # Mostly the engine saves right after its forward; otherwise the
+            # save rule runs it later, after other threads' moves.
+            return self._drive_save()
+        return None
 
     def _drive_save(self) -> int | None:
         """save (eager: with eager_run inline; a failing flush: abandon_save)."""
@@ -665,9 +704,33 @@ def _rule_defs(eager: bool) -> dict[str, Callable[[type[ProtocolMachine]], Any]]
 
         return make
 
+    def new_step_rule(cls: type[ProtocolMachine]) -> Any:
+        def new_step(self: Any, data: Any) -> Any:
+            sid = self._drive_new_step(data)
+            return multiple() if sid is None else sid
+
+        new_step.__doc__ = ProtocolMachine._drive_new_step.__doc__
+        ready = precondition(lambda self: self.pending is None and len(self.expects) < DEPTH)
+        return ready(rule(target=steps, data=st.data())(new_step))
+
+    def interim_tenant_rule(cls: type[ProtocolMachine]) -> Any:
+        def interim_tenant(self: Any, data: Any) -> Any:
+            return multiple(*self._drive_interim_tenant(data))
+
+        interim_tenant.__doc__ = ProtocolMachine._drive_interim_tenant.__doc__
+        ready = precondition(
+            lambda self: self.pending is None
+            and len(self.expects) <= DEPTH - 2
+            and isinstance(self.model.alloc, RecentFirstAllocator)
+            and bool(self.model.running())
+            and len(self.model.requests) < MAX_REQUESTS
+        )
+        return ready(rule(target=steps, data=st.data())(interim_tenant))
+
     def save_rule(cls: type[ProtocolMachine]) -> Any:
         def save(self: Any) -> Any:
-            return self._drive_save()
+            sid = self._drive_save()
+            return multiple() if sid is None else sid
 
         save.__doc__ = ProtocolMachine._drive_save.__doc__
         return precondition(lambda self: self.pending is not None)(rule(target=steps)(save))
@@ -685,15 +748,14 @@ def _rule_defs(eager: bool) -> dict[str, Callable[[type[ProtocolMachine]], Any]]
         return make
 
     return {
-        "new_step": plain(
-            "new_step", lambda self: self.pending is None and len(self.expects) < DEPTH, data=st.data()
-        ),
+        "new_step": new_step_rule,
         "save": save_rule,
+        "interim_tenant": interim_tenant_rule,
         "finish_or_abort": plain(
             "finish_or_abort",
-            lambda self: bool(self.model.requests) and self.pending is None,
+            lambda self: len(self.model.requests) >= 2 and self.pending is None,
             action=st.sampled_from(["finish", "abort"]), data=st.data()),
-        "drain": plain("drain"),
+        "drain": plain("drain", lambda self: self.pending is None),
         # The committer's operations, each enabled when it has work.
         "committer_claim": plain(
             "committer_claim", lambda self: not self.EAGER and bool(self.ctrl._queue_hi or self.ctrl._queue_lo)
@@ -711,9 +773,7 @@ def _rule_defs(eager: bool) -> dict[str, Callable[[type[ProtocolMachine]], Any]]
         "join": plain("join", lambda self: bool(self.ctrl._tasks), data=st.data()),
         "materialize": consume("materialize"),
         "discard": consume("discard"),
-        "engine_event": plain(
-            "engine_event", action=st.sampled_from(["arrive", "arrive_pair", "preempt"]), data=st.data()
-        ),
+        "preempt": plain("preempt", lambda self: self.pending is None and bool(self.model.running()), data=st.data()),
         "prefetch_run": plain("prefetch_run", lambda self: bool(self.prefetch.pending) and self.paused is None),
         "prefetch_pause": plain("prefetch_pause", lambda self: self.paused is None and bool(self.prefetch.pending)),
         "prefetch_resume": plain("prefetch_resume", lambda self: self.paused is not None),
