@@ -83,7 +83,14 @@ DRIVERS: dict[str, str] = {
 }
 
 # Rules for the engine's workload, not protocol operations.
-WORKLOAD_RULES = ("preempt", "interim_tenant", "prefetch_run", "prefetch_pause", "prefetch_resume", "paused_reader_slots_reused")
+WORKLOAD_RULES = (
+    "preempt",
+    "interim_tenant",
+    "prefetch_run",
+    "prefetch_pause",
+    "prefetch_resume",
+    "paused_reader_slots_reused",
+)
 
 # Invariant name (spec/protocol.yaml, checked_by tests) -> checker method.
 CHECKERS: dict[str, str] = {
@@ -147,7 +154,8 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.mgr = OmniPrefixCacheManager(config, self.model.view, eager=self.EAGER, committer="manual")
         self.mgr.register_policy(ModelCachePolicy(needs_full_hidden_states=True, deferred_keys=frozenset({DEFERRED})))
         self.mgr._prefetch.shutdown(wait=False)
-        self.mgr._prefetch = self.prefetch = LazyExecutor()
+        self.prefetch = LazyExecutor()
+        self.mgr._prefetch = self.prefetch  # type: ignore[assignment]
         self.ctrl = self.mgr._controller
         self.pending: PlannedStep | None = None  # scheduled by new_step, not saved yet
         self.pending_absent: frozenset[str] = frozenset()
@@ -211,11 +219,20 @@ class ProtocolMachine(RuleBasedStateMachine):
             states = {t.state.name for tid in tids if (t := ctrl.get_task(tid)) is not None}
             event(f"escalate of {sorted(states)}")
             if not race.EAGER:
-                race.entered.update(t for t in tids if (task := ctrl.get_task(t)) is not None)
+                race.entered.update(t for t in tids if ctrl.get_task(t) is not None)
             escalate(tids)
 
-        ctrl._copy_task, ctrl._scatter, ctrl._wait_tasks = failing_copy, failing_scatter, joining
-        ctrl.register_many, ctrl.dispatch, ctrl.escalate = registering, dispatching, escalating
+        # Instance attributes shadow the methods; mutants patch the class.
+        seams = {
+            "_copy_task": failing_copy,
+            "_scatter": failing_scatter,
+            "_wait_tasks": joining,
+            "register_many": registering,
+            "dispatch": dispatching,
+            "escalate": escalating,
+        }
+        for name, seam in seams.items():
+            setattr(ctrl, name, seam)
         self._install_fetch_seam()
 
     def _probe_done(self, task: Any) -> None:
@@ -421,15 +438,13 @@ class ProtocolMachine(RuleBasedStateMachine):
         # step's tenant does not write it (hits later get the baseline).
         absent = frozenset(draw(st.sampled_from([(), (), (IMMEDIATE,), (DEFERRED,)]), label="keys as leftovers"))
         planned = self.model.schedule(
-            admit=lambda req: (
-                draw(st.integers(1, 6), label=f"admit {req.rid}") if admit_only in (None, req.rid) else 0
-            ),
+            admit=lambda req: draw(st.integers(1, 6), label=f"admit {req.rid}") if admit_only in (None, req.rid) else 0,
             run=lambda req: draw(st.integers(1, 3), label=f"run {req.rid}"),
             capacity=CAPACITY,
             absent_keys=absent,
         )
         if planned is None:
-            return
+            return None
         self._facade(self.mgr.new_step_starts, planned.out)
         if not self.dead:
             self.pending, self.pending_absent = planned, absent
@@ -450,7 +465,9 @@ class ProtocolMachine(RuleBasedStateMachine):
         mm = dict(planned.mm, **{LEFTOVER: _leftover(planned.n)})
         mm.update({key: _sparse(planned.n, key) for key in absent})
         sid = self._facade(
-            lambda: self.mgr.save_outputs(planned.hidden, mm, num_tokens_unpadded=planned.n, num_tokens_padded=planned.n)
+            lambda: self.mgr.save_outputs(
+                planned.hidden, mm, num_tokens_unpadded=planned.n, num_tokens_padded=planned.n
+            )
         )
         if sid is None:
             return None
@@ -692,14 +709,15 @@ def _rule_defs(eager: bool) -> dict[str, Callable[[type[ProtocolMachine]], Any]]
 
     def plain(name: str, pre: Callable[[Any], bool] | None = None, **strategies: Any) -> Any:
         def make(cls: type[ProtocolMachine]) -> Any:
-            driver = getattr(cls, f"_drive_{name}")
+            driver: Callable[..., Any] = getattr(cls, f"_drive_{name}")
 
             def run(self: Any, **kw: Any) -> Any:
                 return driver(self, **kw)
 
             run.__name__ = run.__qualname__ = name
             run.__doc__ = driver.__doc__
-            out = rule(**strategies)(run)
+            as_rule: Callable[[Any], Any] = rule(**strategies)
+            out = as_rule(run)
             return precondition(pre)(out) if pre is not None else out
 
         return make
@@ -719,11 +737,13 @@ def _rule_defs(eager: bool) -> dict[str, Callable[[type[ProtocolMachine]], Any]]
 
         interim_tenant.__doc__ = ProtocolMachine._drive_interim_tenant.__doc__
         ready = precondition(
-            lambda self: self.pending is None
-            and len(self.expects) <= DEPTH - 2
-            and isinstance(self.model.alloc, RecentFirstAllocator)
-            and bool(self.model.running())
-            and len(self.model.requests) < MAX_REQUESTS
+            lambda self: (
+                self.pending is None
+                and len(self.expects) <= DEPTH - 2
+                and isinstance(self.model.alloc, RecentFirstAllocator)
+                and bool(self.model.running())
+                and len(self.model.requests) < MAX_REQUESTS
+            )
         )
         return ready(rule(target=steps, data=st.data())(interim_tenant))
 
@@ -754,7 +774,9 @@ def _rule_defs(eager: bool) -> dict[str, Callable[[type[ProtocolMachine]], Any]]
         "finish_or_abort": plain(
             "finish_or_abort",
             lambda self: len(self.model.requests) >= 2 and self.pending is None,
-            action=st.sampled_from(["finish", "abort"]), data=st.data()),
+            action=st.sampled_from(["finish", "abort"]),
+            data=st.data(),
+        ),
         "drain": plain("drain", lambda self: self.pending is None),
         # The committer's operations, each enabled when it has work.
         "committer_claim": plain(
@@ -779,10 +801,12 @@ def _rule_defs(eager: bool) -> dict[str, Callable[[type[ProtocolMachine]], Any]]
         "prefetch_resume": plain("prefetch_resume", lambda self: self.paused is not None),
         "paused_reader_slots_reused": plain(
             "paused_reader_slots_reused",
-            lambda self: self.paused is not None
-            and self.paused_reader in self.model.requests
-            and self.pending is None
-            and len(self.expects) < DEPTH,
+            lambda self: (
+                self.paused is not None
+                and self.paused_reader in self.model.requests
+                and self.pending is None
+                and len(self.expects) < DEPTH
+            ),
             prefix=st.integers(0, 2),
             data=st.data(),
         ),
