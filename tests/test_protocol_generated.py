@@ -20,6 +20,54 @@ from omni_prefix_cache.specs.protocol import load_protocol
 from omni_prefix_cache.testing import protocol_tests
 from omni_prefix_cache.testing.protocol_tests import build_machine, invariant_table, rule_table
 
+
+class _Script:
+    """Stands in for Hypothesis' ``data`` in a replayed trace: a draw returns
+    the recorded value for its label, else the trace's default for it."""
+
+    DEFAULTS = {"arrivals": 0, "keys as leftovers": (), "forward, then save at once": 1}
+
+    def __init__(self, **draws: object) -> None:
+        self.draws = draws
+
+    def draw(self, strategy: object, label: str) -> object:
+        if label in self.draws:
+            return self.draws.pop(label)
+        if label.startswith(("admit", "run")):
+            return 6 if label.startswith("admit") else 3
+        return self.DEFAULTS[label]
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["manual", "eager"])
+def test_a_resumed_request_rewrites_rows_its_open_write_lost(eager: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A trace of the generated machine's rules: q0 opens a deferred write on
+    # two blocks; it is preempted, an interim tenant takes the last freed
+    # block for one step and aborts, q0 resumes onto it. The rewrite must go
+    # to a new write, not be appended to the one that lost those slots
+    # (mutant tombstone_drops_fresh_rows: the pool keeps stale rows).
+    monkeypatch.setattr(protocol_tests, "event", lambda *a, **k: None)  # outside Hypothesis
+    machine = build_machine(eager=eager)()
+    try:
+        machine.first_arrivals(prefixes=[2], recent_first=True)
+        first = machine._drive_new_step(_Script(**{"admit q0": 4}))
+        machine._drive_materialize(first)
+        machine.rows_match_reference()
+        script = _Script(**{"preempt": "q0", "tenant prefix": 0, "admit q1": 2})
+        for sid in machine._drive_interim_tenant(script):
+            machine._drive_materialize(sid)
+        machine.rows_match_reference()
+        machine.model.end("q0")
+        machine._drive_drain()  # announces the finish: q0's writes are escalated
+        while not eager and machine._committer_unit():
+            pass
+        machine._drive_drain()  # publishes them
+        assert machine.model.cached_blocks(), "the trace no longer leaves cached blocks to check"
+        for name in invariant_table(load_protocol()):
+            getattr(machine, name)()
+    finally:
+        machine.teardown()
+
+
 # About 20 s per mode alone on 2 cores.
 _budget = settings(settings.default, max_examples=max(120, settings.default.max_examples), stateful_step_count=40)
 

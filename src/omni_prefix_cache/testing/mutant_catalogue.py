@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 from unittest import mock
@@ -496,29 +497,40 @@ def run_tests(name: str, tests: tuple[str, ...], invariants: frozenset[str]) -> 
     return Verdict(verdict, reason, test, time.monotonic() - start)
 
 
-def run_catalogue(names: list[str] | None = None) -> int:
-    """Per mutant: the generated protocol tests alone, then (if they did not
-    kill it) the other killer tests. Prints each verdict with its kill reason,
-    then ``killed K of N; generated tests alone: G of N``. Returns 0 only when
-    K == N and G == N."""
-    chosen = names or list(MUTANTS)
+def judge(name: str, invariants: frozenset[str]) -> tuple[Verdict, Verdict]:
+    """The generated protocol tests alone, then (if they did not kill it)
+    the other killer tests: ``(first verdict, final verdict)``."""
     generated = tuple(t for t in GENERATED_TESTS if os.path.exists(t))
     others = tuple(t for t in OTHER_KILLER_TESTS if os.path.exists(t))
+    first = run_tests(name, generated, invariants)
+    if first.killed or not others:
+        return first, first
+    return first, run_tests(name, others, invariants)
+
+
+def run_catalogue(names: list[str] | None = None, jobs: int = 1) -> int:
+    """``judge`` every mutant (``jobs`` at a time); print each verdict with
+    its kill reason, then ``killed K of N; generated tests alone: G of N``.
+    Returns 0 only when K == N and G == N."""
+    chosen = names or list(MUTANTS)
     invariants = invariant_names()
-    print(f"mutant catalogue: {len(chosen)} mutants; generated: {', '.join(generated)}; then: {', '.join(others)}")
+    print(
+        f"mutant catalogue: {len(chosen)} mutants, {jobs} at a time; generated tests "
+        f"{', '.join(GENERATED_TESTS)} alone first, then {', '.join(OTHER_KILLER_TESTS)}"
+    )
     killed = alone = 0
     total = time.monotonic()
-    for name in chosen:
-        first = run_tests(name, generated, invariants)
-        stage, result = "generated", first
-        if not first.killed and others:
-            stage, result = "others", run_tests(name, others, invariants)
-        killed += result.killed
-        alone += first.killed
-        where = f"[{stage}]" if result.killed else f"[generated: {first.verdict}; others: {result.verdict}]"
-        seconds = first.seconds + (result.seconds if result is not first else 0.0)
-        print(f"  {name:38s} {result.verdict:9s} {seconds:6.1f}s  {result.reason}  {where}  {result.test[:70]}")
-        sys.stdout.flush()
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for name, (first, result) in zip(chosen, pool.map(lambda n: judge(n, invariants), chosen)):
+            killed += result.killed
+            alone += first.killed
+            if result is first:
+                where = "[generated]" if first.killed else "[generated; no other tests]"
+            else:
+                where = f"[generated: {first.verdict}; others: {result.verdict}]"
+            seconds = first.seconds + (result.seconds if result is not first else 0.0)
+            print(f"  {name:38s} {result.verdict:9s} {seconds:6.1f}s  {result.reason}  {where}  {result.test[:70]}")
+            sys.stdout.flush()
     if names is None and CANDIDATES:
         print(f"candidates (not counted): {', '.join(sorted(CANDIDATES))}")
     print(f"total {time.monotonic() - total:.0f}s")
@@ -530,6 +542,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="run the generated and racing tests against each mutant")
     parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
     parser.add_argument("--list", action="store_true", help="list the catalogue and exit")
+    parser.add_argument(
+        "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="mutants judged in parallel (default: 2)"
+    )
     args = parser.parse_args(argv)
     if args.list:
         for m in MUTANTS.values():
@@ -537,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in CANDIDATES.values():
             print(f"{m.name:38s} {m.bug} (candidate: not yet killed)")
         return 0
-    return run_catalogue(args.names or None)
+    return run_catalogue(args.names or None, jobs=args.jobs)
 
 
 if __name__ == "__main__":
