@@ -8,5 +8,8 @@
 - ``mutants``: spec copies with a move added or removed.
 - ``modelcheck``: the bounded exhaustive check of the composed model
   (``omni-prefix-cache check``); needs no Hypothesis.
+- ``protocol_tests``: ``build_machine(spec, eager=...)`` turns the composition
+  spec into a machine against the real manager + manual committer (one rule
+  per operation driver, one invariant per protocol invariant, the row oracle).
 - ``mutant_catalogue``: runtime bugs re-injected for ``make mutants``.
 """
