@@ -2,12 +2,14 @@
 documents), each re-injectable into the runtime by a patch that lives only
 here. The runtime carries no switch for any of them.
 
-``make mutants`` runs the generated and racing tests once per mutant with
-``OMNI_PREFIX_CACHE_MUTANT=<name>`` (tests/conftest.py applies it) and prints
-``killed K of N``. A mutant is killed only when that run fails on a named
-invariant (a spec invariant or a racing test's ``@invariant``) or on the row
-oracle (an assertion message starting "row oracle:"); any other failure (a
-crash, a timeout) is reported but not counted.
+``make mutants`` runs, per mutant with ``OMNI_PREFIX_CACHE_MUTANT=<name>``
+(tests/conftest.py applies it), the tests generated from the composition
+spec alone, then (if they did not kill it) the other generated and racing
+tests, and prints ``killed K of N; generated tests alone: G of N``. A mutant
+is killed only when a run fails an assertion of a named invariant (a spec
+invariant, a generated checker or a racing test's ``@invariant``) or of the
+row oracle (a message starting "row oracle:"); any other failure (a crash,
+a timeout) is reported but not counted.
 
 (``testing.mutants`` is different: it mutates *specs*, for the generated
 state-machine tests.)
@@ -23,13 +25,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
 ENV_VAR = "OMNI_PREFIX_CACHE_MUTANT"
-# The tests that must kill every mutant: generated and racing ones only.
-KILLER_TESTS = ("tests/test_race_controller.py", "tests/test_generated_specs.py", "tests/test_race_system.py")
+# The tests generated from the composition spec: run alone first per mutant.
+GENERATED_TESTS = ("tests/test_protocol_generated.py",)
+# Then, for a mutant they did not kill, the other generated and racing tests.
+OTHER_KILLER_TESTS = ("tests/test_race_controller.py", "tests/test_generated_specs.py", "tests/test_race_system.py")
+KILLER_TESTS = GENERATED_TESTS + OTHER_KILLER_TESTS
 
 
 @dataclass(frozen=True, eq=False)
@@ -272,8 +278,7 @@ def _queued_deferred_pushed_high(stack: contextlib.ExitStack) -> None:
 
 @_register(
     "tombstone_drops_fresh_rows",
-    "a rewrite of a slot the write already lost is appended, not a new write",
-    candidate=True,  # needs preempt -> interim tenant -> resume on one block with a pending deferred write
+    "a rewrite of a slot the write already lost is appended to it, not opened as a new write (rows dropped)",
 )
 def _tombstone_drops_fresh_rows(stack: contextlib.ExitStack) -> None:
     from omni_prefix_cache.write_task import WriteTask
@@ -378,6 +383,83 @@ def _cow_copy_missed_before_reads_lock(stack: contextlib.ExitStack) -> None:
     _set(stack, HitReads, "ensure_not_reassigned", ensure_not_reassigned)
 
 
+# ------------------------------------------------------------------ composition rules
+# Each breaks one rule of spec/protocol.yaml by patching one named function.
+
+
+@_register(
+    "escalate_pushes_high_queued_twice",
+    "escalate pushes a task already on the high queue to its head again (escalate's first_of runs both branches)",
+)
+def _escalate_pushes_high_queued_twice(stack: contextlib.ExitStack) -> None:
+    # Patches OmniPrefixCacheController.escalate.
+    from omni_prefix_cache.controller import OmniPrefixCacheController
+
+    original = OmniPrefixCacheController.escalate
+
+    def escalate(self: OmniPrefixCacheController, tids: list[int]) -> None:
+        if not self._eager:
+            with self._wake:
+                for tid in tids:
+                    if tid in self._queue_hi:
+                        self._queue_hi.appendleft(tid)
+        original(self, tids)
+
+    _set(stack, OmniPrefixCacheController, "escalate", escalate)
+
+
+@_register(
+    "drain_forgets_sticky_failure",
+    "drain drops a failed write's rows but never makes the failure sticky (drain's sticky_failure step skipped)",
+)
+def _drain_forgets_sticky_failure(stack: contextlib.ExitStack) -> None:
+    # Patches OmniPrefixCacheManager._note_failures_locked.
+    from omni_prefix_cache.manager import OmniPrefixCacheManager
+
+    def note_failures_locked(self: Any, failed: list[int]) -> None:
+        self._counters["failed_writes"] += len(failed)
+        self._settle_locked(failed, "drop")
+
+    _set(stack, OmniPrefixCacheManager, "_note_failures_locked", note_failures_locked)
+
+
+@_register(
+    "fail_keeps_staging_page",
+    "fail leaves the task's staging holder bound (fail's task_holder.fail? step skipped): the page never frees",
+)
+def _fail_keeps_staging_page(stack: contextlib.ExitStack) -> None:
+    # Patches OmniPrefixCacheController._release_task_slot.
+    from omni_prefix_cache.controller import OmniPrefixCacheController
+
+    original = OmniPrefixCacheController._release_task_slot
+
+    def release_task_slot(self: OmniPrefixCacheController, task: Any, trigger: str) -> None:
+        if trigger != "fail":
+            original(self, task, trigger)  # type: ignore[arg-type]
+
+    _set(stack, OmniPrefixCacheController, "_release_task_slot", release_task_slot)
+
+
+@_register(
+    "materialize_keeps_step_page",
+    "materialize consumes the step but skips its step_holder.consume: the step's staging page is never released",
+)
+def _materialize_keeps_step_page(stack: contextlib.ExitStack) -> None:
+    # Patches OmniPrefixCacheManager._finish_consume.
+    import dataclasses
+
+    from omni_prefix_cache.manager import OmniPrefixCacheManager
+
+    original = OmniPrefixCacheManager._finish_consume
+
+    def finish_consume(self: Any, ctx: Any, move: Any) -> None:
+        if move.trigger == "materialize":
+            move = dataclasses.replace(move, effects=())
+        original(self, ctx, move)
+
+    _set(stack, OmniPrefixCacheManager, "_finish_consume", finish_consume)
+
+
 # ------------------------------------------------------------------ runner
 
 
@@ -393,11 +475,15 @@ def applied(name: str) -> Iterator[Mutant]:
 
 
 def invariant_names(tests: tuple[str, ...] = KILLER_TESTS) -> frozenset[str]:
-    """Every named invariant a kill may come from: the specs' and the
+    """Every named invariant a kill may come from: the machine specs', the
+    composition spec's, the generated protocol machine's checkers and the
     ``@invariant()`` methods of the racing tests."""
     from omni_prefix_cache.specs import load_all_specs
+    from omni_prefix_cache.specs.protocol import load_protocol
+    from omni_prefix_cache.testing.protocol_tests import invariant_names as protocol_checkers
 
     names = {inv.name for spec in load_all_specs().values() for inv in spec.invariants}
+    names.update(load_protocol().invariant_names, protocol_checkers())
     for path in tests:
         if os.path.exists(path):
             with open(path) as f:
@@ -407,9 +493,13 @@ def invariant_names(tests: tuple[str, ...] = KILLER_TESTS) -> frozenset[str]:
 
 def kill_reason(output: str, invariants: frozenset[str]) -> str | None:
     """Why a failing run failed: ``row oracle``, ``invariant <name>`` (the
-    innermost failing frame that is a named invariant), or None."""
-    if any(ln.startswith("E") and "row oracle:" in ln for ln in output.splitlines()):
+    innermost failing frame that is a named invariant), or None. Only an
+    assertion counts: an exception escaping a checker is a crash."""
+    lines = output.splitlines()
+    if any(ln.startswith("E") and "row oracle:" in ln for ln in lines):
         return "row oracle"
+    if not any(re.match(r"^E\s+AssertionError", ln) for ln in lines):
+        return None
     frames = re.findall(r"^\S+\.py:\d+: in (\w+)$", output, re.M)
     for name in reversed(frames):
         if name in invariants:
@@ -417,44 +507,88 @@ def kill_reason(output: str, invariants: frozenset[str]) -> str | None:
     return None
 
 
-def run_catalogue(names: list[str] | None = None, tests: tuple[str, ...] = KILLER_TESTS) -> int:
-    """Run ``tests`` once per mutant; print a table and ``killed K of N``.
-    Returns 0 when every mutant was killed."""
-    chosen = names or sorted(MUTANTS)
-    present = [t for t in tests if os.path.exists(t)]
-    killed = 0
-    invariants = invariant_names(tests)
-    print(f"mutant catalogue: {len(chosen)} mutants against {', '.join(present)}")
-    for name in chosen:
-        env = dict(os.environ, **{ENV_VAR: name, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "mutants")})
-        start = time.monotonic()
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-x", "-q", "--tb=short", "-p", "no:cacheprovider", *present],
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        reason = kill_reason(proc.stdout, invariants) if proc.returncode == 1 else None
-        killed += reason is not None
-        if reason is not None:
-            verdict = "killed"
-        elif proc.returncode == 1:
-            verdict, reason = "FAILED", "not by a named invariant or the row oracle: not counted"
-        else:
-            verdict = "SURVIVED" if proc.returncode == 0 else f"error rc={proc.returncode}"
-        first = next((ln for ln in proc.stdout.splitlines() if ln.startswith("FAILED")), "")
-        test = first.removeprefix("FAILED ").split(" - ")[0]
-        print(f"  {name:38s} {verdict:9s} {time.monotonic() - start:6.1f}s  {reason or ''}  {test[:70]}")
-    print(f"killed {killed} of {len(chosen)}")
+@dataclass(frozen=True)
+class Verdict:
+    verdict: str  # killed, FAILED (not counted), SURVIVED, error rc=N
+    reason: str
+    test: str
+    seconds: float
+
+    @property
+    def killed(self) -> bool:
+        return self.verdict == "killed"
+
+
+def run_tests(name: str, tests: tuple[str, ...], invariants: frozenset[str]) -> Verdict:
+    """One pytest run of ``tests`` with mutant ``name`` applied."""
+    env = dict(os.environ, **{ENV_VAR: name, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "mutants")})
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-x", "-q", "--tb=short", "-p", "no:cacheprovider", *tests],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    reason = kill_reason(proc.stdout, invariants) if proc.returncode == 1 else None
+    if reason is not None:
+        verdict = "killed"
+    elif proc.returncode == 1:
+        verdict, reason = "FAILED", "not by a named invariant or the row oracle: not counted"
+    else:
+        verdict, reason = ("SURVIVED" if proc.returncode == 0 else f"error rc={proc.returncode}"), ""
+    first = next((ln for ln in proc.stdout.splitlines() if ln.startswith("FAILED")), "")
+    test = first.removeprefix("FAILED ").split(" - ")[0]
+    return Verdict(verdict, reason, test, time.monotonic() - start)
+
+
+def judge(name: str, invariants: frozenset[str]) -> tuple[Verdict, Verdict]:
+    """The generated protocol tests alone, then (if they did not kill it)
+    the other killer tests: ``(first verdict, final verdict)``."""
+    generated = tuple(t for t in GENERATED_TESTS if os.path.exists(t))
+    others = tuple(t for t in OTHER_KILLER_TESTS if os.path.exists(t))
+    first = run_tests(name, generated, invariants)
+    if first.killed or not others:
+        return first, first
+    return first, run_tests(name, others, invariants)
+
+
+def run_catalogue(names: list[str] | None = None, jobs: int = 1) -> int:
+    """``judge`` every mutant (``jobs`` at a time); print each verdict with
+    its kill reason, then ``killed K of N; generated tests alone: G of N``.
+    Returns 0 only when K == N and G == N."""
+    chosen = names or list(MUTANTS)
+    invariants = invariant_names()
+    print(
+        f"mutant catalogue: {len(chosen)} mutants, {jobs} at a time; generated tests "
+        f"{', '.join(GENERATED_TESTS)} alone first, then {', '.join(OTHER_KILLER_TESTS)}"
+    )
+    killed = alone = 0
+    total = time.monotonic()
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for name, (first, result) in zip(chosen, pool.map(lambda n: judge(n, invariants), chosen)):
+            killed += result.killed
+            alone += first.killed
+            if result is first:
+                where = "[generated]" if first.killed else "[generated; no other tests]"
+            else:
+                where = f"[generated: {first.verdict}; others: {result.verdict}]"
+            seconds = first.seconds + (result.seconds if result is not first else 0.0)
+            print(f"  {name:38s} {result.verdict:9s} {seconds:6.1f}s  {result.reason}  {where}  {result.test[:70]}")
+            sys.stdout.flush()
     if names is None and CANDIDATES:
-        print(f"not yet killed by the racing tests (not counted): {', '.join(sorted(CANDIDATES))}")
-    return 0 if killed == len(chosen) else 1
+        print(f"candidates (not counted): {', '.join(sorted(CANDIDATES))}")
+    print(f"total {time.monotonic() - total:.0f}s")
+    print(f"killed {killed} of {len(chosen)}; generated tests alone: {alone} of {len(chosen)}")
+    return 0 if killed == len(chosen) and alone == len(chosen) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="run the generated and racing tests against each mutant")
     parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
     parser.add_argument("--list", action="store_true", help="list the catalogue and exit")
+    parser.add_argument(
+        "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="mutants judged in parallel (default: 2)"
+    )
     args = parser.parse_args(argv)
     if args.list:
         for m in MUTANTS.values():
@@ -462,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in CANDIDATES.values():
             print(f"{m.name:38s} {m.bug} (candidate: not yet killed)")
         return 0
-    return run_catalogue(args.names or None)
+    return run_catalogue(args.names or None, jobs=args.jobs)
 
 
 if __name__ == "__main__":
