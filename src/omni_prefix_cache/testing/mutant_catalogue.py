@@ -384,7 +384,9 @@ def _cow_copy_missed_before_reads_lock(stack: contextlib.ExitStack) -> None:
 
 
 # ------------------------------------------------------------------ composition rules
-# Each breaks one rule of spec/protocol.yaml by patching one named function.
+# Each breaks one rule of spec/protocol.yaml in the code that executes it
+# (the manager's operations are not compiled from the spec; the binding's
+# moves are the runtime's, not the spec's).
 
 
 @_register(
@@ -392,17 +394,20 @@ def _cow_copy_missed_before_reads_lock(stack: contextlib.ExitStack) -> None:
     "escalate pushes a task already on the high queue to its head again (escalate's first_of runs both branches)",
 )
 def _escalate_pushes_high_queued_twice(stack: contextlib.ExitStack) -> None:
-    # Patches OmniPrefixCacheController.escalate.
+    # Patches OmniPrefixCacheController.escalate: a second head entry for a
+    # task whose position is already HIGH.
     from omni_prefix_cache.controller import OmniPrefixCacheController
+    from omni_prefix_cache.spec_types.copy_queue import QueuePosition
 
     original = OmniPrefixCacheController.escalate
 
     def escalate(self: OmniPrefixCacheController, tids: list[int]) -> None:
-        if not self._eager:
-            with self._wake:
+        if not self.eager:
+            with self.lock:
                 for tid in tids:
-                    if tid in self._queue_hi:
-                        self._queue_hi.appendleft(tid)
+                    task = self._tasks.get(tid)
+                    if task is not None and task.position == QueuePosition.HIGH:
+                        self.queues.high.appendleft(tid)
         original(self, tids)
 
     _set(stack, OmniPrefixCacheController, "escalate", escalate)
@@ -413,31 +418,34 @@ def _escalate_pushes_high_queued_twice(stack: contextlib.ExitStack) -> None:
     "drain drops a failed write's rows but never makes the failure sticky (drain's sticky_failure step skipped)",
 )
 def _drain_forgets_sticky_failure(stack: contextlib.ExitStack) -> None:
-    # Patches OmniPrefixCacheManager._note_failures_locked.
-    from omni_prefix_cache.manager import OmniPrefixCacheManager
+    # Patches WriteLedger._note_failures_locked (drain's failure branch).
+    from omni_prefix_cache.write_ledger import WriteLedger
 
-    def note_failures_locked(self: Any, failed: list[int]) -> None:
+    def note_failures_locked(self: WriteLedger, failed: list[int]) -> None:
         self._counters["failed_writes"] += len(failed)
-        self._settle_locked(failed, "drop")
+        self.settle_locked(failed, "drop")
 
-    _set(stack, OmniPrefixCacheManager, "_note_failures_locked", note_failures_locked)
+    _set(stack, WriteLedger, "_note_failures_locked", note_failures_locked)
 
 
 @_register(
     "fail_keeps_staging_page",
-    "fail leaves the task's staging holder bound (fail's task_holder.fail? step skipped): the page never frees",
+    "the controller's binding of fail's task_holder.fail? releases nothing: a failed task's page never frees",
 )
 def _fail_keeps_staging_page(stack: contextlib.ExitStack) -> None:
-    # Patches OmniPrefixCacheController._release_task_slot.
-    from omni_prefix_cache.controller import OmniPrefixCacheController
+    # A runtime bug, not a spec mutation (that is fail_keeps_staging_hold):
+    # the spec still lists the release, ControllerBinding.try_move drops it.
+    from omni_prefix_cache.protocol_runtime import ControllerBinding
 
-    original = OmniPrefixCacheController._release_task_slot
+    original = ControllerBinding.try_move
 
-    def release_task_slot(self: OmniPrefixCacheController, task: Any, trigger: str) -> None:
-        if trigger != "fail":
-            original(self, task, trigger)  # type: ignore[arg-type]
+    def try_move(self: ControllerBinding, role: str, trigger: str) -> Callable[[Any], bool]:
+        if (role, trigger) == ("task_holder", "fail"):
+            return lambda task: False
+        attempt: Callable[[Any], bool] = original(self, role, trigger)
+        return attempt
 
-    _set(stack, OmniPrefixCacheController, "_release_task_slot", release_task_slot)
+    _set(stack, ControllerBinding, "try_move", try_move)
 
 
 @_register(
@@ -445,19 +453,19 @@ def _fail_keeps_staging_page(stack: contextlib.ExitStack) -> None:
     "materialize consumes the step but skips its step_holder.consume: the step's staging page is never released",
 )
 def _materialize_keeps_step_page(stack: contextlib.ExitStack) -> None:
-    # Patches OmniPrefixCacheManager._finish_consume.
+    # Patches Materializer.release (the consume move's effects).
     import dataclasses
 
-    from omni_prefix_cache.manager import OmniPrefixCacheManager
+    from omni_prefix_cache.materializer import Materializer
 
-    original = OmniPrefixCacheManager._finish_consume
+    original = Materializer.release
 
-    def finish_consume(self: Any, ctx: Any, move: Any) -> None:
+    def release(self: Materializer, ctx: Any, move: Any) -> None:
         if move.trigger == "materialize":
             move = dataclasses.replace(move, effects=())
         original(self, ctx, move)
 
-    _set(stack, OmniPrefixCacheManager, "_finish_consume", finish_consume)
+    _set(stack, Materializer, "release", release)
 
 
 # ------------------------------------------------------------------ runner

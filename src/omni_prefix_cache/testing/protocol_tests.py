@@ -50,6 +50,7 @@ from omni_prefix_cache.controller import TaskState
 from omni_prefix_cache.interface import HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheUnmatchError, PrefixCacheConfig
 from omni_prefix_cache.manager import PREFETCH_THREAD_PREFIX, OmniPrefixCacheManager
 from omni_prefix_cache.occupancy import SlotState
+from omni_prefix_cache.spec_types.copy_queue import QueuePosition
 from omni_prefix_cache.simulate.rows import rows_from_hashes
 from omni_prefix_cache.specs.loader import SpecError
 from omni_prefix_cache.specs.protocol import ProtocolSpec, load_protocol
@@ -61,6 +62,14 @@ IMMEDIATE, DEFERRED, LEFTOVER = "talker.h", "codes.audio", "codes.ref"
 WIDTHS = {HIDDEN_KEY: 4, IMMEDIATE: 3, DEFERRED: 2}
 PREFIXES = [[1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [7, 8, 9, 10]]
 MAX_REQUESTS = 6
+# Where a task's queue entry is, by its copy_queue position (one_queue_entry).
+_ENTRY_OF: dict[str, tuple[str, ...]] = {
+    "HIGH": ("high",),
+    "LOW": ("low",),
+    "STALE": ("high", "low"),
+    "CLAIMED": ("claimed",),
+    "BLOCKED": ("blocked",),
+}
 
 # Operation -> the rule that starts it. Several operations may share a rule
 # (an eager save runs eager_run inline; a facade entry drains). "teardown"
@@ -153,9 +162,9 @@ class ProtocolMachine(RuleBasedStateMachine):
         )
         self.mgr = OmniPrefixCacheManager(config, self.model.view, eager=self.EAGER, committer="manual")
         self.mgr.register_policy(ModelCachePolicy(needs_full_hidden_states=True, deferred_keys=frozenset({DEFERRED})))
-        self.mgr._prefetch.shutdown(wait=False)
+        self.mgr._hits.prefetch.shutdown(wait=False)
         self.prefetch = LazyExecutor()
-        self.mgr._prefetch = self.prefetch  # type: ignore[assignment]
+        self.mgr._hits.prefetch = self.prefetch  # type: ignore[assignment]
         self.ctrl = self.mgr._controller
         self.pending: PlannedStep | None = None  # scheduled by new_step, not saved yet
         self.pending_absent: frozenset[str] = frozenset()
@@ -165,7 +174,6 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.dead = False  # a facade entry raised the write failure
         self.max_tid = 0
         self.saves = 0
-        self.entered: set[int] = set()  # dispatched or escalated: on a queue, claimed, blocked or done
         self.violations: dict[str, list[str]] = {name: [] for name in CHECKERS}
         self.previous_immediate: list[int] = []
         self.prefetch_errors: list[str] = []
@@ -180,7 +188,7 @@ class ProtocolMachine(RuleBasedStateMachine):
     def _instrument(self) -> None:
         ctrl, mgr, race = self.ctrl, self.mgr, self
         copy_task, scatter, wait = ctrl._copy_task, ctrl._scatter, ctrl._wait_tasks
-        register_many, dispatch, escalate = ctrl.register_many, ctrl.dispatch, ctrl.escalate
+        register_many, escalate = ctrl.register_many, ctrl.escalate
 
         def failing_copy(task: Any) -> None:
             if task.tid in race.poison["copy"]:
@@ -211,15 +219,9 @@ class ProtocolMachine(RuleBasedStateMachine):
                 race.max_tid = max(race.max_tid, task.tid)
             register_many(tasks, queued)
 
-        def dispatching(tasks: list[Any]) -> None:
-            race.entered.update(t.tid for t in tasks)
-            dispatch(tasks)
-
         def escalating(tids: list[int]) -> None:
-            states = {t.state.name for tid in tids if (t := ctrl.get_task(tid)) is not None}
-            event(f"escalate of {sorted(states)}")
-            if not race.EAGER:
-                race.entered.update(t for t in tids if ctrl.get_task(t) is not None)
+            states = {QueuePosition(int(t.position)).name for tid in tids if (t := ctrl.get_task(tid)) is not None}
+            event(f"escalate at positions {sorted(states)}")
             escalate(tids)
 
         # Instance attributes shadow the methods; mutants patch the class.
@@ -228,7 +230,6 @@ class ProtocolMachine(RuleBasedStateMachine):
             "_scatter": failing_scatter,
             "_wait_tasks": joining,
             "register_many": registering,
-            "dispatch": dispatching,
             "escalate": escalating,
         }
         for name, seam in seams.items():
@@ -256,12 +257,13 @@ class ProtocolMachine(RuleBasedStateMachine):
         """Let a rule hold a prefetch at its version check, just before it
         takes the reads lock: the one point of a fetch where another
         thread's reuse of its slots can interleave."""
-        real, race = self.mgr._reads_lock, self
+        reads, race = self.mgr._reads, self
+        real = reads.lock
 
         class SeamLock:
             def __enter__(self) -> SeamLock:
                 caller = sys._getframe(1).f_code.co_name
-                if threading.current_thread() is race.paused and caller == "_ensure_not_reassigned":
+                if threading.current_thread() is race.paused and caller == "ensure_not_reassigned":
                     race.at_seam.set()
                     race.go.wait(30)
                 real.acquire()
@@ -279,7 +281,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             def locked(self) -> bool:
                 return real.locked()
 
-        self.mgr._reads_lock = SeamLock()  # type: ignore[assignment]
+        reads.lock = SeamLock()  # type: ignore[assignment]
 
     # ------------------------------------------------------------ helpers
 
@@ -477,7 +479,7 @@ class ProtocolMachine(RuleBasedStateMachine):
                 self.violations["save_waits_previous_writes"].append(
                     f"step {sid} mapped its slots while task {tid} of the previous step was {task.state.name}"
                 )
-        self.previous_immediate = list(self.mgr._join_next_step_tids)
+        self.previous_immediate = list(self.mgr._ledger.previous_step_writes)
         self.expects[sid] = (planned, absent)
         self.saves += 1
         return int(sid)
@@ -558,40 +560,37 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ checkers
 
-    def _positions(self) -> dict[int, str]:
-        ctrl = self.ctrl
-        where: dict[int, str] = {}
-        for name, queue in (("HIGH", ctrl._queue_hi), ("LOW", ctrl._queue_lo)):
-            for tid in queue:
-                task = ctrl.get_task(tid)
-                if task is not None:
-                    where[tid] = "STALE" if task.state is TaskState.FAILED else name
-        for tid in ctrl._claimed:
-            where[tid] = "CLAIMED"
-        for tid in ctrl._blocked:
-            where[tid] = "BLOCKED"
-        return where
-
     def position_matches_task(self) -> None:
+        """Every task's copy_queue state (``task.position``, the runtime's
+        own) and its task state form a pair the spec's ``pairs`` lists."""
         pairs = self.SPEC.pairs
-        where = self._positions()
         for tid, task in list(self.ctrl._tasks.items()):
-            pos = where.get(tid)
-            if pos is None:
-                # Off every list: done once the task entered the pipeline
-                # (dispatched, escalated, or run inline), else unqueued.
-                pos = "DONE" if task.is_terminal or tid in self.entered else "UNQUEUED"
+            pos = QueuePosition(int(task.position)).name
             assert task.state.name in pairs[pos], (
                 f"task {tid} is {task.state.name} at queue position {pos} (pairs allow {list(pairs[pos])})"
             )
 
     def one_queue_entry(self) -> None:
-        ctrl = self.ctrl
-        entries = [*ctrl._queue_hi, *ctrl._queue_lo, *ctrl._claimed, *ctrl._blocked]
+        """A task is on at most one queue or list, once, and that entry is
+        the one its position names (HIGH/LOW/STALE: a copy queue; CLAIMED:
+        claimed; BLOCKED: blocked; any other position: none)."""
+        queues = self.ctrl.queues
+        lists = {"high": queues.high, "low": queues.low, "claimed": queues.claimed, "blocked": queues.blocked}
+        entries = [tid for box in lists.values() for tid in box]
         twice = sorted({t for t in entries if entries.count(t) > 1})
-        assert not twice, f"tasks {twice} on more than one queue entry: hi={list(ctrl._queue_hi)} lo=" + (
-            f"{list(ctrl._queue_lo)} claimed={list(ctrl._claimed)} blocked={list(ctrl._blocked)}"
+        assert not twice, f"tasks {twice} on more than one queue entry: " + ", ".join(
+            f"{name}={list(box)}" for name, box in lists.items()
         )
+        where = {tid: name for name, box in lists.items() for tid in box}
+        for tid, task in list(self.ctrl._tasks.items()):
+            pos = QueuePosition(int(task.position)).name
+            allowed = _ENTRY_OF.get(pos, ())
+            got = where.get(tid)
+            assert (got in allowed) if allowed else got is None, (
+                f"task {tid} at position {pos} has queue entry {got or 'none'} (expected {allowed or 'none'})"
+            )
+        unknown = sorted(t for t in where if t not in self.ctrl._tasks)
+        assert not unknown, f"queue entries {unknown} name no registered task"
 
     def done_after_record(self) -> None:
         assert not self.violations["done_after_record"], self.violations["done_after_record"]
@@ -618,7 +617,7 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     def copy_on_write(self) -> None:
         status = self.mgr._slot_status
-        for ref in list(self.mgr._pending_reads):
+        for ref in list(self.mgr._reads.pending):
             if not status.has_key(ref.key):
                 continue
             current = status.get_slot_status(ref.key).slot_version.index_select(0, ref.slots)
