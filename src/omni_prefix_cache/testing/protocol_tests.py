@@ -50,8 +50,8 @@ from omni_prefix_cache.controller import TaskState
 from omni_prefix_cache.interface import HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheUnmatchError, PrefixCacheConfig
 from omni_prefix_cache.manager import PREFETCH_THREAD_PREFIX, OmniPrefixCacheManager
 from omni_prefix_cache.occupancy import SlotState
-from omni_prefix_cache.spec_types.copy_queue import QueuePosition
 from omni_prefix_cache.simulate.rows import rows_from_hashes
+from omni_prefix_cache.spec_types.copy_queue import QueuePosition
 from omni_prefix_cache.specs.loader import SpecError
 from omni_prefix_cache.specs.protocol import ProtocolSpec, load_protocol
 from omni_prefix_cache.staging import StagingBufferHolder
