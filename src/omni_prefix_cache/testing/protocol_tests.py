@@ -26,6 +26,7 @@ tenant never wrote is the baseline, zeros). Its failures start with
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 from collections.abc import Callable
@@ -46,8 +47,14 @@ from hypothesis.stateful import (
     rule,
 )
 
-from omni_prefix_cache.controller import TaskState
-from omni_prefix_cache.interface import HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheUnmatchError, PrefixCacheConfig
+from omni_prefix_cache.controller import TaskState, WriteTask, _WriteChunk
+from omni_prefix_cache.interface import (
+    HIDDEN_KEY,
+    ModelCachePolicy,
+    OmniPrefixCacheUnmatchError,
+    PrefixCacheConfig,
+    WriteSchedule,
+)
 from omni_prefix_cache.manager import PREFETCH_THREAD_PREFIX, OmniPrefixCacheManager
 from omni_prefix_cache.occupancy import SlotState
 from omni_prefix_cache.simulate.rows import rows_from_hashes
@@ -59,6 +66,8 @@ from omni_prefix_cache.testing.serving_model import LazyExecutor, PlannedStep, R
 
 NUM_BLOCKS, BLOCK_SIZE, CAPACITY, DEPTH = 8, 2, 12, 3
 IMMEDIATE, DEFERRED, LEFTOVER = "talker.h", "codes.audio", "codes.ref"
+# A pool key only ``submit_queued`` writes (outside the row oracle's keys).
+SIDE_KEY = "side.queued"
 WIDTHS = {HIDDEN_KEY: 4, IMMEDIATE: 3, DEFERRED: 2}
 PREFIXES = [[1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [7, 8, 9, 10]]
 MAX_REQUESTS = 6
@@ -99,6 +108,7 @@ WORKLOAD_RULES = (
     "prefetch_pause",
     "prefetch_resume",
     "paused_reader_slots_reused",
+    "submit_queued",
 )
 
 # Invariant name (spec/protocol.yaml, checked_by tests) -> checker method.
@@ -111,6 +121,7 @@ CHECKERS: dict[str, str] = {
     "copy_on_write": "copy_on_write",
     "failure_is_sticky": "failure_is_sticky",
     "save_waits_previous_writes": "save_waits_previous_writes",
+    "queue_by_priority": "queue_by_priority",
     "no_join_under_state_lock": "no_join_under_state_lock",
     "rows_match_reference": "rows_match_reference",
 }
@@ -166,6 +177,9 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.prefetch = LazyExecutor()
         self.mgr._hits.prefetch = self.prefetch  # type: ignore[assignment]
         self.ctrl = self.mgr._controller
+        self.mgr._pool.ensure_key(SIDE_KEY, torch.float32, 1)
+        self.side_tids = itertools.count(-1, -1)  # never a tid the manager's ledger hands out
+        self.escalated: set[int] = set()
         self.pending: PlannedStep | None = None  # scheduled by new_step, not saved yet
         self.pending_absent: frozenset[str] = frozenset()
         self.expects: dict[int, tuple[PlannedStep, frozenset[str]]] = {}
@@ -222,6 +236,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         def escalating(tids: list[int]) -> None:
             states = {QueuePosition(int(t.position)).name for tid in tids if (t := ctrl.get_task(tid)) is not None}
             event(f"escalate at positions {sorted(states)}")
+            race.escalated.update(tids)
             escalate(tids)
 
         # Instance attributes shadow the methods; mutants patch the class.
@@ -540,6 +555,18 @@ class ProtocolMachine(RuleBasedStateMachine):
             task = self.ctrl.get_task(tid)
             event("join raised: " + ("failed task" if task is not None and task.state is TaskState.FAILED else "stuck"))
 
+    def _drive_submit_queued(self, slot: int) -> None:
+        """save's ``queued_at_submit`` branch, which the manager never takes:
+        a deferred write registered and dispatched at once through the
+        controller's public ``submit`` (as upstream callers do), on a side
+        pool key the row oracle does not read."""
+        tid = next(self.side_tids)
+        chunk = _WriteChunk(slots_cpu=torch.tensor([slot]), tensors={SIDE_KEY: torch.full((1, 1), float(tid))})
+        task = WriteTask(
+            tid=tid, req_id=f"side{-tid}", write_n=1, schedule=WriteSchedule.JOIN_ON_FINISH, chunks=[chunk]
+        )
+        self.ctrl.submit(task, queued=True)
+
     def _drive_materialize(self, sid: int | None) -> None:
         if sid is None or sid not in self.expects:
             return
@@ -642,6 +669,17 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     def save_waits_previous_writes(self) -> None:
         assert not self.violations["save_waits_previous_writes"], self.violations["save_waits_previous_writes"]
+
+    def queue_by_priority(self) -> None:
+        for tid, task in list(self.ctrl._tasks.items()):
+            pos = QueuePosition(int(task.position))
+            immediate = task.schedule is WriteSchedule.JOIN_NEXT_STEP
+            if pos is QueuePosition.HIGH:
+                assert immediate or tid in self.escalated, f"deferred task {tid} is on the high queue, never escalated"
+            elif pos is QueuePosition.LOW:
+                assert not immediate and tid not in self.escalated, (
+                    f"task {tid} ({task.schedule.value}, escalated: {tid in self.escalated}) is on the low queue"
+                )
 
     def no_join_under_state_lock(self) -> None:
         assert not self.violations["no_join_under_state_lock"], self.violations["no_join_under_state_lock"]
@@ -792,6 +830,11 @@ def _rule_defs(eager: bool) -> dict[str, Callable[[type[ProtocolMachine]], Any]]
             data=st.data(),
         ),
         "join": plain("join", lambda self: bool(self.ctrl._tasks), data=st.data()),
+        "submit_queued": plain(
+            "submit_queued",
+            lambda self: not self.dead and sum(t.tid < 0 for t in list(self.ctrl._tasks.values())) < 2,
+            slot=st.integers(0, NUM_BLOCKS * BLOCK_SIZE - 1),
+        ),
         "materialize": consume("materialize"),
         "discard": consume("discard"),
         "preempt": plain("preempt", lambda self: self.pending is None and bool(self.model.running()), data=st.data()),
