@@ -27,10 +27,15 @@ class _Script:
 
     DEFAULTS = {"arrivals": 0, "keys as leftovers": (), "forward, then save at once": 1}
 
-    def __init__(self, **draws: object) -> None:
+    def __init__(self, *sequence: tuple[str, object], **draws: object) -> None:
+        self.sequence = list(sequence)  # (label, value) draws taken in order, for repeated labels
         self.draws = draws
 
     def draw(self, strategy: object, label: str) -> object:
+        for i, (name, value) in enumerate(self.sequence):
+            if name == label:
+                del self.sequence[i]
+                return value
         if label in self.draws:
             return self.draws.pop(label)
         if label.startswith(("admit", "run")):
@@ -64,6 +69,36 @@ def test_a_resumed_request_rewrites_rows_its_open_write_lost(eager: bool, monkey
         assert machine.model.cached_blocks(), "the trace no longer leaves cached blocks to check"
         for name in invariant_table(load_protocol()):
             getattr(machine, name)()
+    finally:
+        machine.teardown()
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["manual", "eager"])
+def test_a_same_step_hit_on_a_reused_block_gets_this_steps_rows(eager: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A trace of the generated machine's rules (the racing test's fuzz trace,
+    # seed 1520363339): q1 is preempted, so its blocks go back to the
+    # recent-first allocator; the next step admits identical prompts whose
+    # prefix hit lands on a block that very step reallocates. The hit must be
+    # re-planned against this step's rows (mutant reused_block_hit_not_replanned).
+    monkeypatch.setattr(protocol_tests, "event", lambda *a, **k: None)  # outside Hypothesis
+    machine = build_machine(eager=eager)()
+    try:
+        machine.first_arrivals(prefixes=[2, 0], recent_first=True)
+        s0 = machine._drive_new_step(_Script(**{"admit q0": 1, "admit q1": 3}))
+        machine._drive_materialize(s0)
+        s1 = machine._drive_new_step(_Script(**{"run q0": 1, "run q1": 1}))
+        machine._drive_materialize(s1)
+        machine.rows_match_reference()
+        for _ in range(3):
+            machine.model.arrive(0, [])
+        machine._drive_preempt(_Script(preempt="q1"))
+        for _ in range(2):
+            machine.model.arrive(0, [])
+        admits = {"admit q1": 2, **{f"admit q{i}": 1 for i in range(2, 7)}}
+        s2 = machine._drive_new_step(_Script(**{"run q0": 1, **admits}))
+        assert s2 is not None, "the trace no longer reaches its third step"
+        machine._drive_materialize(s2)
+        machine.rows_match_reference()
     finally:
         machine.teardown()
 
