@@ -103,6 +103,35 @@ def test_a_same_step_hit_on_a_reused_block_gets_this_steps_rows(eager: bool, mon
         machine.teardown()
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["manual", "eager"])
+def test_a_paused_prefetch_reads_preserved_rows_of_reused_slots(eager: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A trace of the generated machine's rules: q1 hits q0's cached blocks;
+    # its prefetch pauses at its version check; q1 aborts and a new tenant
+    # reuses those blocks; the prefetch resumes and must serve the preserved
+    # copies (mutant cow_copy_missed_before_reads_lock).
+    monkeypatch.setattr(protocol_tests, "event", lambda *a, **k: None)  # outside Hypothesis
+    machine = build_machine(eager=eager)()
+    try:
+        machine.first_arrivals(prefixes=[0], recent_first=True)
+        machine._drive_materialize(machine._drive_new_step(_Script(**{"admit q0": 4})))
+        machine.model.end("q0")
+        machine._drive_drain()
+        while not eager and machine._committer_unit():
+            pass
+        machine._drive_drain()
+        machine.model.arrive(0, [23])
+        s1 = machine._drive_new_step(_Script(**{"admit q1": 1}))
+        assert machine.prefetch.pending, "the trace no longer plans a prefetch"
+        machine._drive_prefetch_pause()
+        assert machine.paused is not None, "the prefetch did not reach its version check"
+        machine._drive_paused_reader_slots_reused(2, _Script())
+        machine._drive_prefetch_resume()
+        machine.rows_match_reference()
+        machine._drive_discard(s1)
+    finally:
+        machine.teardown()
+
+
 # About 20 s per mode alone on 2 cores.
 _budget = settings(settings.default, max_examples=max(120, settings.default.max_examples), stateful_step_count=40)
 
