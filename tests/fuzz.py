@@ -170,8 +170,15 @@ def race_targets() -> dict[str, Target]:
     return out
 
 
+def protocol_targets() -> dict[str, Target]:
+    """The machines generated from the composition spec (tests/test_protocol_generated.py)."""
+    module = importlib.import_module("test_protocol_generated")
+    machines = (module.ManualProtocolMachine, module.EagerProtocolMachine)
+    return {cls.__name__: Target(cls.__name__, cls, weight=RACE_WEIGHT) for cls in machines}
+
+
 def all_targets() -> dict[str, Target]:
-    return {**spec_targets(), **race_targets()}
+    return {**spec_targets(), **race_targets(), **protocol_targets()}
 
 
 def chunk_settings(examples: int, steps: int, db: Path | None, phases: list[Phase]) -> settings:

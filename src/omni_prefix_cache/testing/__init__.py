@@ -9,5 +9,8 @@
 - ``modelcheck``: the bounded exhaustive check of the composition spec
   (``omni-prefix-cache check``); needs no Hypothesis. Its broken variants
   are spec mutations (``model_mutations``).
+- ``protocol_tests``: ``build_machine(spec, eager=...)`` turns the composition
+  spec into a machine against the real manager + manual committer (one rule
+  per operation driver, one invariant per protocol invariant, the row oracle).
 - ``mutant_catalogue``: runtime bugs re-injected for ``make mutants``.
 """

@@ -2,12 +2,14 @@
 documents), each re-injectable into the runtime by a patch that lives only
 here. The runtime carries no switch for any of them.
 
-``make mutants`` runs the generated and racing tests once per mutant with
-``OMNI_PREFIX_CACHE_MUTANT=<name>`` (tests/conftest.py applies it) and prints
-``killed K of N``. A mutant is killed only when that run fails on a named
-invariant (a spec invariant or a racing test's ``@invariant``) or on the row
-oracle (an assertion message starting "row oracle:"); any other failure (a
-crash, a timeout) is reported but not counted.
+``make mutants`` runs, per mutant with ``OMNI_PREFIX_CACHE_MUTANT=<name>``
+(tests/conftest.py applies it), the tests generated from the composition
+spec alone, then (if they did not kill it) the other generated and racing
+tests, and prints ``killed K of N; generated tests alone: G of N``. A mutant
+is killed only when a run fails an assertion of a named invariant (a spec
+invariant, a generated checker or a racing test's ``@invariant``) or of the
+row oracle (a message starting "row oracle:"); any other failure (a crash,
+a timeout) is reported but not counted.
 
 (``testing.mutants`` is different: it mutates *specs*, for the generated
 state-machine tests.)
@@ -23,13 +25,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
 ENV_VAR = "OMNI_PREFIX_CACHE_MUTANT"
-# The tests that must kill every mutant: generated and racing ones only.
-KILLER_TESTS = ("tests/test_race_controller.py", "tests/test_generated_specs.py", "tests/test_race_system.py")
+# The tests generated from the composition spec: run alone first per mutant.
+GENERATED_TESTS = ("tests/test_protocol_generated.py",)
+# Then, for a mutant they did not kill, the other generated and racing tests.
+OTHER_KILLER_TESTS = ("tests/test_race_controller.py", "tests/test_generated_specs.py", "tests/test_race_system.py")
+KILLER_TESTS = GENERATED_TESTS + OTHER_KILLER_TESTS
 
 
 @dataclass(frozen=True, eq=False)
@@ -272,8 +278,7 @@ def _queued_deferred_pushed_high(stack: contextlib.ExitStack) -> None:
 
 @_register(
     "tombstone_drops_fresh_rows",
-    "a rewrite of a slot the write already lost is appended, not a new write",
-    candidate=True,  # needs preempt -> interim tenant -> resume on one block with a pending deferred write
+    "a rewrite of a slot the write already lost is appended to it, not opened as a new write (rows dropped)",
 )
 def _tombstone_drops_fresh_rows(stack: contextlib.ExitStack) -> None:
     from omni_prefix_cache.write_task import WriteTask
@@ -378,6 +383,91 @@ def _cow_copy_missed_before_reads_lock(stack: contextlib.ExitStack) -> None:
     _set(stack, HitReads, "ensure_not_reassigned", ensure_not_reassigned)
 
 
+# ------------------------------------------------------------------ composition rules
+# Each breaks one rule of spec/protocol.yaml in the code that executes it
+# (the manager's operations are not compiled from the spec; the binding's
+# moves are the runtime's, not the spec's).
+
+
+@_register(
+    "escalate_pushes_high_queued_twice",
+    "escalate pushes a task already on the high queue to its head again (escalate's first_of runs both branches)",
+)
+def _escalate_pushes_high_queued_twice(stack: contextlib.ExitStack) -> None:
+    # Patches OmniPrefixCacheController.escalate: a second head entry for a
+    # task whose position is already HIGH.
+    from omni_prefix_cache.controller import OmniPrefixCacheController
+    from omni_prefix_cache.spec_types.copy_queue import QueuePosition
+
+    original = OmniPrefixCacheController.escalate
+
+    def escalate(self: OmniPrefixCacheController, tids: list[int]) -> None:
+        if not self.eager:
+            with self.lock:
+                for tid in tids:
+                    task = self._tasks.get(tid)
+                    if task is not None and task.position == QueuePosition.HIGH:
+                        self.queues.high.appendleft(tid)
+        original(self, tids)
+
+    _set(stack, OmniPrefixCacheController, "escalate", escalate)
+
+
+@_register(
+    "drain_forgets_sticky_failure",
+    "drain drops a failed write's rows but never makes the failure sticky (drain's sticky_failure step skipped)",
+)
+def _drain_forgets_sticky_failure(stack: contextlib.ExitStack) -> None:
+    # Patches WriteLedger._note_failures_locked (drain's failure branch).
+    from omni_prefix_cache.write_ledger import WriteLedger
+
+    def note_failures_locked(self: WriteLedger, failed: list[int]) -> None:
+        self._counters["failed_writes"] += len(failed)
+        self.settle_locked(failed, "drop")
+
+    _set(stack, WriteLedger, "_note_failures_locked", note_failures_locked)
+
+
+@_register(
+    "fail_keeps_staging_page",
+    "the controller's binding of fail's task_holder.fail? releases nothing: a failed task's page never frees",
+)
+def _fail_keeps_staging_page(stack: contextlib.ExitStack) -> None:
+    # A runtime bug, not a spec mutation (that is fail_keeps_staging_hold):
+    # the spec still lists the release, ControllerBinding.try_move drops it.
+    from omni_prefix_cache.protocol_runtime import ControllerBinding
+
+    original = ControllerBinding.try_move
+
+    def try_move(self: ControllerBinding, role: str, trigger: str) -> Callable[[Any], bool]:
+        if (role, trigger) == ("task_holder", "fail"):
+            return lambda task: False
+        attempt: Callable[[Any], bool] = original(self, role, trigger)
+        return attempt
+
+    _set(stack, ControllerBinding, "try_move", try_move)
+
+
+@_register(
+    "materialize_keeps_step_page",
+    "materialize consumes the step but skips its step_holder.consume: the step's staging page is never released",
+)
+def _materialize_keeps_step_page(stack: contextlib.ExitStack) -> None:
+    # Patches Materializer.release (the consume move's effects).
+    import dataclasses
+
+    from omni_prefix_cache.materializer import Materializer
+
+    original = Materializer.release
+
+    def release(self: Materializer, ctx: Any, move: Any) -> None:
+        if move.trigger == "materialize":
+            move = dataclasses.replace(move, effects=())
+        original(self, ctx, move)
+
+    _set(stack, Materializer, "release", release)
+
+
 # ------------------------------------------------------------------ runner
 
 
@@ -393,11 +483,15 @@ def applied(name: str) -> Iterator[Mutant]:
 
 
 def invariant_names(tests: tuple[str, ...] = KILLER_TESTS) -> frozenset[str]:
-    """Every named invariant a kill may come from: the specs' and the
+    """Every named invariant a kill may come from: the machine specs', the
+    composition spec's, the generated protocol machine's checkers and the
     ``@invariant()`` methods of the racing tests."""
     from omni_prefix_cache.specs import load_all_specs
+    from omni_prefix_cache.specs.protocol import load_protocol
+    from omni_prefix_cache.testing.protocol_tests import invariant_names as protocol_checkers
 
     names = {inv.name for spec in load_all_specs().values() for inv in spec.invariants}
+    names.update(load_protocol().invariant_names, protocol_checkers())
     for path in tests:
         if os.path.exists(path):
             with open(path) as f:
@@ -407,9 +501,13 @@ def invariant_names(tests: tuple[str, ...] = KILLER_TESTS) -> frozenset[str]:
 
 def kill_reason(output: str, invariants: frozenset[str]) -> str | None:
     """Why a failing run failed: ``row oracle``, ``invariant <name>`` (the
-    innermost failing frame that is a named invariant), or None."""
-    if any(ln.startswith("E") and "row oracle:" in ln for ln in output.splitlines()):
+    innermost failing frame that is a named invariant), or None. Only an
+    assertion counts: an exception escaping a checker is a crash."""
+    lines = output.splitlines()
+    if any(ln.startswith("E") and "row oracle:" in ln for ln in lines):
         return "row oracle"
+    if not any(re.match(r"^E\s+AssertionError", ln) for ln in lines):
+        return None
     frames = re.findall(r"^\S+\.py:\d+: in (\w+)$", output, re.M)
     for name in reversed(frames):
         if name in invariants:
@@ -452,49 +550,88 @@ def explore_kill(name: str, seconds: int = EXPLORE_SECONDS) -> tuple[str | None,
     return reason, failures[0]["token"]
 
 
-def run_catalogue(
-    names: list[str] | None = None, tests: tuple[str, ...] = KILLER_TESTS, *, with_explore: bool = False
-) -> int:
-    """Run ``tests`` once per mutant; print a table and ``killed K of N``.
-    ``with_explore``: also run the interleaving explorer per mutant, add its
-    verdict to each line and print ``explore killed E of N``.
-    Returns 0 when every mutant was killed."""
-    chosen = names or sorted(MUTANTS)
-    present = [t for t in tests if os.path.exists(t)]
-    killed = explored = 0
-    invariants = invariant_names(tests)
-    print(f"mutant catalogue: {len(chosen)} mutants against {', '.join(present)}")
-    for name in chosen:
-        env = dict(os.environ, **{ENV_VAR: name, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "mutants")})
-        start = time.monotonic()
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-x", "-q", "--tb=short", "-p", "no:cacheprovider", *present],
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        reason = kill_reason(proc.stdout, invariants) if proc.returncode == 1 else None
-        killed += reason is not None
-        if reason is not None:
-            verdict = "killed"
-        elif proc.returncode == 1:
-            verdict, reason = "FAILED", "not by a named invariant or the row oracle: not counted"
-        else:
-            verdict = "SURVIVED" if proc.returncode == 0 else f"error rc={proc.returncode}"
-        first = next((ln for ln in proc.stdout.splitlines() if ln.startswith("FAILED")), "")
-        test = first.removeprefix("FAILED ").split(" - ")[0]
-        line = f"  {name:38s} {verdict:9s} {time.monotonic() - start:6.1f}s  {reason or ''}  {test[:70]}"
-        if with_explore:
+@dataclass(frozen=True)
+class Verdict:
+    verdict: str  # killed, FAILED (not counted), SURVIVED, error rc=N
+    reason: str
+    test: str
+    seconds: float
+
+    @property
+    def killed(self) -> bool:
+        return self.verdict == "killed"
+
+
+def run_tests(name: str, tests: tuple[str, ...], invariants: frozenset[str]) -> Verdict:
+    """One pytest run of ``tests`` with mutant ``name`` applied."""
+    env = dict(os.environ, **{ENV_VAR: name, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "mutants")})
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-x", "-q", "--tb=short", "-p", "no:cacheprovider", *tests],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    reason = kill_reason(proc.stdout, invariants) if proc.returncode == 1 else None
+    if reason is not None:
+        verdict = "killed"
+    elif proc.returncode == 1:
+        verdict, reason = "FAILED", "not by a named invariant or the row oracle: not counted"
+    else:
+        verdict, reason = ("SURVIVED" if proc.returncode == 0 else f"error rc={proc.returncode}"), ""
+    first = next((ln for ln in proc.stdout.splitlines() if ln.startswith("FAILED")), "")
+    test = first.removeprefix("FAILED ").split(" - ")[0]
+    return Verdict(verdict, reason, test, time.monotonic() - start)
+
+
+def judge(name: str, invariants: frozenset[str]) -> tuple[Verdict, Verdict]:
+    """The generated protocol tests alone, then (if they did not kill it)
+    the other killer tests: ``(first verdict, final verdict)``."""
+    generated = tuple(t for t in GENERATED_TESTS if os.path.exists(t))
+    others = tuple(t for t in OTHER_KILLER_TESTS if os.path.exists(t))
+    first = run_tests(name, generated, invariants)
+    if first.killed or not others:
+        return first, first
+    return first, run_tests(name, others, invariants)
+
+
+def run_catalogue(names: list[str] | None = None, jobs: int = 1, *, with_explore: bool = False) -> int:
+    """``judge`` every mutant (``jobs`` at a time); print each verdict with
+    its kill reason, then ``killed K of N; generated tests alone: G of N``.
+    ``with_explore``: then run the interleaving explorer per mutant (one at a
+    time) and print ``explore killed E of N``. Returns 0 only when K == N
+    and G == N."""
+    chosen = names or list(MUTANTS)
+    invariants = invariant_names()
+    print(
+        f"mutant catalogue: {len(chosen)} mutants, {jobs} at a time; generated tests "
+        f"{', '.join(GENERATED_TESTS)} alone first, then {', '.join(OTHER_KILLER_TESTS)}"
+    )
+    killed = alone = 0
+    total = time.monotonic()
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for name, (first, result) in zip(chosen, pool.map(lambda n: judge(n, invariants), chosen)):
+            killed += result.killed
+            alone += first.killed
+            if result is first:
+                where = "[generated]" if first.killed else "[generated; no other tests]"
+            else:
+                where = f"[generated: {first.verdict}; others: {result.verdict}]"
+            seconds = first.seconds + (result.seconds if result is not first else 0.0)
+            print(f"  {name:38s} {result.verdict:9s} {seconds:6.1f}s  {result.reason}  {where}  {result.test[:70]}")
+            sys.stdout.flush()
+    if names is None and CANDIDATES:
+        print(f"candidates (not counted): {', '.join(sorted(CANDIDATES))}")
+    print(f"total {time.monotonic() - total:.0f}s")
+    if with_explore:
+        explored = 0
+        for name in chosen:
             why, token = explore_kill(name)
             explored += why is not None
-            line += f"  | explore: {'killed by ' + why if why else 'not killed'} ({token})"
-        print(line, flush=True)
-    print(f"killed {killed} of {len(chosen)}")
-    if with_explore:
+            print(f"  explore {name:38s} {'killed by ' + why if why else 'not killed'} ({token})", flush=True)
         print(f"explore killed {explored} of {len(chosen)}")
-    if names is None and CANDIDATES:
-        print(f"not yet killed by the racing tests (not counted): {', '.join(sorted(CANDIDATES))}")
-    return 0 if killed == len(chosen) else 1
+    print(f"killed {killed} of {len(chosen)}; generated tests alone: {alone} of {len(chosen)}")
+    return 0 if killed == len(chosen) and alone == len(chosen) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -506,6 +643,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help=f"also run `omni-prefix-cache explore --mutant` per mutant (up to {EXPLORE_SECONDS}s each)",
     )
+    parser.add_argument(
+        "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="mutants judged in parallel (default: 2)"
+    )
     args = parser.parse_args(argv)
     if args.list:
         for m in MUTANTS.values():
@@ -513,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in CANDIDATES.values():
             print(f"{m.name:38s} {m.bug} (candidate: not yet killed)")
         return 0
-    return run_catalogue(args.names or None, with_explore=args.explore)
+    return run_catalogue(args.names or None, jobs=args.jobs, with_explore=args.explore)
 
 
 if __name__ == "__main__":

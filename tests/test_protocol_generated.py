@@ -1,0 +1,166 @@
+"""Tests generated from the composition spec (spec/protocol.yaml), run against
+the real manager and controller (see omni_prefix_cache.testing.protocol_tests).
+
+One rule per driver of the spec's operations, one invariant per protocol
+invariant the tests check, plus the row oracle. Two modes: eager (writes run
+inline) and manual (the committer moves only when a rule or a join steps it).
+
+Replaying a failure: the ci profile is derandomized, so rerunning the same
+command replays it; Hypothesis also prints the shrunk rule trace and a
+``@reproduce_failure`` blob (print_blob) to paste above the test class.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+
+from omni_prefix_cache.specs.loader import SpecError
+from omni_prefix_cache.specs.protocol import load_protocol
+from omni_prefix_cache.testing import protocol_tests
+from omni_prefix_cache.testing.protocol_tests import build_machine, invariant_table, rule_table
+
+
+class _Script:
+    """Stands in for Hypothesis' ``data`` in a replayed trace: a draw returns
+    the recorded value for its label, else the trace's default for it."""
+
+    DEFAULTS = {"arrivals": 0, "keys as leftovers": (), "forward, then save at once": 1}
+
+    def __init__(self, *sequence: tuple[str, object], **draws: object) -> None:
+        self.sequence = list(sequence)  # (label, value) draws taken in order, for repeated labels
+        self.draws = draws
+
+    def draw(self, strategy: object, label: str) -> object:
+        for i, (name, value) in enumerate(self.sequence):
+            if name == label:
+                del self.sequence[i]
+                return value
+        if label in self.draws:
+            return self.draws.pop(label)
+        if label.startswith(("admit", "run")):
+            return 6 if label.startswith("admit") else 3
+        return self.DEFAULTS[label]
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["manual", "eager"])
+def test_a_resumed_request_rewrites_rows_its_open_write_lost(eager: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A trace of the generated machine's rules: q0 opens a deferred write on
+    # two blocks; it is preempted, an interim tenant takes the last freed
+    # block for one step and aborts, q0 resumes onto it. The rewrite must go
+    # to a new write, not be appended to the one that lost those slots
+    # (mutant tombstone_drops_fresh_rows: the pool keeps stale rows).
+    monkeypatch.setattr(protocol_tests, "event", lambda *a, **k: None)  # outside Hypothesis
+    machine = build_machine(eager=eager)()
+    try:
+        machine.first_arrivals(prefixes=[2], recent_first=True)
+        first = machine._drive_new_step(_Script(**{"admit q0": 4}))
+        machine._drive_materialize(first)
+        machine.rows_match_reference()
+        script = _Script(**{"preempt": "q0", "tenant prefix": 0, "admit q1": 2})
+        for sid in machine._drive_interim_tenant(script):
+            machine._drive_materialize(sid)
+        machine.rows_match_reference()
+        machine.model.end("q0")
+        machine._drive_drain()  # announces the finish: q0's writes are escalated
+        while not eager and machine._committer_unit():
+            pass
+        machine._drive_drain()  # publishes them
+        assert machine.model.cached_blocks(), "the trace no longer leaves cached blocks to check"
+        for name in invariant_table(load_protocol()):
+            getattr(machine, name)()
+    finally:
+        machine.teardown()
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["manual", "eager"])
+def test_a_same_step_hit_on_a_reused_block_gets_this_steps_rows(eager: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A trace of the generated machine's rules (the racing test's fuzz trace,
+    # seed 1520363339): q1 is preempted, so its blocks go back to the
+    # recent-first allocator; the next step admits identical prompts whose
+    # prefix hit lands on a block that very step reallocates. The hit must be
+    # re-planned against this step's rows (mutant reused_block_hit_not_replanned).
+    monkeypatch.setattr(protocol_tests, "event", lambda *a, **k: None)  # outside Hypothesis
+    machine = build_machine(eager=eager)()
+    try:
+        machine.first_arrivals(prefixes=[2, 0], recent_first=True)
+        s0 = machine._drive_new_step(_Script(**{"admit q0": 1, "admit q1": 3}))
+        machine._drive_materialize(s0)
+        s1 = machine._drive_new_step(_Script(**{"run q0": 1, "run q1": 1}))
+        machine._drive_materialize(s1)
+        machine.rows_match_reference()
+        for _ in range(3):
+            machine.model.arrive(0, [])
+        machine._drive_preempt(_Script(preempt="q1"))
+        for _ in range(2):
+            machine.model.arrive(0, [])
+        admits = {"admit q1": 2, **{f"admit q{i}": 1 for i in range(2, 7)}}
+        s2 = machine._drive_new_step(_Script(**{"run q0": 1, **admits}))
+        assert s2 is not None, "the trace no longer reaches its third step"
+        machine._drive_materialize(s2)
+        machine.rows_match_reference()
+    finally:
+        machine.teardown()
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["manual", "eager"])
+def test_a_paused_prefetch_reads_preserved_rows_of_reused_slots(eager: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A trace of the generated machine's rules: q1 hits q0's cached blocks;
+    # its prefetch pauses at its version check; q1 aborts and a new tenant
+    # reuses those blocks; the prefetch resumes and must serve the preserved
+    # copies (mutant cow_copy_missed_before_reads_lock).
+    monkeypatch.setattr(protocol_tests, "event", lambda *a, **k: None)  # outside Hypothesis
+    machine = build_machine(eager=eager)()
+    try:
+        machine.first_arrivals(prefixes=[0], recent_first=True)
+        machine._drive_materialize(machine._drive_new_step(_Script(**{"admit q0": 4})))
+        machine.model.end("q0")
+        machine._drive_drain()
+        while not eager and machine._committer_unit():
+            pass
+        machine._drive_drain()
+        machine.model.arrive(0, [23])
+        s1 = machine._drive_new_step(_Script(**{"admit q1": 1}))
+        assert machine.prefetch.pending, "the trace no longer plans a prefetch"
+        machine._drive_prefetch_pause()
+        assert machine.paused is not None, "the prefetch did not reach its version check"
+        machine._drive_paused_reader_slots_reused(2, _Script())
+        machine._drive_prefetch_resume()
+        machine.rows_match_reference()
+        machine._drive_discard(s1)
+    finally:
+        machine.teardown()
+
+
+# About 20 s per mode alone on 2 cores.
+_budget = settings(settings.default, max_examples=max(120, settings.default.max_examples), stateful_step_count=40)
+
+ManualProtocolMachine = build_machine(eager=False)
+EagerProtocolMachine = build_machine(eager=True)
+TestProtocolManualCommitter = ManualProtocolMachine.TestCase
+TestProtocolManualCommitter.settings = _budget
+TestProtocolEager = EagerProtocolMachine.TestCase
+TestProtocolEager.settings = _budget
+
+
+def test_every_operation_has_a_driver_and_every_tests_invariant_a_checker() -> None:
+    spec = load_protocol()
+    ops = rule_table(spec)
+    assert set(ops) == set(spec.ops)
+    for name in {r for r in ops.values() if r != "teardown"}:
+        assert hasattr(getattr(ManualProtocolMachine, name), "hypothesis_stateful_rule"), name
+    assert set(invariant_table(spec)) == set(spec.invariants_for("tests"))
+
+
+def test_an_operation_without_a_driver_is_a_build_time_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(protocol_tests.DRIVERS, "committer_copy")
+    with pytest.raises(SpecError, match="committer_copy"):
+        build_machine(eager=False)
+
+
+def test_an_invariant_without_a_checker_is_a_build_time_error() -> None:
+    def add(data: dict) -> None:
+        data["invariants"].append({"name": "brand_new_rule", "meaning": "x", "checked_by": ["tests"]})
+
+    with pytest.raises(SpecError, match="brand_new_rule"):
+        build_machine(load_protocol().mutated(add), eager=True)
