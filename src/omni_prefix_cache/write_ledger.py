@@ -38,8 +38,9 @@ from omni_prefix_cache.interface import (
     WriteSchedule,
 )
 from omni_prefix_cache.occupancy import SlotOccupancy
+from omni_prefix_cache.protocol_runtime import active_protocol
 from omni_prefix_cache.specs.loader import SpecError
-from omni_prefix_cache.specs.protocol import compile_operation, load_protocol
+from omni_prefix_cache.specs.protocol import compile_operation
 from omni_prefix_cache.step_layout import StepOutputs
 from omni_prefix_cache.write_task import _BudgetTicket, _WriteChunk
 
@@ -152,7 +153,7 @@ class WriteLedger:
         self.failure: OmniPrefixCacheWriteFailedError | None = None  # the first, sticky
         # Operation `drain`, compiled once against this ledger (its only executor).
         self._drain = compile_operation(
-            load_protocol().ops["drain"],
+            active_protocol().ops["drain"],
             self,
             effects={"take_records": self._take_records, "sticky_failure": self._sticky_failure},
             guards={"failures_drained": lambda ctx: bool(ctx.failed)},

@@ -418,14 +418,12 @@ def _escalate_pushes_high_queued_twice(stack: contextlib.ExitStack) -> None:
     "drain drops a failed write's rows but never makes the failure sticky (drain's sticky_failure step skipped)",
 )
 def _drain_forgets_sticky_failure(stack: contextlib.ExitStack) -> None:
-    # Patches WriteLedger._note_failures_locked (drain's failure branch).
-    from omni_prefix_cache.write_ledger import WriteLedger
+    # A spec mutation: drain's `when failures_drained: sticky_failure` step is gone.
+    def patch(data: dict[str, Any]) -> None:
+        steps = _op(data, "drain")["segments"][0]["steps"]
+        steps[:] = [s for s in steps if not (isinstance(s, dict) and s.get("when") == "failures_drained")]
 
-    def note_failures_locked(self: WriteLedger, failed: list[int]) -> None:
-        self._counters["failed_writes"] += len(failed)
-        self.settle_locked(failed, "drop")
-
-    _set(stack, WriteLedger, "_note_failures_locked", note_failures_locked)
+    _spec_mutant(stack, patch)
 
 
 @_register(
