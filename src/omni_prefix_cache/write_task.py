@@ -191,6 +191,11 @@ class WriteTask:
         move = WRITE_TASK_MACHINE.move_to(self.state, to)
         if move is None:
             raise illegal_move(self, to)
+        self._apply_locked(move, defer)
+
+    def _apply_locked(self, move: Any, defer: bool) -> None:
+        """Enter ``move.dest`` and run its effects (task lock held); with
+        ``defer`` the deferrable ones are owed until ``wake_failed_waiters``."""
         self.state = move.dest
         if defer:
             for effect in move.undeferrable:
@@ -217,14 +222,7 @@ class WriteTask:
             move = WRITE_TASK_MACHINE.move(self.state, trigger)
             if move is None:
                 return False
-            self.state = move.dest
-            if defer:
-                for effect in move.undeferrable:
-                    effect(self)
-                self._owed_wakes = move.deferrable
-            else:
-                for effect in move.effects:
-                    effect(self)
+            self._apply_locked(move, defer)
             return True
 
     def fire(self, trigger: str, *, defer: bool = False, rows: Sequence[HostRow] = ()) -> None:
@@ -238,14 +236,7 @@ class WriteTask:
                 raise illegal_move(self, trigger)
             for chunk, key, tensor in rows:
                 chunk.host[key] = tensor
-            self.state = move.dest
-            if defer:
-                for effect in move.undeferrable:
-                    effect(self)
-                self._owed_wakes = move.deferrable
-            else:
-                for effect in move.effects:
-                    effect(self)
+            self._apply_locked(move, defer)
 
     def try_transition(self, to: Any) -> bool:
         """Move to ``to`` if the spec allows it from the current state."""
