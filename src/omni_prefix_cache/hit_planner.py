@@ -31,13 +31,10 @@ from omni_prefix_cache.interface import (
     ReqId,
     TensorName,
 )
-from omni_prefix_cache.occupancy import SlotOccupancy, rows_tagged, state_mask
+from omni_prefix_cache.occupancy import READ_BASELINE, SlotOccupancy, rows_tagged
 from omni_prefix_cache.planned_read import HitReads, PlannedRead
 from omni_prefix_cache.step_context import KeyLayout, StepContext
 from omni_prefix_cache.validation import as_int, listed
-
-# Rows a hit on hidden may not have: never written by the slot's tenant (slot_occupancy tag).
-_READ_BASELINE = state_mask("read_baseline")
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +223,7 @@ class HitPlanner:
                 continue
             if not at_save:
                 state = occupancy.state[key].index_select(0, hit.slots)
-                if bool(rows_tagged(state, _READ_BASELINE).any()):
+                if bool(rows_tagged(state, READ_BASELINE).any()):
                     continue
             try:
                 ref = self._reads.plan(hit.slots, key, hit.req_id)

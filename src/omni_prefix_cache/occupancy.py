@@ -126,6 +126,9 @@ def rows_tagged(state: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 
 _OWNED = state_mask("owned")
+# Where a planned read takes a row from, by its slot state's tag (read_pool: the pool).
+READ_BASELINE = state_mask("read_baseline")
+READ_OWNER = state_mask("read_owner")
 
 # Hooks the manager installs. on_reassign(old_tid, key, slots): a newer write
 # took these in-transit rows from old_tid. on_reuse(key, slots): these

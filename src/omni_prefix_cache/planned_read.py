@@ -38,7 +38,7 @@ from omni_prefix_cache.interface import (
     WriteSchedule,
     is_hidden_key,
 )
-from omni_prefix_cache.occupancy import SlotOccupancy, rows_tagged, state_mask
+from omni_prefix_cache.occupancy import READ_BASELINE, READ_OWNER, SlotOccupancy, rows_tagged
 from omni_prefix_cache.protocol_runtime import task_failed
 from omni_prefix_cache.spec_types.planned_read import ReadState as ReadState  # re-exported
 from omni_prefix_cache.specs import compile_machine, load_spec
@@ -48,9 +48,6 @@ from omni_prefix_cache.validation import listed
 logger = logging.getLogger(__name__)
 
 _MAX_LISTED = 16
-# Where a planned read takes a row from, by its slot state's tag (slot_occupancy spec).
-_READ_BASELINE = state_mask("read_baseline")
-_READ_OWNER = state_mask("read_owner")
 
 
 @dataclass(eq=False)
@@ -240,7 +237,7 @@ class HitReads:
     def _plan_rows(self, ref: PlannedRead, tids: torch.Tensor, state: torch.Tensor) -> None:
         """Where each row of ``ref`` comes from (see ``plan``)."""
         slots, key, req_id = ref.slots, ref.key, ref.req_id
-        absent = rows_tagged(state, _READ_BASELINE)
+        absent = rows_tagged(state, READ_BASELINE)
         if bool(absent.any()):
             if is_hidden_key(key):
                 raise OmniPrefixCacheUnmatchError(
@@ -253,7 +250,7 @@ class HitReads:
             baseline = self._pool.baseline(key, int(pos.numel()))
             for i, slot in enumerate(slots[pos].tolist()):
                 ref.preserved[slot] = baseline[i]
-        transit = rows_tagged(state, _READ_OWNER)
+        transit = rows_tagged(state, READ_OWNER)
         if bool(transit.any()):
             pos = transit.nonzero().flatten()
             owners = tids.index_select(0, slots[pos])
