@@ -100,12 +100,12 @@ class EagerDispatch:
             raise
         self.close(batch)
         if batch.errors:
-            current, exc = batch.errors[0]
+            current, cause = batch.errors[0]
             # Tasks written before the failure keep their rows; the rest
             # fail (releasing budget and staging holds) before the error
             # reaches the caller.
             self._flush(batch, reraise=False)
-            error = ctrl.write_error(current, exc, "copy")
+            error = ctrl.write_error(current, cause, "copy")
             ctrl.fail_tasks(tasks, error)
             raise error
         try:

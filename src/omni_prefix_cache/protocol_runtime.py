@@ -27,9 +27,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_prefix_cache.copy_queues import CopyQueues
-from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError
-from omni_prefix_cache.specs.batch import AttemptMany, Batch, BatchRun, CompiledBatchOperation, MaskMany, RunMany
-from omni_prefix_cache.specs.batch import compile_batch_operation
+from omni_prefix_cache.specs.batch import (
+    AttemptMany,
+    Batch,
+    BatchRun,
+    CompiledBatchOperation,
+    MaskMany,
+    RunMany,
+    compile_batch_operation,
+)
 from omni_prefix_cache.specs.loader import SpecError
 from omni_prefix_cache.specs.protocol import (
     CompiledOperation,

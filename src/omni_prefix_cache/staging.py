@@ -135,9 +135,7 @@ class StagingBufferPool:
             return HolderState.RELEASED
         return HolderState.UNHELD
 
-    def _apply(
-        self, trigger: str, page: int, holder: StagingBufferHolder, move: Any = None, state: Any = None
-    ) -> bool:
+    def _apply(self, trigger: str, page: int, holder: StagingBufferHolder, move: Any = None, state: Any = None) -> bool:
         """Fire ``trigger`` for ``holder`` on ``page`` under the condition
         (``move``, ``state``: its compiled move and the holder's state, when
         the caller looked them up already). Raises if the spec has no such

@@ -128,9 +128,9 @@ class _WriteChunk:
         host: dict[TensorName, torch.Tensor] | None = None,
         budget: _BudgetTicket | None = None,
     ) -> None:
-        self._slots = slots_cpu
-        self._tensors = tensors
-        self._host = {} if host is None else host
+        self._slots: torch.Tensor | None = slots_cpu
+        self._tensors: dict[TensorName, torch.Tensor] | None = tensors
+        self._host: dict[TensorName, torch.Tensor] | None = {} if host is None else host
         self.budget = budget
         self.step: StepRows | None = None
         self.start = 0

@@ -18,10 +18,12 @@ running every item to the end in turn. Two things per item are kept:
   ``ProtocolViolation`` (the per-instance run raised it for that instance);
 - an item whose handler raises leaves the batch with its exception.
 
-Refused and raising items land in ``Batch.errors``; with ``truncate`` the
-items after the first of them leave the batch unrun (``Batch.cut``), which
-is what a sequential loop stopping at that item would have done (the eager
-dispatch's rule). An executor decides what happens to them afterwards.
+Refused and raising items land in ``Batch.errors``. With ``truncate`` only
+the earliest of them (in batch order) counts and every item after it is
+``Batch.cut``: what a loop that stops at the first failing instance would
+have left (the eager dispatch's rule), except that a cut item may already
+have run the steps before the one that stopped the batch. An executor
+decides what happens to errors and cut items afterwards.
 """
 
 from __future__ import annotations
@@ -55,24 +57,43 @@ class Batch:
     """The instances one batched run moves, in order, and what left it.
 
     ``items``: still running. ``errors``: ``(item, exception)`` for each
-    item refused by a move or raised by a handler, in the order they left.
-    ``cut``: with ``truncate``, the items after the first error, never run
-    from that step on.
+    item refused by a move or raised by a handler. With ``truncate`` only
+    the earliest such item (in the batch's first order) counts, as in a
+    loop that stops there: it is the one error, and every item after it is
+    ``cut`` (it never ran in that loop; here it may have run earlier steps).
     """
 
     items: list[Any]
     truncate: bool = False
     errors: list[tuple[Any, BaseException]] = field(default_factory=list)
     cut: list[Any] = field(default_factory=list)
+    # Position of each item in the first order (truncate only; shared with sub-batches).
+    rank: dict[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.truncate and self.rank is None:
+            self.rank = {id(x): i for i, x in enumerate(self.items)}
 
     def drop(self, index: int, error: BaseException) -> None:
-        """``items[index]`` leaves with ``error`` (and, with ``truncate``,
-        every item after it leaves unrun)."""
+        """``items[index]`` leaves with ``error`` (with ``truncate``, see
+        ``settle``)."""
         item = self.items.pop(index)
         self.errors.append((item, error))
         if self.truncate:
-            self.cut.extend(self.items[index:])
-            del self.items[index:]
+            self.settle()
+
+    def settle(self) -> None:
+        """Truncate: keep the earliest error; later failed and later running
+        items are cut."""
+        rank = self.rank
+        assert rank is not None
+        first = min(rank[id(x)] for x, _ in self.errors)
+        if len(self.errors) > 1:
+            self.cut.extend(x for x, _ in self.errors if rank[id(x)] > first)
+            self.errors = [(x, e) for x, e in self.errors if rank[id(x)] <= first]
+        if self.items and rank[id(self.items[-1])] > first:
+            self.cut.extend(x for x in self.items if rank[id(x)] > first)
+            self.items = [x for x in self.items if rank[id(x)] < first]
 
 
 BatchRun = Callable[[Batch], None]
@@ -214,7 +235,11 @@ def compile_batch_operation(
             if s.effect not in effects:
                 raise SpecError(f"operation {op.name}: effect {s.effect!r} has no handler")
             effect = effects[s.effect]
-            return lambda batch: _guarded(batch, effect) and None
+
+            def each(batch: Batch) -> None:
+                _guarded(batch, effect)
+
+            return each
         if isinstance(s, When):
             if s.guard not in guards:
                 raise SpecError(f"operation {op.name}: guard {s.guard!r} has no handler")
@@ -254,7 +279,11 @@ def compile_batch_operation(
             return first_of
         if isinstance(s, Couple):
             coupling = binding.coupling(s.role, s.coupling)
-            return lambda batch: _guarded(batch, coupling) and None
+
+            def couple(batch: Batch) -> None:
+                _guarded(batch, coupling)
+
+            return couple
         raise TypeError(s)  # pragma: no cover - the parser builds only the forms above
 
     def nothing(batch: Batch) -> None:
@@ -277,22 +306,19 @@ def _partitioned(batch: Batch, parts: list[tuple[list[Any], BatchRun | None]]) -
         if run is not None:
             run(batch)
         return
-    failed: set[int] = set()
+    gone: set[int] = set()
     for items, run in parts:
         if run is None or not items:
             continue
-        sub = Batch(list(items), truncate=batch.truncate)
+        sub = Batch(list(items), truncate=batch.truncate, rank=batch.rank)
         run(sub)
-        if sub.errors:
+        if sub.errors or sub.cut:
             batch.errors.extend(sub.errors)
-            failed.update(id(x) for x, _ in sub.errors)
-    if not failed:
+            batch.cut.extend(sub.cut)
+            gone.update(id(x) for x, _ in sub.errors)
+            gone.update(id(x) for x in sub.cut)
+    if not gone:
         return
-    if batch.truncate:
-        # The earliest item that failed ends the batch, as a sequential loop
-        # would: every item after it (in any part) is cut.
-        first = next(i for i, x in enumerate(batch.items) if id(x) in failed)
-        batch.cut.extend(x for x in batch.items[first:] if id(x) not in failed)
-        del batch.items[first:]
-    else:
-        batch.items[:] = [x for x in batch.items if id(x) not in failed]
+    batch.items = [x for x in batch.items if id(x) not in gone]
+    if batch.truncate and batch.errors:
+        batch.settle()
