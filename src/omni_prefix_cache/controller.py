@@ -176,7 +176,16 @@ class OmniPrefixCacheController(UpstreamSeams):
         def publish_completed(batch: Batch) -> None:
             self._completed.extend(task.tid for task in batch.items)
 
+        def register_tasks(batch: Batch) -> None:
+            now, queued, registry = time.monotonic(), self._registering_queued, self._tasks
+            for task in batch.items:
+                task.enqueued_time = now
+                task.queued_at_submit = queued
+                registry[task.tid] = task
+
         return {
+            "register_task": register_tasks,
+            "unpin_budget": lambda batch: self._budget.unpin_many(batch.items),
             "wake_committer": lambda _: self.wake.notify_all(),
             "publish_completed": publish_completed,
             "dispatch_inline": lambda batch: self._inline.extend(batch.items),

@@ -12,7 +12,7 @@ import torch
 
 from omni_prefix_cache.interface import TensorName
 from omni_prefix_cache.protocol_runtime import RuntimeOp
-from omni_prefix_cache.write_task import StepRows, WriteTask, step_runs
+from omni_prefix_cache.write_task import StepRows, WriteTask
 
 if TYPE_CHECKING:
     from omni_prefix_cache.controller import OmniPrefixCacheController
@@ -53,18 +53,26 @@ class _PoolWriteBatch:
         self.errors: list[tuple[WriteTask, BaseException]] = []
 
 
-def _step_of(tasks: list[WriteTask]) -> StepRows | None:
-    """The one step every task is an untouched window of (immediate writes
-    of one save, none reassigned), or None."""
+def _step_window(tasks: list[WriteTask]) -> tuple[StepRows, int, int] | None:
+    """``(step, start, end)`` when the tasks are back-to-back untouched
+    windows of one step in order (a save's immediate writes, none
+    reassigned): their rows are rows ``[start, end)`` of the step's arrays.
+    None otherwise."""
     step: StepRows | None = None
+    start = end = 0
     for task in tasks:
         if len(task.chunks) != 1 or task.reassigned:
             return None
         chunk = task.chunks[0]
-        if not chunk.whole_step_view() or (step is not None and chunk.step is not step):
+        if step is None:
+            if not chunk.whole_step_view():
+                return None
+            step, start, end = chunk.step, chunk.start, chunk.end
+        elif chunk.step is not step or chunk.start != end or not chunk.whole_step_view():
             return None
-        step = chunk.step
-    return step
+        else:
+            end = chunk.end
+    return None if step is None else (step, start, end)
 
 
 class EagerDispatch:
@@ -141,24 +149,22 @@ class EagerDispatch:
     def add(self, batch: _PoolWriteBatch, task: WriteTask) -> None:
         batch.tasks.append(task)
 
-    def _write_step(self, step: StepRows, tasks: list[WriteTask]) -> None:
-        """One scatter per key per run of back-to-back windows of ``step``."""
+    def _write_window(self, step: StepRows, start: int, end: int) -> None:
+        """One scatter per key of rows ``[start, end)`` of ``step``."""
         pool = self._ctrl.pool
-        n = int(step.slots.shape[0])
-        for _, start, end, _ in step_runs([t.chunks[0] for t in tasks]):
-            whole = start == 0 and end == n
-            slots = step.slots if whole else step.slots[start:end]
-            for key, host in step.host.items():
-                pool.write(key, slots, host if whole else host[start:end])
+        whole = start == 0 and end == int(step.slots.shape[0])
+        slots = step.slots if whole else step.slots[start:end]
+        for key, host in step.host.items():
+            pool.write(key, slots, host if whole else host[start:end])
 
     def _write_merged(self, tasks: list[WriteTask]) -> bool:
         """Write every task's rows at once: a step's windows by ranges of its
         arrays, else one scatter per key where no slot repeats across
         tasks. False (nothing or part written) when the caller must write
         task by task."""
-        step = _step_of(tasks)
-        if step is not None and step.unique_slots():
-            self._write_step(step, tasks)
+        window = _step_window(tasks)
+        if window is not None and window[0].unique_slots():
+            self._write_window(*window)
             return True
         pool = self._ctrl.pool
         per_key: dict[TensorName, list[tuple[torch.Tensor, torch.Tensor]]] = {}

@@ -44,7 +44,7 @@ from omni_prefix_cache.specs.protocol import (
     load_protocol,
 )
 from omni_prefix_cache.staging import StagingBufferHolder, StagingBufferPool
-from omni_prefix_cache.write_task import WRITE_TASK_MACHINE
+from omni_prefix_cache.write_task import WRITE_TASK_MACHINE, WriteTask
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +159,9 @@ class ControllerBinding:
         if role == "task_holder":
             staging = self._staging
             return lambda tasks: staging.try_fire_tasks(trigger, tasks)
+        if role == "task" and trigger != "host_ready":
+            defer = trigger == "fail"  # as in try_move
+            return lambda tasks: WriteTask.try_fire_many(tasks, trigger, defer=defer)
         attempt = self.try_move(role, trigger)  # raises for a role not the controller's
 
         def attempt_many(tasks: list[Any]) -> list[bool | BaseException]:

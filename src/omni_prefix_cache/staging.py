@@ -148,8 +148,9 @@ class StagingBufferPool:
             raise OmniPrefixCacheUnmatchError(
                 f"staging page {page}: {holder.kind} {holder.owner_id} cannot {trigger} from {state.name}"
             )
-        if not all(guard(self, page, holder) for guard in move.guards):
-            return False
+        for guard in move.guards:
+            if not guard(self, page, holder):
+                return False
         if move.dest in _HOLDS_PAGE:
             self._busy[page].add(holder)
             self._page_of[holder] = page
@@ -179,7 +180,6 @@ class StagingBufferPool:
         """``try_fire`` of each task's holder on its ``staging_slot``, under
         one acquisition (a batched step); False for a task with no page."""
         out: list[bool | BaseException] = []
-        for_task = StagingBufferHolder.for_task
         page_of = self._page_of
         with self._page_freed:
             for task in tasks:
@@ -187,13 +187,16 @@ class StagingBufferPool:
                 if page is None:
                     out.append(False)
                     continue
-                holder = for_task(task.tid)
+                holder = StagingBufferHolder("task", task.tid)
+                state = self.holder_state(holder)
+                move = HOLDER_MACHINE.move(state, trigger)
+                if move is None:
+                    out.append(False)
+                    continue
+                if move.dest not in _HOLDS_PAGE and page_of.get(holder) != page:
+                    out.append(False)
+                    continue
                 try:
-                    state = self.holder_state(holder)
-                    move = HOLDER_MACHINE.move(state, trigger)
-                    if move is None or (move.dest not in _HOLDS_PAGE and page_of.get(holder) != page):
-                        out.append(False)
-                        continue
                     out.append(self._apply(trigger, page, holder, move, state))
                 except Exception as exc:
                     out.append(exc)

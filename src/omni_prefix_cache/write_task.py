@@ -355,6 +355,27 @@ class WriteTask:
                 chunk.host[key] = tensor
             self._apply_locked(move, defer)
 
+    @staticmethod
+    def try_fire_many(tasks: Sequence[WriteTask], trigger: str, *, defer: bool = False) -> list[bool | BaseException]:
+        """``try_fire`` for each task (a batched step): per task True if it
+        moved, False if the spec has no such move from its state, or the
+        exception one of its move's effects raised."""
+        moves = WRITE_TASK_MACHINE.by_state(trigger)
+        out: list[bool | BaseException] = []
+        for task in tasks:
+            with task.lock:
+                move = moves[task.state]
+                if move is None:
+                    out.append(False)
+                    continue
+                try:
+                    task._apply_locked(move, defer)
+                except Exception as exc:
+                    out.append(exc)
+                    continue
+            out.append(True)
+        return out
+
     def try_transition(self, to: Any) -> bool:
         """Move to ``to`` if the spec allows it from the current state."""
         with self.lock:

@@ -67,12 +67,21 @@ class Batch:
     truncate: bool = False
     errors: list[tuple[Any, BaseException]] = field(default_factory=list)
     cut: list[Any] = field(default_factory=list)
-    # Position of each item in the first order (truncate only; shared with sub-batches).
-    rank: dict[int, int] | None = None
+    # The first order (truncate only; shared with sub-batches), and each
+    # item's position in it once a failure needs it.
+    order: list[Any] | None = None
+    _rank: dict[int, int] | None = None
 
     def __post_init__(self) -> None:
-        if self.truncate and self.rank is None:
-            self.rank = {id(x): i for i, x in enumerate(self.items)}
+        if self.truncate and self.order is None:
+            self.order = list(self.items)
+
+    @property
+    def rank(self) -> dict[int, int]:
+        if self._rank is None:
+            assert self.order is not None
+            self._rank = {id(x): i for i, x in enumerate(self.order)}
+        return self._rank
 
     def drop(self, index: int, error: BaseException) -> None:
         """``items[index]`` leaves with ``error`` (with ``truncate``, see
@@ -86,7 +95,6 @@ class Batch:
         """Truncate: keep the earliest error; later failed and later running
         items are cut."""
         rank = self.rank
-        assert rank is not None
         first = min(rank[id(x)] for x, _ in self.errors)
         if len(self.errors) > 1:
             self.cut.extend(x for x, _ in self.errors if rank[id(x)] > first)
@@ -169,14 +177,14 @@ def _guarded(batch: Batch, run: Callable[[Any], Any]) -> list[Any]:
     """``run(item)`` for each item; an item that raises leaves the batch.
     Returns the results of the items still in it."""
     out: list[Any] = []
-    i = 0
-    while i < len(batch.items):
+    done = 0
+    while done < len(batch.items):
         try:
-            out.append(run(batch.items[i]))
+            for item in batch.items[done:] if done else batch.items:
+                out.append(run(item))
+                done += 1
         except Exception as exc:
-            batch.drop(i, exc)
-            continue
-        i += 1
+            batch.drop(done, exc)
     return out
 
 
@@ -310,7 +318,7 @@ def _partitioned(batch: Batch, parts: list[tuple[list[Any], BatchRun | None]]) -
     for items, run in parts:
         if run is None or not items:
             continue
-        sub = Batch(list(items), truncate=batch.truncate, rank=batch.rank)
+        sub = Batch(list(items), truncate=batch.truncate, order=batch.order)
         run(sub)
         if sub.errors or sub.cut:
             batch.errors.extend(sub.errors)
