@@ -210,6 +210,8 @@ def _eager_failure_leaves_later(stack: contextlib.ExitStack) -> None:
         finally:
             self.close(batch)
             self._flush(batch, reraise=False)
+        if batch.errors:
+            raise batch.errors[0][1]  # the failing task's error, and nobody failed
 
     _set(stack, EagerDispatch, "dispatch", dispatch)
 
