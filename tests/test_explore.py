@@ -10,10 +10,10 @@ from omni_prefix_cache.testing.explore.runner import explore, replay
 from omni_prefix_cache.testing.explore.scenarios import SCENARIOS
 from omni_prefix_cache.testing.explore.strategies import make_token, parse_token
 
-# Found by `omni-prefix-cache explore --mutant cow_copy_missed_before_reads_lock` (reuse-read, schedule
-# 1705 of the default budget): the prefetch thread is switched in at its start, then out at its
-# reads-lock acquire.
-COW_TOKEN = "x1/reuse-read/cow_copy_missed_before_reads_lock/54:3,56:1"
+# Found by `omni-prefix-cache explore --mutant cow_copy_missed_before_reads_lock` (reuse-read, within
+# the first 1,747 schedules since the committer runs its passes as batches): the prefetch thread is
+# switched in at its start, then out at its reads-lock acquire.
+COW_TOKEN = "x1/reuse-read/cow_copy_missed_before_reads_lock/55:3,57:1"
 # Real races of shutdown against the engine and materialize threads, found by `explore --scenario
 # shutdown` (on the code before the fix each token replays to the failure its comment names) and
 # fixed in the manager: every state-lock segment of a facade call checks the closed flag, and

@@ -79,12 +79,17 @@ class GpuBudget:
                 if not ticket.tids:
                     self.staged_bytes -= ticket.release(-1)
 
+    def unpin_many(self, tasks: list[WriteTask]) -> None:
+        """``unpin`` for each task, under one acquisition."""
+        pinned = [(task, tickets) for task in tasks if (tickets := task.budget_tickets())]
+        if not pinned:
+            return
+        with self._lock:
+            for task, tickets in pinned:
+                for ticket in tickets:
+                    self.staged_bytes -= ticket.release(task.tid)
+
     def unpin(self, task: WriteTask) -> None:
         """Unpin ``task`` from its tickets; a ticket uncharges once, when its
         last holder leaves. Idempotent."""
-        tickets = task.budget_tickets()
-        if not tickets:
-            return
-        with self._lock:
-            for ticket in tickets:
-                self.staged_bytes -= ticket.release(task.tid)
+        self.unpin_many([task])

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, Tid
+from omni_prefix_cache.specs.batch import Batch
 from omni_prefix_cache.specs.protocol import ProtocolViolation
 from omni_prefix_cache.write_errors import join_error
 from omni_prefix_cache.write_task import WriteTask
@@ -100,29 +101,78 @@ class Committer:
         pool_write = op.segments[op.tail - 1]
         with ctrl.lock:
             ready = [t for tid in queues.blocked if (t := ctrl.get_task(tid)) is not None and self._ready(t)]
+            if ready:
+                taken = {t.tid for t in ready}
+                queues.blocked[:] = [tid for tid in queues.blocked if tid not in taken]
+        if not ready:
+            return []
+        # The pass's pool writes join one batch: written once per key, then
+        # finished together (the segments after the pool write, batched).
+        writes = ctrl._eager_dispatch.open(op)
+        try:
             for task in ready:
-                queues.blocked.remove(task.tid)
-        for task in ready:
-            try:
-                pool_write(task)  # and the segments after it (see the controller's _scatter)
-            except BaseException as exc:
-                # This task's failure only: letting it escape would fail
-                # whatever the loop touches next and strand this task's join.
-                logger.exception("omni prefix cache: pool write failed for task %s", task.tid)
-                ctrl.fail_task(task, ctrl.write_error(task, exc, "pool write"))
+                try:
+                    pool_write(task)  # joins the batch (see the controller's _scatter)
+                except BaseException as exc:
+                    # This task's failure only: letting it escape would fail
+                    # whatever the loop touches next and strand this task's join.
+                    logger.exception("omni prefix cache: pool write failed for task %s", task.tid)
+                    ctrl.fail_task(task, ctrl.write_error(task, exc, "pool write"))
+        finally:
+            ctrl._eager_dispatch.close(writes)
+        ctrl._eager_dispatch.flush(writes)
         return [t.tid for t in ready]
 
+    def claim_many(self) -> int:
+        """``committer_claim`` for every queued entry, high first, as one
+        batch in one critical section (each entry is the head at its turn).
+        Returns how many tasks were claimed."""
+        ctrl, queues = self._ctrl, self._queues
+        segment = ctrl.ops.claim.batch.segments[0]
+        with ctrl.lock:
+            tids = [*queues.high, *queues.low]
+            if not tids:
+                return 0
+            tasks = [ctrl.get_task(tid) for tid in tids]
+            missing = [tid for tid, task in zip(tids, tasks) if task is None]
+            if missing:
+                raise ProtocolViolation(f"committer_claim: queued tasks {missing} are not registered")
+            claimed = len(queues.claimed)
+            batch = Batch(tasks)
+            segment(batch)
+            if batch.errors:
+                raise batch.errors[0][1]
+            if queues.head() in tids:
+                raise ProtocolViolation(f"committer_claim: no alternative moves the entry of task {queues.head()}")
+            return len(queues.claimed) - claimed
+
+    def copy_many(self) -> None:
+        """``committer_copy`` of every claimed task, as one batch; a failure
+        fails only its own task."""
+        ctrl = self._ctrl
+        with ctrl.lock:
+            tids = list(self._queues.claimed)
+            self._queues.claimed.clear()
+        tasks = [task for tid in tids if (task := ctrl.get_task(tid)) is not None]
+        if not tasks:
+            return
+        batch = ctrl._runner.run_many(ctrl.ops.copy, tasks)
+        for task, exc in batch.errors:
+            logger.error("omni prefix cache: copy failed for task %s (req %s)", task.tid, task.req_id, exc_info=exc)
+            ctrl.fail_task(task, ctrl.write_error(task, exc, "copy"))
+
     def step(self) -> str | None:
-        """One unit of committer work on the calling thread: a claimed
-        task's copy stage first, then pending pool writes, else claim and
-        copy one task. Returns "copy", "write" or None when idle."""
+        """One unit of committer work on the calling thread: the copy stage
+        of every claimed task first, then pending pool writes, else claim
+        and copy every queued task (each stage one batch). Returns "copy",
+        "write" or None when idle."""
         if self._queues.claimed:
-            self.copy()
+            self.copy_many()
             return "copy"
         if self.write():
             return "write"
-        if self.claim() is not None:
-            self.copy()
+        if self.claim_many():
+            self.copy_many()
             return "copy"
         return None
 

@@ -57,6 +57,7 @@ from omni_prefix_cache.protocol_runtime import (
     compile_ops,
     task_failed,
 )
+from omni_prefix_cache.specs.batch import Batch
 from omni_prefix_cache.staging import StagingBufferHolder, StagingBufferPool, StepD2HClaim
 from omni_prefix_cache.write_errors import write_error
 from omni_prefix_cache.write_task import (
@@ -133,7 +134,7 @@ class OmniPrefixCacheController(UpstreamSeams):
         self._registering_queued = False
         self._inline: list[WriteTask] = []  # dispatch_inline's tasks, run after the dispatch segment
         self.binding = ControllerBinding(self.queues, self._staging_pool)
-        self.ops = compile_ops(active_protocol(), self.binding, self._effects(), self._guards())
+        self.ops = compile_ops(active_protocol(), self.binding, self._effects(), self._guards(), self._batch_effects())
         self._eager_dispatch = EagerDispatch(self)
         self._committer = Committer(self)
         self._worker: threading.Thread | None = None
@@ -169,6 +170,27 @@ class OmniPrefixCacheController(UpstreamSeams):
             "drain_queues": lambda _: self._committer.drain(self._worker),
         }
 
+    def _batch_effects(self) -> dict[str, Callable[[Batch], None]]:
+        """Effects that run once for a whole batch (see specs.batch)."""
+
+        def publish_completed(batch: Batch) -> None:
+            self._completed.extend(task.tid for task in batch.items)
+
+        def register_tasks(batch: Batch) -> None:
+            now, queued, registry = time.monotonic(), self._registering_queued, self._tasks
+            for task in batch.items:
+                task.enqueued_time = now
+                task.queued_at_submit = queued
+                registry[task.tid] = task
+
+        return {
+            "register_task": register_tasks,
+            "unpin_budget": lambda batch: self._budget.unpin_many(batch.items),
+            "wake_committer": lambda _: self.wake.notify_all(),
+            "publish_completed": publish_completed,
+            "dispatch_inline": lambda batch: self._inline.extend(batch.items),
+        }
+
     def _guards(self) -> dict[str, Callable[[Any], bool]]:
         return {
             "immediate": lambda task: task.schedule is WriteSchedule.JOIN_NEXT_STEP,
@@ -198,9 +220,10 @@ class OmniPrefixCacheController(UpstreamSeams):
             self.pool.write(key, slots, host)
         self.finish_writes([task], self.ops.eager if self.eager else self.ops.write)
 
-    def _run_eager(self, task: WriteTask) -> None:
-        """Operation ``eager_run`` for ``task`` on this thread (see ``EagerDispatch.run``)."""
-        self._eager_dispatch.run(task)
+    def _run_eager(self, tasks: WriteTask | list[WriteTask]) -> None:
+        """Operation ``eager_run`` for a task, or a dispatch's tasks as one
+        batch, on this thread (see ``EagerDispatch.run``)."""
+        self._eager_dispatch.run(tasks)
 
     def _run(self, op: RuntimeOp, ctx: Any) -> bool:
         return self._runner.run(op, ctx)
@@ -250,11 +273,13 @@ class OmniPrefixCacheController(UpstreamSeams):
         immediate write is queued and binds to its step's staging page; a
         deferred one is queued when ``queued``. Runs no copy (safe under the
         manager's state lock); queued writes then go through ``dispatch``."""
-        register = self.ops.register.segments[0]
+        register = self.ops.register.batch.segments[0]
+        batch = Batch(list(tasks), truncate=True)
         with self.lock, self._staging_pool.lock:
             self._registering_queued = queued
-            for task in tasks:
-                register(task)
+            register(batch)
+        if batch.errors:
+            raise batch.errors[0][1]
 
     def dispatch(self, tasks: list[WriteTask]) -> None:
         """Hand registered writes to the committer (``save``'s dispatch):
@@ -262,12 +287,16 @@ class OmniPrefixCacheController(UpstreamSeams):
         state lock; see ``EagerDispatch.dispatch`` for its failure rule)."""
         if not tasks:
             return
-        segment = self.ops.dispatch.segments[0]
+        segment = self.ops.dispatch.batch.segments[0]
+        batch = Batch(list(tasks), truncate=True)
         with self.lock:
-            for task in tasks:
-                segment(task)
-            inline = self._inline.copy()
-            self._inline.clear()
+            try:
+                segment(batch)
+            finally:
+                inline = self._inline.copy()
+                self._inline.clear()
+        if batch.errors:
+            raise batch.errors[0][1]
         if inline:
             with torch.inference_mode():
                 self._eager_dispatch.dispatch(inline)

@@ -80,6 +80,31 @@ class CopyQueues:
         task.position = move.dest
         return True
 
+    def try_fire_many(self, tasks: list[Any], trigger: str) -> list[bool | BaseException]:
+        """``try_fire`` for each task in order (a batched step); per task
+        True if its position moved, False if it has no such move."""
+        table = COPY_QUEUE_MACHINE
+        moved: list[Any] = []
+        out: list[bool | BaseException] = []
+        for task in tasks:
+            move = table.move(task.position, trigger)
+            if move is None:
+                out.append(False)
+                continue
+            moved.append(task)
+            task.position = move.dest
+            out.append(True)
+        if moved:
+            if trigger == "written" and len(moved) > 1:
+                # One pass over the blocked list for the whole batch.
+                gone = {task.tid for task in moved}
+                self.blocked[:] = [tid for tid in self.blocked if tid not in gone]
+            else:
+                effect = self._effects[trigger]
+                for task in moved:
+                    effect(task.tid)
+        return out
+
     def _unqueue(self, tid: Tid) -> None:
         for queue in (self.high, self.low):
             if queue and queue[0] == tid:

@@ -27,7 +27,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_prefix_cache.copy_queues import CopyQueues
-from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError
+from omni_prefix_cache.specs.batch import (
+    AttemptMany,
+    Batch,
+    BatchRun,
+    CompiledBatchOperation,
+    MaskMany,
+    RunMany,
+    compile_batch_operation,
+)
 from omni_prefix_cache.specs.loader import SpecError
 from omni_prefix_cache.specs.protocol import (
     CompiledOperation,
@@ -36,7 +44,7 @@ from omni_prefix_cache.specs.protocol import (
     load_protocol,
 )
 from omni_prefix_cache.staging import StagingBufferHolder, StagingBufferPool
-from omni_prefix_cache.write_task import WRITE_TASK_MACHINE
+from omni_prefix_cache.write_task import WRITE_TASK_MACHINE, WriteTask
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +148,42 @@ class ControllerBinding:
     def coupling(self, role: str, name: str) -> Run:
         raise SpecError(f"protocol.yaml: the controller runs no coupling {role}.{name}")
 
+    # Batched moves (specs.batch): one call per step for a whole batch of
+    # tasks, each task's move atomic under its own, the queues' or the
+    # pool's lock as in ``try_move``; a move that raises is that task's.
+
+    def try_move_many(self, role: str, trigger: str) -> AttemptMany:
+        if role == "position":
+            queues = self._queues
+            return lambda tasks: queues.try_fire_many(tasks, trigger)
+        if role == "task_holder":
+            staging = self._staging
+            return lambda tasks: staging.try_fire_tasks(trigger, tasks)
+        if role == "task" and trigger != "host_ready":
+            defer = trigger == "fail"  # as in try_move
+            return lambda tasks: WriteTask.try_fire_many(tasks, trigger, defer=defer)
+        attempt = self.try_move(role, trigger)  # raises for a role not the controller's
+
+        def attempt_many(tasks: list[Any]) -> list[bool | BaseException]:
+            out: list[bool | BaseException] = []
+            for task in tasks:
+                try:
+                    out.append(bool(attempt(task)))
+                except Exception as exc:
+                    out.append(exc)
+            return out
+
+        return attempt_many
+
+    def move_many(self, role: str, trigger: str) -> tuple[MaskMany, RunMany]:
+        enabled, fire = self.move(role, trigger)
+
+        def fire_many(tasks: list[Any]) -> None:
+            for task in tasks:
+                fire(task)
+
+        return (lambda tasks: [bool(enabled(t)) for t in tasks]), fire_many
+
     @staticmethod
     def _task_move(trigger: str) -> tuple[Pred, Run]:
         def enabled(task: Any) -> bool:
@@ -183,9 +227,11 @@ class ControllerBinding:
 
 @dataclass(frozen=True, eq=False, slots=True)
 class RuntimeOp:
-    """A compiled operation with the lock each segment declares."""
+    """A compiled operation (per instance, and for batches) with the lock
+    each segment declares."""
 
     op: CompiledOperation
+    batch: CompiledBatchOperation
     locks: tuple[str, ...]
     # The first segment after the one that writes the pool (``pool_write``):
     # where a batch of written tasks resumes.
@@ -229,27 +275,45 @@ class OpRunner:
                 segment(ctx)
         return True
 
+    def run_many(
+        self, op: RuntimeOp, tasks: list[Any], *, start: int = 0, stop: int | None = None, truncate: bool = False
+    ) -> Batch:
+        """Segments ``[start, stop)`` of ``op`` for a batch of tasks, each
+        segment once for the whole batch under the lock it declares (a
+        controller segment takes the staging lock with it, in that order,
+        since its holder moves need it; a task segment's moves take each
+        task's lock themselves). From segment 0 the entry move is checked
+        under the first lock: a task it does not admit is skipped, as
+        ``run`` skips it. Returns the batch: what went on, and what left it
+        (``errors``, and with ``truncate`` the ``cut`` after the first)."""
+        batch = Batch(list(tasks), truncate=truncate)
+        stop = len(op.segments) if stop is None else stop
+        segments, locks = op.batch.segments, op.locks
+        controller, staging = self._locks["controller"], self._locks["staging"]
+        for index in range(start, stop):
+            name = locks[index]
+            both = name == "controller"
+            with controller if both else self._locks.get(name, _NO_LOCK), staging if both else _NO_LOCK:
+                if index == 0 and op.op.spec.entry is not None:
+                    admitted = op.batch.admits_many(batch.items)
+                    if not all(admitted):
+                        batch.items = [t for t, ok in zip(batch.items, admitted) if ok]
+                segments[index](batch)
+            if not batch.items:
+                break
+        return batch
+
     def finish(self, tasks: list[Any], op: RuntimeOp, on_violation: Callable[[Any], object]) -> None:
         """The segments of ``op`` after its pool write, for tasks whose rows
-        are in the pool: per task in the spec's order, one acquisition per
-        segment for the whole batch (a controller segment may release staging
-        holds: the staging lock is taken with it, in that order). A task whose
-        move the state no longer allows (it failed meanwhile) goes to
-        ``on_violation`` and is dropped."""
-        for index in range(op.tail, len(op.segments)):
-            segment, name = op.segments[index], op.locks[index]
-            batched = name in ("controller", "staging")
-            keep: list[Any] = []
-            with self._locks["controller"] if batched else _NO_LOCK, self._locks["staging"] if batched else _NO_LOCK:
-                for task in tasks:
-                    try:
-                        # A task segment's moves take the task's lock themselves.
-                        segment(task)
-                        keep.append(task)
-                    except OmniPrefixCacheUnmatchError as exc:
-                        logger.error("omni prefix cache: finishing the write of task %s: %s", task.tid, exc)
-                        on_violation(task)
-            tasks = keep
+        are in the pool, batched (``run_many``). A task whose move the state
+        no longer allows (it failed meanwhile) goes to ``on_violation`` and
+        is dropped."""
+        if not tasks:
+            return
+        batch = self.run_many(op, tasks, start=op.tail)
+        for task, exc in batch.errors:
+            logger.error("omni prefix cache: finishing the write of task %s: %s", task.tid, exc)
+            on_violation(task)
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -278,11 +342,15 @@ def compile_ops(
     binding: ControllerBinding,
     effects: Mapping[str, Run],
     guards: Mapping[str, Pred],
+    batch_effects: Mapping[str, BatchRun] | None = None,
 ) -> ControllerOps:
     """Compile the controller's operations of ``spec`` against ``binding``
-    and the controller's effect and guard handlers."""
+    and the controller's effect and guard handlers (``batch_effects``: an
+    effect's handler for a whole batch, where it has one)."""
 
     def make(name: str, *, lock: str | None = None, project: bool = False) -> RuntimeOp:
+        # The per-instance and the batched form compile the same (possibly
+        # mutated) operation: which one runs is the executor's choice.
         op = spec.ops[name]
         if lock is not None:
             index = next(i for i, seg in enumerate(op.segments) if seg.lock == lock and not seg.wait)
@@ -293,7 +361,12 @@ def compile_ops(
             i for i, seg in enumerate(op.segments) if any(getattr(s, "effect", None) == "pool_write" for s in seg.steps)
         ]
         tail = writes[0] + 1 if writes else len(op.segments)
-        return RuntimeOp(compile_operation(op, binding, effects, guards), tuple(seg.lock for seg in op.segments), tail)
+        return RuntimeOp(
+            compile_operation(op, binding, effects, guards),
+            compile_batch_operation(op, binding, effects, guards, batch_effects=batch_effects),
+            tuple(seg.lock for seg in op.segments),
+            tail,
+        )
 
     join = spec.ops["join"].segments[0]
     if not join.wait or join.raises is None or join.raises not in guards:

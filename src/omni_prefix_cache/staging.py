@@ -135,19 +135,22 @@ class StagingBufferPool:
             return HolderState.RELEASED
         return HolderState.UNHELD
 
-    def _apply(self, trigger: str, page: int, holder: StagingBufferHolder, move: Any = None) -> bool:
+    def _apply(self, trigger: str, page: int, holder: StagingBufferHolder, move: Any = None, state: Any = None) -> bool:
         """Fire ``trigger`` for ``holder`` on ``page`` under the condition
-        (``move``: its compiled move, when the caller looked it up already).
-        Raises if the spec has no such move (or a release names a page the
-        holder does not hold); False if a guard refuses."""
-        state = self.holder_state(holder)
+        (``move``, ``state``: its compiled move and the holder's state, when
+        the caller looked them up already). Raises if the spec has no such
+        move (or a release names a page the holder does not hold); False if
+        a guard refuses."""
+        if state is None:
+            state = self.holder_state(holder)
         move = move or HOLDER_MACHINE.move(state, trigger)
         if move is None:
             raise OmniPrefixCacheUnmatchError(
                 f"staging page {page}: {holder.kind} {holder.owner_id} cannot {trigger} from {state.name}"
             )
-        if not all(guard(self, page, holder) for guard in move.guards):
-            return False
+        for guard in move.guards:
+            if not guard(self, page, holder):
+                return False
         if move.dest in _HOLDS_PAGE:
             self._busy[page].add(holder)
             self._page_of[holder] = page
@@ -172,6 +175,32 @@ class StagingBufferPool:
             if move is None or (move.dest not in _HOLDS_PAGE and self._page_of.get(holder) != page):
                 return False
             return self._apply(trigger, page, holder, move)
+
+    def try_fire_tasks(self, trigger: str, tasks: list[Any]) -> list[bool | BaseException]:
+        """``try_fire`` of each task's holder on its ``staging_slot``, under
+        one acquisition (a batched step); False for a task with no page."""
+        out: list[bool | BaseException] = []
+        page_of = self._page_of
+        with self._page_freed:
+            for task in tasks:
+                page = task.staging_slot
+                if page is None:
+                    out.append(False)
+                    continue
+                holder = StagingBufferHolder("task", task.tid)
+                state = self.holder_state(holder)
+                move = HOLDER_MACHINE.move(state, trigger)
+                if move is None:
+                    out.append(False)
+                    continue
+                if move.dest not in _HOLDS_PAGE and page_of.get(holder) != page:
+                    out.append(False)
+                    continue
+                try:
+                    out.append(self._apply(trigger, page, holder, move, state))
+                except Exception as exc:
+                    out.append(exc)
+        return out
 
     def enabled(self, trigger: str, page: int, holder: StagingBufferHolder) -> bool:
         """True if the spec lets ``holder`` fire ``trigger`` on ``page`` now

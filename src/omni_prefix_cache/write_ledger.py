@@ -42,7 +42,7 @@ from omni_prefix_cache.protocol_runtime import active_protocol
 from omni_prefix_cache.specs.loader import SpecError
 from omni_prefix_cache.specs.protocol import compile_operation
 from omni_prefix_cache.step_layout import StepOutputs
-from omni_prefix_cache.write_task import _BudgetTicket, _WriteChunk
+from omni_prefix_cache.write_task import StepRows, _BudgetTicket, _WriteChunk, chunk_slots
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class TaskRecord:
 
     task: WriteTask
     req_id: ReqId
-    parts: list[tuple[tuple[TensorName, ...], torch.Tensor]]
+    parts: list[tuple[tuple[TensorName, ...], _WriteChunk]]
 
 
 class RequestTasks:
@@ -198,33 +198,35 @@ class WriteLedger:
         each task to ``registered`` as soon as the controller may know it."""
         if not split.immediate or not req_order:
             return []
-        sizes = [spans[r][1] for r in req_order]
-        slot_parts = torch.split(slots, sizes)
-        host_parts = {k: torch.split(v, sizes) for k, v in claimed.views.items()}
         ctrl = self._controller
-        frozen = {k: torch.split(t, sizes) for k, t in split.immediate.items() if ctrl.is_device(t)}
+        rows = StepRows(
+            slots=slots,
+            host=claimed.views,
+            tensors={k: t for k, t in split.immediate.items() if ctrl.is_device(t)},
+        )
         keys = tuple(split.immediate)
         page = claimed.staging_slot
         tasks: list[WriteTask] = []
-        for i, rid in enumerate(req_order):
+        records = self.records
+        opened = self.requests.open
+        start = 0
+        for rid in req_order:
+            end = start + spans[rid][1]
             tid = next(self._tids)
-            chunk = _WriteChunk(
-                slots_cpu=slot_parts[i],
-                tensors={k: parts[i] for k, parts in frozen.items()},
-                host={k: parts[i] for k, parts in host_parts.items()},
-            )
+            chunk = _WriteChunk.of_step(rows, start, end)
             task = WriteTask(
                 tid=tid,
                 req_id=rid,
-                write_n=self.requests.open(rid, tid),
+                write_n=opened(rid, tid),
                 schedule=WriteSchedule.JOIN_NEXT_STEP,
                 chunks=[chunk],
                 freeze_event=split.freeze_event,
                 staging_slot=page,
                 step_d2h_event=claimed.event,
             )
-            self.records[tid] = TaskRecord(task, rid, [(keys, slot_parts[i])])
+            records[tid] = TaskRecord(task, rid, [(keys, chunk)])
             tasks.append(task)
+            start = end
         # One controller lock and one staging lock for the whole step; each
         # task is queued and bound to the page (not dispatched: the committer
         # cannot see them yet), so a failed bind is cleaned up by failing them.
@@ -258,14 +260,14 @@ class WriteLedger:
                     chunks=[chunk],
                     freeze_event=split.freeze_event,
                 )
-                self.records[tid] = TaskRecord(task, rid, [(keys, chunk.slots_cpu)])
+                self.records[tid] = TaskRecord(task, rid, [(keys, chunk)])
                 if ticket is not None:
                     ctrl.pin_budget(ticket, tid)
                 ctrl.register(task, queued=False)
                 registered.append(task)
                 self.requests.deferred[rid] = task
             else:
-                self.records[task.tid].parts.append((keys, chunk.slots_cpu))
+                self.records[task.tid].parts.append((keys, chunk))
                 if ticket is not None:
                     ctrl.pin_budget(ticket, task.tid)
             owners.append(task.tid)
@@ -394,7 +396,7 @@ class WriteLedger:
         (state lock held). Rows are grouped by their key tuple (one per save
         and schedule), so a drain costs one occupancy move per key group,
         not one per task."""
-        groups: dict[tuple[TensorName, ...], tuple[list[torch.Tensor], list[int], list[int]]] = {}
+        groups: dict[tuple[TensorName, ...], tuple[list[_WriteChunk], list[int]]] = {}
         settled: list[TaskRecord] = []
         records = self.records
         forget = self.requests.forget
@@ -406,15 +408,15 @@ class WriteLedger:
             forget(rec.req_id, rec.task)
             if rec.req_id not in self._live:
                 self.requests.drop_if_idle(rec.req_id)
-            for keys, part in rec.parts:
-                slot_parts, owners, counts = groups.setdefault(keys, ([], [], []))
-                slot_parts.append(part)
+            for keys, chunk in rec.parts:
+                chunks, owners = groups.setdefault(keys, ([], []))
+                chunks.append(chunk)
                 owners.append(tid)
-                counts.append(int(part.shape[0]))
-        for keys, (slot_parts, owners, counts) in groups.items():
+        for keys, (chunks, owners) in groups.items():
+            counts = [c.rows for c in chunks]
             if trigger == "commit":
                 self._counters["rows_committed"] += sum(counts) * len(keys)
-            slots = slot_parts[0] if len(slot_parts) == 1 else torch.cat(slot_parts)
+            slots = chunk_slots(chunks)
             writers = per_row(owners, counts, int(slots.shape[0]))
             for key in keys:
                 self._occupancy.settle(trigger, key, slots, writers)

@@ -86,14 +86,131 @@ class _BudgetTicket:
         return self.nbytes
 
 
-@dataclass(eq=False)
-class _WriteChunk:
-    """One save's slots and tensors appended onto a WriteTask."""
+@dataclass(eq=False, slots=True)
+class StepRows:
+    """One save's immediate rows as a struct of arrays: the step's slot
+    mapping, its staging views and (device) clones per key, ``n`` rows
+    each. Every immediate write of the step views rows ``[start, end)`` of
+    it (its ``_WriteChunk``), so the step is registered, written to the
+    pool and settled without a per-request copy or split, and a pool write
+    of a whole step is one ``index_copy_`` per key."""
 
-    slots_cpu: torch.Tensor  # int64 KV slot ids, in token order
-    tensors: dict[TensorName, torch.Tensor]  # the frozen clone (device, or CPU)
-    host: dict[TensorName, torch.Tensor] = field(default_factory=dict)  # host rows [0:n)
-    budget: _BudgetTicket | None = None  # charge of the clone `tensors` views
+    slots: torch.Tensor
+    host: dict[TensorName, torch.Tensor]
+    tensors: dict[TensorName, torch.Tensor]
+    _unique: bool | None = None
+
+    def unique_slots(self) -> bool:
+        """True if no slot repeats within the step (then its rows may be
+        written in one scatter; computed once)."""
+        if self._unique is None:
+            values = self.slots.tolist()
+            self._unique = len(set(values)) == len(values)
+        return self._unique
+
+
+class _WriteChunk:
+    """One save's slots and tensors appended onto a WriteTask.
+
+    ``slots_cpu``: int64 KV slot ids, in token order; ``tensors``: the
+    frozen clone (device, or CPU); ``host``: host rows ``[0:n)``;
+    ``budget``: the charge of the clone ``tensors`` views. An immediate
+    write's chunk is a window ``[start, end)`` of its step's ``StepRows``
+    (``of_step``): its slot, host and clone views are cut only when read.
+    """
+
+    __slots__ = ("_slots", "_tensors", "_host", "budget", "step", "start", "end")
+
+    def __init__(
+        self,
+        slots_cpu: torch.Tensor | None = None,
+        tensors: dict[TensorName, torch.Tensor] | None = None,
+        host: dict[TensorName, torch.Tensor] | None = None,
+        budget: _BudgetTicket | None = None,
+    ) -> None:
+        self._slots: torch.Tensor | None = slots_cpu
+        self._tensors: dict[TensorName, torch.Tensor] | None = tensors
+        self._host: dict[TensorName, torch.Tensor] | None = {} if host is None else host
+        self.budget = budget
+        self.step: StepRows | None = None
+        self.start = 0
+        self.end = 0 if slots_cpu is None else int(slots_cpu.shape[0])
+
+    @classmethod
+    def of_step(cls, step: StepRows, start: int, end: int) -> _WriteChunk:
+        """Rows ``[start, end)`` of ``step``, viewed lazily."""
+        chunk = cls.__new__(cls)
+        chunk._slots = chunk._tensors = chunk._host = None
+        chunk.budget = None
+        chunk.step, chunk.start, chunk.end = step, start, end
+        return chunk
+
+    @property
+    def slots_cpu(self) -> torch.Tensor:
+        if self._slots is None:
+            assert self.step is not None
+            self._slots = self.step.slots[self.start : self.end]
+        return self._slots
+
+    @slots_cpu.setter
+    def slots_cpu(self, value: torch.Tensor) -> None:
+        self._slots = value
+
+    @property
+    def tensors(self) -> dict[TensorName, torch.Tensor]:
+        if self._tensors is None:
+            step = self.step
+            self._tensors = {} if step is None else {k: v[self.start : self.end] for k, v in step.tensors.items()}
+        return self._tensors
+
+    @tensors.setter
+    def tensors(self, value: dict[TensorName, torch.Tensor]) -> None:
+        self._tensors = value
+
+    @property
+    def host(self) -> dict[TensorName, torch.Tensor]:
+        if self._host is None:
+            step = self.step
+            self._host = {} if step is None else {k: v[self.start : self.end] for k, v in step.host.items()}
+        return self._host
+
+    @host.setter
+    def host(self, value: dict[TensorName, torch.Tensor]) -> None:
+        self._host = value
+
+    @property
+    def rows(self) -> int:
+        return self.end - self.start if self._slots is None else int(self._slots.shape[0])
+
+    def whole_step_view(self) -> bool:
+        """True while the chunk is still an untouched window of its step
+        (its rows can be written with the step's other windows at once)."""
+        return self.step is not None and self._host is None
+
+
+def step_runs(chunks: Sequence[_WriteChunk]) -> list[tuple[StepRows | None, int, int, _WriteChunk]]:
+    """``chunks`` in order as runs: back-to-back windows of one step merge
+    into one ``(step, start, end, first chunk)``; any other chunk is
+    ``(None, 0, rows, chunk)``."""
+    runs: list[tuple[StepRows | None, int, int, _WriteChunk]] = []
+    for c in chunks:
+        step = c.step
+        if step is not None and runs:
+            last_step, last_start, last_end, first = runs[-1]
+            if last_step is step and last_end == c.start:
+                runs[-1] = (step, last_start, c.end, first)
+                continue
+        runs.append((step, c.start, c.end, c) if step is not None else (None, 0, c.rows, c))
+    return runs
+
+
+def chunk_slots(chunks: Sequence[_WriteChunk]) -> torch.Tensor:
+    """The slots of ``chunks`` in order as one tensor (a step's back-to-back
+    windows are one slice of its slot mapping, not a concatenation)."""
+    parts = [
+        step.slots[start:end] if step is not None else chunk.slots_cpu for step, start, end, chunk in step_runs(chunks)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 # (chunk, key, host rows): one key's rows of one chunk, as a copy stage made them.
@@ -237,6 +354,27 @@ class WriteTask:
             for chunk, key, tensor in rows:
                 chunk.host[key] = tensor
             self._apply_locked(move, defer)
+
+    @staticmethod
+    def try_fire_many(tasks: Sequence[WriteTask], trigger: str, *, defer: bool = False) -> list[bool | BaseException]:
+        """``try_fire`` for each task (a batched step): per task True if it
+        moved, False if the spec has no such move from its state, or the
+        exception one of its move's effects raised."""
+        moves = WRITE_TASK_MACHINE.by_state(trigger)
+        out: list[bool | BaseException] = []
+        for task in tasks:
+            with task.lock:
+                move = moves[task.state]
+                if move is None:
+                    out.append(False)
+                    continue
+                try:
+                    task._apply_locked(move, defer)
+                except Exception as exc:
+                    out.append(exc)
+                    continue
+            out.append(True)
+        return out
 
     def try_transition(self, to: Any) -> bool:
         """Move to ``to`` if the spec allows it from the current state."""

@@ -77,6 +77,11 @@ class CompiledMachine:
     def move(self, state: int, trigger: str) -> CompiledMove | None:
         return self._by_trigger[state].get(trigger)
 
+    def by_state(self, trigger: str) -> tuple[CompiledMove | None, ...]:
+        """``trigger``'s move from each state (None where the spec has none),
+        indexed by state: a batched step looks a move up per item by index."""
+        return tuple(row.get(trigger) for row in self._by_trigger)
+
     def move_to(self, state: int, dest: int) -> CompiledMove | None:
         """The unique move from ``state`` to ``dest``; None if there is none.
 

@@ -162,7 +162,18 @@ def _committer_dies(stack: contextlib.ExitStack) -> None:
                 copied(task)
         return tid
 
+    def copy_many(self: Committer) -> None:
+        ctrl = self._ctrl
+        with ctrl.lock:
+            tids = list(self._queues.claimed)
+            self._queues.claimed.clear()
+        tasks = [t for tid in tids if (t := ctrl.get_task(tid)) is not None]
+        batch = ctrl._runner.run_many(ctrl.ops.copy, tasks)
+        if batch.errors:
+            raise batch.errors[0][1]
+
     _set(stack, Committer, "copy", copy)
+    _set(stack, Committer, "copy_many", copy_many)
 
 
 @_register("pool_write_failure_wrong_task", "a pool-write failure is charged to another task")
@@ -190,17 +201,17 @@ def _pool_write_failure_wrong_task(stack: contextlib.ExitStack) -> None:
 
 @_register("eager_failure_leaves_later_tasks", "a failed eager dispatch leaves the batch's later tasks unfailed")
 def _eager_failure_leaves_later(stack: contextlib.ExitStack) -> None:
-    from omni_prefix_cache.eager import EagerDispatch, _PoolWriteBatch
+    from omni_prefix_cache.eager import EagerDispatch
 
     def dispatch(self: EagerDispatch, tasks: list[Any]) -> None:
-        batch = _PoolWriteBatch()
-        self._local.open = batch
+        batch = self.open(self._ctrl.ops.eager)
         try:
-            for task in tasks:
-                self._ctrl._run_eager(task)
+            self._ctrl._run_eager(list(tasks))
         finally:
-            self._local.open = None
+            self.close(batch)
             self._flush(batch, reraise=False)
+        if batch.errors:
+            raise batch.errors[0][1]  # the failing task's error, and nobody failed
 
     _set(stack, EagerDispatch, "dispatch", dispatch)
 
