@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from omni_prefix_cache.group_view import int64_tensor
 from omni_prefix_cache.interface import (
     ModelCachePolicy,
     OmniPrefixCacheInvalidArgumentError,
@@ -37,6 +38,8 @@ from omni_prefix_cache.step_context import KeyLayout, StepContext
 from omni_prefix_cache.validation import as_int, listed
 
 logger = logging.getLogger(__name__)
+
+_INT: frozenset[type] = frozenset({int})
 
 
 @dataclass(eq=False)
@@ -77,6 +80,7 @@ class HitPlanner:
     ) -> None:
         self._config = config
         self._block_size = int(config.block_size)
+        self._offsets = torch.arange(self._block_size, dtype=torch.int64)  # a block's slots, from its first
         self._occupancy = occupancy
         self._reads = reads
         self.prefetch = prefetch
@@ -111,9 +115,11 @@ class HitPlanner:
             raise OmniPrefixCacheInvalidArgumentError(
                 f"prefix hit of request {rid!r} ({computed} tokens, {need} blocks) comes with {have} group-0 block ids"
             )
-        blocks = [as_int(f"prefix hit of request {rid!r}: block id", b) for b in list(group0)[:need]]
-        bad = [b for b in blocks if b < 0 or b >= self._config.num_blocks]
-        if bad:
+        blocks = list(group0)[:need]
+        if not set(map(type, blocks)) <= _INT:  # exact ints (the usual case) need no call per block
+            blocks = [as_int(f"prefix hit of request {rid!r}: block id", b) for b in blocks]
+        if blocks and (min(blocks) < 0 or max(blocks) >= self._config.num_blocks):
+            bad = [b for b in blocks if b < 0 or b >= self._config.num_blocks]
             raise OmniPrefixCacheInvalidArgumentError(
                 f"prefix hit of request {rid!r}: block ids {listed(bad)} outside [0, {self._config.num_blocks})"
             )
@@ -122,8 +128,8 @@ class HitPlanner:
     def block_slots(self, blocks: list[int]) -> torch.Tensor:
         """The KV slot ids of ``blocks``, in order."""
         bs = self._block_size
-        base = torch.tensor(blocks, dtype=torch.int64).unsqueeze(1) * bs
-        return (base + torch.arange(bs, dtype=torch.int64)).reshape(-1)
+        base = int64_tensor(blocks).mul_(bs).unsqueeze(1)
+        return base.add(self._offsets).reshape(-1)
 
     def candidates(
         self,

@@ -122,7 +122,8 @@ def state_mask(tag: str) -> torch.Tensor:
 
 
 def rows_tagged(state: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Which rows of a state tensor are in a state of ``table`` (a ``state_mask``)."""
+    """``table``'s entry for each row's state: with a ``state_mask``, which
+    rows are in a tagged state; with ``READ_SOURCE``, where each is read from."""
     return table.index_select(0, state.to(torch.int64))
 
 
@@ -130,6 +131,10 @@ _OWNED = state_mask("owned")
 # Where a planned read takes a row from, by its slot state's tag (read_pool: the pool).
 READ_BASELINE = state_mask("read_baseline")
 READ_OWNER = state_mask("read_owner")
+# Both at once, as bits per slot state (0: the row is read from the pool), so
+# a read whose rows are all committed is told apart with one lookup.
+READ_FROM_BASELINE, READ_FROM_OWNER = 1, 2
+READ_SOURCE = READ_BASELINE.to(torch.int8) * READ_FROM_BASELINE + READ_OWNER.to(torch.int8) * READ_FROM_OWNER
 
 # Hooks the manager installs. on_reassign(old_tid, key, slots): a newer write
 # took these in-transit rows from old_tid. on_reuse(key, slots): these
