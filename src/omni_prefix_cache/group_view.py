@@ -13,7 +13,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Mapping, Sequence
 from itertools import accumulate, repeat
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -121,10 +121,11 @@ class FullAttentionGroupView:
             counts = [n for n in counts if n > 0]
         if not counts:
             return _empty_slots()
-        rows = list(map(index_of.get, req_ids))
-        if None in rows:
-            missing = req_ids[rows.index(None)]
+        found: list[int | None] = list(map(index_of.get, req_ids))
+        if None in found:
+            missing = req_ids[found.index(None)]
             raise OmniPrefixCacheUnmatchError(f"group view: request {missing!r} is not in the input batch")
+        rows = cast("list[int]", found)
         table = self._table()
         width = int(table.shape[1])
         row_t = int64_tensor(rows)

@@ -86,12 +86,12 @@ class Materializer:
             if out_map is None:
                 continue
             if names:
-                rows = src[: ctx.n].clone() if index is None else src.index_select(0, index)
-                out_map.update(zip(names, torch.split(self.restore_shape(ctx, key, rows), sizes)))
+                picked = src[: ctx.n].clone() if index is None else src.index_select(0, index)
+                out_map.update(zip(names, torch.split(self.restore_shape(ctx, key, picked), sizes)))
             for rid in hit_reqs:
-                start, rows_n = ctx.spans[rid]
+                start, rows = ctx.spans[rid]
                 fut = ctx.hit_prefetch.get(rid, {}).get(key)
-                merged = self.merge_hit(ctx, rid, key, hits[rid][0], fut, src[start : start + rows_n])
+                merged = self.merge_hit(ctx, rid, key, hits[rid][0], fut, src[start : start + rows])
                 out_map[rid] = self.restore_shape(ctx, key, merged)
         for rid in hit_reqs:
             # Cached keys this step did not produce: the prefix is all there is.
