@@ -13,7 +13,7 @@ publish drained writes; ``wait_device`` may record a sticky failure.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import CancelledError, Future
 from itertools import accumulate
 from typing import Any
@@ -80,7 +80,8 @@ class Materializer:
         # The plain requests' rows are gathered once per key (one copy of
         # just their rows) and cut into per-request views, in step order;
         # the views are disjoint, so no request aliases another.
-        names, sizes, index = self.plain_rows(ctx, req_ids, hits)
+        wanted = set(req_ids)
+        names, sizes, index = self.request_rows(ctx, wanted.difference(hits) if hits else wanted)
         for key, src in sources.items():
             out_map = hidden_out if is_hidden_key(key) else mm_out[key]
             if out_map is None:
@@ -105,28 +106,30 @@ class Materializer:
                         hidden_out[rid] = prefix
                 else:
                     mm_out.setdefault(key, {})[rid] = prefix
+        every: tuple[list[ReqId], list[int], torch.Tensor | None] | None = None
         for key, value in ctx.mm_cpu_snapshot.items():
             if key in sources:
                 continue
             out_map = mm_out[key]
+            if isinstance(value, torch.Tensor) and value.ndim >= 1 and int(value.shape[0]) == ctx.n:
+                # Token-major: one gather and a view per request, as for the pool keys.
+                if every is None:
+                    every = self.request_rows(ctx, wanted)
+                picked = value.clone() if every[2] is None else value.index_select(0, every[2])
+                out_map.update(zip(every[0], torch.split(picked, every[1])))
+                continue
             for rid in req_ids:
                 start, rows = ctx.spans[rid]
                 out_map[rid] = payload_for_request(value, start, start + rows, ctx.n)
         return StageCacheOutputs(hidden_states=hidden_out, mm_outputs=mm_out)
 
     @staticmethod
-    def plain_rows(
-        ctx: StepContext, req_ids: Sequence[ReqId], hits: Mapping[ReqId, Any]
-    ) -> tuple[list[ReqId], list[int], torch.Tensor | None]:
-        """The requests of ``req_ids`` served from this step's rows alone (no
-        hit), in step order, with their row counts and the step rows to gather
-        for them (None: all ``n`` rows, in order). ``req_ids`` must be inside
-        the save snapshot."""
-        wanted = set(req_ids)
-        if hits:
-            wanted.difference_update(hits)
+    def request_rows(ctx: StepContext, wanted: set[ReqId]) -> tuple[list[ReqId], list[int], torch.Tensor | None]:
+        """The requests of ``wanted`` (inside the save snapshot) in step
+        order, their row counts this step and the step rows to gather for
+        them (None: all ``n`` rows, in order)."""
         if not wanted:
-            return [], [], None
+            return [], [], torch.empty((0,), dtype=torch.int64)
         if len(wanted) == len(ctx.order) and wanted.issuperset(ctx.order):
             return ctx.order, ctx.sizes, None
         spans = ctx.spans
@@ -220,6 +223,8 @@ def gather_index(starts: list[int], sizes: list[int]) -> torch.Tensor:
         return torch.tensor(starts, dtype=torch.int64)
     kept = [(s, k) for s, k in zip(starts, sizes) if k > 0]
     total = sum(k for _, k in kept)
+    if not total:
+        return torch.empty((0,), dtype=torch.int64)
     firsts = list(accumulate((k for _, k in kept), initial=0))[:-1]
     shifts = torch.tensor([s for s, _ in kept], dtype=torch.int64).sub_(torch.tensor(firsts, dtype=torch.int64))
     jumps = torch.diff(shifts, prepend=shifts.new_zeros(1))
