@@ -185,8 +185,10 @@ class StepLayout:
         error naming the step; nothing is registered yet."""
         check_step_tensors(sid, hidden, mm)
         req_order, spans, slots = self.request_spans(sid, sched, n)
-        num_sched = {r: spans[r][1] for r in req_order}
-        split = self.split(policy, hidden, mm, n, padded, slots_cpu=slots, req_order=req_order, num_sched=num_sched)
+        # The scheduler's counts are the spans' row counts (request_spans built them from it).
+        split = self.split(
+            policy, hidden, mm, n, padded, slots_cpu=slots, req_order=req_order, num_sched=sched.num_scheduled
+        )
         capacity = self._config.staging_capacity_tokens
         if split.immediate and n > capacity:
             raise OmniPrefixCacheInvalidArgumentError(
