@@ -89,7 +89,7 @@ class HitPlanner:
         self._policy = policy
         self._is_closed = is_closed
         self.pending: dict[ReqId, PendingHit] = {}
-        self._marks: torch.Tensor | None = None  # zeros over the pool's slots, between overlaps() calls
+        self._marks: torch.Tensor | None = None  # all False over the pool's slots between overlaps() calls
 
     def hit_blocks(self, rid: ReqId, computed: int, block_ids: Any) -> list[int]:
         """Validate a hit and return its group-0 prefix block ids. Raises
@@ -272,12 +272,12 @@ class HitPlanner:
         group's marks counted with one cumulative sum, the table cleared."""
         marks = self._marks
         if marks is None or int(marks.numel()) != self._occupancy.num_slots:
-            marks = self._marks = torch.zeros(self._occupancy.num_slots, dtype=torch.int32)
-        marks.index_fill_(0, slots, 1)
+            marks = self._marks = torch.zeros(self._occupancy.num_slots, dtype=torch.bool)
+        marks.index_fill_(0, slots, True)
         try:
-            hit = marks.index_select(0, groups[0] if len(groups) == 1 else torch.cat(groups)).cumsum_(0)
+            hit = marks.index_select(0, groups[0] if len(groups) == 1 else torch.cat(groups)).cumsum(0)
         finally:
-            marks.index_fill_(0, slots, 0)
+            marks.index_fill_(0, slots, False)
         ends = int64_tensor(list(accumulate(int(g.numel()) for g in groups))).sub_(1)
         totals = hit.index_select(0, ends)
         return torch.diff(totals, prepend=totals.new_zeros(1)).gt_(0).tolist()
