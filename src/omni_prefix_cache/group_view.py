@@ -10,8 +10,10 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping, Sequence
-from typing import Any
+from itertools import accumulate, repeat
+from typing import Any, cast
 
 import torch
 
@@ -21,6 +23,17 @@ from omni_prefix_cache.protocols import InputBatchLike
 
 def _empty_slots() -> torch.Tensor:
     return torch.empty((0,), dtype=torch.int64)
+
+
+_INT: frozenset[type] = frozenset({int})
+
+
+def int64_tensor(values: list[int]) -> torch.Tensor:
+    """A 1-D int64 tensor of ``values`` (a few times cheaper than
+    ``torch.tensor(list)`` on the engine thread: one buffer copy)."""
+    if not values:
+        return _empty_slots()
+    return torch.frombuffer(array("q", values), dtype=torch.int64)
 
 
 class FullAttentionGroupView:
@@ -99,37 +112,41 @@ class FullAttentionGroupView:
         the whole batch). Raises naming any request not in the input batch.
         """
         index_of = self._input_batch.req_id_to_index
-        rows: list[int] = []
-        counts: list[int] = []
-        for req_id in req_ids:
-            n = int(num_scheduled.get(req_id, 0))
-            if n <= 0:
-                continue
-            row = index_of.get(req_id)
-            if row is None:
-                raise OmniPrefixCacheUnmatchError(f"group view: request {req_id!r} is not in the input batch")
-            rows.append(int(row))
-            counts.append(n)
-        if not rows:
+        req_ids = list(req_ids)
+        counts = list(map(num_scheduled.get, req_ids, repeat(0)))
+        if not set(map(type, counts)) <= _INT:  # e.g. numpy counts: as ints, once
+            counts = [int(n) for n in counts]
+        if min(counts, default=1) <= 0:
+            req_ids = [r for r, n in zip(req_ids, counts) if n > 0]
+            counts = [n for n in counts if n > 0]
+        if not counts:
             return _empty_slots()
+        found: list[int | None] = list(map(index_of.get, req_ids))
+        if None in found:
+            missing = req_ids[found.index(None)]
+            raise OmniPrefixCacheUnmatchError(f"group view: request {missing!r} is not in the input batch")
+        rows = cast("list[int]", found)
         table = self._table()
         width = int(table.shape[1])
-        row_t = torch.tensor(rows, dtype=torch.int64)
+        row_t = int64_tensor(rows)
         start_t = self._computed_tokens().index_select(0, row_t).to(torch.int64)
         if len(rows) == 1:
             start, n = int(start_t[0]), counts[0]
             positions = torch.arange(start, start + n, dtype=torch.int64)
-            return self._gather(table, rows[0] * width, positions, (start + n - 1) // self.block_size >= width)
-        # Per request (tiny tensors): its token count, the shift from a token's index in
-        # the step to its position in the request, and its row's flat base in the table.
-        count_t = torch.tensor(counts, dtype=torch.int64)
-        overflow = int(torch.div(start_t + count_t - 1, self.block_size, rounding_mode="floor").max()) >= width
-        first_token = torch.cumsum(count_t, 0) - count_t
-        per_request = torch.stack([start_t - first_token, row_t * width])
+            return self._gather(table, int(rows[0]) * width, positions, (start + n - 1) // self.block_size >= width)
+        if counts.count(1) == len(counts):  # decode: one token per request, at its computed count
+            return self._gather(table, row_t.mul_(width), start_t, None)
+        # Per token: its position (request start + index in the request) and
+        # its row's flat base in the table. Both are constant per request,
+        # so each is a cumulative sum of its jumps at the request's first
+        # token (not repeat_interleave: see write_ledger.per_row).
         total = sum(counts)
-        per_token = torch.repeat_interleave(per_request, count_t, dim=1, output_size=total)
+        first_token = int64_tensor(list(accumulate(counts, initial=0))[:-1])
+        per_request = torch.stack([start_t.sub_(first_token), row_t.mul_(width)])
+        jumps = torch.diff(per_request, dim=1, prepend=per_request.new_zeros((2, 1)))
+        per_token = torch.zeros((2, total), dtype=torch.int64).index_copy_(1, first_token, jumps).cumsum_(1)
         positions = per_token[0].add_(torch.arange(total, dtype=torch.int64))
-        return self._gather(table, per_token[1], positions, overflow)
+        return self._gather(table, per_token[1], positions, None)
 
     def slots_for(self, req_id: ReqId, token_start: int, token_end: int) -> torch.Tensor:
         """Slot ids of ``req_id``'s positions ``[token_start, token_end)`` (1-D int64)."""
@@ -154,16 +171,18 @@ class FullAttentionGroupView:
         return table if table.is_contiguous() else table.contiguous()
 
     def _gather(
-        self, table: torch.Tensor, row_base: torch.Tensor | int, positions: torch.Tensor, overflow: bool
+        self, table: torch.Tensor, row_base: torch.Tensor | int, positions: torch.Tensor, overflow: bool | None
     ) -> torch.Tensor:
         """``table[row, pos // bs] * bs + pos % bs`` per token, where ``row_base``
         is ``row * width`` (one int, or one per token). Positions past the last
-        column are dropped when ``overflow`` says some may be."""
+        column are dropped when ``overflow`` says some may be (None: look)."""
         shift = self._shift
         if shift is not None:
             columns = positions >> shift
         else:
             columns = torch.div(positions, self.block_size, rounding_mode="floor")
+        if overflow is None:
+            overflow = int(columns.max()) >= int(table.shape[1])
         if overflow:
             inside = columns < int(table.shape[1])
             positions, columns = positions[inside], columns[inside]
@@ -171,10 +190,10 @@ class FullAttentionGroupView:
                 row_base = row_base[inside]
             if positions.numel() == 0:
                 return _empty_slots()
-        block_ids = table.view(-1).index_select(0, columns.add_(row_base)).to(torch.int64)
-        if shift is not None:
-            return block_ids.bitwise_left_shift_(shift).bitwise_or_(positions & (self.block_size - 1))
-        return block_ids.mul_(self.block_size).add_(positions % self.block_size)
+        block_ids = table.view(-1).index_select(0, columns.add_(row_base))
+        # offset + block * bs in one op; int64 from the (int64) offsets whatever the table's dtype.
+        offsets = positions & (self.block_size - 1) if shift is not None else positions % self.block_size
+        return torch.add(offsets, block_ids, alpha=self.block_size)
 
 
 def _type_names(obj: Any) -> set[str]:

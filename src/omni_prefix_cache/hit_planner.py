@@ -17,10 +17,12 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import torch
 
+from omni_prefix_cache.group_view import int64_tensor
 from omni_prefix_cache.interface import (
     ModelCachePolicy,
     OmniPrefixCacheInvalidArgumentError,
@@ -37,6 +39,8 @@ from omni_prefix_cache.step_context import KeyLayout, StepContext
 from omni_prefix_cache.validation import as_int, listed
 
 logger = logging.getLogger(__name__)
+
+_INT: frozenset[type] = frozenset({int})
 
 
 @dataclass(eq=False)
@@ -77,6 +81,7 @@ class HitPlanner:
     ) -> None:
         self._config = config
         self._block_size = int(config.block_size)
+        self._offsets = torch.arange(self._block_size, dtype=torch.int64)  # a block's slots, from its first
         self._occupancy = occupancy
         self._reads = reads
         self.prefetch = prefetch
@@ -84,6 +89,7 @@ class HitPlanner:
         self._policy = policy
         self._is_closed = is_closed
         self.pending: dict[ReqId, PendingHit] = {}
+        self._marks: torch.Tensor | None = None  # all False over the pool's slots between overlaps() calls
 
     def hit_blocks(self, rid: ReqId, computed: int, block_ids: Any) -> list[int]:
         """Validate a hit and return its group-0 prefix block ids. Raises
@@ -111,9 +117,11 @@ class HitPlanner:
             raise OmniPrefixCacheInvalidArgumentError(
                 f"prefix hit of request {rid!r} ({computed} tokens, {need} blocks) comes with {have} group-0 block ids"
             )
-        blocks = [as_int(f"prefix hit of request {rid!r}: block id", b) for b in list(group0)[:need]]
-        bad = [b for b in blocks if b < 0 or b >= self._config.num_blocks]
-        if bad:
+        blocks = list(group0)[:need]
+        if not set(map(type, blocks)) <= _INT:  # exact ints (the usual case) need no call per block
+            blocks = [as_int(f"prefix hit of request {rid!r}: block id", b) for b in blocks]
+        if blocks and (min(blocks) < 0 or max(blocks) >= self._config.num_blocks):
+            bad = [b for b in blocks if b < 0 or b >= self._config.num_blocks]
             raise OmniPrefixCacheInvalidArgumentError(
                 f"prefix hit of request {rid!r}: block ids {listed(bad)} outside [0, {self._config.num_blocks})"
             )
@@ -122,8 +130,8 @@ class HitPlanner:
     def block_slots(self, blocks: list[int]) -> torch.Tensor:
         """The KV slot ids of ``blocks``, in order."""
         bs = self._block_size
-        base = torch.tensor(blocks, dtype=torch.int64).unsqueeze(1) * bs
-        return (base + torch.arange(bs, dtype=torch.int64)).reshape(-1)
+        base = int64_tensor(blocks).mul_(bs).unsqueeze(1)
+        return base.add(self._offsets).reshape(-1)
 
     def candidates(
         self,
@@ -243,24 +251,36 @@ class HitPlanner:
         does not write were reset), so drop the plans of every key; save
         plans them again against this step's tables right after (state lock
         held)."""
-        if int(slots.numel()) == 0:
+        planned = [hit for hit in hits.values() if hit.futures and int(hit.slots.numel())]
+        if int(slots.numel()) == 0 or not planned:
             return
-        step_slots: set[int] | None = None
-        for hit in hits.values():
-            stale = list(hit.futures)
-            if not stale:
+        for hit, overlaps in zip(planned, self.overlaps(slots, [hit.slots for hit in planned])):
+            if not overlaps:
                 continue
-            if step_slots is None:
-                step_slots = set(slots.tolist())
-            if step_slots.isdisjoint(hit.slots.tolist()):
-                continue
-            for key in stale:
+            for key in list(hit.futures):
                 fut = hit.futures.pop(key)
                 ref = hit.refs.pop(key, None)
                 # A prefetch already running forgets its own read; its
                 # result is simply never looked at.
                 if fut.cancel() and ref is not None:
                     self._reads.forget(ref)
+
+    def overlaps(self, slots: torch.Tensor, groups: list[torch.Tensor]) -> list[bool]:
+        """Whether each non-empty slot tensor of ``groups`` shares a slot with
+        ``slots`` (all in range). A few tensor ops whatever the number of
+        groups: the step's slots are marked in a table over the pool, each
+        group's marks counted with one cumulative sum, the table cleared."""
+        marks = self._marks
+        if marks is None or int(marks.numel()) != self._occupancy.num_slots:
+            marks = self._marks = torch.zeros(self._occupancy.num_slots, dtype=torch.bool)
+        marks.index_fill_(0, slots, True)
+        try:
+            hit = marks.index_select(0, groups[0] if len(groups) == 1 else torch.cat(groups)).cumsum(0)
+        finally:
+            marks.index_fill_(0, slots, False)
+        ends = int64_tensor(list(accumulate(int(g.numel()) for g in groups))).sub_(1)
+        totals = hit.index_select(0, ends)
+        return torch.diff(totals, prepend=totals.new_zeros(1)).gt_(0).tolist()
 
     def attach_to_step(self, hits: dict[ReqId, PendingHit], ctx: StepContext) -> list[HitJob]:
         """Hand the save's hits to its step context and plan their reads at

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from concurrent.futures import CancelledError, Future
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -74,29 +75,24 @@ class Materializer:
         for key in (*sources, *ctx.mm_cpu_snapshot):
             if not is_hidden_key(key):
                 mm_out.setdefault(key, {})
-        plain = [r for r in req_ids if r not in ctx.hits]
-        hit_reqs = [r for r in req_ids if r in ctx.hits]
-        # Most requests: one owned copy of the step's rows per key, cut into
-        # per-request views (disjoint, so no request aliases another).
-        whole = len(plain) * 4 >= len(ctx.order)
-        index = {r: i for i, r in enumerate(ctx.order)} if whole and plain else {}
+        hits = ctx.hits
+        hit_reqs = [r for r in req_ids if r in hits] if hits else []
+        # The plain requests' rows are gathered once per key (one copy of
+        # just their rows) and cut into per-request views, in step order;
+        # the views are disjoint, so no request aliases another.
+        wanted = set(req_ids)
+        names, sizes, index = self.request_rows(ctx, wanted.difference(hits) if hits else wanted)
         for key, src in sources.items():
             out_map = hidden_out if is_hidden_key(key) else mm_out[key]
             if out_map is None:
                 continue
-            if plain:
-                if whole:
-                    parts = torch.split(self.restore_shape(ctx, key, src.clone()), ctx.sizes)
-                    for rid in plain:
-                        out_map[rid] = parts[index[rid]]
-                else:
-                    for rid in plain:
-                        start, rows = ctx.spans[rid]
-                        out_map[rid] = self.restore_shape(ctx, key, src[start : start + rows].clone())
+            if names:
+                picked = src[: ctx.n].clone() if index is None else src.index_select(0, index)
+                out_map.update(zip(names, torch.split(self.restore_shape(ctx, key, picked), sizes)))
             for rid in hit_reqs:
                 start, rows = ctx.spans[rid]
                 fut = ctx.hit_prefetch.get(rid, {}).get(key)
-                merged = self.merge_hit(ctx, rid, key, ctx.hits[rid][0], fut, src[start : start + rows])
+                merged = self.merge_hit(ctx, rid, key, hits[rid][0], fut, src[start : start + rows])
                 out_map[rid] = self.restore_shape(ctx, key, merged)
         for rid in hit_reqs:
             # Cached keys this step did not produce: the prefix is all there is.
@@ -110,14 +106,36 @@ class Materializer:
                         hidden_out[rid] = prefix
                 else:
                     mm_out.setdefault(key, {})[rid] = prefix
+        every: tuple[list[ReqId], list[int], torch.Tensor | None] | None = None
         for key, value in ctx.mm_cpu_snapshot.items():
             if key in sources:
                 continue
             out_map = mm_out[key]
+            if isinstance(value, torch.Tensor) and value.ndim >= 1 and int(value.shape[0]) == ctx.n:
+                # Token-major: one gather and a view per request, as for the pool keys.
+                if every is None:
+                    every = self.request_rows(ctx, wanted)
+                picked = value.clone() if every[2] is None else value.index_select(0, every[2])
+                out_map.update(zip(every[0], torch.split(picked, every[1])))
+                continue
             for rid in req_ids:
                 start, rows = ctx.spans[rid]
                 out_map[rid] = payload_for_request(value, start, start + rows, ctx.n)
         return StageCacheOutputs(hidden_states=hidden_out, mm_outputs=mm_out)
+
+    @staticmethod
+    def request_rows(ctx: StepContext, wanted: set[ReqId]) -> tuple[list[ReqId], list[int], torch.Tensor | None]:
+        """The requests of ``wanted`` (inside the save snapshot) in step
+        order, their row counts this step and the step rows to gather for
+        them (None: all ``n`` rows, in order)."""
+        if not wanted:
+            return [], [], torch.empty((0,), dtype=torch.int64)
+        if len(wanted) == len(ctx.order) and wanted.issuperset(ctx.order):
+            return ctx.order, ctx.sizes, None
+        spans = ctx.spans
+        names = sorted(wanted, key=lambda r: spans[r][0])
+        sizes = [spans[r][1] for r in names]
+        return names, sizes, gather_index([spans[r][0] for r in names], sizes)
 
     def merge_hit(
         self,
@@ -194,3 +212,21 @@ class Materializer:
                             stale.append(ref)
             for ref in stale:
                 self._reads.forget(ref)
+
+
+def gather_index(starts: list[int], sizes: list[int]) -> torch.Tensor:
+    """The rows ``range(starts[i], starts[i] + sizes[i])`` of every ``i``,
+    concatenated (int64). A few tensor ops whatever the request count: the
+    shift from output row to step row is constant per request, so it is a
+    cumulative sum of its jumps at each request's first output row."""
+    if sizes.count(1) == len(sizes):  # one row each (decode)
+        return torch.tensor(starts, dtype=torch.int64)
+    kept = [(s, k) for s, k in zip(starts, sizes) if k > 0]
+    total = sum(k for _, k in kept)
+    if not total:
+        return torch.empty((0,), dtype=torch.int64)
+    firsts = list(accumulate((k for _, k in kept), initial=0))[:-1]
+    shifts = torch.tensor([s for s, _ in kept], dtype=torch.int64).sub_(torch.tensor(firsts, dtype=torch.int64))
+    jumps = torch.diff(shifts, prepend=shifts.new_zeros(1))
+    per_row = torch.zeros(total, dtype=torch.int64).index_copy_(0, torch.tensor(firsts, dtype=torch.int64), jumps)
+    return per_row.cumsum_(0).add_(torch.arange(total, dtype=torch.int64))

@@ -14,7 +14,7 @@ under its state lock only (the hooks it installs run under that lock too).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -69,9 +69,10 @@ def _clear_owner(occ: SlotOccupancy, group: SlotGroup) -> None:
 
 
 def _bump_version(occ: SlotOccupancy, group: SlotGroup) -> None:
-    # Gather-add-scatter: a slot listed twice in one map is still one reuse.
+    # Gather-add-scatter: a slot listed twice in one map is still one reuse
+    # (its copies all write the same bumped value).
     versions = occ._keys[group.key].slot_version
-    versions[group.slots] = versions.index_select(0, group.slots) + 1
+    versions.index_copy_(0, group.slots, versions.index_select(0, group.slots).add_(1))
 
 
 def _reassign_from_old_owner(occ: SlotOccupancy, group: SlotGroup) -> None:
@@ -121,7 +122,8 @@ def state_mask(tag: str) -> torch.Tensor:
 
 
 def rows_tagged(state: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Which rows of a state tensor are in a state of ``table`` (a ``state_mask``)."""
+    """``table``'s entry for each row's state: with a ``state_mask``, which
+    rows are in a tagged state; with ``READ_SOURCE``, where each is read from."""
     return table.index_select(0, state.to(torch.int64))
 
 
@@ -129,6 +131,10 @@ _OWNED = state_mask("owned")
 # Where a planned read takes a row from, by its slot state's tag (read_pool: the pool).
 READ_BASELINE = state_mask("read_baseline")
 READ_OWNER = state_mask("read_owner")
+# Both at once, as bits per slot state (0: the row is read from the pool), so
+# a read whose rows are all committed is told apart with one lookup.
+READ_FROM_BASELINE, READ_FROM_OWNER = 1, 2
+READ_SOURCE = READ_BASELINE.to(torch.int8) * READ_FROM_BASELINE + READ_OWNER.to(torch.int8) * READ_FROM_OWNER
 
 # Hooks the manager installs. on_reassign(old_tid, key, slots): a newer write
 # took these in-transit rows from old_tid. on_reuse(key, slots): these
@@ -230,25 +236,23 @@ class SlotOccupancy:
         protocol's ``slot.trigger?``: rows without the move are left as they
         are instead. Under the state lock.
         """
+        return self._apply(trigger, key, self._as_slots(key, slots), owners, where_enabled)
+
+    def _apply(
+        self, trigger: str, key: TensorName, slots: torch.Tensor, owners: torch.Tensor | int, where_enabled: bool
+    ) -> int:
+        """``apply`` over slots already checked by ``_as_slots``."""
         table = self.get_slot_status(key)
         moves = self._moves.get(trigger)
         if moves is None:
             raise OmniPrefixCacheUnmatchError(f"slot occupancy: unknown trigger {trigger!r} for key {key!r}")
-        slots = self._as_slots(key, slots)
         n = int(slots.numel())
         if n == 0:
             return 0
         owners = self._as_owners(owners, n)
         src = table.state.index_select(0, slots)
-        for bad in () if where_enabled else self._illegal[trigger]:
-            mask = src == bad
-            if bool(mask.any()):
-                raise OmniPrefixCacheUnmatchError(
-                    f"slot occupancy {key!r}: {trigger} is illegal from {SlotState(bad).name} "
-                    f"for slots {_describe(slots[mask])} (spec slot_occupancy)"
-                )
         moved = 0
-        for move, group in self._groups(key, moves, src, slots, owners):
+        for move, group in self._groups(key, trigger, moves, src, slots, owners, where_enabled):
             for guard in move.guards:
                 ok = guard(self, group)
                 if not bool(ok.all()):
@@ -264,29 +268,46 @@ class SlotOccupancy:
     def _groups(
         self,
         key: TensorName,
+        trigger: str,
         moves: tuple[CompiledMove | None, ...],
         src: torch.Tensor,
         slots: torch.Tensor,
         owners: torch.Tensor,
-    ) -> Iterator[tuple[CompiledMove, SlotGroup]]:
-        """Split rows by source state. Every group is cut from the state
-        snapshot taken before any group moves, so a group's move never
-        re-routes another group's rows."""
-        lo, hi = int(src.min()), int(src.max())
+        where_enabled: bool,
+    ) -> list[tuple[CompiledMove, SlotGroup]]:
+        """Split rows by source state, raising first (unless
+        ``where_enabled``) if any row is in a state without the move. Every
+        group is cut from the state snapshot taken before any group moves,
+        so a group's move never re-routes another group's rows. A few tensor
+        ops whatever the number of groups: one stable sort by state, then
+        views per state."""
+        lo_t, hi_t = torch.aminmax(src)
+        lo, hi = int(lo_t), int(hi_t)
         if lo == hi:  # the common case: every row starts in one state
+            if not where_enabled and lo in self._illegal[trigger]:
+                self._refuse(key, trigger, lo, slots)
             move = moves[lo]
-            if move is not None:
-                yield move, SlotGroup(key, slots, owners)
-            return
-        cut: list[tuple[CompiledMove, SlotGroup]] = []
-        for state in range(lo, hi + 1):
-            move = moves[state]
-            if move is None:
-                continue
-            mask = src == state
-            if bool(mask.any()):
-                cut.append((move, SlotGroup(key, slots[mask], owners[mask])))
-        yield from cut
+            return [] if move is None else [(move, SlotGroup(key, slots, owners))]
+        counts: list[int] = torch.bincount(src, minlength=len(moves)).tolist()
+        if not where_enabled:
+            for bad in self._illegal[trigger]:
+                if counts[bad]:
+                    self._refuse(key, trigger, bad, slots[src == bad])
+        order = torch.argsort(src, stable=True)  # stable: a slot listed twice keeps its row order
+        slot_parts = slots.index_select(0, order).split(counts)
+        owner_parts = owners.index_select(0, order).split(counts)
+        return [
+            (move, SlotGroup(key, slot_parts[state], owner_parts[state]))
+            for state, move in enumerate(moves)
+            if move is not None and counts[state]
+        ]
+
+    @staticmethod
+    def _refuse(key: TensorName, trigger: str, state: int, slots: torch.Tensor) -> None:
+        raise OmniPrefixCacheUnmatchError(
+            f"slot occupancy {key!r}: {trigger} is illegal from {SlotState(state).name} "
+            f"for slots {_describe(slots)} (spec slot_occupancy)"
+        )
 
     def map(self, key: TensorName, slots: torch.Tensor, owners: torch.Tensor | int) -> int:
         """A write maps ``slots`` (ABSENT/IN_TRANSIT/COMMITTED -> IN_TRANSIT,
@@ -303,11 +324,20 @@ class SlotOccupancy:
         the previous tenant's). Under the state lock."""
         if int(slots.numel()) == 0:
             return
+        first = next(iter(writes), None)
+        if first is None:
+            first = next(iter(self._keys), None)
+        if first is None:
+            return
+        # One check of the slots for every key's move (named after the key
+        # moved first, as a per-key check would be).
+        self.get_slot_status(first)
+        slots = self._as_slots(first, slots)
         for key, owners in writes.items():
-            self.apply(self._tenant_writes, key, slots, owners)
+            self._apply(self._tenant_writes, key, slots, owners, False)
         for key in self._keys:
             if key not in writes:
-                self.apply(self._tenant_others, key, slots, _NO_OWNER)
+                self._apply(self._tenant_others, key, slots, _NO_OWNER, False)
 
     def commit(self, key: TensorName, slots: torch.Tensor, writers: torch.Tensor | int) -> int:
         """Strict ``commit``: every row must be IN_TRANSIT (else raises);
@@ -370,7 +400,8 @@ class SlotOccupancy:
         if slots.ndim != 1:
             slots = slots.reshape(-1)
         if slots.numel():
-            lo, hi = int(slots.min()), int(slots.max())
+            lo_t, hi_t = torch.aminmax(slots)
+            lo, hi = int(lo_t), int(hi_t)
             if lo < 0 or hi >= self.num_slots:
                 bad = slots[(slots < 0) | (slots >= self.num_slots)]
                 raise OmniPrefixCacheUnmatchError(
@@ -385,5 +416,7 @@ class SlotOccupancy:
                 return torch.full((n,), int(owners.reshape(())), dtype=torch.int64)
             if int(owners.numel()) != n:
                 raise OmniPrefixCacheUnmatchError(f"slot occupancy: {owners.numel()} owners for {n} slots")
-            return owners.to(torch.int64).reshape(-1)
+            if owners.dtype != torch.int64:
+                owners = owners.to(torch.int64)
+            return owners if owners.ndim == 1 else owners.reshape(-1)
         return torch.full((n,), int(owners), dtype=torch.int64)

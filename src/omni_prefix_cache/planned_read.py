@@ -38,7 +38,7 @@ from omni_prefix_cache.interface import (
     WriteSchedule,
     is_hidden_key,
 )
-from omni_prefix_cache.occupancy import READ_BASELINE, READ_OWNER, SlotOccupancy, rows_tagged
+from omni_prefix_cache.occupancy import READ_FROM_BASELINE, READ_FROM_OWNER, READ_SOURCE, SlotOccupancy, rows_tagged
 from omni_prefix_cache.protocol_runtime import task_failed
 from omni_prefix_cache.spec_types.planned_read import ReadState as ReadState  # re-exported
 from omni_prefix_cache.specs import compile_machine, load_spec
@@ -221,9 +221,12 @@ class HitReads:
         in-transit owner the controller no longer knows, or a failed owner.
         """
         table = self._occupancy.get_slot_status(key)
-        slots = slots.to(torch.int64)
+        if slots.dtype != torch.int64:
+            slots = slots.to(torch.int64)
         state = table.state.index_select(0, slots)
-        ref = PlannedRead(req_id=req_id, key=key, slots=slots, planned_version=table.slot_version[slots])
+        ref = PlannedRead(
+            req_id=req_id, key=key, slots=slots, planned_version=table.slot_version.index_select(0, slots)
+        )
         try:
             self._plan_rows(ref, table.tids, state)
         except OmniPrefixCacheUnmatchError:
@@ -237,7 +240,10 @@ class HitReads:
     def _plan_rows(self, ref: PlannedRead, tids: torch.Tensor, state: torch.Tensor) -> None:
         """Where each row of ``ref`` comes from (see ``plan``)."""
         slots, key, req_id = ref.slots, ref.key, ref.req_id
-        absent = rows_tagged(state, READ_BASELINE)
+        source = rows_tagged(state, READ_SOURCE)
+        if not bool(source.any()):  # the usual hit: every row is committed, read from the pool
+            return
+        absent = (source & READ_FROM_BASELINE) != 0
         if bool(absent.any()):
             if is_hidden_key(key):
                 raise OmniPrefixCacheUnmatchError(
@@ -250,7 +256,7 @@ class HitReads:
             baseline = self._pool.baseline(key, int(pos.numel()))
             for i, slot in enumerate(slots[pos].tolist()):
                 ref.preserved[slot] = baseline[i]
-        transit = rows_tagged(state, READ_OWNER)
+        transit = (source & READ_FROM_OWNER) != 0
         if bool(transit.any()):
             pos = transit.nonzero().flatten()
             owners = tids.index_select(0, slots[pos])

@@ -14,8 +14,10 @@ Threading: the engine thread calls ``request_spans``, ``split`` and
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -183,8 +185,10 @@ class StepLayout:
         error naming the step; nothing is registered yet."""
         check_step_tensors(sid, hidden, mm)
         req_order, spans, slots = self.request_spans(sid, sched, n)
-        num_sched = {r: spans[r][1] for r in req_order}
-        split = self.split(policy, hidden, mm, n, padded, slots_cpu=slots, req_order=req_order, num_sched=num_sched)
+        # The scheduler's counts are the spans' row counts (request_spans built them from it).
+        split = self.split(
+            policy, hidden, mm, n, padded, slots_cpu=slots, req_order=req_order, num_sched=sched.num_scheduled
+        )
         capacity = self._config.staging_capacity_tokens
         if split.immediate and n > capacity:
             raise OmniPrefixCacheInvalidArgumentError(
@@ -201,17 +205,20 @@ class StepLayout:
         invalid-argument error if they do not cover ``n`` tokens."""
         num_sched = sched.num_scheduled
         order = [r for r in self._view.batch_req_ids() if num_sched.get(r, 0) > 0]
-        spans: dict[ReqId, tuple[int, int]] = {}
-        start = 0
-        for rid in order:
-            if rid in spans:
-                raise OmniPrefixCacheInvalidArgumentError(
-                    f"save_outputs (step {sid}): request {rid!r} twice in the batch"
-                )
-            rows = num_sched[rid]
-            spans[rid] = (start, rows)
-            start += rows
-        unbatched = sorted(r for r, k in num_sched.items() if k > 0 and r not in spans)
+        sizes = list(map(num_sched.__getitem__, order))
+        starts = list(accumulate(sizes, initial=0))
+        start = starts.pop()
+        spans = dict(zip(order, zip(starts, sizes)))
+        if len(spans) != len(order):
+            twice = next(r for i, r in enumerate(order) if r in order[:i])
+            raise OmniPrefixCacheInvalidArgumentError(
+                f"save_outputs (step {sid}): request {twice!r} twice in the batch"
+            )
+        unbatched: list[ReqId] = []
+        # Counts are validated non-negative: more nonzero counts than spans
+        # means a scheduled request outside the batch.
+        if len(num_sched) - operator.countOf(num_sched.values(), 0) != len(spans):
+            unbatched = sorted(r for r, k in num_sched.items() if k > 0 and r not in spans)
         if unbatched or start != n:
             raise OmniPrefixCacheInvalidArgumentError(
                 f"save_outputs (step {sid}): the slot mapping covers {start} scheduled tokens of batch requests "

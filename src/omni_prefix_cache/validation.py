@@ -22,6 +22,9 @@ from omni_prefix_cache.interface import (
 )
 
 _MAX_LISTED = 16
+# Exact types the fast paths accept (bool is not int here; subclasses take the slow path).
+_STR: frozenset[type] = frozenset({str})
+_INT: frozenset[type] = frozenset({int})
 
 
 def listed(values: Sequence[Any] | torch.Tensor) -> str:
@@ -73,7 +76,10 @@ def as_req_ids(what: str, value: Any) -> list[ReqId]:
         raise OmniPrefixCacheInvalidTypeError(
             f"{what} must be a collection of request ids, got {type(value).__name__} {value!r}"
         )
-    return [as_req_id(what, r) for r in value]
+    ids = list(value)
+    if set(map(type, ids)) <= _STR:  # the usual case, checked without a call per id
+        return ids
+    return [as_req_id(what, r) for r in ids]
 
 
 def new_requests(raw: Any) -> list[tuple[ReqId, int, Any, Any]]:
@@ -107,6 +113,8 @@ def as_num_scheduled(raw: Any) -> dict[ReqId, int]:
         raise OmniPrefixCacheInvalidTypeError(
             f"num_scheduled_tokens must be a mapping of request id to count, got {type(raw).__name__}"
         )
+    if set(map(type, raw)) <= _STR and set(map(type, raw.values())) <= _INT and min(raw.values(), default=0) >= 0:
+        return dict(raw)  # the usual case (str ids, int counts), checked without a call per entry
     return {as_req_id("num_scheduled_tokens", r): as_count(f"num_scheduled_tokens[{r!r}]", k) for r, k in raw.items()}
 
 

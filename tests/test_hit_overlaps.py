@@ -1,0 +1,40 @@
+"""The same-step hit check: which hits' slots this step maps, found with a
+few tensor ops over a table of the pool's slots (``HitPlanner.overlaps``)."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from omni_prefix_cache.hit_planner import HitPlanner
+
+
+def planner(num_slots: int) -> Any:
+    hp: Any = HitPlanner.__new__(HitPlanner)  # overlaps reads only the occupancy's size
+    hp._marks = None
+    hp._occupancy = SimpleNamespace(num_slots=num_slots)
+    return hp
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_overlaps_matches_set_intersection_and_leaves_the_table_clear(seed: int) -> None:
+    rng = random.Random(seed)
+    hp = planner(64)
+    for _ in range(100):
+        step = torch.tensor([rng.randrange(64) for _ in range(rng.randint(1, 12))])
+        groups = [torch.tensor([rng.randrange(64) for _ in range(rng.randint(1, 8))]) for _ in range(rng.randint(1, 5))]
+        want = [not set(step.tolist()).isdisjoint(g.tolist()) for g in groups]
+        assert hp.overlaps(step, groups) == want
+        assert not bool(hp._marks.any())
+
+
+def test_a_failed_lookup_still_clears_the_table() -> None:
+    hp = planner(8)
+    with pytest.raises(IndexError):
+        hp.overlaps(torch.tensor([1, 2]), [torch.tensor([3]), torch.tensor([99])])
+    assert not bool(hp._marks.any())
+    assert hp.overlaps(torch.tensor([3]), [torch.tensor([3])]) == [True]
