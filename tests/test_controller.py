@@ -515,3 +515,30 @@ def test_joined_views_of_one_buffer_share_it_and_others_are_copied():
     assert torch.equal(_joined(gapped), torch.cat(gapped)) and _joined(gapped).data_ptr() != page.data_ptr()
     other = [page[0:2], page.clone()[2:4]]
     assert torch.equal(_joined(other), page[0:4])
+
+
+def test_a_committer_pass_takes_the_high_queue_whole_and_deferred_writes_one_at_a_time():
+    # The committer thread claims and copies a pass as one batch. Immediate writes (high queue)
+    # go together; a deferred copy (low queue) is long, so a pass takes one, and an immediate
+    # write queued behind it is claimed before the next deferred one.
+    ctrl, pool = make(committer="manual")
+    lows = [deferred_task(ctrl, tid, [tid]) for tid in (1, 2)]
+    for task in lows:
+        ctrl.submit(task, queued=True)
+    assert list(ctrl.queues.low) == [1, 2]
+    assert ctrl.committer_step() == "copy"
+    assert list(ctrl.queues.low) == [2] and lows[0].state is TaskState.HOST_READY
+    highs = [deferred_task(ctrl, tid, [tid]) for tid in (3, 4)]
+    for task in highs:
+        ctrl.submit(task, queued=False)
+    ctrl.escalate([3, 4])
+    assert list(ctrl.queues.high) == [4, 3]
+    assert ctrl.committer_step() == "write"  # the first pass's copy is written first
+    assert ctrl.committer_step() == "copy"
+    assert not ctrl.queues.high and list(ctrl.queues.low) == [2]
+    assert all(t.state is TaskState.HOST_READY for t in highs)
+    while ctrl.committer_step() is not None:
+        pass
+    for tid in (1, 2, 3, 4):
+        assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([tid])), rows_for([tid]))
+    ctrl.shutdown()

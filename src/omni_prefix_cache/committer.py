@@ -124,27 +124,29 @@ class Committer:
         return [t.tid for t in ready]
 
     def claim_many(self) -> int:
-        """``committer_claim`` for every queued entry, high first, as one
-        batch in one critical section (each entry is the head at its turn).
-        Returns how many tasks were claimed."""
+        """``committer_claim`` as one batch in one critical section: every
+        entry of the high queue (each is the head at its turn), or, when it
+        is empty, the head of the low queue alone (a deferred copy is long:
+        an immediate write queued meanwhile must not wait for a batch of
+        them). Returns how many entries it took off the queues (claimed,
+        or dropped as stale)."""
         ctrl, queues = self._ctrl, self._queues
         segment = ctrl.ops.claim.batch.segments[0]
         with ctrl.lock:
-            tids = [*queues.high, *queues.low]
+            tids = list(queues.high) if queues.high else list(queues.low)[:1]
             if not tids:
                 return 0
             tasks = [ctrl.get_task(tid) for tid in tids]
             missing = [tid for tid, task in zip(tids, tasks) if task is None]
             if missing:
                 raise ProtocolViolation(f"committer_claim: queued tasks {missing} are not registered")
-            claimed = len(queues.claimed)
             batch = Batch(tasks)
             segment(batch)
             if batch.errors:
                 raise batch.errors[0][1]
             if queues.head() in tids:
                 raise ProtocolViolation(f"committer_claim: no alternative moves the entry of task {queues.head()}")
-            return len(queues.claimed) - claimed
+            return len(tids)
 
     def copy_many(self) -> None:
         """``committer_copy`` of every claimed task, as one batch; a failure
