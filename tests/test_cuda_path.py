@@ -404,6 +404,33 @@ def test_budget_accounting_is_identical_on_host_and_device_engines(caplog: pytes
     assert (dev_trace, dev_flushes) == (host_trace, host_flushes)
 
 
+def test_a_steps_device_clones_are_freed_once_its_rows_are_on_the_host() -> None:
+    # A save's immediate writes are windows of one StepRows; its device clones back none of
+    # them once the step's staging copy landed, so the first copy stage frees them for all,
+    # not the drain of the last write.
+    from tests.test_manager import BlockView, Driver, Req
+
+    engine = FakeDeviceEngine()
+    view = BlockView()
+    mgr = OmniPrefixCacheManager(config(), view, eager=False, committer="manual", engine=engine)
+    try:
+        drv = Driver(mgr, view, keys=(HIDDEN_KEY, "m"))
+        sid, want = drv.run({"a": Req([0, 1], 0, 5), "b": Req([2, 3], 0, 3)})
+        records = list(mgr._ledger.records.values())
+        steps = {id(chunk.step): chunk.step for rec in records for _, chunk in rec.parts}
+        assert len(records) == 2 and len(steps) == 1
+        (step,) = steps.values()
+        assert set(step.tensors) == {HIDDEN_KEY, "m"}, "the fake device engine treats the outputs as device tensors"
+        ctrl = mgr._controller
+        assert ctrl.committer_claim() is not None and ctrl.committer_copy() is not None
+        assert step.tensors == {}
+        while ctrl.committer_step() is not None:
+            pass
+        drv.check(sid, want)
+    finally:
+        mgr.shutdown()
+
+
 # ================================================================ device faults
 
 

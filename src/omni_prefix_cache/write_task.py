@@ -224,6 +224,11 @@ HostRow = tuple[_WriteChunk, TensorName, torch.Tensor]
 def _drop_device_clone(task: WriteTask) -> None:
     for chunk in task.chunks:
         chunk.tensors = {}
+        if chunk.step is not None:
+            # The step's clones back none of its writes once its rows are
+            # on the host (every window reads the staging views): the first
+            # write past its copy frees them for all.
+            chunk.step.tensors = {}
 
 
 def _set_host_ready(task: WriteTask) -> None:
