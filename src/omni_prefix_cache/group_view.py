@@ -10,13 +10,13 @@
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Mapping, Sequence
 from itertools import accumulate, repeat
 from typing import Any, cast
 
 import torch
 
+from omni_prefix_cache.index_tensors import int64_tensor
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, PrefixCacheConfig, ReqId
 from omni_prefix_cache.protocols import InputBatchLike
 
@@ -26,14 +26,6 @@ def _empty_slots() -> torch.Tensor:
 
 
 _INT: frozenset[type] = frozenset({int})
-
-
-def int64_tensor(values: list[int]) -> torch.Tensor:
-    """A 1-D int64 tensor of ``values`` (a few times cheaper than
-    ``torch.tensor(list)`` on the engine thread: one buffer copy)."""
-    if not values:
-        return _empty_slots()
-    return torch.frombuffer(array("q", values), dtype=torch.int64)
 
 
 class FullAttentionGroupView:
@@ -139,7 +131,7 @@ class FullAttentionGroupView:
         # Per token: its position (request start + index in the request) and
         # its row's flat base in the table. Both are constant per request,
         # so each is a cumulative sum of its jumps at the request's first
-        # token (not repeat_interleave: see write_ledger.per_row).
+        # token (not repeat_interleave: see index_tensors.per_row).
         total = sum(counts)
         first_token = int64_tensor(list(accumulate(counts, initial=0))[:-1])
         per_request = torch.stack([start_t.sub_(first_token), row_t.mul_(width)])

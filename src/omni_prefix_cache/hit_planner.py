@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from omni_prefix_cache.group_view import int64_tensor
+from omni_prefix_cache.index_tensors import int64_tensor
 from omni_prefix_cache.interface import (
     ModelCachePolicy,
     OmniPrefixCacheInvalidArgumentError,

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from omni_prefix_cache.index_tensors import int64_tensor
 from omni_prefix_cache.interface import (
     OmniPrefixCacheShutdownError,
     OmniPrefixCacheUnmatchError,
@@ -220,13 +221,14 @@ def gather_index(starts: list[int], sizes: list[int]) -> torch.Tensor:
     shift from output row to step row is constant per request, so it is a
     cumulative sum of its jumps at each request's first output row."""
     if sizes.count(1) == len(sizes):  # one row each (decode)
-        return torch.tensor(starts, dtype=torch.int64)
+        return int64_tensor(starts)
     kept = [(s, k) for s, k in zip(starts, sizes) if k > 0]
     total = sum(k for _, k in kept)
     if not total:
         return torch.empty((0,), dtype=torch.int64)
     firsts = list(accumulate((k for _, k in kept), initial=0))[:-1]
-    shifts = torch.tensor([s for s, _ in kept], dtype=torch.int64).sub_(torch.tensor(firsts, dtype=torch.int64))
+    first_rows = int64_tensor(firsts)
+    shifts = int64_tensor([s for s, _ in kept]).sub_(first_rows)
     jumps = torch.diff(shifts, prepend=shifts.new_zeros(1))
-    per_row = torch.zeros(total, dtype=torch.int64).index_copy_(0, torch.tensor(firsts, dtype=torch.int64), jumps)
+    per_row = torch.zeros(total, dtype=torch.int64).index_copy_(0, first_rows, jumps)
     return per_row.cumsum_(0).add_(torch.arange(total, dtype=torch.int64))

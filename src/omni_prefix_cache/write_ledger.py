@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from omni_prefix_cache.controller import OmniPrefixCacheController, StagingBufferHolder, StepD2HClaim, WriteTask
+from omni_prefix_cache.index_tensors import per_row
 from omni_prefix_cache.interface import (
     OmniPrefixCacheUnmatchError,
     OmniPrefixCacheWriteFailedError,
@@ -45,23 +46,6 @@ from omni_prefix_cache.step_layout import StepOutputs
 from omni_prefix_cache.write_task import StepRows, _BudgetTicket, _WriteChunk, chunk_slots
 
 logger = logging.getLogger(__name__)
-
-
-def per_row(values: list[int], counts: list[int], total: int) -> torch.Tensor:
-    """``values[i]`` repeated ``counts[i]`` times, as int64.
-
-    Not ``torch.repeat_interleave``: its CPU kernel opens a parallel region
-    with grain size 1 for any size, which costs milliseconds whenever the
-    host's cores are busy. A decode step (one row per request) is a plain
-    tensor; few long runs are one fill per run; otherwise a Python repeat.
-    """
-    if total == len(values):
-        return torch.tensor(values, dtype=torch.int64)
-    if total > 32 * len(values):
-        return torch.cat([torch.full((c,), v, dtype=torch.int64) for v, c in zip(values, counts)])
-    return torch.tensor(
-        list(itertools.chain.from_iterable(itertools.repeat(v, c) for v, c in zip(values, counts))), dtype=torch.int64
-    )
 
 
 @dataclass(eq=False)
