@@ -34,6 +34,7 @@ from omni_prefix_cache.specs.batch import (
     CompiledBatchOperation,
     MaskMany,
     RunMany,
+    attempt_each,
     compile_batch_operation,
 )
 from omni_prefix_cache.specs.loader import SpecError
@@ -162,18 +163,8 @@ class ControllerBinding:
         if role == "task" and trigger != "host_ready":
             defer = trigger == "fail"  # as in try_move
             return lambda tasks: WriteTask.try_fire_many(tasks, trigger, defer=defer)
-        attempt = self.try_move(role, trigger)  # raises for a role not the controller's
-
-        def attempt_many(tasks: list[Any]) -> list[bool | BaseException]:
-            out: list[bool | BaseException] = []
-            for task in tasks:
-                try:
-                    out.append(bool(attempt(task)))
-                except Exception as exc:
-                    out.append(exc)
-            return out
-
-        return attempt_many
+        # host_ready per task through its seam; raises for a role not the controller's.
+        return attempt_each(self.try_move(role, trigger))
 
     def move_many(self, role: str, trigger: str) -> tuple[MaskMany, RunMany]:
         enabled, fire = self.move(role, trigger)

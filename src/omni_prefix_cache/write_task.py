@@ -156,11 +156,14 @@ class _WriteChunk:
     def slots_cpu(self, value: torch.Tensor) -> None:
         self._slots = value
 
+    def _window(self, arrays: dict[TensorName, torch.Tensor]) -> dict[TensorName, torch.Tensor]:
+        """This chunk's rows of a step's per-key arrays, as views."""
+        return {k: v[self.start : self.end] for k, v in arrays.items()}
+
     @property
     def tensors(self) -> dict[TensorName, torch.Tensor]:
         if self._tensors is None:
-            step = self.step
-            self._tensors = {} if step is None else {k: v[self.start : self.end] for k, v in step.tensors.items()}
+            self._tensors = {} if self.step is None else self._window(self.step.tensors)
         return self._tensors
 
     @tensors.setter
@@ -170,8 +173,7 @@ class _WriteChunk:
     @property
     def host(self) -> dict[TensorName, torch.Tensor]:
         if self._host is None:
-            step = self.step
-            self._host = {} if step is None else {k: v[self.start : self.end] for k, v in step.host.items()}
+            self._host = {} if self.step is None else self._window(self.step.host)
         return self._host
 
     @host.setter

@@ -146,7 +146,14 @@ def _per_item_attempt(binding: Binding, role: str, trigger: str) -> AttemptMany:
             fire(x)
             return True
 
-    def attempt_each(items: list[Any]) -> list[bool | BaseException]:
+    return attempt_each(attempt)
+
+
+def attempt_each(attempt: Callable[[Any], bool]) -> AttemptMany:
+    """``attempt_many`` from a per-item ``attempt``: one call per item, and
+    an item whose move raises gets its exception (the others go on)."""
+
+    def attempt_many(items: list[Any]) -> list[bool | BaseException]:
         out: list[bool | BaseException] = []
         for x in items:
             try:
@@ -155,7 +162,7 @@ def _per_item_attempt(binding: Binding, role: str, trigger: str) -> AttemptMany:
                 out.append(exc)
         return out
 
-    return attempt_each
+    return attempt_many
 
 
 def _attempt_many(binding: Binding, role: str, trigger: str) -> AttemptMany:
