@@ -171,36 +171,30 @@ class StagingBufferPool:
         """Fire ``trigger`` for ``holder`` on ``page`` if the spec lets it
         now (see ``enabled``); False, with nothing moved, otherwise."""
         with self._page_freed:
-            move = HOLDER_MACHINE.move(self.holder_state(holder), trigger)
-            if move is None or (move.dest not in _HOLDS_PAGE and self._page_of.get(holder) != page):
-                return False
-            return self._apply(trigger, page, holder, move)
+            return self._try_locked(trigger, page, holder)
 
     def try_fire_tasks(self, trigger: str, tasks: list[Any]) -> list[bool | BaseException]:
         """``try_fire`` of each task's holder on its ``staging_slot``, under
-        one acquisition (a batched step); False for a task with no page."""
+        one acquisition (a batched step); False for a task with no page,
+        the exception for a holder whose move raised."""
         out: list[bool | BaseException] = []
-        page_of = self._page_of
         with self._page_freed:
             for task in tasks:
-                page = task.staging_slot
-                if page is None:
-                    out.append(False)
-                    continue
-                holder = StagingBufferHolder("task", task.tid)
-                state = self.holder_state(holder)
-                move = HOLDER_MACHINE.move(state, trigger)
-                if move is None:
-                    out.append(False)
-                    continue
-                if move.dest not in _HOLDS_PAGE and page_of.get(holder) != page:
+                if task.staging_slot is None:
                     out.append(False)
                     continue
                 try:
-                    out.append(self._apply(trigger, page, holder, move, state))
+                    out.append(self._try_locked(trigger, task.staging_slot, StagingBufferHolder("task", task.tid)))
                 except Exception as exc:
                     out.append(exc)
         return out
+
+    def _try_locked(self, trigger: str, page: int, holder: StagingBufferHolder) -> bool:
+        state = self.holder_state(holder)
+        move = HOLDER_MACHINE.move(state, trigger)
+        if move is None or (move.dest not in _HOLDS_PAGE and self._page_of.get(holder) != page):
+            return False
+        return self._apply(trigger, page, holder, move, state)
 
     def enabled(self, trigger: str, page: int, holder: StagingBufferHolder) -> bool:
         """True if the spec lets ``holder`` fire ``trigger`` on ``page`` now
