@@ -73,22 +73,24 @@ class Committer:
         """``committer_copy`` of the oldest claimed task; a failure fails
         only that task. Returns its tid, or None when nothing is claimed."""
         ctrl = self._ctrl
-        copy_rows, copied = ctrl.ops.copy.segments
         with ctrl.lock:
             tid = self._queues.take_claimed()
-        if tid is None:
-            return None
-        task = ctrl.get_task(tid)
-        if task is None:
-            return tid
-        try:
-            copy_rows(task)
-            with ctrl.lock:
-                copied(task)
-        except BaseException as exc:
-            logger.exception("omni prefix cache: copy failed for task %s (req %s)", tid, task.req_id)
-            ctrl.fail_task(task, ctrl.write_error(task, exc, "copy"))
+        if tid is not None:
+            self._copy([tid])
         return tid
+
+    def _copy(self, tids: list[Tid]) -> None:
+        """``committer_copy`` of the claimed ``tids`` as one batch (their
+        copy stages already taken off the claimed list); a failure fails
+        only its own task."""
+        ctrl = self._ctrl
+        tasks = [task for tid in tids if (task := ctrl.get_task(tid)) is not None]
+        if not tasks:
+            return
+        batch = ctrl._runner.run_many(ctrl.ops.copy, tasks)
+        for task, exc in batch.errors:
+            logger.error("omni prefix cache: copy failed for task %s (req %s)", task.tid, task.req_id, exc_info=exc)
+            ctrl.fail_task(task, ctrl.write_error(task, exc, "copy"))
 
     def write(self) -> list[Tid]:
         """``committer_write`` for every blocked task whose write the spec
@@ -149,19 +151,12 @@ class Committer:
             return len(tids)
 
     def copy_many(self) -> None:
-        """``committer_copy`` of every claimed task, as one batch; a failure
-        fails only its own task."""
+        """``committer_copy`` of every claimed task, as one batch."""
         ctrl = self._ctrl
         with ctrl.lock:
             tids = list(self._queues.claimed)
             self._queues.claimed.clear()
-        tasks = [task for tid in tids if (task := ctrl.get_task(tid)) is not None]
-        if not tasks:
-            return
-        batch = ctrl._runner.run_many(ctrl.ops.copy, tasks)
-        for task, exc in batch.errors:
-            logger.error("omni prefix cache: copy failed for task %s (req %s)", task.tid, task.req_id, exc_info=exc)
-            ctrl.fail_task(task, ctrl.write_error(task, exc, "copy"))
+        self._copy(tids)
 
     def step(self) -> str | None:
         """One unit of committer work on the calling thread: the copy stage

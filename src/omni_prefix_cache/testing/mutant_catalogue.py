@@ -150,30 +150,14 @@ def _budget_uncharged_twice(stack: contextlib.ExitStack) -> None:
 def _committer_dies(stack: contextlib.ExitStack) -> None:
     from omni_prefix_cache.committer import Committer
 
-    def copy(self: Committer) -> int | None:
+    def copy(self: Committer, tids: list[int]) -> None:
         ctrl = self._ctrl
-        with ctrl.lock:
-            tid = self._queues.take_claimed()
-        task = ctrl.get_task(tid) if tid is not None else None
-        if task is not None:
-            copy_rows, copied = ctrl.ops.copy.segments
-            copy_rows(task)
-            with ctrl.lock:
-                copied(task)
-        return tid
-
-    def copy_many(self: Committer) -> None:
-        ctrl = self._ctrl
-        with ctrl.lock:
-            tids = list(self._queues.claimed)
-            self._queues.claimed.clear()
         tasks = [t for tid in tids if (t := ctrl.get_task(tid)) is not None]
         batch = ctrl._runner.run_many(ctrl.ops.copy, tasks)
         if batch.errors:
             raise batch.errors[0][1]
 
-    _set(stack, Committer, "copy", copy)
-    _set(stack, Committer, "copy_many", copy_many)
+    _set(stack, Committer, "_copy", copy)
 
 
 @_register("pool_write_failure_wrong_task", "a pool-write failure is charged to another task")
