@@ -12,7 +12,7 @@ import torch
 
 from omni_prefix_cache.interface import TensorName
 from omni_prefix_cache.protocol_runtime import RuntimeOp
-from omni_prefix_cache.write_task import StepRows, WriteTask
+from omni_prefix_cache.write_task import StepRows, WriteTask, step_runs
 
 if TYPE_CHECKING:
     from omni_prefix_cache.controller import OmniPrefixCacheController
@@ -58,20 +58,12 @@ def _step_window(tasks: list[WriteTask]) -> tuple[StepRows, int, int] | None:
     windows of one step in order (a save's immediate writes, none
     reassigned): their rows are rows ``[start, end)`` of the step's arrays.
     None otherwise."""
-    step: StepRows | None = None
-    start = end = 0
-    for task in tasks:
-        if len(task.chunks) != 1 or task.reassigned:
-            return None
-        chunk = task.chunks[0]
-        if step is None:
-            if not chunk.whole_step_view():
-                return None
-            step, start, end = chunk.step, chunk.start, chunk.end
-        elif chunk.step is not step or chunk.start != end or not chunk.whole_step_view():
-            return None
-        else:
-            end = chunk.end
+    if any(len(t.chunks) != 1 or t.reassigned or not t.chunks[0].whole_step_view() for t in tasks):
+        return None
+    runs = step_runs([t.chunks[0] for t in tasks])
+    if len(runs) != 1:
+        return None
+    step, start, end, _ = runs[0]
     return None if step is None else (step, start, end)
 
 
