@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -147,13 +147,8 @@ class OmniPrefixCacheController(UpstreamSeams):
     def _effects(self) -> dict[str, Callable[[Any], None]]:
         budget = self._budget
 
-        def register_task(task: WriteTask) -> None:
-            task.enqueued_time = time.monotonic()
-            task.queued_at_submit = self._registering_queued
-            self._tasks[task.tid] = task
-
         return {
-            "register_task": register_task,
+            "register_task": lambda task: self._register_tasks((task,)),
             "charge_budget": budget.charge,
             "flush_oldest": lambda nbytes: budget.flush(nbytes, self._unfinished, self.escalate, self.join),
             "refund_unpinned": budget.refund_unpinned,
@@ -176,20 +171,22 @@ class OmniPrefixCacheController(UpstreamSeams):
         def publish_completed(batch: Batch) -> None:
             self._completed.extend(task.tid for task in batch.items)
 
-        def register_tasks(batch: Batch) -> None:
-            now, queued, registry = time.monotonic(), self._registering_queued, self._tasks
-            for task in batch.items:
-                task.enqueued_time = now
-                task.queued_at_submit = queued
-                registry[task.tid] = task
-
         return {
-            "register_task": register_tasks,
+            "register_task": lambda batch: self._register_tasks(batch.items),
             "unpin_budget": lambda batch: self._budget.unpin_many(batch.items),
             "wake_committer": lambda _: self.wake.notify_all(),
             "publish_completed": publish_completed,
             "dispatch_inline": lambda batch: self._inline.extend(batch.items),
         }
+
+    def _register_tasks(self, tasks: Sequence[WriteTask]) -> None:
+        """Effect ``register_task`` (controller lock held): the tasks join
+        the registry, stamped for the budget flush's oldest-first order."""
+        now, queued, registry = time.monotonic(), self._registering_queued, self._tasks
+        for task in tasks:
+            task.enqueued_time = now
+            task.queued_at_submit = queued
+            registry[task.tid] = task
 
     def _guards(self) -> dict[str, Callable[[Any], bool]]:
         return {

@@ -18,6 +18,12 @@ running every item to the end in turn. Two things per item are kept:
   ``ProtocolViolation`` (the per-instance run raised it for that instance);
 - an item whose handler raises leaves the batch with its exception.
 
+A binding may offer ``try_move_many(role, trigger)`` (``attempt_many``:
+fire the move for every enabled item under whatever lock it needs; per item
+True, False when not enabled, or the exception the item's move raised) and
+``move_many(role, trigger)`` (``(enabled_many, fire_many)``); one without
+them is batched item by item through ``move`` / ``try_move``.
+
 Refused and raising items land in ``Batch.errors``. With ``truncate`` only
 the earliest of them (in batch order) counts and every item after it is
 ``Batch.cut``: what a loop that stops at the first failing instance would
@@ -30,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from omni_prefix_cache.specs.loader import SpecError
 from omni_prefix_cache.specs.protocol import (
@@ -105,22 +111,6 @@ class Batch:
 
 
 BatchRun = Callable[[Batch], None]
-
-
-class BatchBinding(Binding, Protocol):
-    """A ``Binding`` that may also move many contexts at once.
-
-    ``move_many(role, trigger)`` returns ``(enabled_many, fire_many)``;
-    ``try_move_many(role, trigger)`` returns ``attempt_many``, which fires
-    the move for every enabled item (under whatever lock the binding needs)
-    and returns per item True, False (not enabled) or the exception the
-    item's move raised. A binding without them is batched item by item
-    through ``move`` / ``try_move``.
-    """
-
-    def move_many(self, role: str, trigger: str) -> tuple[MaskMany, RunMany]: ...
-
-    def try_move_many(self, role: str, trigger: str) -> AttemptMany: ...
 
 
 @dataclass(frozen=True, eq=False, slots=True)
