@@ -28,11 +28,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
 
 from omni_prefix_cache.controller import TaskState
-from omni_prefix_cache.interface import HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheUnmatchError, PrefixCacheConfig
-from omni_prefix_cache.manager import PREFETCH_THREAD_PREFIX, OmniPrefixCacheManager
+from omni_prefix_cache.interface import HIDDEN_KEY, OmniPrefixCacheUnmatchError
+from omni_prefix_cache.manager import PREFETCH_THREAD_PREFIX
 from omni_prefix_cache.occupancy import SlotState
 from omni_prefix_cache.simulate.rows import rows_from_hashes
-from omni_prefix_cache.testing.serving_model import LazyExecutor, RecentFirstAllocator, ServingModel
+from omni_prefix_cache.testing.serving_model import RecentFirstAllocator, ServingModel, failing_seams, racing_manager
 
 NUM_BLOCKS, BLOCK_SIZE, CAPACITY, DEPTH = 8, 2, 12, 3
 IMMEDIATE, DEFERRED, LEFTOVER = "talker.h", "codes.audio", "codes.ref"
@@ -48,19 +48,17 @@ class SystemRace(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.model = ServingModel(NUM_BLOCKS, BLOCK_SIZE, WIDTHS, PREFIXES)
-        config = PrefixCacheConfig(
-            num_blocks=NUM_BLOCKS,
-            block_size=BLOCK_SIZE,
-            staging_depth=DEPTH,
-            staging_capacity_tokens=CAPACITY,
-            staging_claim_timeout_s=0.0,
-            gpu_staging_bytes=6 * WIDTHS[DEFERRED] * 4,  # six deferred rows: saves force flushes
+        # Six deferred rows of GPU budget: saves force flushes.
+        self.mgr, self.prefetch = racing_manager(
+            self.model,
+            NUM_BLOCKS,
+            eager=self.EAGER,
+            committer="thread" if self.EAGER else "on_demand",
+            capacity=CAPACITY,
+            depth=DEPTH,
+            deferred_key=DEFERRED,
+            deferred_rows=6,
         )
-        committer = {} if self.EAGER else {"committer": "on_demand"}
-        self.mgr = OmniPrefixCacheManager(config, self.model.view, eager=self.EAGER, **committer)
-        self.mgr.register_policy(ModelCachePolicy(needs_full_hidden_states=True, deferred_keys=frozenset({DEFERRED})))
-        self.mgr._hits.prefetch.shutdown(wait=False)
-        self.mgr._hits.prefetch = self.prefetch = LazyExecutor()
         self.ctrl = self.mgr._controller
         self.expects: dict[int, list] = {}
         self.step_sizes: dict[int, int] = {}
@@ -75,21 +73,8 @@ class SystemRace(RuleBasedStateMachine):
         self.checked = 0
 
     def _wrap_failure_points(self) -> None:
-        ctrl, poison = self.ctrl, self.poison
-        copy_task, scatter = ctrl._copy_task, ctrl._scatter
-
-        def failing_copy(task):
-            if task.tid in poison["copy"]:
-                raise RuntimeError(f"injected copy failure (task {task.tid})")
-            return copy_task(task)
-
-        def failing_scatter(task):
-            if task.tid in poison["write"]:
-                raise RuntimeError(f"injected pool write failure (task {task.tid})")
-            return scatter(task)
-
-        ctrl._copy_task = failing_copy
-        ctrl._scatter = failing_scatter
+        for name, seam in failing_seams(self.ctrl, self.poison).items():
+            setattr(self.ctrl, name, seam)
 
     def _probe_lock_discipline(self) -> None:
         """Record any join that runs while the manager's state lock is held."""

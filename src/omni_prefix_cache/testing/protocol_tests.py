@@ -50,19 +50,23 @@ from hypothesis.stateful import (
 from omni_prefix_cache.controller import TaskState, WriteTask, _WriteChunk
 from omni_prefix_cache.interface import (
     HIDDEN_KEY,
-    ModelCachePolicy,
     OmniPrefixCacheUnmatchError,
-    PrefixCacheConfig,
     WriteSchedule,
 )
-from omni_prefix_cache.manager import PREFETCH_THREAD_PREFIX, OmniPrefixCacheManager
+from omni_prefix_cache.manager import PREFETCH_THREAD_PREFIX
 from omni_prefix_cache.occupancy import SlotState
 from omni_prefix_cache.simulate.rows import rows_from_hashes
 from omni_prefix_cache.spec_types.copy_queue import QueuePosition
 from omni_prefix_cache.specs.loader import SpecError
 from omni_prefix_cache.specs.protocol import ProtocolSpec, load_protocol
 from omni_prefix_cache.staging import StagingBufferHolder
-from omni_prefix_cache.testing.serving_model import LazyExecutor, PlannedStep, RecentFirstAllocator, ServingModel
+from omni_prefix_cache.testing.serving_model import (
+    PlannedStep,
+    RecentFirstAllocator,
+    ServingModel,
+    failing_seams,
+    racing_manager,
+)
 
 NUM_BLOCKS, BLOCK_SIZE, CAPACITY, DEPTH = 8, 2, 12, 3
 IMMEDIATE, DEFERRED, LEFTOVER = "talker.h", "codes.audio", "codes.ref"
@@ -164,19 +168,17 @@ class ProtocolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.model = ServingModel(NUM_BLOCKS, BLOCK_SIZE, WIDTHS, PREFIXES)
-        config = PrefixCacheConfig(
-            num_blocks=NUM_BLOCKS,
-            block_size=BLOCK_SIZE,
-            staging_depth=DEPTH,
-            staging_capacity_tokens=CAPACITY,
-            staging_claim_timeout_s=0.0,
-            gpu_staging_bytes=12 * WIDTHS[DEFERRED] * 4,  # twelve deferred rows: some saves force flushes
+        # Twelve deferred rows of GPU budget: some saves force flushes.
+        self.mgr, self.prefetch = racing_manager(
+            self.model,
+            NUM_BLOCKS,
+            eager=self.EAGER,
+            committer="manual",
+            capacity=CAPACITY,
+            depth=DEPTH,
+            deferred_key=DEFERRED,
+            deferred_rows=12,
         )
-        self.mgr = OmniPrefixCacheManager(config, self.model.view, eager=self.EAGER, committer="manual")
-        self.mgr.register_policy(ModelCachePolicy(needs_full_hidden_states=True, deferred_keys=frozenset({DEFERRED})))
-        self.mgr._hits.prefetch.shutdown(wait=False)
-        self.prefetch = LazyExecutor()
-        self.mgr._hits.prefetch = self.prefetch  # type: ignore[assignment]
         self.ctrl = self.mgr._controller
         self.mgr._pool.ensure_key(SIDE_KEY, torch.float32, 1)
         self.side_tids = itertools.count(-1, -1)  # never a tid the manager's ledger hands out
@@ -203,18 +205,7 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     def _instrument(self) -> None:
         ctrl, mgr, race = self.ctrl, self.mgr, self
-        copy_task, scatter, wait = ctrl._copy_task, ctrl._scatter, ctrl._wait_tasks
-        register_many, escalate = ctrl.register_many, ctrl.escalate
-
-        def failing_copy(task: Any) -> None:
-            if task.tid in race.poison["copy"]:
-                raise RuntimeError(f"injected copy failure (task {task.tid})")
-            copy_task(task)
-
-        def failing_scatter(task: Any) -> None:
-            if task.tid in race.poison["write"]:
-                raise RuntimeError(f"injected pool write failure (task {task.tid})")
-            scatter(task)
+        wait, register_many, escalate = ctrl._wait_tasks, ctrl.register_many, ctrl.escalate
 
         def joining(tids: list[int], event_name: Any) -> None:
             # The join operation: never under the state lock; the joiner
@@ -243,8 +234,7 @@ class ProtocolMachine(RuleBasedStateMachine):
 
         # Instance attributes shadow the methods; mutants patch the class.
         seams = {
-            "_copy_task": failing_copy,
-            "_scatter": failing_scatter,
+            **failing_seams(ctrl, self.poison),
             "_wait_tasks": joining,
             "register_many": registering,
             "escalate": escalating,

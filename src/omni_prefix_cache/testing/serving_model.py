@@ -13,11 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from omni_prefix_cache.interface import HIDDEN_KEY
+from omni_prefix_cache.interface import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
+from omni_prefix_cache.manager import OmniPrefixCacheManager
 from omni_prefix_cache.simulate.batch import SimGroupView
 from omni_prefix_cache.simulate.blocks import BlockAllocator
 from omni_prefix_cache.simulate.rows import PrefixHashes, block_hash, mix64, rows_from_hashes
@@ -328,3 +329,54 @@ class _LazyFuture(Future[Any]):
                 self._owner.pending.remove(self)
             self.run_now()
         return super().result(timeout)
+
+
+def racing_manager(
+    model: ServingModel,
+    num_blocks: int,
+    *,
+    eager: bool,
+    committer: Literal["thread", "manual", "on_demand"],
+    capacity: int,
+    depth: int,
+    deferred_key: str,
+    deferred_rows: int,
+) -> tuple[OmniPrefixCacheManager, LazyExecutor]:
+    """A manager over ``model``'s view as the racing machines drive it: no
+    staging wait, ``deferred_key`` deferred with a GPU budget of
+    ``deferred_rows`` of its rows (so saves force flushes), hidden states
+    cached, and the prefetch pool replaced by a ``LazyExecutor`` the test
+    runs. Returns the manager and that executor."""
+    config = PrefixCacheConfig(
+        num_blocks=num_blocks,
+        block_size=model.block_size,
+        staging_depth=depth,
+        staging_capacity_tokens=capacity,
+        staging_claim_timeout_s=0.0,
+        gpu_staging_bytes=deferred_rows * model.widths[deferred_key] * 4,
+    )
+    mgr = OmniPrefixCacheManager(config, model.view, eager=eager, committer=committer)
+    mgr.register_policy(ModelCachePolicy(needs_full_hidden_states=True, deferred_keys=frozenset({deferred_key})))
+    mgr._hits.prefetch.shutdown(wait=False)
+    prefetch = LazyExecutor()
+    mgr._hits.prefetch = prefetch  # type: ignore[assignment]
+    return mgr, prefetch
+
+
+def failing_seams(ctrl: Any, poison: dict[str, set[int]]) -> dict[str, Callable[[Any], Any]]:
+    """Wrappers of the controller's copy and pool-write seams that raise for
+    the tids in ``poison["copy"]`` / ``poison["write"]``; install them as
+    instance attributes (``_copy_task``, ``_scatter``)."""
+    copy_task, scatter = ctrl._copy_task, ctrl._scatter
+
+    def failing_copy(task: Any) -> Any:
+        if task.tid in poison["copy"]:
+            raise RuntimeError(f"injected copy failure (task {task.tid})")
+        return copy_task(task)
+
+    def failing_scatter(task: Any) -> Any:
+        if task.tid in poison["write"]:
+            raise RuntimeError(f"injected pool write failure (task {task.tid})")
+        return scatter(task)
+
+    return {"_copy_task": failing_copy, "_scatter": failing_scatter}
