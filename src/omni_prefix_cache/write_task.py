@@ -155,6 +155,7 @@ class _WriteChunk:
     @slots_cpu.setter
     def slots_cpu(self, value: torch.Tensor) -> None:
         self._slots = value
+        self.end = self.start + int(value.shape[0])
 
     def _window(self, arrays: dict[TensorName, torch.Tensor]) -> dict[TensorName, torch.Tensor]:
         """This chunk's rows of a step's per-key arrays, as views."""
@@ -182,7 +183,7 @@ class _WriteChunk:
 
     @property
     def rows(self) -> int:
-        return self.end - self.start if self._slots is None else int(self._slots.shape[0])
+        return self.end - self.start
 
     def whole_step_view(self) -> bool:
         """True while the chunk is still an untouched window of its step
