@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from omni_prefix_cache.index_tensors import int64_tensor
+from omni_prefix_cache.index_tensors import int64_tensor, per_row
 from omni_prefix_cache.interface import (
     OmniPrefixCacheShutdownError,
     OmniPrefixCacheUnmatchError,
@@ -217,18 +217,10 @@ class Materializer:
 
 def gather_index(starts: list[int], sizes: list[int]) -> torch.Tensor:
     """The rows ``range(starts[i], starts[i] + sizes[i])`` of every ``i``,
-    concatenated (int64). A few tensor ops whatever the request count: the
-    shift from output row to step row is constant per request, so it is a
-    cumulative sum of its jumps at each request's first output row."""
+    concatenated (int64). The shift from output row to step row is constant
+    per request: one ``per_row`` of the shifts plus the output row."""
     if sizes.count(1) == len(sizes):  # one row each (decode)
         return int64_tensor(starts)
-    kept = [(s, k) for s, k in zip(starts, sizes) if k > 0]
-    total = sum(k for _, k in kept)
-    if not total:
-        return torch.empty((0,), dtype=torch.int64)
-    firsts = list(accumulate((k for _, k in kept), initial=0))[:-1]
-    first_rows = int64_tensor(firsts)
-    shifts = int64_tensor([s for s, _ in kept]).sub_(first_rows)
-    jumps = torch.diff(shifts, prepend=shifts.new_zeros(1))
-    per_row = torch.zeros(total, dtype=torch.int64).index_copy_(0, first_rows, jumps)
-    return per_row.cumsum_(0).add_(torch.arange(total, dtype=torch.int64))
+    firsts = accumulate(sizes, initial=0)
+    shifts = per_row([start - first for start, first in zip(starts, firsts)], sizes)
+    return shifts.add_(torch.arange(int(shifts.numel()), dtype=torch.int64))

@@ -277,10 +277,10 @@ class WriteLedger:
         sizes = [spans[r][1] for r in req_order]
         writes: dict[TensorName, torch.Tensor] = {}
         if immediate:
-            owners = per_row([t.tid for t in immediate], sizes, int(slots.numel()))
+            owners = per_row([t.tid for t in immediate], sizes)
             writes.update(dict.fromkeys(split.immediate, owners))
         if deferred_tids:
-            owners = per_row(deferred_tids, sizes, int(slots.numel()))
+            owners = per_row(deferred_tids, sizes)
             writes.update(dict.fromkeys(split.deferred_clone, owners))
         self._occupancy.take_tenancy(slots, writes)
 
@@ -401,7 +401,7 @@ class WriteLedger:
             if trigger == "commit":
                 self._counters["rows_committed"] += sum(counts) * len(keys)
             slots = chunk_slots(chunks)
-            writers = per_row(owners, counts, int(slots.shape[0]))
+            writers = per_row(owners, counts)
             for key in keys:
                 self._occupancy.settle(trigger, key, slots, writers)
         return settled

@@ -1,0 +1,25 @@
+"""Index tensors built from int lists (index_tensors.py)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from omni_prefix_cache.index_tensors import int64_tensor, per_row
+from omni_prefix_cache.materializer import gather_index
+
+
+@given(st.lists(st.tuples(st.integers(-(2**40), 2**40), st.integers(0, 40)), max_size=30))
+def test_per_row_repeats_each_value_its_count(runs: list[tuple[int, int]]) -> None:
+    values, counts = [v for v, _ in runs], [c for _, c in runs]
+    want = torch.repeat_interleave(int64_tensor(values), torch.tensor(counts, dtype=torch.int64))
+    got = per_row(values, counts)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+
+
+@given(st.lists(st.tuples(st.integers(0, 500), st.integers(0, 20)), max_size=30))
+def test_gather_index_lists_each_range_in_order(ranges: list[tuple[int, int]]) -> None:
+    starts, sizes = [s for s, _ in ranges], [k for _, k in ranges]
+    want = [row for s, k in ranges for row in range(s, s + k)]
+    assert gather_index(starts, sizes).tolist() == want
