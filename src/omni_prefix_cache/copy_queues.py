@@ -61,6 +61,11 @@ class CopyQueues:
     def enabled(self, task: Any, trigger: str) -> bool:
         return COPY_QUEUE_MACHINE.move(task.position, trigger) is not None
 
+    def enabled_many(self, tasks: list[Any], trigger: str) -> list[bool]:
+        """``enabled`` for each task (one table lookup per task)."""
+        moves = COPY_QUEUE_MACHINE.by_state(trigger)
+        return [moves[task.position] is not None for task in tasks]
+
     def fire(self, task: Any, trigger: str) -> None:
         """Move ``task``'s position by ``trigger`` and its entry with it."""
         move = COPY_QUEUE_MACHINE.move(task.position, trigger)
@@ -83,11 +88,11 @@ class CopyQueues:
     def try_fire_many(self, tasks: list[Any], trigger: str) -> list[bool | BaseException]:
         """``try_fire`` for each task in order (a batched step); per task
         True if its position moved, False if it has no such move."""
-        table = COPY_QUEUE_MACHINE
+        moves = COPY_QUEUE_MACHINE.by_state(trigger)
         moved: list[Any] = []
         out: list[bool | BaseException] = []
         for task in tasks:
-            move = table.move(task.position, trigger)
+            move = moves[task.position]
             if move is None:
                 out.append(False)
                 continue

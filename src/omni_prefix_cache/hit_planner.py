@@ -220,14 +220,7 @@ class HitPlanner:
             if not occupancy.has_key(key):
                 if not at_save:
                     continue
-                self._fail(
-                    hit,
-                    key,
-                    OmniPrefixCacheUnmatchError(
-                        f"prefix hit of request {hit.req_id!r}: key {key!r} was never cached "
-                        f"(slots {listed(hit.slots)} are ABSENT)"
-                    ),
-                )
+                self._fail(hit, key, _never_cached(hit, key))
                 continue
             if not at_save:
                 state = occupancy.state[key].index_select(0, hit.slots)
@@ -241,6 +234,49 @@ class HitPlanner:
             hit.refs[key] = ref
             jobs.append((hit, key, ref))
         return jobs
+
+    def plan_many(self, hits: Sequence[PendingHit], *, at_save: bool) -> list[HitJob]:
+        """``plan`` for several hits (state lock held), key by key: one
+        state gather per key for all the hits, their reads planned together
+        (``HitReads.plan_many``). Same reads, failures and job order (hit
+        by hit, keys in policy order) as calling ``plan`` for each hit."""
+        hits = [hit for hit in hits if hit.num_computed > 0]
+        if len(hits) <= 1:
+            return [job for hit in hits for job in self.plan(hit, at_save=at_save)]
+        occupancy = self._occupancy
+        keys = self._policy().get_hit_keys(occupancy.keys())
+        planned: dict[int, list[HitJob]] = {id(hit): [] for hit in hits}
+        for key in keys:
+            todo = [hit for hit in hits if key not in hit.futures]
+            if not todo:
+                continue
+            if not occupancy.has_key(key):
+                if at_save:
+                    for hit in todo:
+                        self._fail(hit, key, _never_cached(hit, key))
+                continue
+            if not at_save:
+                todo = self._without_absent_rows(todo, key)
+                if not todo:
+                    continue
+            refs = self._reads.plan_many([hit.slots for hit in todo], key, [hit.req_id for hit in todo])
+            for hit, ref in zip(todo, refs):
+                if isinstance(ref, OmniPrefixCacheUnmatchError):
+                    self._fail(hit, key, ref)
+                    continue
+                hit.refs[key] = ref
+                planned[id(hit)].append((hit, key, ref))
+        return [job for hit in hits for job in planned[id(hit)]]
+
+    def _without_absent_rows(self, hits: list[PendingHit], key: TensorName) -> list[PendingHit]:
+        """The hits with no row of ``key`` in a read_baseline state: at
+        new_step_starts such a key waits for save (``plan``)."""
+        sizes = [int(hit.slots.numel()) for hit in hits]
+        state = self._occupancy.state[key].index_select(0, torch.cat([hit.slots for hit in hits]))
+        absent = rows_tagged(state, READ_BASELINE)
+        if not bool(absent.any()):
+            return hits
+        return [hit for hit, rows in zip(hits, absent.split(sizes)) if not bool(rows.any())]
 
     def replan_same_step_hits(self, hits: dict[ReqId, PendingHit], slots: torch.Tensor) -> None:
         """A hit planned at new_step_starts whose slots this very step maps
@@ -286,11 +322,11 @@ class HitPlanner:
         """Hand the save's hits to its step context and plan their reads at
         save (state lock held). A hit not scheduled this step gets an empty
         span. Returns the reads to start on the prefetch thread."""
-        jobs: list[HitJob] = []
         for rid, hit in hits.items():
             if rid in ctx.spans:
                 hit.num_scheduled = ctx.spans[rid][1]
-            jobs.extend(self.plan(hit, at_save=True))
+        jobs = self.plan_many(list(hits.values()), at_save=True)
+        for rid, hit in hits.items():
             ctx.hits[rid] = (hit.num_computed, list(hit.block_ids))
             ctx.hit_prefetch[rid] = hit.futures
             ctx.hit_refs[rid] = hit.refs
@@ -322,6 +358,12 @@ class HitPlanner:
                 error.__cause__ = exc
                 fut.set_exception(error)
             hit.futures[key] = fut
+
+
+def _never_cached(hit: PendingHit, key: TensorName) -> OmniPrefixCacheUnmatchError:
+    return OmniPrefixCacheUnmatchError(
+        f"prefix hit of request {hit.req_id!r}: key {key!r} was never cached (slots {listed(hit.slots)} are ABSENT)"
+    )
 
 
 def _query_tokens(req: Any, computed: int, scheduled: int) -> int:

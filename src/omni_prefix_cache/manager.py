@@ -45,7 +45,7 @@ from omni_prefix_cache import validation as check
 from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.controller import OmniPrefixCacheController, StagingBufferHolder, StepD2HClaim, WriteTask
 from omni_prefix_cache.copy_engine import CopyEngine
-from omni_prefix_cache.hit_planner import HitJob, HitPlanner, PendingHit
+from omni_prefix_cache.hit_planner import HitPlanner, PendingHit
 from omni_prefix_cache.interface import (
     ModelCachePolicy,
     OmniPrefixCacheInvalidArgumentError,
@@ -197,7 +197,6 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
         if escalate:
             # Abort too: the block hashes are public, the rows must land.
             self._controller.escalate(escalate)
-        jobs: list[HitJob] = []
         with self._state_lock:
             self._check_open("new_step_starts")
             self._counters["query_requests"] += queried
@@ -205,8 +204,7 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
             self._counters["hit_requests"] += len(new_hits)
             self._counters["hit_tokens"] += sum(hit.num_computed for hit in new_hits)
             self._commit_drained_writes()
-            for hit in new_hits:
-                jobs.extend(self._hits.plan(hit, at_save=False))
+            jobs = self._hits.plan_many(new_hits, at_save=False)
             # Started and their futures stored in the segment that planned
             # them: shutdown (same lock) then cancels or waits for each one,
             # never forgets a read a prefetch is fetching.

@@ -237,6 +237,43 @@ class HitReads:
             self.registry.move(ref, "register")
         return ref
 
+    def plan_many(
+        self, slots: list[torch.Tensor], key: TensorName, req_ids: list[ReqId]
+    ) -> list[PlannedRead | OmniPrefixCacheUnmatchError]:
+        """``plan`` for several reads of one key (state lock held; takes the
+        reads lock once): per read its planned read, or the error ``plan``
+        would raise for it (that read refused, the others planned). The
+        states and versions of every read are gathered at once, and the
+        usual case, every row committed, needs no per-read tensor op."""
+        if not slots:
+            return []
+        if len(slots) == 1:
+            try:
+                return [self.plan(slots[0], key, req_ids[0])]
+            except OmniPrefixCacheUnmatchError as exc:
+                return [exc]
+        table = self._occupancy.get_slot_status(key)
+        slots = [s if s.dtype == torch.int64 else s.to(torch.int64) for s in slots]
+        every = torch.cat(slots)
+        sizes = [int(s.numel()) for s in slots]
+        versions = table.slot_version.index_select(0, every).split(sizes)
+        refs = [
+            PlannedRead(req_id=rid, key=key, slots=s, planned_version=v) for rid, s, v in zip(req_ids, slots, versions)
+        ]
+        out: list[PlannedRead | OmniPrefixCacheUnmatchError] = list(refs)
+        state = table.state.index_select(0, every)
+        if bool(rows_tagged(state, READ_SOURCE).any()):
+            # Some row is not committed: each read decides where its rows come from.
+            for i, (ref, st) in enumerate(zip(refs, state.split(sizes))):
+                try:
+                    self._plan_rows(ref, table.tids, st)
+                except OmniPrefixCacheUnmatchError as exc:
+                    out[i] = exc
+        with self.lock:
+            for ref, got in zip(refs, out):
+                self.registry.move(ref, "register" if got is ref else "refuse")
+        return out
+
     def _plan_rows(self, ref: PlannedRead, tids: torch.Tensor, state: torch.Tensor) -> None:
         """Where each row of ``ref`` comes from (see ``plan``)."""
         slots, key, req_id = ref.slots, ref.key, ref.req_id

@@ -178,20 +178,26 @@ class StagingBufferPool:
         one acquisition (a batched step); False for a task with no page,
         the exception for a holder whose move raised."""
         out: list[bool | BaseException] = []
+        moves = HOLDER_MACHINE.by_state(trigger)
         with self._page_freed:
             for task in tasks:
-                if task.staging_slot is None:
+                page = task.staging_slot
+                if page is None:
                     out.append(False)
                     continue
                 try:
-                    out.append(self._try_locked(trigger, task.staging_slot, StagingBufferHolder("task", task.tid)))
+                    out.append(self._try_locked(trigger, page, StagingBufferHolder("task", task.tid), moves))
                 except Exception as exc:
                     out.append(exc)
         return out
 
-    def _try_locked(self, trigger: str, page: int, holder: StagingBufferHolder) -> bool:
+    def _try_locked(
+        self, trigger: str, page: int, holder: StagingBufferHolder, moves: Sequence[Any] | None = None
+    ) -> bool:
+        """``try_fire`` under the condition (``moves``: the trigger's
+        ``by_state`` row, when the caller looked it up once for a batch)."""
         state = self.holder_state(holder)
-        move = HOLDER_MACHINE.move(state, trigger)
+        move = moves[state] if moves is not None else HOLDER_MACHINE.move(state, trigger)
         if move is None or (move.dest not in _HOLDS_PAGE and self._page_of.get(holder) != page):
             return False
         return self._apply(trigger, page, holder, move, state)

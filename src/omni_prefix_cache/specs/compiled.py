@@ -69,6 +69,7 @@ class CompiledMachine:
             by_dest[m.source][m.dest] = m if cell is None else _AMBIGUOUS
         self._by_trigger = tuple(by_trigger)
         self._by_dest = tuple(tuple(row) for row in by_dest)
+        self._by_state: dict[str, tuple[CompiledMove | None, ...]] = {}  # by_state's rows, built on first use
         self.moves = tuple(moves)
         self.triggers = spec.triggers
         self.initial = state_enum[spec.initial]
@@ -80,7 +81,10 @@ class CompiledMachine:
     def by_state(self, trigger: str) -> tuple[CompiledMove | None, ...]:
         """``trigger``'s move from each state (None where the spec has none),
         indexed by state: a batched step looks a move up per item by index."""
-        return tuple(row.get(trigger) for row in self._by_trigger)
+        row = self._by_state.get(trigger)
+        if row is None:
+            row = self._by_state[trigger] = tuple(moves.get(trigger) for moves in self._by_trigger)
+        return row
 
     def move_to(self, state: int, dest: int) -> CompiledMove | None:
         """The unique move from ``state`` to ``dest``; None if there is none.
