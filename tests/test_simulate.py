@@ -376,6 +376,8 @@ def test_bench_runs_both_modes_and_compares_with_a_baseline(tmp_path: Any) -> No
     again = run_bench(["decode_mm4"], iters=2, warmup=1, sweep=False, baseline=str(path))
     for r, b in zip(again.results, first.results):
         assert r.engine_vs_baseline is not None and r.engine_vs_baseline > 0
+        # Only a threaded run has a committer thread whose CPU clock the bench reads.
+        assert (r.committer_cpu_materialize_us_p50 is None) == (r.mode == "eager"), r
         # The step total is compared as raw wall time with the sum of the baseline's two medians.
         assert r.step_vs_baseline == pytest.approx(r.step_us_p50 / (b.engine_us_p50 + b.materialize_us_p50))
         assert r.materialize_wall_vs_baseline == pytest.approx(r.materialize_us_p50 / b.materialize_us_p50)

@@ -34,6 +34,8 @@ threads share the GIL, so work moved off the engine thread can show up as
 materialize wall time; the step total is what the engine loop pays for both.
 It is compared with the baseline as raw wall time against the sum of the
 baseline's two medians (the baseline keeps medians, not per-step sums).
+Threaded rows also report the committer thread's CPU time inside each
+timed call (read from its thread CPU clock, where the platform has one).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import json
 import os
 import pstats
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -313,6 +316,10 @@ class ScenarioResult:
     # Engine + materialize wall (and calling-thread CPU) of the same step: p50 of the per-step sums.
     step_us_p50: float = 0.0
     step_cpu_us_p50: float = 0.0
+    # The committer thread's CPU time inside the engine / materialize calls, p50 per step
+    # (None: no committer thread, or no per-thread CPU clock on this platform).
+    committer_cpu_engine_us_p50: float | None = None
+    committer_cpu_materialize_us_p50: float | None = None
     # Floor-normalised ratio to the baseline report's same row (None: no baseline row).
     engine_vs_baseline: float | None = None
     materialize_vs_baseline: float | None = None
@@ -367,6 +374,17 @@ def _move_floor_us(
     return (t1 - t0) / 1000.0, (t2 - t0) / 1000.0
 
 
+def _committer_clock(before: set[threading.Thread]) -> Callable[[], int] | None:
+    """The CPU clock (ns) of the committer thread started since ``before``
+    was taken, or None (eager, another manager, no ``pthread_getcpuclockid``)."""
+    started = [t.ident for t in threading.enumerate() if t not in before and "committer" in t.name]
+    ident = started[0] if len(started) == 1 else None
+    if ident is None or not hasattr(time, "pthread_getcpuclockid"):
+        return None
+    clock = time.pthread_getcpuclockid(ident)
+    return lambda: time.clock_gettime_ns(clock)
+
+
 def _returned_rows(outs: Any) -> dict[str, int]:
     rows: dict[str, int] = {}
     if outs.hidden_states is not None:
@@ -399,12 +417,14 @@ def run_scenario(
         staging_capacity_tokens=max(sc.token_budget, max_n),
     )
     view = SimGroupView(sc.block_size)
+    threads_before = set(threading.enumerate())
     if manager_factory is None:
         from omni_prefix_cache.manager import OmniPrefixCacheManager
 
         mgr = OmniPrefixCacheManager(cfg, view, eager=eager)
     else:
         mgr = manager_factory(cfg, view, eager)
+    committer_cpu = _committer_clock(threads_before)
     keys = frozenset({DEFERRED_KEY}) if sc.deferred else frozenset()
     mgr.register_policy(ModelCachePolicy(needs_full_hidden_states=True, deferred_keys=keys))
     gen = torch.Generator().manual_seed(seed)
@@ -431,6 +451,9 @@ def run_scenario(
     mat_cpu: list[float] = []
     eng_floor_cpu: list[float] = []
     mat_floor_cpu: list[float] = []
+    com_eng: list[float] = []
+    com_mat: list[float] = []
+    k0 = k1 = k2 = 0
     reqs = tokens = hit_rows = 0
     gc.collect()
     gc_was = gc.isenabled()
@@ -445,12 +468,22 @@ def run_scenario(
             timed = i >= warmup
             if timed and profiler is not None:
                 profiler.enable()
+            if committer_cpu is not None:
+                k0 = committer_cpu()
             c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
             mgr.new_step_starts(st.output)
             sid = mgr.save_outputs(hidden_buf[:n], mm, num_tokens_unpadded=n, num_tokens_padded=n)
             t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+            if committer_cpu is not None:
+                # Read between the two timed calls: materialize's span starts after it.
+                k1 = committer_cpu()
+                c1, t1m = time.thread_time_ns(), time.perf_counter_ns()
+            else:
+                t1m = t1
             outs = mgr.materialize(sid, st.order)
             t2, c2 = time.perf_counter_ns(), time.thread_time_ns()
+            if committer_cpu is not None:
+                k2 = committer_cpu()
             if timed and profiler is not None:
                 profiler.disable()
             if on_step is not None:
@@ -458,7 +491,9 @@ def run_scenario(
             if not timed:
                 continue
             eng.append((t1 - t0) / 1000.0)
-            mat.append((t2 - t1) / 1000.0)
+            mat.append((t2 - t1m) / 1000.0)
+            com_eng.append((k1 - k0) / 1000.0)
+            com_mat.append((k2 - k1) / 1000.0)
             eng_cpu.append((c1 - c0) / 1000.0)
             mat_cpu.append((c2 - c1) / 1000.0)
             wall, cpu = _floor_us([hidden_buf[:n], *mm.values()])
@@ -513,6 +548,8 @@ def run_scenario(
         materialize_cpu_ratio=mc / mfc if mfc > 0 else float("inf"),
         step_us_p50=_pct(step_sum, 50),
         step_cpu_us_p50=_pct(step_cpu, 50),
+        committer_cpu_engine_us_p50=None if committer_cpu is None else _pct(com_eng, 50),
+        committer_cpu_materialize_us_p50=None if committer_cpu is None else _pct(com_mat, 50),
     )
     result.judge(sc.targets)
     return result
@@ -744,6 +781,12 @@ def format_report(rep: BenchReport) -> str:
             f"(cpu {r.step_cpu_us_p50:.1f} us; p50 of per-step sums)"
             + ("" if r.step_vs_baseline is None else f", {_vs(r.step_vs_baseline)} the baseline's (raw wall)")
         )
+        if r.committer_cpu_engine_us_p50 is not None and r.committer_cpu_materialize_us_p50 is not None:
+            lines.append(
+                f"{'':<13} {r.mode:<8} {'committer':<11} thread cpu inside engine "
+                f"{r.committer_cpu_engine_us_p50:.1f} us, inside materialize "
+                f"{r.committer_cpu_materialize_us_p50:.1f} us (p50; shares the GIL with both)"
+            )
     lines.append("")
     lines.append("targets:")
     for r in rep.results:
