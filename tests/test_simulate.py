@@ -359,6 +359,9 @@ def test_bench_smoke_report_has_fields() -> None:
     assert r["steps"] == 3 and d["mode"] == "eager"
     assert {v["name"] for v in r["verdicts"]} == {"engine us/request", "materialize / floor"}
     assert r["move_floor_us"] >= r["staging_copy_us"] > 0
+    # Every step's sum exceeds each of its parts, so the sums' median exceeds each part's median.
+    assert r["step_us_p50"] > max(r["engine_us_p50"], r["materialize_us_p50"])
+    assert r["step_cpu_us_p50"] > max(r["engine_cpu_us_p50"], r["materialize_cpu_us_p50"])
     assert "decode" in format_report(rep)
 
 
@@ -371,9 +374,18 @@ def test_bench_runs_both_modes_and_compares_with_a_baseline(tmp_path: Any) -> No
     path = tmp_path / "base.json"
     path.write_text(json.dumps(first.to_dict()))
     again = run_bench(["decode_mm4"], iters=2, warmup=1, sweep=False, baseline=str(path))
-    for r in again.results:
+    for r, b in zip(again.results, first.results):
         assert r.engine_vs_baseline is not None and r.engine_vs_baseline > 0
-    assert "against the baseline" in format_report(again)
+        # Only a threaded run has a committer thread whose CPU clock the bench reads.
+        assert (r.committer_cpu_materialize_us_p50 is None) == (r.mode == "eager"), r
+        # The step total is compared as raw wall time with the sum of the baseline's two medians.
+        assert r.step_vs_baseline == pytest.approx(r.step_us_p50 / (b.engine_us_p50 + b.materialize_us_p50))
+        assert r.materialize_wall_vs_baseline == pytest.approx(r.materialize_us_p50 / b.materialize_us_p50)
+        assert r.baseline_materialize_floor_us == pytest.approx(b.materialize_floor_us)
+    report = format_report(again)
+    assert "against the baseline" in report
+    step_verdicts = [line for line in report.splitlines() if line.split()[2:3] == ["engine+materialize"]]
+    assert len(step_verdicts) == 2, report  # one per mode
     path.write_text("{}")
     with pytest.raises(ValueError, match="not a bench --json report"):
         run_bench(["decode_mm4"], iters=1, warmup=0, sweep=False, baseline=str(path))

@@ -25,6 +25,17 @@ Every scenario runs in eager and threaded mode (``--mode``). Targets (issue
 their verdicts; with a baseline file (the previous release's report, kept as
 ``docs/bench_baseline.json``) every row also shows its floor-normalised
 ratio to the baseline's.
+
+Each (scenario, mode) also reports the step total: engine plus materialize
+wall time of the same step (p50 of the per-step sums). In threaded mode the
+committer thread's pass for a step overlaps that step's materialize (the
+bench has no forward pass between steps to hide it behind), and the two
+threads share the GIL, so work moved off the engine thread can show up as
+materialize wall time; the step total is what the engine loop pays for both.
+It is compared with the baseline as raw wall time against the sum of the
+baseline's two medians (the baseline keeps medians, not per-step sums).
+Threaded rows also report the committer thread's CPU time inside each
+timed call (read from its thread CPU clock, where the platform has one).
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ import json
 import os
 import pstats
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -54,6 +66,7 @@ DEFERRED_KEY = "codes.audio"
 BASELINE_PATH = "docs/bench_baseline.json"
 # A scenario may not get slower than the baseline by more than this (floor-normalised).
 BASELINE_SLACK = 1.05
+STEP_SIDE = "engine+materialize"
 
 
 # ---------------------------------------------------------------- scenarios
@@ -300,9 +313,22 @@ class ScenarioResult:
     engine_cpu_ratio: float = 0.0
     materialize_cpu_ratio: float = 0.0
     verdicts: list[TargetVerdict] = field(default_factory=list)
+    # Engine + materialize wall (and calling-thread CPU) of the same step: p50 of the per-step sums.
+    step_us_p50: float = 0.0
+    step_cpu_us_p50: float = 0.0
+    # The committer thread's CPU time inside the engine / materialize calls, p50 per step
+    # (None: no committer thread, or no per-thread CPU clock on this platform).
+    committer_cpu_engine_us_p50: float | None = None
+    committer_cpu_materialize_us_p50: float | None = None
     # Floor-normalised ratio to the baseline report's same row (None: no baseline row).
     engine_vs_baseline: float | None = None
     materialize_vs_baseline: float | None = None
+    # Raw wall ratios to the baseline row's medians (the step total: to the sum of its two medians),
+    # and the baseline's materialize floor, so a floor that moved can be told from a slower call.
+    engine_wall_vs_baseline: float | None = None
+    materialize_wall_vs_baseline: float | None = None
+    step_vs_baseline: float | None = None
+    baseline_materialize_floor_us: float | None = None
 
     def judge(self, targets: tuple[Target, ...]) -> None:
         """Evaluate ``targets`` that apply to this result's mode."""
@@ -348,6 +374,17 @@ def _move_floor_us(
     return (t1 - t0) / 1000.0, (t2 - t0) / 1000.0
 
 
+def _committer_clock(before: set[threading.Thread]) -> Callable[[], int] | None:
+    """The CPU clock (ns) of the committer thread started since ``before``
+    was taken, or None (eager, another manager, no ``pthread_getcpuclockid``)."""
+    started = [t.ident for t in threading.enumerate() if t not in before and "committer" in t.name]
+    ident = started[0] if len(started) == 1 else None
+    if ident is None or not hasattr(time, "pthread_getcpuclockid"):
+        return None
+    clock = time.pthread_getcpuclockid(ident)
+    return lambda: time.clock_gettime_ns(clock)
+
+
 def _returned_rows(outs: Any) -> dict[str, int]:
     rows: dict[str, int] = {}
     if outs.hidden_states is not None:
@@ -380,12 +417,14 @@ def run_scenario(
         staging_capacity_tokens=max(sc.token_budget, max_n),
     )
     view = SimGroupView(sc.block_size)
+    threads_before = set(threading.enumerate())
     if manager_factory is None:
         from omni_prefix_cache.manager import OmniPrefixCacheManager
 
         mgr = OmniPrefixCacheManager(cfg, view, eager=eager)
     else:
         mgr = manager_factory(cfg, view, eager)
+    committer_cpu = _committer_clock(threads_before)
     keys = frozenset({DEFERRED_KEY}) if sc.deferred else frozenset()
     mgr.register_policy(ModelCachePolicy(needs_full_hidden_states=True, deferred_keys=keys))
     gen = torch.Generator().manual_seed(seed)
@@ -412,6 +451,9 @@ def run_scenario(
     mat_cpu: list[float] = []
     eng_floor_cpu: list[float] = []
     mat_floor_cpu: list[float] = []
+    com_eng: list[float] = []
+    com_mat: list[float] = []
+    k0 = k1 = k2 = 0
     reqs = tokens = hit_rows = 0
     gc.collect()
     gc_was = gc.isenabled()
@@ -426,12 +468,22 @@ def run_scenario(
             timed = i >= warmup
             if timed and profiler is not None:
                 profiler.enable()
+            if committer_cpu is not None:
+                k0 = committer_cpu()
             c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
             mgr.new_step_starts(st.output)
             sid = mgr.save_outputs(hidden_buf[:n], mm, num_tokens_unpadded=n, num_tokens_padded=n)
             t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+            if committer_cpu is not None:
+                # Read between the two timed calls: materialize's span starts after it.
+                k1 = committer_cpu()
+                c1, t1m = time.thread_time_ns(), time.perf_counter_ns()
+            else:
+                t1m = t1
             outs = mgr.materialize(sid, st.order)
             t2, c2 = time.perf_counter_ns(), time.thread_time_ns()
+            if committer_cpu is not None:
+                k2 = committer_cpu()
             if timed and profiler is not None:
                 profiler.disable()
             if on_step is not None:
@@ -439,7 +491,9 @@ def run_scenario(
             if not timed:
                 continue
             eng.append((t1 - t0) / 1000.0)
-            mat.append((t2 - t1) / 1000.0)
+            mat.append((t2 - t1m) / 1000.0)
+            com_eng.append((k1 - k0) / 1000.0)
+            com_mat.append((k2 - k1) / 1000.0)
             eng_cpu.append((c1 - c0) / 1000.0)
             mat_cpu.append((c2 - c1) / 1000.0)
             wall, cpu = _floor_us([hidden_buf[:n], *mm.values()])
@@ -461,6 +515,8 @@ def run_scenario(
             gc.enable()
         mgr.shutdown()
     e50, m50 = _pct(eng, 50), _pct(mat, 50)
+    step_sum = [e + m for e, m in zip(eng, mat)]
+    step_cpu = [e + m for e, m in zip(eng_cpu, mat_cpu)]
     ef, mf = _pct(eng_floor, 50), _pct(mat_floor, 50)
     ec, mc = _pct(eng_cpu, 50), _pct(mat_cpu, 50)
     efc, mfc = _pct(eng_floor_cpu, 50), _pct(mat_floor_cpu, 50)
@@ -490,6 +546,10 @@ def run_scenario(
         materialize_cpu_us_p50=mc,
         engine_cpu_ratio=ec / efc if efc > 0 else float("inf"),
         materialize_cpu_ratio=mc / mfc if mfc > 0 else float("inf"),
+        step_us_p50=_pct(step_sum, 50),
+        step_cpu_us_p50=_pct(step_cpu, 50),
+        committer_cpu_engine_us_p50=None if committer_cpu is None else _pct(com_eng, 50),
+        committer_cpu_materialize_us_p50=None if committer_cpu is None else _pct(com_mat, 50),
     )
     result.judge(sc.targets)
     return result
@@ -516,10 +576,16 @@ class BenchReport:
         return None if self.sweep_spread is None else self.sweep_spread <= self.sweep_target
 
     def baseline_verdicts(self) -> list[tuple[ScenarioResult, str, float, bool]]:
-        """(row, side, ratio to baseline, within slack) for every row the baseline has."""
+        """(row, side, ratio to baseline, within slack) for every row the baseline has: engine and
+        materialize floor-normalised, the step total (``engine+materialize``) as raw wall time."""
         out = []
         for r in self.results:
-            for side, ratio in (("engine", r.engine_vs_baseline), ("materialize", r.materialize_vs_baseline)):
+            sides = (
+                ("engine", r.engine_vs_baseline),
+                ("materialize", r.materialize_vs_baseline),
+                (STEP_SIDE, r.step_vs_baseline),
+            )
+            for side, ratio in sides:
                 if ratio is not None:
                     out.append((r, side, ratio, ratio <= self.baseline_slack))
         return out
@@ -553,18 +619,29 @@ class BenchReport:
 
 def load_baseline(path: str) -> dict[tuple[str, str], dict[str, float]]:
     """(scenario, mode) -> the baseline row's ``engine_ratio`` / ``materialize_ratio``
-    (floor-normalised, so they compare across runs better than raw times).
-    Raises ValueError naming the file when it is not a bench ``--json`` report."""
+    (floor-normalised, so they compare across runs better than raw times) and
+    its raw medians and materialize floor (``*_us``). Raises ValueError naming
+    the file when it is not a bench ``--json`` report."""
     try:
         with open(path) as f:
             data = json.load(f)
         rows = data["results"]
         return {
-            (r["name"], r["mode"]): {"engine": float(r["engine_ratio"]), "materialize": float(r["materialize_ratio"])}
+            (r["name"], r["mode"]): {
+                "engine": float(r["engine_ratio"]),
+                "materialize": float(r["materialize_ratio"]),
+                "engine_us": float(r["engine_us_p50"]),
+                "materialize_us": float(r["materialize_us_p50"]),
+                "materialize_floor_us": float(r["materialize_floor_us"]),
+            }
             for r in rows
         }
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"baseline {path}: not a bench --json report ({exc})") from exc
+
+
+def _over(value: float, base: float) -> float | None:
+    return value / base if base > 0 else None
 
 
 def run_bench(
@@ -621,6 +698,10 @@ def run_bench(
             if row is not None:
                 r.engine_vs_baseline = r.engine_ratio / row["engine"] if row["engine"] > 0 else None
                 r.materialize_vs_baseline = r.materialize_ratio / row["materialize"] if row["materialize"] > 0 else None
+                r.engine_wall_vs_baseline = _over(r.engine_us_p50, row["engine_us"])
+                r.materialize_wall_vs_baseline = _over(r.materialize_us_p50, row["materialize_us"])
+                r.step_vs_baseline = _over(r.step_us_p50, row["engine_us"] + row["materialize_us"])
+                r.baseline_materialize_floor_us = row["materialize_floor_us"]
     sweep_results: list[ScenarioResult] = []
     spread = cpu_spread = None
     if sweep:
@@ -649,6 +730,20 @@ def _verdict(met: bool | None) -> str:
 
 def _vs(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _raw_note(r: ScenarioResult, side: str) -> str:
+    """The raw wall ratio behind a floor-normalised baseline verdict (and, for
+    materialize, both floors: a floor the committer thread slowed in one run
+    moves the normalised ratio without the call changing)."""
+    if side == "engine" and r.engine_wall_vs_baseline is not None:
+        return f" (raw wall {_vs(r.engine_wall_vs_baseline)})"
+    if side == "materialize" and r.materialize_wall_vs_baseline is not None:
+        floors = ""
+        if r.baseline_materialize_floor_us is not None:
+            floors = f"; floor {r.materialize_floor_us:.0f} us here, {r.baseline_materialize_floor_us:.0f} us there"
+        return f" (raw wall {_vs(r.materialize_wall_vs_baseline)}{floors})"
+    return ""
 
 
 def format_report(rep: BenchReport) -> str:
@@ -681,6 +776,17 @@ def format_report(rep: BenchReport) -> str:
             f"{'':<13} {r.mode:<8} {'floors':<11} staging copy {r.staging_copy_us:.1f} us, "
             f"staging copy + pool index_copy_ {r.move_floor_us:.1f} us"
         )
+        lines.append(
+            f"{'':<13} {r.mode:<8} {'step total':<11} engine + materialize {r.step_us_p50:.1f} us "
+            f"(cpu {r.step_cpu_us_p50:.1f} us; p50 of per-step sums)"
+            + ("" if r.step_vs_baseline is None else f", {_vs(r.step_vs_baseline)} the baseline's (raw wall)")
+        )
+        if r.committer_cpu_engine_us_p50 is not None and r.committer_cpu_materialize_us_p50 is not None:
+            lines.append(
+                f"{'':<13} {r.mode:<8} {'committer':<11} thread cpu inside engine "
+                f"{r.committer_cpu_engine_us_p50:.1f} us, inside materialize "
+                f"{r.committer_cpu_materialize_us_p50:.1f} us (p50; shares the GIL with both)"
+            )
     lines.append("")
     lines.append("targets:")
     for r in rep.results:
@@ -705,9 +811,13 @@ def format_report(rep: BenchReport) -> str:
         )
     if rep.baseline:
         lines.append("")
-        lines.append(f"against the baseline {rep.baseline} (floor-normalised; target <= {rep.baseline_slack:.2f}x):")
+        lines.append(
+            f"against the baseline {rep.baseline} (engine, materialize: floor-normalised, raw wall and floors in "
+            f"brackets; {STEP_SIDE}: raw wall per step against the sum of the baseline's two medians; "
+            f"target <= {rep.baseline_slack:.2f}x):"
+        )
         for r, side, ratio, ok in rep.baseline_verdicts():
-            lines.append(f"  {r.name:<13} {r.mode:<8} {side:<11} {ratio:.2f}x: {_verdict(ok)}")
+            lines.append(f"  {r.name:<13} {r.mode:<8} {side:<18} {ratio:.2f}x: {_verdict(ok)}{_raw_note(r, side)}")
     lines.append("all targets met" if rep.all_met else "some targets MISSED")
     return "\n".join(lines)
 
