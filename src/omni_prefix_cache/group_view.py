@@ -11,12 +11,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from itertools import accumulate, repeat
+from itertools import repeat
 from typing import Any, cast
 
+import numpy as np
 import torch
 
-from omni_prefix_cache.index_tensors import int64_tensor
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, PrefixCacheConfig, ReqId
 from omni_prefix_cache.protocols import InputBatchLike
 
@@ -118,27 +118,20 @@ class FullAttentionGroupView:
             missing = req_ids[found.index(None)]
             raise OmniPrefixCacheUnmatchError(f"group view: request {missing!r} is not in the input batch")
         rows = cast("list[int]", found)
-        table = self._table()
-        width = int(table.shape[1])
-        row_t = int64_tensor(rows)
-        start_t = self._computed_tokens().index_select(0, row_t).to(torch.int64)
+        # Index math in numpy: vLLM keeps these tables as numpy arrays, and a
+        # numpy op on a few hundred ints costs a fraction of a torch op.
+        row_np = np.array(rows, dtype=np.int64)
+        starts = self._computed_tokens()[row_np].astype(np.int64)
         if len(rows) == 1:
-            start, n = int(start_t[0]), counts[0]
-            positions = torch.arange(start, start + n, dtype=torch.int64)
-            return self._gather(table, int(rows[0]) * width, positions, (start + n - 1) // self.block_size >= width)
+            start = int(starts[0])
+            return self._gather(rows[0], np.arange(start, start + counts[0], dtype=np.int64))
         if counts.count(1) == len(counts):  # decode: one token per request, at its computed count
-            return self._gather(table, row_t.mul_(width), start_t, None)
-        # Per token: its position (request start + index in the request) and
-        # its row's flat base in the table. Both are constant per request,
-        # so each is a cumulative sum of its jumps at the request's first
-        # token (not repeat_interleave: see index_tensors.per_row).
-        total = sum(counts)
-        first_token = int64_tensor(list(accumulate(counts, initial=0))[:-1])
-        per_request = torch.stack([start_t.sub_(first_token), row_t.mul_(width)])
-        jumps = torch.diff(per_request, dim=1, prepend=per_request.new_zeros((2, 1)))
-        per_token = torch.zeros((2, total), dtype=torch.int64).index_copy_(1, first_token, jumps).cumsum_(1)
-        positions = per_token[0].add_(torch.arange(total, dtype=torch.int64))
-        return self._gather(table, per_token[1], positions, None)
+            return self._gather(row_np, starts)
+        # Per token: its request's row and its position (request start + index in the request).
+        counts_np = np.array(counts, dtype=np.int64)
+        first_token = np.cumsum(counts_np) - counts_np
+        positions = np.arange(int(counts_np.sum()), dtype=np.int64) + np.repeat(starts - first_token, counts_np)
+        return self._gather(np.repeat(row_np, counts_np), positions)
 
     def slots_for(self, req_id: ReqId, token_start: int, token_end: int) -> torch.Tensor:
         """Slot ids of ``req_id``'s positions ``[token_start, token_end)`` (1-D int64)."""
@@ -147,45 +140,37 @@ class FullAttentionGroupView:
         row = self._input_batch.req_id_to_index.get(req_id)
         if row is None:
             raise OmniPrefixCacheUnmatchError(f"group view: request {req_id!r} is not in the input batch")
+        return self._gather(int(row), np.arange(int(token_start), int(token_end), dtype=np.int64))
+
+    def _computed_tokens(self) -> np.ndarray:
+        # vLLM keeps a numpy array here (a tensor is viewed, not copied).
+        return np.asarray(self._input_batch.num_computed_tokens_cpu)
+
+    def _table(self) -> np.ndarray:
+        # vLLM's table is a CPU tensor; its numpy view shares the memory.
+        table = self._group.block_table.cpu
+        return table.numpy() if isinstance(table, torch.Tensor) else np.asarray(table)
+
+    def _gather(self, rows: np.ndarray | int, positions: np.ndarray) -> torch.Tensor:
+        """``table[row, pos // bs] * bs + pos % bs`` per token (``rows``: one
+        row, or one per token), as a 1-D int64 tensor. Positions past the
+        table's last column are dropped."""
         table = self._table()
         width = int(table.shape[1])
-        positions = torch.arange(int(token_start), int(token_end), dtype=torch.int64)
-        return self._gather(table, int(row) * width, positions, (int(token_end) - 1) // self.block_size >= width)
-
-    def _computed_tokens(self) -> torch.Tensor:
-        # vLLM keeps a numpy array here; as_tensor shares its memory.
-        return torch.as_tensor(self._input_batch.num_computed_tokens_cpu)
-
-    def _table(self) -> torch.Tensor:
-        table = self._group.block_table.cpu
-        table = table if isinstance(table, torch.Tensor) else torch.as_tensor(table)
-        # vLLM's table is contiguous; a strided one is copied so one flat gather serves.
-        return table if table.is_contiguous() else table.contiguous()
-
-    def _gather(
-        self, table: torch.Tensor, row_base: torch.Tensor | int, positions: torch.Tensor, overflow: bool | None
-    ) -> torch.Tensor:
-        """``table[row, pos // bs] * bs + pos % bs`` per token, where ``row_base``
-        is ``row * width`` (one int, or one per token). Positions past the last
-        column are dropped when ``overflow`` says some may be (None: look)."""
         shift = self._shift
-        if shift is not None:
-            columns = positions >> shift
-        else:
-            columns = torch.div(positions, self.block_size, rounding_mode="floor")
-        if overflow is None:
-            overflow = int(columns.max()) >= int(table.shape[1])
-        if overflow:
-            inside = columns < int(table.shape[1])
+        columns = positions >> shift if shift is not None else positions // self.block_size
+        if int(columns.max()) >= width:
+            inside = columns < width
             positions, columns = positions[inside], columns[inside]
-            if isinstance(row_base, torch.Tensor):
-                row_base = row_base[inside]
-            if positions.numel() == 0:
+            if not isinstance(rows, int):
+                rows = rows[inside]
+            if positions.size == 0:
                 return _empty_slots()
-        block_ids = table.view(-1).index_select(0, columns.add_(row_base))
-        # offset + block * bs in one op; int64 from the (int64) offsets whatever the table's dtype.
         offsets = positions & (self.block_size - 1) if shift is not None else positions % self.block_size
-        return torch.add(offsets, block_ids, alpha=self.block_size)
+        slots = table[rows, columns].astype(np.int64)
+        slots *= self.block_size
+        slots += offsets
+        return torch.from_numpy(slots)
 
 
 def _type_names(obj: Any) -> set[str]:
