@@ -6,7 +6,8 @@ Each pool key has three tables with one row per KV slot: ``state`` (int8, a
 applied to a whole slot tensor at once: the source states are gathered, the
 spec's move table says where each group goes, guards filter rows and effects
 run once per source-state group. Nothing here loops over slots in Python on
-the common path.
+the common path. Moves work on numpy views of the tables (the same memory):
+a numpy op on a step's few hundred slots costs a fraction of a torch op.
 
 Threading: a ``SlotOccupancy`` has no lock of its own. The manager calls it
 under its state lock only (the hooks it installs run under that lock too).
@@ -18,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, TensorName, Tid
@@ -38,8 +40,8 @@ class SlotGroup(NamedTuple):
     """
 
     key: TensorName
-    slots: torch.Tensor  # int64 KV slot ids
-    owners: torch.Tensor  # int64 tids, same length as slots
+    slots: np.ndarray  # int64 KV slot ids
+    owners: np.ndarray  # int64 tids, same length as slots
 
 
 @dataclass(eq=False)
@@ -51,48 +53,57 @@ class KeySlots:
     slot_version: torch.Tensor  # int64, +1 per reuse of a committed slot
 
 
+class _KeyArrays(NamedTuple):
+    """Numpy views of one key's tables (the moves write through them)."""
+
+    state: np.ndarray
+    tids: np.ndarray
+    slot_version: np.ndarray
+
+
 # ------------------------------------------------------------ spec handlers
 # Signature (occupancy, group). Guards return a bool mask over the group's
 # rows; effects mutate the tables or call the occupancy's hooks.
 
 
-def _owned_by_writer(occ: SlotOccupancy, group: SlotGroup) -> torch.Tensor:
-    return occ._keys[group.key].tids.index_select(0, group.slots) == group.owners
+def _owned_by_writer(occ: SlotOccupancy, group: SlotGroup) -> np.ndarray:
+    owned: np.ndarray = occ._arrays[group.key].tids[group.slots] == group.owners
+    return owned
 
 
 def _set_owner(occ: SlotOccupancy, group: SlotGroup) -> None:
-    occ._keys[group.key].tids.index_copy_(0, group.slots, group.owners)
+    occ._arrays[group.key].tids[group.slots] = group.owners
 
 
 def _clear_owner(occ: SlotOccupancy, group: SlotGroup) -> None:
-    occ._keys[group.key].tids.index_fill_(0, group.slots, _NO_OWNER)
+    occ._arrays[group.key].tids[group.slots] = _NO_OWNER
 
 
 def _bump_version(occ: SlotOccupancy, group: SlotGroup) -> None:
     # Gather-add-scatter: a slot listed twice in one map is still one reuse
     # (its copies all write the same bumped value).
-    versions = occ._keys[group.key].slot_version
-    versions.index_copy_(0, group.slots, versions.index_select(0, group.slots).add_(1))
+    versions = occ._arrays[group.key].slot_version
+    versions[group.slots] = versions[group.slots] + 1
 
 
 def _reassign_from_old_owner(occ: SlotOccupancy, group: SlotGroup) -> None:
     # Runs before set_owner (spec order), so `tids` still names the old owner.
-    old = occ._keys[group.key].tids.index_select(0, group.slots)
+    old = occ._arrays[group.key].tids[group.slots]
     taken = old != group.owners  # a task remapping its own slot loses nothing
-    if not bool(taken.any()):
+    if not taken.any():
         return
     old, slots = old[taken], group.slots[taken]
     hook = occ.on_reassign
     if hook is None:
         return
     for tid in dict.fromkeys(old.tolist()):  # usually one or two owners
-        hook(int(tid), group.key, slots[old == tid])
+        hook(int(tid), group.key, torch.from_numpy(slots[old == tid]))
 
 
 def _preserve_pending_reads(occ: SlotOccupancy, group: SlotGroup) -> None:
     hook = occ.on_reuse
     if hook is not None:
-        hook(group.key, group.slots)
+        hook(group.key, torch.from_numpy(group.slots))
 
 
 SLOT_MACHINE = compile_machine(
@@ -143,9 +154,9 @@ ReassignHook = Callable[[Tid, TensorName, torch.Tensor], None]
 ReuseHook = Callable[[TensorName, torch.Tensor], None]
 
 
-def _describe(slots: torch.Tensor) -> str:
+def _describe(slots: torch.Tensor | np.ndarray) -> str:
     listed = slots[:_MAX_LISTED].tolist()
-    more = int(slots.numel()) - len(listed)
+    more = int(slots.size if isinstance(slots, np.ndarray) else slots.numel()) - len(listed)
     return f"{listed}" + (f" (+{more} more)" if more > 0 else "")
 
 
@@ -169,6 +180,7 @@ class SlotOccupancy:
         self.on_reassign = on_reassign
         self.on_reuse = on_reuse
         self._keys: dict[TensorName, KeySlots] = {}
+        self._arrays: dict[TensorName, _KeyArrays] = {}
         self.state: dict[TensorName, torch.Tensor] = {}
         n_states = len(SlotState)
         # Slot tenancy (the spec's `take_tenancy` coupling): the triggers a
@@ -199,6 +211,7 @@ class SlotOccupancy:
                 slot_version=torch.zeros((self.num_slots,), dtype=torch.int64),
             )
             self._keys[key] = table
+            self._arrays[key] = _KeyArrays(table.state.numpy(), table.tids.numpy(), table.slot_version.numpy())
             self.state[key] = table.state
         return table
 
@@ -239,30 +252,31 @@ class SlotOccupancy:
         return self._apply(trigger, key, self._as_slots(key, slots), owners, where_enabled)
 
     def _apply(
-        self, trigger: str, key: TensorName, slots: torch.Tensor, owners: torch.Tensor | int, where_enabled: bool
+        self, trigger: str, key: TensorName, slots: np.ndarray, owners: torch.Tensor | int, where_enabled: bool
     ) -> int:
         """``apply`` over slots already checked by ``_as_slots``."""
-        table = self.get_slot_status(key)
+        self.get_slot_status(key)
+        state = self._arrays[key].state
         moves = self._moves.get(trigger)
         if moves is None:
             raise OmniPrefixCacheUnmatchError(f"slot occupancy: unknown trigger {trigger!r} for key {key!r}")
-        n = int(slots.numel())
+        n = int(slots.size)
         if n == 0:
             return 0
-        owners = self._as_owners(owners, n)
-        src = table.state.index_select(0, slots)
+        owner_rows = self._as_owners(owners, n)
+        src = state[slots]
         moved = 0
-        for move, group in self._groups(key, trigger, moves, src, slots, owners, where_enabled):
+        for move, group in self._groups(key, trigger, moves, src, slots, owner_rows, where_enabled):
             for guard in move.guards:
                 ok = guard(self, group)
-                if not bool(ok.all()):
+                if not ok.all():
                     group = SlotGroup(key, group.slots[ok], group.owners[ok])
-            if group.slots.numel() == 0:
+            if group.slots.size == 0:
                 continue
-            table.state.index_fill_(0, group.slots, int(move.dest))
+            state[group.slots] = int(move.dest)
             for effect in move.effects:
                 effect(self, group)
-            moved += int(group.slots.numel())
+            moved += int(group.slots.size)
         return moved
 
     def _groups(
@@ -270,32 +284,32 @@ class SlotOccupancy:
         key: TensorName,
         trigger: str,
         moves: tuple[CompiledMove | None, ...],
-        src: torch.Tensor,
-        slots: torch.Tensor,
-        owners: torch.Tensor,
+        src: np.ndarray,
+        slots: np.ndarray,
+        owners: np.ndarray,
         where_enabled: bool,
     ) -> list[tuple[CompiledMove, SlotGroup]]:
         """Split rows by source state, raising first (unless
         ``where_enabled``) if any row is in a state without the move. Every
         group is cut from the state snapshot taken before any group moves,
-        so a group's move never re-routes another group's rows. A few tensor
+        so a group's move never re-routes another group's rows. A few array
         ops whatever the number of groups: one stable sort by state, then
         views per state."""
-        lo_t, hi_t = torch.aminmax(src)
-        lo, hi = int(lo_t), int(hi_t)
+        lo, hi = int(src.min()), int(src.max())
         if lo == hi:  # the common case: every row starts in one state
             if not where_enabled and lo in self._illegal[trigger]:
                 self._refuse(key, trigger, lo, slots)
             move = moves[lo]
             return [] if move is None else [(move, SlotGroup(key, slots, owners))]
-        counts: list[int] = torch.bincount(src, minlength=len(moves)).tolist()
+        counts: list[int] = np.bincount(src, minlength=len(moves)).tolist()
         if not where_enabled:
             for bad in self._illegal[trigger]:
                 if counts[bad]:
                     self._refuse(key, trigger, bad, slots[src == bad])
-        order = torch.argsort(src, stable=True)  # stable: a slot listed twice keeps its row order
-        slot_parts = slots.index_select(0, order).split(counts)
-        owner_parts = owners.index_select(0, order).split(counts)
+        order = np.argsort(src, kind="stable")  # stable: a slot listed twice keeps its row order
+        cuts = np.cumsum(counts)[:-1]
+        slot_parts = np.split(slots[order], cuts)
+        owner_parts = np.split(owners[order], cuts)
         return [
             (move, SlotGroup(key, slot_parts[state], owner_parts[state]))
             for state, move in enumerate(moves)
@@ -303,7 +317,7 @@ class SlotOccupancy:
         ]
 
     @staticmethod
-    def _refuse(key: TensorName, trigger: str, state: int, slots: torch.Tensor) -> None:
+    def _refuse(key: TensorName, trigger: str, state: int, slots: np.ndarray) -> None:
         raise OmniPrefixCacheUnmatchError(
             f"slot occupancy {key!r}: {trigger} is illegal from {SlotState(state).name} "
             f"for slots {_describe(slots)} (spec slot_occupancy)"
@@ -332,12 +346,12 @@ class SlotOccupancy:
         # One check of the slots for every key's move (named after the key
         # moved first, as a per-key check would be).
         self.get_slot_status(first)
-        slots = self._as_slots(first, slots)
+        rows = self._as_slots(first, slots)
         for key, owners in writes.items():
-            self._apply(self._tenant_writes, key, slots, owners, False)
+            self._apply(self._tenant_writes, key, rows, owners, False)
         for key in self._keys:
             if key not in writes:
-                self._apply(self._tenant_others, key, slots, _NO_OWNER, False)
+                self._apply(self._tenant_others, key, rows, _NO_OWNER, False)
 
     def commit(self, key: TensorName, slots: torch.Tensor, writers: torch.Tensor | int) -> int:
         """Strict ``commit``: every row must be IN_TRANSIT (else raises);
@@ -390,33 +404,31 @@ class SlotOccupancy:
 
     # ------------------------------------------------------------ helpers
 
-    def _as_slots(self, key: TensorName, slots: torch.Tensor) -> torch.Tensor:
+    def _as_slots(self, key: TensorName, slots: torch.Tensor) -> np.ndarray:
+        """The slots as a 1-D int64 array (a view of a CPU int64 tensor);
+        raises naming the key for non-integer or out-of-range slots."""
         if not isinstance(slots, torch.Tensor):
             slots = torch.as_tensor(slots, dtype=torch.int64)
         if slots.dtype != torch.int64:
             if slots.dtype.is_floating_point or slots.dtype == torch.bool:
                 raise OmniPrefixCacheUnmatchError(f"slot occupancy {key!r}: slots must be integers, got {slots.dtype}")
             slots = slots.to(torch.int64)
-        if slots.ndim != 1:
-            slots = slots.reshape(-1)
-        if slots.numel():
-            lo_t, hi_t = torch.aminmax(slots)
-            lo, hi = int(lo_t), int(hi_t)
+        rows = slots.detach().cpu().numpy().reshape(-1)
+        if rows.size:
+            lo, hi = int(rows.min()), int(rows.max())
             if lo < 0 or hi >= self.num_slots:
-                bad = slots[(slots < 0) | (slots >= self.num_slots)]
+                bad = rows[(rows < 0) | (rows >= self.num_slots)]
                 raise OmniPrefixCacheUnmatchError(
                     f"slot occupancy {key!r}: slots {_describe(bad)} outside [0, {self.num_slots})"
                 )
-        return slots
+        return rows
 
     @staticmethod
-    def _as_owners(owners: torch.Tensor | int, n: int) -> torch.Tensor:
+    def _as_owners(owners: torch.Tensor | int, n: int) -> np.ndarray:
         if isinstance(owners, torch.Tensor):
             if owners.numel() == 1 and n != 1:
-                return torch.full((n,), int(owners.reshape(())), dtype=torch.int64)
+                return np.full(n, int(owners.reshape(())), dtype=np.int64)
             if int(owners.numel()) != n:
                 raise OmniPrefixCacheUnmatchError(f"slot occupancy: {owners.numel()} owners for {n} slots")
-            if owners.dtype != torch.int64:
-                owners = owners.to(torch.int64)
-            return owners if owners.ndim == 1 else owners.reshape(-1)
-        return torch.full((n,), int(owners), dtype=torch.int64)
+            return owners.detach().cpu().numpy().astype(np.int64, copy=False).reshape(-1)
+        return np.full(n, int(owners), dtype=np.int64)
