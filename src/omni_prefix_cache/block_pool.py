@@ -199,8 +199,8 @@ class PrefixBlockPool:
     def _check_range(self, key: TensorName, index: torch.Tensor) -> None:
         if index.numel() == 0:
             return
-        lo, hi = torch.aminmax(index)
-        if int(lo) >= 0 and int(hi) < self._num_slots:
+        rows = index.numpy()  # a CPU int64 index (``_index``): two numpy reductions
+        if int(rows.min()) >= 0 and int(rows.max()) < self._num_slots:
             return
         bad = index[(index < 0) | (index >= self._num_slots)]
         shown = bad[:8].tolist()

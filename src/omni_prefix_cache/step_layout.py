@@ -230,8 +230,9 @@ class StepLayout:
             raise OmniPrefixCacheInvalidArgumentError(
                 f"save_outputs (step {sid}): slot mapping {got} does not cover the step's {n} tokens"
             )
-        slots = slots.to(torch.int64)
-        if n and (int(slots.min()) < 0 or int(slots.max()) >= self._pool.num_slots):
+        slots = slots.to("cpu", torch.int64)
+        rows = slots.numpy()  # the range check in numpy: two reductions for a few µs
+        if n and (int(rows.min()) < 0 or int(rows.max()) >= self._pool.num_slots):
             bad = slots[(slots < 0) | (slots >= self._pool.num_slots)]
             raise OmniPrefixCacheInvalidArgumentError(
                 f"save_outputs (step {sid}): slots {listed(bad)} outside [0, {self._pool.num_slots})"
