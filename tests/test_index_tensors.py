@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from omni_prefix_cache.index_tensors import int64_tensor, per_row
+from omni_prefix_cache.index_tensors import int64_tensor, out_of_range, per_row
 from omni_prefix_cache.materializer import gather_index
 
 
@@ -23,3 +24,9 @@ def test_gather_index_lists_each_range_in_order(ranges: list[tuple[int, int]]) -
     starts, sizes = [s for s, _ in ranges], [k for _, k in ranges]
     want = [row for s, k in ranges for row in range(s, s + k)]
     assert gather_index(starts, sizes).tolist() == want
+
+
+@given(st.integers(1, 50), st.lists(st.integers(-(2**62), 2**62), max_size=12), st.integers(1, 3))
+def test_out_of_range_is_any_negative_or_too_large(n: int, rows: list[int], stride: int) -> None:
+    arr = np.array(rows * 2, dtype=np.int64)[::stride]  # strided views read the same
+    assert out_of_range(arr, n) is any(r < 0 or r >= n for r in (rows * 2)[::stride])

@@ -21,6 +21,7 @@ import mmap
 import torch
 
 from omni_prefix_cache import sync
+from omni_prefix_cache.index_tensors import out_of_range
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, PrefixCacheConfig, TensorName
 
 logger = logging.getLogger(__name__)
@@ -199,8 +200,7 @@ class PrefixBlockPool:
     def _check_range(self, key: TensorName, index: torch.Tensor) -> None:
         if index.numel() == 0:
             return
-        rows = index.numpy()  # a CPU int64 index (``_index``): two numpy reductions
-        if int(rows.min()) >= 0 and int(rows.max()) < self._num_slots:
+        if not out_of_range(index.numpy(), self._num_slots):  # a CPU int64 index (``_index``)
             return
         bad = index[(index < 0) | (index >= self._num_slots)]
         shown = bad[:8].tolist()

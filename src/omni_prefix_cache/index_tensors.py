@@ -17,6 +17,12 @@ def int64_tensor(values: list[int]) -> torch.Tensor:
     return torch.frombuffer(array("q", values), dtype=torch.int64)
 
 
+def out_of_range(rows: np.ndarray, n: int) -> bool:
+    """True if an int64 row id is negative or ``>= n``: one reduction (a
+    negative id seen as unsigned is above any ``n``)."""
+    return bool(rows.size) and int(np.maximum.reduce(rows.view(np.uint64), axis=None)) >= n
+
+
 def per_row(values: list[int], counts: list[int]) -> torch.Tensor:
     """``values[i]`` repeated ``counts[i]`` times, as int64 (a count may be 0).
 

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from omni_prefix_cache.index_tensors import out_of_range
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, TensorName, Tid
 from omni_prefix_cache.spec_types.slot_occupancy import SlotState as SlotState  # re-exported
 from omni_prefix_cache.specs import CompiledMove, compile_machine, load_spec
@@ -295,13 +296,13 @@ class SlotOccupancy:
         so a group's move never re-routes another group's rows. A few array
         ops whatever the number of groups: one stable sort by state, then
         views per state."""
-        lo, hi = int(src.min()), int(src.max())
-        if lo == hi:  # the common case: every row starts in one state
-            if not where_enabled and lo in self._illegal[trigger]:
-                self._refuse(key, trigger, lo, slots)
-            move = moves[lo]
-            return [] if move is None else [(move, SlotGroup(key, slots, owners))]
         counts: list[int] = np.bincount(src, minlength=len(moves)).tolist()
+        if max(counts) == len(src):  # the common case: every row starts in one state
+            state = counts.index(len(src))
+            if not where_enabled and state in self._illegal[trigger]:
+                self._refuse(key, trigger, state, slots)
+            move = moves[state]
+            return [] if move is None else [(move, SlotGroup(key, slots, owners))]
         if not where_enabled:
             for bad in self._illegal[trigger]:
                 if counts[bad]:
@@ -414,13 +415,11 @@ class SlotOccupancy:
                 raise OmniPrefixCacheUnmatchError(f"slot occupancy {key!r}: slots must be integers, got {slots.dtype}")
             slots = slots.to(torch.int64)
         rows = slots.detach().cpu().numpy().reshape(-1)
-        if rows.size:
-            lo, hi = int(rows.min()), int(rows.max())
-            if lo < 0 or hi >= self.num_slots:
-                bad = rows[(rows < 0) | (rows >= self.num_slots)]
-                raise OmniPrefixCacheUnmatchError(
-                    f"slot occupancy {key!r}: slots {_describe(bad)} outside [0, {self.num_slots})"
-                )
+        if out_of_range(rows, self.num_slots):
+            bad = rows[(rows < 0) | (rows >= self.num_slots)]
+            raise OmniPrefixCacheUnmatchError(
+                f"slot occupancy {key!r}: slots {_describe(bad)} outside [0, {self.num_slots})"
+            )
         return rows
 
     @staticmethod

@@ -25,6 +25,7 @@ import torch
 from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.controller import OmniPrefixCacheController
 from omni_prefix_cache.copy_engine import CudaRuntime
+from omni_prefix_cache.index_tensors import out_of_range
 from omni_prefix_cache.interface import (
     HIDDEN_KEY,
     ModelCachePolicy,
@@ -231,8 +232,7 @@ class StepLayout:
                 f"save_outputs (step {sid}): slot mapping {got} does not cover the step's {n} tokens"
             )
         slots = slots.to("cpu", torch.int64)
-        rows = slots.numpy()  # the range check in numpy: two reductions for a few µs
-        if n and (int(rows.min()) < 0 or int(rows.max()) >= self._pool.num_slots):
+        if out_of_range(slots.numpy(), self._pool.num_slots):
             bad = slots[(slots < 0) | (slots >= self._pool.num_slots)]
             raise OmniPrefixCacheInvalidArgumentError(
                 f"save_outputs (step {sid}): slots {listed(bad)} outside [0, {self._pool.num_slots})"
