@@ -251,6 +251,8 @@ WRITE_TASK_MACHINE = compile_machine(
     },
     state_enum=TaskState,
 )
+# The host_ready move from each state (mark_host_ready runs once per write).
+_HOST_READY = WRITE_TASK_MACHINE.by_state("host_ready")
 # States in which a task still accepts chunks (the spec's accepts_chunks tag).
 _ACCEPTS_CHUNKS = WRITE_TASK_MACHINE.tagged("accepts_chunks")
 
@@ -432,7 +434,10 @@ class WriteTask:
         if self.step_d2h_event is not None:
             self.step_d2h_event.synchronize()
         with self.lock:
-            self._move_locked(TaskState.HOST_READY)
+            move = _HOST_READY[self.state]
+            if move is None:
+                raise illegal_move(self, TaskState.HOST_READY)
+            self._apply_locked(move, False)
 
     def mark_failed(self, *, defer_wake: bool = False) -> bool:
         """Any non-terminal state -> FAILED. False if already terminal.
