@@ -197,10 +197,13 @@ class ControllerBinding:
             for task in tasks:
                 fire(task)
 
+        # A batched operation's entry check: one table lookup per task.
         if role == "position":
-            # A batched operation's entry check: one table lookup per task.
             queues = self._queues
             return (lambda tasks: queues.enabled_many(tasks, trigger)), fire_many
+        if role == "task":
+            moves = WRITE_TASK_MACHINE.by_state(trigger)
+            return (lambda tasks: [moves[t.state] is not None for t in tasks]), fire_many
         return (lambda tasks: [bool(enabled(t)) for t in tasks]), fire_many
 
     @staticmethod
