@@ -17,12 +17,11 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from itertools import accumulate
 from typing import Any
 
+import numpy as np
 import torch
 
-from omni_prefix_cache.index_tensors import int64_tensor
 from omni_prefix_cache.interface import (
     ModelCachePolicy,
     OmniPrefixCacheInvalidArgumentError,
@@ -81,7 +80,6 @@ class HitPlanner:
     ) -> None:
         self._config = config
         self._block_size = int(config.block_size)
-        self._offsets = torch.arange(self._block_size, dtype=torch.int64)  # a block's slots, from its first
         self._occupancy = occupancy
         self._reads = reads
         self.prefetch = prefetch
@@ -89,7 +87,7 @@ class HitPlanner:
         self._policy = policy
         self._is_closed = is_closed
         self.pending: dict[ReqId, PendingHit] = {}
-        self._marks: torch.Tensor | None = None  # all False over the pool's slots between overlaps() calls
+        self._marks: np.ndarray | None = None  # all False over the pool's slots between overlaps() calls
 
     def hit_blocks(self, rid: ReqId, computed: int, block_ids: Any) -> list[int]:
         """Validate a hit and return its group-0 prefix block ids. Raises
@@ -129,9 +127,18 @@ class HitPlanner:
 
     def block_slots(self, blocks: list[int]) -> torch.Tensor:
         """The KV slot ids of ``blocks``, in order."""
+        return self.block_slots_many([blocks])[0]
+
+    def block_slots_many(self, hits: list[list[int]]) -> list[torch.Tensor]:
+        """``block_slots`` of several block lists at once (numpy: a few ops
+        for all of them, each result a view of one array)."""
+        if not hits:
+            return []
         bs = self._block_size
-        base = int64_tensor(blocks).mul_(bs).unsqueeze(1)
-        return base.add(self._offsets).reshape(-1)
+        every = np.fromiter((b for blocks in hits for b in blocks), dtype=np.int64)
+        slots = np.add.outer(every * bs, np.arange(bs, dtype=np.int64)).reshape(-1)
+        cuts = np.cumsum([len(blocks) * bs for blocks in hits])[:-1]
+        return [torch.from_numpy(part) for part in np.split(slots, cuts)]
 
     def candidates(
         self,
@@ -162,12 +169,15 @@ class HitPlanner:
         """Make each validated ``(req_id, computed, blocks)`` the request's
         pending hit, dropping an older one (new_step_starts, state lock)."""
         new_hits: list[PendingHit] = []
-        for rid, computed, blocks in candidates:
+        if not candidates:
+            return new_hits
+        all_slots = self.block_slots_many([blocks for _, _, blocks in candidates])
+        for (rid, computed, blocks), slots in zip(candidates, all_slots):
             hit = PendingHit(
                 req_id=rid,
                 num_computed=computed,
                 block_ids=blocks,
-                slots=self.block_slots(blocks),
+                slots=slots,
                 num_scheduled=num_sched.get(rid, 0),
             )
             self.drop_request(rid)
@@ -303,20 +313,20 @@ class HitPlanner:
 
     def overlaps(self, slots: torch.Tensor, groups: list[torch.Tensor]) -> list[bool]:
         """Whether each non-empty slot tensor of ``groups`` shares a slot with
-        ``slots`` (all in range). A few tensor ops whatever the number of
+        ``slots`` (all in range). A few array ops whatever the number of
         groups: the step's slots are marked in a table over the pool, each
-        group's marks counted with one cumulative sum, the table cleared."""
+        group's marks summed with one ``reduceat``, the table cleared."""
         marks = self._marks
-        if marks is None or int(marks.numel()) != self._occupancy.num_slots:
-            marks = self._marks = torch.zeros(self._occupancy.num_slots, dtype=torch.bool)
-        marks.index_fill_(0, slots, True)
+        if marks is None or marks.size != self._occupancy.num_slots:
+            marks = self._marks = np.zeros(self._occupancy.num_slots, dtype=np.bool_)
+        rows = slots.numpy()
+        marks[rows] = True
         try:
-            hit = marks.index_select(0, groups[0] if len(groups) == 1 else torch.cat(groups)).cumsum(0)
+            hit = marks[np.concatenate([g.numpy() for g in groups])]
         finally:
-            marks.index_fill_(0, slots, False)
-        ends = int64_tensor(list(accumulate(int(g.numel()) for g in groups))).sub_(1)
-        totals = hit.index_select(0, ends)
-        return torch.diff(totals, prepend=totals.new_zeros(1)).gt_(0).tolist()
+            marks[rows] = False
+        firsts = np.cumsum([0] + [int(g.numel()) for g in groups[:-1]])
+        return (np.add.reduceat(hit, firsts) > 0).tolist()  # type: ignore[no-any-return]
 
     def attach_to_step(self, hits: dict[ReqId, PendingHit], ctx: StepContext) -> list[HitJob]:
         """Hand the save's hits to its step context and plan their reads at
