@@ -348,10 +348,8 @@ class HitReads:
                 # facade entry: this thread never takes the state lock. A
                 # reuse racing this read is caught by the version check.
                 self._controller.join(list(src.join_tids))
-            rows = self._pool.rows(src.key, src.slots)
-            if out is not None:
-                out.copy_(rows)
-                rows = out
+            # Gathered straight into ``out`` (the prefetch buffer): one copy of the rows.
+            rows = self._pool.rows(src.key, src.slots, out=out)
             staged: torch.Tensor | None = None
             for part in src.staged_list:
                 got = self._controller.fetch_host(part.task, part.slots, src.key)
