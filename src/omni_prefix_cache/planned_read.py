@@ -397,6 +397,8 @@ class HitReads:
             if preserved is None:
                 preserved = {}
             current = self._occupancy.get_slot_status(key).slot_version.index_select(0, slots)
+            if skip is None and not preserved and torch.equal(current, planned_version):
+                return []  # the usual read: no version changed, nothing to overlay (one op, not three)
             changed = current != planned_version
             if skip is not None:
                 changed &= ~skip
