@@ -18,11 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.interface import HIDDEN_KEY, OmniPrefixCacheUnmatchError, PrefixCacheConfig
 from omni_prefix_cache.manager import PREFETCH_THREAD_PREFIX, OmniPrefixCacheManager
 from omni_prefix_cache.planned_read import PlannedReads, ReadState
-from test_manager import BS, BlockView, Req, make, start_step
+from test_manager import BS, BlockView
 
 HID = 6
 MODES = [pytest.param(True, id="eager"), pytest.param(False, id="threaded")]
@@ -162,6 +161,8 @@ def test_an_unservable_plan_is_refused_and_never_pending(managers: list) -> None
 
 
 def test_pool_rows_gathers_into_a_given_buffer_and_refuses_a_mismatched_one() -> None:
+    from omni_prefix_cache.block_pool import PrefixBlockPool
+
     pool = PrefixBlockPool(PrefixCacheConfig(num_blocks=4, block_size=BS))
     pool.ensure_key(HIDDEN_KEY, torch.float32, 3)
     slots = torch.arange(BS)
@@ -198,76 +199,3 @@ def test_a_prefetch_gathers_the_prefix_once_straight_into_its_buffer(eager: bool
     got = mgr.materialize(s_hit, ["b"]).hidden_states["b"]
     assert got[:, 0].tolist() == [1.0] * 4 + [2.0]
     assert len(outs) == 1 and outs[0] is not None and outs[0].data_ptr() == got.data_ptr()
-
-
-@pytest.mark.parametrize("eager", MODES)
-def test_a_step_starts_its_hit_reads_as_one_prefetch_job_with_a_future_per_read(eager: bool, managers: list) -> None:
-    """Two hits x two keys: new_step_starts submits one executor job; each
-    (hit, key) keeps its own future, and every read is served."""
-    mgr, drv = make(eager)
-    managers.append(mgr)
-    sid, want = drv.run({"a": Req([0, 1], 0, 8)})
-    drv.check(sid, want)
-    submitted: list[Any] = []
-    real_submit = mgr._hits.prefetch.submit
-
-    def counting_submit(fn: Any, *args: Any) -> Any:
-        submitted.append(args)
-        return real_submit(fn, *args)
-
-    mgr._hits.prefetch.submit = counting_submit
-    sid, want = drv.run({"b": Req([0, 2], 4, 1, hit=4), "c": Req([0, 1, 3], 8, 1, hit=8)}, finished=["a"])
-    ctx = mgr._step_ctxs[sid]
-    futures = [fut for per_key in ctx.hit_prefetch.values() for fut in per_key.values()]
-    assert len(submitted) == 1 and len(futures) == 4 and len(set(map(id, futures))) == 4
-    drv.check(sid, want)
-    assert not mgr._reads.pending
-
-
-@pytest.mark.parametrize("eager", MODES)
-def test_a_read_cancelled_before_its_turn_in_the_batch_is_skipped_and_forgotten(eager: bool, managers: list) -> None:
-    """The prefetch thread is held inside b's first read (hidden) when b
-    finishes before its save: the running read cannot be cancelled and
-    finishes itself; b's second read (m), not started yet, is cancelled,
-    dropped by the canceller, and never fetched."""
-    mgr, drv = make(eager)
-    managers.append(mgr)
-    sid, want = drv.run({"a": Req([0], 0, 4)})
-    drv.check(sid, want)
-    inside, go = threading.Event(), threading.Event()
-    real_rows = mgr._pool.rows
-
-    def gated_rows(key: str, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if threading.current_thread().name.startswith(PREFETCH_THREAD_PREFIX) and key == HIDDEN_KEY:
-            inside.set()
-            assert go.wait(10)
-        return real_rows(key, slots, out=out)
-
-    mgr._pool.rows = gated_rows
-    moves: list[tuple[str, str]] = []
-    real_move = mgr._reads.registry.move
-
-    def recording_move(ref: Any, trigger: str, reused: Any = None) -> None:
-        real_move(ref, trigger, reused)
-        if ref.req_id == "b":
-            moves.append((ref.key, trigger))
-
-    mgr._reads.registry.move = recording_move
-    start_step(mgr, drv.view, {"b": Req([0, 1], 4, 1, hit=4)})
-    hit = mgr._hits.pending["b"]
-    first, second = hit.futures[HIDDEN_KEY], hit.futures["m"]
-    assert inside.wait(10)
-    assert first.running() and not second.running() and not second.done()
-    mgr.new_step_starts(SimpleNamespace(scheduled_new_reqs=[], finished_req_ids={"b"}, num_scheduled_tokens={}))
-    assert second.cancelled() and not first.cancelled()
-    go.set()
-    assert first.result(10)[:4, 0].tolist() == want["a"][HIDDEN_KEY][:, 0].tolist()
-    assert moves == [
-        (HIDDEN_KEY, "register"),
-        ("m", "register"),
-        (HIDDEN_KEY, "fetch"),
-        ("m", "drop"),
-        (HIDDEN_KEY, "serve"),
-    ]
-    mgr._hits.prefetch.shutdown(wait=True)
-    assert not mgr._reads.pending

@@ -7,7 +7,8 @@ block its own step reallocates is planned again at save, against that step's
 tables (``replan_same_step_hits``).
 
 Threading: every method but ``hit_blocks`` (pure), ``block_slots`` (pure) and
-``drop`` (any lock) expects the manager's state lock held.
+``start_prefetch`` (engine thread, outside the lock) expects the manager's
+state lock held.
 """
 
 from __future__ import annotations
@@ -16,13 +17,11 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 from itertools import accumulate
 from typing import Any
 
 import torch
 
-from omni_prefix_cache import sync
 from omni_prefix_cache.index_tensors import int64_tensor
 from omni_prefix_cache.interface import (
     ModelCachePolicy,
@@ -59,8 +58,6 @@ class PendingHit:
 
 # One planned hit read waiting for the prefetch thread.
 HitJob = tuple[PendingHit, TensorName, PlannedRead]
-# One read of a prefetch batch: its future, read, layout, prefix rows and buffer rows.
-_BatchRead = tuple[Future[torch.Tensor], PlannedRead, KeyLayout, int, int]
 
 
 class HitPlanner:
@@ -345,55 +342,22 @@ class HitPlanner:
         hit.futures[key] = fut
 
     def start_prefetch(self, jobs: list[HitJob]) -> None:
-        """Start planned reads on the prefetch thread (engine thread, in the
-        state segment that planned them): one executor job reads them in
-        order, each read completing its own future (``hit.futures[key]``), so
-        a step wakes the prefetch thread once, not once per read. Cancelling a
-        read's future before its read starts skips it (the canceller forgets
-        the read, as with an executor job); a batch the executor never runs
-        (shutdown) cancels its reads' futures. A batch that cannot start
-        fails every read's future (the shutdown error after shutdown)."""
-        if not jobs:
-            return
-        batch: list[_BatchRead] = []
+        """Submit planned reads to the prefetch thread (engine thread,
+        outside the state lock). A read that cannot start becomes a failed
+        future (the shutdown error after shutdown)."""
         for hit, key, ref in jobs:
-            fut: Future[torch.Tensor] = sync.Future()
-            hit.futures[key] = fut
-            batch.append((fut, ref, self._layouts[key], hit.num_computed, hit.num_computed + hit.num_scheduled))
-        try:
-            started = self.prefetch.submit(self._read_batch, batch)
-        except Exception as exc:
-            kind = OmniPrefixCacheShutdownError if self._is_closed() else OmniPrefixCacheUnmatchError
-            for hit, key, ref in jobs:
+            layout = self._layouts[key]
+            total = hit.num_computed + hit.num_scheduled
+            try:
+                fut = self.prefetch.submit(self._reads.prefetch, ref, layout, hit.num_computed, total)
+            except Exception as exc:
                 self._reads.forget(ref)
+                fut = Future()
+                kind = OmniPrefixCacheShutdownError if self._is_closed() else OmniPrefixCacheUnmatchError
                 error = kind(f"prefetch of {key!r} rows for request {hit.req_id!r} could not start: {exc!r}")
                 error.__cause__ = exc
-                hit.futures[key].set_exception(error)
-            return
-        started.add_done_callback(partial(_cancel_unstarted, batch))
-
-    def _read_batch(self, batch: list[_BatchRead]) -> None:
-        """Prefetch thread: read each read of ``batch`` into its future, in
-        order; a read whose future was cancelled is skipped."""
-        for fut, ref, layout, computed, total in batch:
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                rows = self._reads.prefetch(ref, layout, computed, total)
-            except BaseException as exc:
-                fut.set_exception(exc)
-                if not isinstance(exc, Exception):
-                    raise
-            else:
-                fut.set_result(rows)
-
-
-def _cancel_unstarted(batch: list[_BatchRead], _job: Future[None]) -> None:
-    """A prefetch batch's job is done: each read ran or never will. Cancel
-    those that never will (a no-op for the others), as shutdown cancels the
-    queued jobs of an executor; their owners forget the reads."""
-    for fut, *_ in batch:
-        fut.cancel()
+                fut.set_exception(error)
+            hit.futures[key] = fut
 
 
 def _never_cached(hit: PendingHit, key: TensorName) -> OmniPrefixCacheUnmatchError:

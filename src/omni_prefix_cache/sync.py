@@ -1,7 +1,7 @@
 """The one place the runtime gets its threads and synchronization primitives.
 
-Runtime modules call ``sync.Lock()``, ``sync.Condition(...)``, ``sync.Thread(...)``,
-``sync.Future()`` and so on instead of naming ``threading`` directly. In production these names
+Runtime modules call ``sync.Lock()``, ``sync.Condition(...)``, ``sync.Thread(...)``
+and so on instead of naming ``threading`` directly. In production these names
 *are* the ``threading`` / ``concurrent.futures`` classes, so a construction
 costs the same attribute lookup as before and every acquire, wait or notify
 is the real object's own method: the seam adds nothing per operation.
@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from concurrent.futures import Future as _Future
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -27,10 +26,8 @@ Event: Any = threading.Event
 Thread: Any = threading.Thread
 # The prefetch executor: ``Executor(max_workers=..., thread_name_prefix=...)``.
 Executor: Any = ThreadPoolExecutor
-# A future the runtime completes itself (a prefetch batch completes one per read).
-Future: Any = _Future
 
-_NAMES = ("Lock", "RLock", "Condition", "Event", "Thread", "Executor", "Future")
+_NAMES = ("Lock", "RLock", "Condition", "Event", "Thread", "Executor")
 
 
 def new_lock() -> Any:

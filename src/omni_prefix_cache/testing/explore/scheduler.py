@@ -314,7 +314,6 @@ class Scheduler:
             "Event": lambda: CEvent(sched),
             "Thread": lambda *a, **kw: CThread(sched, *a, **kw),
             "Executor": lambda max_workers=None, thread_name_prefix="": CExecutor(sched, thread_name_prefix),
-            "Future": lambda: CFuture(sched),
         }
 
 
