@@ -41,6 +41,7 @@ def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["bench", "--scenario", "nope"], "argument --scenario: unknown scenario 'nope'"),
         (["bench", "--profile", "decode_x"], "argument --profile: unknown scenario 'decode_x'"),
         (["bench", "--iters", "0"], "argument --iters: must be at least 1"),
+        (["bench", "--forward-us", "-1"], "argument --forward-us: must be at least 0"),
         (["check", "--tasks", "-1"], "argument --tasks: must be at least 1, got -1"),
         (["check", "--slots", "0"], "argument --slots: must be at least 1, got 0"),
         (["check", "--failures", "-1"], "argument --failures: must be at least 0"),

@@ -405,10 +405,10 @@ def test_5_a_failed_pool_read_on_the_prefetch_thread_names_the_hit(eager: bool, 
     real = mgr._pool.rows
     cause = RuntimeError("injected pool read failure")
 
-    def failing(key: str, slots: torch.Tensor) -> torch.Tensor:
+    def failing(key: str, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if threading.current_thread().name.startswith(PREFETCH_THREAD_PREFIX):
             raise cause
-        return real(key, slots)
+        return real(key, slots, out=out)
 
     mgr._pool.rows = failing
     sid, _ = drv.run({"b": Req([0, 1], 4, 1, hit=4)}, finished=["a"])

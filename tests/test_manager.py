@@ -231,10 +231,10 @@ def test_delayed_materialize_after_reuse_serves_preserved_rows(eager: bool, mana
     gate = threading.Event()
     real_rows = mgr._pool.rows
 
-    def gated_rows(key: str, slots: torch.Tensor) -> torch.Tensor:
+    def gated_rows(key: str, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if threading.current_thread().name.startswith(PREFETCH_THREAD_PREFIX):
             assert gate.wait(10)
-        return real_rows(key, slots)
+        return real_rows(key, slots, out=out)
 
     mgr._pool.rows = gated_rows
     s_hit, want_hit = drv.run({"b": Req([2, 6], 4, 1, hit=4)}, finished=["a"])

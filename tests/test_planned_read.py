@@ -158,3 +158,44 @@ def test_an_unservable_plan_is_refused_and_never_pending(managers: list) -> None
     with pytest.raises(OmniPrefixCacheUnmatchError, match="never written"):
         mgr._reads.plan(torch.arange(0, 4), HIDDEN_KEY, "b")  # block 0: hidden rows ABSENT
     assert seen == ["refuse"] and not mgr._reads.pending
+
+
+def test_pool_rows_gathers_into_a_given_buffer_and_refuses_a_mismatched_one() -> None:
+    from omni_prefix_cache.block_pool import PrefixBlockPool
+
+    pool = PrefixBlockPool(PrefixCacheConfig(num_blocks=4, block_size=BS))
+    pool.ensure_key(HIDDEN_KEY, torch.float32, 3)
+    slots = torch.arange(BS)
+    pool.write(HIDDEN_KEY, slots, torch.arange(3.0 * BS).reshape(BS, 3))
+    picked = torch.tensor([5, 0, 2])
+    buf = torch.full((6, 3), -1.0)
+    got = pool.rows(HIDDEN_KEY, picked, out=buf[:3])
+    assert got.data_ptr() == buf.data_ptr()
+    assert torch.equal(buf[:3], pool.rows(HIDDEN_KEY, picked)) and torch.equal(buf[3:], torch.full((3, 3), -1.0))
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"reading 3 rows of key .* into a torch.float32 buffer"):
+        pool.rows(HIDDEN_KEY, picked, out=buf[:2])
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"into a torch.float64 buffer"):
+        pool.rows(HIDDEN_KEY, picked, out=torch.empty((3, 3), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("eager", MODES)
+def test_a_prefetch_gathers_the_prefix_once_straight_into_its_buffer(eager: bool, managers: list) -> None:
+    """The prefetch thread's pool read writes the prefix rows into the
+    ``[prefix | tail]`` buffer materialize returns (no second copy)."""
+    mgr = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=8, block_size=BS), BlockView(), eager=eager)
+    managers.append(mgr)
+    s = step(mgr, "a", [2], 0, 4, value=1.0)
+    mgr.materialize(s, ["a"])
+    real_rows = mgr._pool.rows
+    outs: list[torch.Tensor | None] = []
+
+    def recording_rows(key: str, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if threading.current_thread().name.startswith(PREFETCH_THREAD_PREFIX):
+            outs.append(out)
+        return real_rows(key, slots, out=out)
+
+    mgr._pool.rows = recording_rows
+    s_hit = step(mgr, "b", [2, 6], 4, 1, value=2.0, hit=4, finished=["a"])
+    got = mgr.materialize(s_hit, ["b"]).hidden_states["b"]
+    assert got[:, 0].tolist() == [1.0] * 4 + [2.0]
+    assert len(outs) == 1 and outs[0] is not None and outs[0].data_ptr() == got.data_ptr()

@@ -366,6 +366,36 @@ def test_bench_smoke_report_has_fields() -> None:
 
 
 @needs_manager
+def test_bench_forward_is_slept_between_the_engine_calls_and_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``forward_us``: the engine thread sleeps that long after each
+    new_step_starts, before its save_outputs; the engine time leaves it out
+    (a 60 ms forward against a decode step of a few ms)."""
+    from omni_prefix_cache import bench
+    from omni_prefix_cache.manager import OmniPrefixCacheManager
+
+    calls: list[str] = []
+    real_sleep, real_new, real_save = (
+        bench.time.sleep,
+        OmniPrefixCacheManager.new_step_starts,
+        OmniPrefixCacheManager.save_outputs,
+    )
+    monkeypatch.setattr(bench.time, "sleep", lambda s: (calls.append(f"sleep {s}"), real_sleep(s))[1])
+    monkeypatch.setattr(
+        OmniPrefixCacheManager, "new_step_starts", lambda self, *a: (calls.append("new"), real_new(self, *a))[1]
+    )
+    monkeypatch.setattr(
+        OmniPrefixCacheManager,
+        "save_outputs",
+        lambda self, *a, **k: (calls.append("save"), real_save(self, *a, **k))[1],
+    )
+    rep = bench.run_bench(["decode"], iters=2, warmup=1, sweep=False, modes=("eager",), forward_us=60_000)
+    (r,) = rep.results
+    assert calls == ["new", "sleep 0.06", "save"] * 3
+    assert r.forward_us == 60_000 and r.engine_us_p50 < 60_000 and r.step_us_p50 < 60_000
+    assert "forward: 60000 us slept by the engine thread" in bench.format_report(rep)
+
+
+@needs_manager
 def test_bench_runs_both_modes_and_compares_with_a_baseline(tmp_path: Any) -> None:
     from omni_prefix_cache.bench import format_report, run_bench
 

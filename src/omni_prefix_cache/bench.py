@@ -36,6 +36,12 @@ It is compared with the baseline as raw wall time against the sum of the
 baseline's two medians (the baseline keeps medians, not per-step sums).
 Threaded rows also report the committer thread's CPU time inside each
 timed call (read from its thread CPU clock, where the platform has one).
+
+``--forward-us N`` (default 0) simulates the forward pass a real engine runs
+between ``new_step_starts`` and ``save_outputs``: the engine thread sleeps N
+us there (releasing the GIL, as a wait on the GPU does), outside the timed
+engine span. Without it the hit prefetches ``new_step_starts`` starts run
+inside ``save_outputs``, on a machine with fewer free cores than threads.
 """
 
 from __future__ import annotations
@@ -329,6 +335,8 @@ class ScenarioResult:
     materialize_wall_vs_baseline: float | None = None
     step_vs_baseline: float | None = None
     baseline_materialize_floor_us: float | None = None
+    # Simulated forward pass between new_step_starts and save_outputs (us, not timed; 0: none).
+    forward_us: float = 0.0
 
     def judge(self, targets: tuple[Target, ...]) -> None:
         """Evaluate ``targets`` that apply to this result's mode."""
@@ -404,9 +412,12 @@ def run_scenario(
     profiler: cProfile.Profile | None = None,
     manager_factory: Callable[[PrefixCacheConfig, Any, bool], Any] | None = None,
     on_step: Callable[[], None] | None = None,
+    forward_us: float = 0.0,
 ) -> ScenarioResult:
     """Replay ``sc`` against a fresh manager; time the facade calls and the memcpy floors.
-    ``on_step`` is called after every step (warmup included), outside the timed spans."""
+    ``on_step`` is called after every step (warmup included), outside the timed spans.
+    ``forward_us``: the engine thread sleeps that long between ``new_step_starts`` and
+    ``save_outputs`` (a forward pass), not counted in the engine time."""
     iters = sc.iters if iters is None else iters
     warmup = sc.warmup if warmup is None else warmup
     steps = plan_steps(sc, warmup + iters, seed)
@@ -472,6 +483,14 @@ def run_scenario(
                 k0 = committer_cpu()
             c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
             mgr.new_step_starts(st.output)
+            if forward_us > 0:
+                fa, ca = time.perf_counter_ns(), time.thread_time_ns()
+                ka = committer_cpu() if committer_cpu is not None else 0
+                time.sleep(forward_us / 1e6)
+                kb = committer_cpu() if committer_cpu is not None else 0
+                # The forward is not engine time: shift the span's start by its length.
+                cb, fb = time.thread_time_ns(), time.perf_counter_ns()
+                t0, c0, k0 = t0 + (fb - fa), c0 + (cb - ca), k0 + (kb - ka)
             sid = mgr.save_outputs(hidden_buf[:n], mm, num_tokens_unpadded=n, num_tokens_padded=n)
             t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
             if committer_cpu is not None:
@@ -550,6 +569,7 @@ def run_scenario(
         step_cpu_us_p50=_pct(step_cpu, 50),
         committer_cpu_engine_us_p50=None if committer_cpu is None else _pct(com_eng, 50),
         committer_cpu_materialize_us_p50=None if committer_cpu is None else _pct(com_mat, 50),
+        forward_us=float(forward_us),
     )
     result.judge(sc.targets)
     return result
@@ -655,11 +675,13 @@ def run_bench(
     baseline: str | None = None,
     manager_factory: Callable[[PrefixCacheConfig, Any, bool], Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    forward_us: float = 0.0,
 ) -> BenchReport:
     """Run the named scenarios (default all) in each of ``modes`` (default
     both; ``eager`` picks one, for old callers), then the decode sweep
     (eager). ``baseline``: a bench ``--json`` report to compare with.
-    ``progress(done, total)`` is called after every step of every run."""
+    ``progress(done, total)`` is called after every step of every run.
+    ``forward_us``: a simulated forward pass per step (see ``run_scenario``)."""
     names = list(SCENARIOS) if not names else names
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
@@ -689,6 +711,7 @@ def run_bench(
         "warmup": warmup,
         "manager_factory": manager_factory,
         "on_step": step_done if progress is not None else None,
+        "forward_us": forward_us,
     }
     # Modes side by side per scenario, so their ratios share the machine's state.
     results = [run_scenario(sc, eager=mode == "eager", **kw) for sc in plan for mode in modes]
@@ -758,7 +781,14 @@ def format_report(rep: BenchReport) -> str:
         f"{'scenario':<13} {'mode':<8} {'side':<11} {'p50 us':>9} {'p90 us':>9} {'floor us':>9} {'ratio':>7} "
         f"{'cpu us':>9} {'cpu ratio':>9} {'us/req':>8} {'req/step':>8} {'vs base':>7}"
     )
-    lines = [f"modes: {', '.join(rep.modes)} (torch threads: {rep.torch_threads})", head, "-" * len(head)]
+    lines = [f"modes: {', '.join(rep.modes)} (torch threads: {rep.torch_threads})"]
+    forward = {r.forward_us for r in [*rep.results, *rep.sweep]}
+    if forward != {0.0} and forward:
+        lines.append(
+            f"forward: {', '.join(f'{f:.0f}' for f in sorted(forward))} us slept by the engine thread between "
+            "new_step_starts and save_outputs (not in engine time)"
+        )
+    lines += [head, "-" * len(head)]
     for r in rep.results:
         sides = (
             ("engine", r.engine_us_p50, r.engine_us_p90, r.engine_floor_us, r.engine_ratio, r.engine_cpu_us_p50,
@@ -865,6 +895,7 @@ def main_bench(args: argparse.Namespace) -> int:
             warmup=args.warmup,
             sweep=not args.no_sweep,
             progress=line.update,
+            forward_us=getattr(args, "forward_us", 0.0),
         )
     finally:
         line.close()

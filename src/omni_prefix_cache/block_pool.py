@@ -130,15 +130,26 @@ class PrefixBlockPool:
         """Bytes of each key's slab, in opening order."""
         return {key: slab.numel() * slab.element_size() for key, slab in list(self._slabs.items())}
 
-    def rows(self, key: TensorName, slots: torch.Tensor) -> torch.Tensor:
-        """A copy of ``key``'s rows at ``slots`` (1-D integer tensor), in order.
+    def rows(self, key: TensorName, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A copy of ``key``'s rows at ``slots`` (1-D integer tensor), in order:
+        gathered into ``out`` (``(len(slots), width)``, the slab's dtype) and
+        returned as it when given, so a caller with a buffer pays one copy.
 
         Raises naming the key if it has no slab, and naming the slots that
         fall outside ``[0, num_slots)``.
         """
         slab = self._slab(key)
         index = self._index(key, slots)
+        if out is not None and (
+            tuple(out.shape) != (int(index.numel()), int(slab.shape[1])) or out.dtype != slab.dtype
+        ):
+            raise OmniPrefixCacheUnmatchError(
+                f"prefix block pool: reading {int(index.numel())} rows of key {key!r} ({slab.dtype}, width "
+                f"{int(slab.shape[1])}) into a {out.dtype} buffer of shape {tuple(out.shape)}"
+            )
         try:
+            if out is not None:
+                return torch.index_select(slab, 0, index, out=out)
             return slab.index_select(0, index)
         except (IndexError, RuntimeError) as exc:
             self._check_range(key, index)

@@ -346,6 +346,13 @@ def _add_bench_parser(sub: Any) -> None:
     p.add_argument("--warmup", type=non_negative, default=None, help="untimed steps first (per-scenario default)")
     p.add_argument("--no-sweep", action="store_true", help="skip the decode batch-size sweep")
     p.add_argument(
+        "--forward-us",
+        type=non_negative,
+        default=0,
+        help="simulate a forward pass: the engine thread sleeps this long between new_step_starts and "
+        "save_outputs, not counted in engine time (0: none, as in the baseline)",
+    )
+    p.add_argument(
         "--profile",
         metavar="SCENARIO",
         type=_profile_scenario,

@@ -362,10 +362,8 @@ class HitReads:
                 # facade entry: this thread never takes the state lock. A
                 # reuse racing this read is caught by the version check.
                 self._controller.join(list(src.join_tids))
-            rows = self._pool.rows(src.key, src.slots)
-            if out is not None:
-                out.copy_(rows)
-                rows = out
+            # Gathered straight into ``out`` (the prefetch buffer): one copy of the rows.
+            rows = self._pool.rows(src.key, src.slots, out=out)
             staged: torch.Tensor | None = None
             for part in src.staged_list:
                 got = self._controller.fetch_host(part.task, part.slots, src.key)
@@ -413,6 +411,8 @@ class HitReads:
             if preserved is None:
                 preserved = {}
             current = self._occupancy.get_slot_status(key).slot_version.index_select(0, slots)
+            if skip is None and not preserved and torch.equal(current, planned_version):
+                return []  # the usual read: no version changed, nothing to overlay (one op, not three)
             changed = current != planned_version
             if skip is not None:
                 changed &= ~skip
