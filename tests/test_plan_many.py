@@ -91,8 +91,7 @@ def hits(rng: random.Random, hp: HitPlanner) -> list[PendingHit]:
 
 def copy_hits(src: list[PendingHit]) -> list[PendingHit]:
     return [
-        PendingHit(h.req_id, h.num_computed, list(h.block_ids), h.slots, h.num_scheduled, dict(h.futures))
-        for h in src
+        PendingHit(h.req_id, h.num_computed, list(h.block_ids), h.slots, h.num_scheduled, dict(h.futures)) for h in src
     ]
 
 
