@@ -2,13 +2,15 @@
 
 ``HitPlanner`` validates a hit (block aligned, group-0 block ids in range),
 keeps it pending until its step's save, plans one read per cached key
-(``HitReads.plan``) and submits the reads to the prefetch thread. A hit on a
-block its own step reallocates is planned again at save, against that step's
-tables (``replan_same_step_hits``).
+(``HitReads.plan``; a step's hits key by key with ``plan_many``) and submits
+the reads to the prefetch thread. A hit on a block its own step reallocates
+is planned again at save, against that step's tables
+(``replan_same_step_hits``).
 
-Threading: every method but ``hit_blocks`` (pure), ``block_slots`` (pure) and
-``start_prefetch`` (engine thread, outside the lock) expects the manager's
-state lock held.
+Threading: every method but ``hit_blocks`` and ``block_slots`` (pure)
+expects the manager's state lock held; ``start_prefetch`` runs in the same
+state segment that planned the reads (operation new_step), so a shutdown
+under that lock cancels or waits for each of them.
 """
 
 from __future__ import annotations
@@ -352,9 +354,9 @@ class HitPlanner:
         hit.futures[key] = fut
 
     def start_prefetch(self, jobs: list[HitJob]) -> None:
-        """Submit planned reads to the prefetch thread (engine thread,
-        outside the state lock). A read that cannot start becomes a failed
-        future (the shutdown error after shutdown)."""
+        """Submit planned reads to the prefetch thread (engine thread, state
+        lock held: the segment that planned them). A read that cannot start
+        becomes a failed future (the shutdown error after shutdown)."""
         for hit, key, ref in jobs:
             layout = self._layouts[key]
             total = hit.num_computed + hit.num_scheduled
