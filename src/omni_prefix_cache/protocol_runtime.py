@@ -122,12 +122,13 @@ class ControllerBinding:
         (under the task's, the queues' or the pool's own lock)."""
         if role == "task":
             if trigger == "host_ready":
-                enabled, fire = self._task_move(trigger)
+                moves = WRITE_TASK_MACHINE.by_state(trigger)
+                _, fire = self._task_move(trigger)
 
                 def attempt_host_ready(task: Any) -> bool:
                     # Only the copy's claimant moves a COPYING task on; the
                     # move itself re-checks under the task's lock.
-                    if not enabled(task):
+                    if moves[task.state] is None:
                         return False
                     fire(task)
                     return True
@@ -163,32 +164,8 @@ class ControllerBinding:
         if role == "task" and trigger != "host_ready":
             defer = trigger == "fail"  # as in try_move
             return lambda tasks: WriteTask.try_fire_many(tasks, trigger, defer=defer)
-        if role == "task":
-            return self._host_ready_many()
-        return attempt_each(self.try_move(role, trigger))  # raises: not the controller's role
-
-    def _host_ready_many(self) -> AttemptMany:
-        """``task.host_ready`` for a batch: per task the move through its
-        seam (``set_host_tensor`` / ``mark_host_ready``, as ``try_move``),
-        skipped (False) for a task whose state has no such move."""
-        moves = WRITE_TASK_MACHINE.by_state("host_ready")
-        _, fire = self._task_move("host_ready")
-
-        def attempt_many(tasks: list[Any]) -> list[bool | BaseException]:
-            out: list[bool | BaseException] = []
-            for task in tasks:
-                if moves[task.state] is None:
-                    out.append(False)
-                    continue
-                try:
-                    fire(task)
-                except Exception as exc:
-                    out.append(exc)
-                    continue
-                out.append(True)
-            return out
-
-        return attempt_many
+        # host_ready per task through its seam; raises for a role not the controller's.
+        return attempt_each(self.try_move(role, trigger))
 
     def move_many(self, role: str, trigger: str) -> tuple[MaskMany, RunMany]:
         enabled, fire = self.move(role, trigger)
