@@ -1,5 +1,5 @@
 """The same-step hit check: which hits' slots this step maps, found with a
-few tensor ops over a table of the pool's slots (``HitPlanner.overlaps``)."""
+few array ops over a table of the pool's slots (``HitPlanner.overlaps``, ``SlotMarks``)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from omni_prefix_cache.hit_planner import HitPlanner
+from omni_prefix_cache.index_tensors import SlotMarks
 
 
 def planner(num_slots: int) -> Any:
     hp: Any = HitPlanner.__new__(HitPlanner)  # overlaps reads only the occupancy's size
-    hp._marks = None
+    hp._marks = SlotMarks()
     hp._occupancy = SimpleNamespace(num_slots=num_slots)
     return hp
 
@@ -29,12 +30,19 @@ def test_overlaps_matches_set_intersection_and_leaves_the_table_clear(seed: int)
         groups = [torch.tensor([rng.randrange(64) for _ in range(rng.randint(1, 8))]) for _ in range(rng.randint(1, 5))]
         want = [not set(step.tolist()).isdisjoint(g.tolist()) for g in groups]
         assert hp.overlaps(step, groups) == want
-        assert not bool(hp._marks.any())
+        assert not bool(hp._marks._marks.any())
 
 
 def test_a_failed_lookup_still_clears_the_table() -> None:
     hp = planner(8)
     with pytest.raises(IndexError):
         hp.overlaps(torch.tensor([1, 2]), [torch.tensor([3]), torch.tensor([99])])
-    assert not bool(hp._marks.any())
+    assert not bool(hp._marks._marks.any())
     assert hp.overlaps(torch.tensor([3]), [torch.tensor([3])]) == [True]
+
+
+def test_empty_groups_share_nothing() -> None:
+    marks = SlotMarks()
+    groups = [torch.tensor([], dtype=torch.int64), torch.tensor([2]), torch.tensor([], dtype=torch.int64)]
+    assert marks.overlaps(8, torch.tensor([2, 5]), groups) == [False, True, False]
+    assert marks.overlaps(8, torch.tensor([2]), []) == []

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from omni_prefix_cache.index_tensors import SlotMarks
 from omni_prefix_cache.interface import (
     ModelCachePolicy,
     OmniPrefixCacheInvalidArgumentError,
@@ -89,7 +90,7 @@ class HitPlanner:
         self._policy = policy
         self._is_closed = is_closed
         self.pending: dict[ReqId, PendingHit] = {}
-        self._marks: np.ndarray | None = None  # all False over the pool's slots between overlaps() calls
+        self._marks = SlotMarks()  # the same-step hit check's table over the pool's slots
 
     def hit_blocks(self, rid: ReqId, computed: int, block_ids: Any) -> list[int]:
         """Validate a hit and return its group-0 prefix block ids. Raises
@@ -315,20 +316,9 @@ class HitPlanner:
 
     def overlaps(self, slots: torch.Tensor, groups: list[torch.Tensor]) -> list[bool]:
         """Whether each non-empty slot tensor of ``groups`` shares a slot with
-        ``slots`` (all in range). A few array ops whatever the number of
-        groups: the step's slots are marked in a table over the pool, each
-        group's marks summed with one ``reduceat``, the table cleared."""
-        marks = self._marks
-        if marks is None or marks.size != self._occupancy.num_slots:
-            marks = self._marks = np.zeros(self._occupancy.num_slots, dtype=np.bool_)
-        rows = slots.numpy()
-        marks[rows] = True
-        try:
-            hit = marks[np.concatenate([g.numpy() for g in groups])]
-        finally:
-            marks[rows] = False
-        firsts = np.cumsum([0] + [int(g.numel()) for g in groups[:-1]])
-        return (np.add.reduceat(hit, firsts) > 0).tolist()  # type: ignore[no-any-return]
+        ``slots`` (all in range), with a few array ops whatever the number
+        of groups (``SlotMarks``)."""
+        return self._marks.overlaps(self._occupancy.num_slots, slots, groups)
 
     def attach_to_step(self, hits: dict[ReqId, PendingHit], ctx: StepContext) -> list[HitJob]:
         """Hand the save's hits to its step context and plan their reads at

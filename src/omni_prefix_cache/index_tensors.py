@@ -4,6 +4,7 @@ per element (slot ids, owners per row, row offsets)."""
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -34,3 +35,42 @@ def per_row(values: list[int], counts: list[int]) -> torch.Tensor:
     if counts.count(1) == len(counts):
         return int64_tensor(values)
     return torch.from_numpy(np.repeat(np.array(values, dtype=np.int64), np.array(counts, dtype=np.int64)))
+
+
+def _ids(slots: torch.Tensor) -> np.ndarray:
+    """Slot ids as a 1-D int64 array (a view when they already are)."""
+    if slots.dtype != torch.int64 or slots.device.type != "cpu":
+        slots = slots.detach().to("cpu", torch.int64)
+    return slots.numpy().reshape(-1)
+
+
+class SlotMarks:
+    """A bool table over a pool's slots, all False between calls, for
+    "which of these groups of slots share a slot with those": the slots
+    are marked, each group's marks summed with one cumulative sum, and the
+    table cleared, whatever the number of groups (a group may be empty)."""
+
+    def __init__(self) -> None:
+        self._marks: np.ndarray | None = None
+
+    def overlaps(self, num_slots: int, slots: torch.Tensor, groups: Sequence[torch.Tensor]) -> list[bool]:
+        """Per group, whether it holds one of ``slots`` (all ids in
+        ``[0, num_slots)``; an id outside raises IndexError and leaves the
+        table clear)."""
+        if not groups:
+            return []
+        marks = self._marks
+        if marks is None or marks.size != num_slots:
+            marks = self._marks = np.zeros(num_slots, dtype=np.bool_)
+        rows = _ids(slots)
+        parts = [_ids(g) for g in groups]
+        marks[rows] = True
+        try:
+            hit = marks[np.concatenate(parts)]
+        finally:
+            marks[rows] = False
+        ends = np.cumsum([part.size for part in parts])
+        counts = np.concatenate(([0], np.cumsum(hit, dtype=np.int64)))
+        sizes = np.diff(ends, prepend=0)
+        touched: list[bool] = (counts[ends] > counts[ends - sizes]).tolist()
+        return touched

@@ -26,11 +26,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.controller import OmniPrefixCacheController
+from omni_prefix_cache.index_tensors import SlotMarks
 from omni_prefix_cache.interface import (
     OmniPrefixCacheUnmatchError,
     ReqId,
@@ -156,7 +156,7 @@ class PlannedReads:
         self.pool = pool
         self.pending: set[PlannedRead] = set()
         self.by_key: dict[TensorName, set[PlannedRead]] = {}
-        self._marks: np.ndarray | None = None  # all False over the pool's slots between preserve() calls
+        self._marks = SlotMarks()  # which live reads a reuse touches
 
     def move(self, ref: PlannedRead, trigger: str, reused: set[int] | None = None) -> None:
         """Fire ``trigger`` on ``ref`` and run the move's effects. Raises
@@ -179,20 +179,11 @@ class PlannedReads:
         refs = self.by_key.get(key)
         if not refs:
             return
-        # Which reads share a slot with the reuse: the reused slots marked in
-        # a table over the pool, each read's marks looked up with one gather
-        # (no set of the step's slots unless some read must copy).
-        rows = slots.detach().cpu().numpy().reshape(-1).astype(np.int64, copy=False)
-        marks = self._marks
-        if marks is None or marks.size != self.pool.num_slots:
-            marks = self._marks = np.zeros(self.pool.num_slots, dtype=np.bool_)
-        marks[rows] = True
-        try:
-            touched = [ref for ref in list(refs) if marks[ref.slots.numpy()].any()]
-        finally:
-            marks[rows] = False
+        live = list(refs)
+        hits = self._marks.overlaps(self.pool.num_slots, slots, [ref.slots for ref in live])
+        touched = [ref for ref, hit in zip(live, hits) if hit]
         if touched:
-            reused = set(rows.tolist())
+            reused = set(slots.tolist())
             for ref in touched:
                 self.move(ref, "preserve", reused)
 
