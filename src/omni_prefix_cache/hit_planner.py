@@ -220,42 +220,20 @@ class HitPlanner:
 
     def plan(self, hit: PendingHit, *, at_save: bool) -> list[HitJob]:
         """Plan the hit's reads for every cached key not planned yet (state
-        lock held). At new_step_starts a key with ABSENT rows (or no slab
-        yet) waits for save: this very step may compute them. A read that
-        cannot be served becomes a failed future, raised by materialize."""
-        jobs: list[HitJob] = []
-        if hit.num_computed <= 0:
-            return jobs
-        occupancy = self._occupancy
-        for key in self._policy().get_hit_keys(occupancy.keys()):
-            if key in hit.futures:
-                continue
-            if not occupancy.has_key(key):
-                if not at_save:
-                    continue
-                self._fail(hit, key, _never_cached(hit, key))
-                continue
-            if not at_save:
-                state = occupancy.state[key].index_select(0, hit.slots)
-                if bool(rows_tagged(state, READ_BASELINE).any()):
-                    continue
-            try:
-                ref = self._reads.plan(hit.slots, key, hit.req_id)
-            except OmniPrefixCacheUnmatchError as exc:
-                self._fail(hit, key, exc)
-                continue
-            hit.refs[key] = ref
-            jobs.append((hit, key, ref))
-        return jobs
+        lock held): ``plan_many`` of this one hit."""
+        return self.plan_many([hit], at_save=at_save)
 
     def plan_many(self, hits: Sequence[PendingHit], *, at_save: bool) -> list[HitJob]:
-        """``plan`` for several hits (state lock held), key by key: one
-        state gather per key for all the hits, their reads planned together
-        (``HitReads.plan_many``). Same reads, failures and job order (hit
-        by hit, keys in policy order) as calling ``plan`` for each hit."""
+        """Plan the hits' reads for every cached key not planned yet (state
+        lock held), key by key: one state gather per key for all the hits,
+        their reads planned together (``HitReads.plan_many``). Jobs come hit
+        by hit, keys in policy order. At new_step_starts a key with ABSENT
+        rows (or no slab yet) waits for save: this very step may compute
+        them. A read that cannot be served becomes a failed future, raised
+        by materialize."""
         hits = [hit for hit in hits if hit.num_computed > 0]
-        if len(hits) <= 1:
-            return [job for hit in hits for job in self.plan(hit, at_save=at_save)]
+        if not hits:
+            return []
         occupancy = self._occupancy
         keys = self._policy().get_hit_keys(occupancy.keys())
         planned: dict[int, list[HitJob]] = {id(hit): [] for hit in hits}

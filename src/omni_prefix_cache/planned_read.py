@@ -225,22 +225,10 @@ class HitReads:
         now. Raises OmniPrefixCacheUnmatchError for ABSENT hidden rows, an
         in-transit owner the controller no longer knows, or a failed owner.
         """
-        table = self._occupancy.get_slot_status(key)
-        if slots.dtype != torch.int64:
-            slots = slots.to(torch.int64)
-        state = table.state.index_select(0, slots)
-        ref = PlannedRead(
-            req_id=req_id, key=key, slots=slots, planned_version=table.slot_version.index_select(0, slots)
-        )
-        try:
-            self._plan_rows(ref, table.tids, state)
-        except OmniPrefixCacheUnmatchError:
-            with self.lock:
-                self.registry.move(ref, "refuse")
-            raise
-        with self.lock:
-            self.registry.move(ref, "register")
-        return ref
+        got = self.plan_many([slots], key, [req_id])[0]
+        if isinstance(got, OmniPrefixCacheUnmatchError):
+            raise got
+        return got
 
     def plan_many(
         self, slots: list[torch.Tensor], key: TensorName, req_ids: list[ReqId]
@@ -252,14 +240,9 @@ class HitReads:
         usual case, every row committed, needs no per-read tensor op."""
         if not slots:
             return []
-        if len(slots) == 1:
-            try:
-                return [self.plan(slots[0], key, req_ids[0])]
-            except OmniPrefixCacheUnmatchError as exc:
-                return [exc]
         table = self._occupancy.get_slot_status(key)
         slots = [s if s.dtype == torch.int64 else s.to(torch.int64) for s in slots]
-        every = torch.cat(slots)
+        every = slots[0] if len(slots) == 1 else torch.cat(slots)
         sizes = [int(s.numel()) for s in slots]
         versions = table.slot_version.index_select(0, every).split(sizes)
         refs = [

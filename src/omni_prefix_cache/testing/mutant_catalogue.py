@@ -338,8 +338,7 @@ def _same_step_hit_planned_early(stack: contextlib.ExitStack) -> None:
     # about to compute, and never plan it again at save.
     from omni_prefix_cache.hit_planner import HitPlanner
 
-    plan, plan_many = HitPlanner.plan, HitPlanner.plan_many
-    _set(stack, HitPlanner, "plan", lambda self, hit, *, at_save: plan(self, hit, at_save=True))
+    plan_many = HitPlanner.plan_many  # plan() is plan_many() of one hit
     _set(stack, HitPlanner, "plan_many", lambda self, hits, *, at_save: plan_many(self, hits, at_save=True))
     _set(stack, HitPlanner, "replan_same_step_hits", lambda self, hits, slots: None)
 
