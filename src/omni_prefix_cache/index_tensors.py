@@ -37,8 +37,9 @@ def per_row(values: list[int], counts: list[int]) -> torch.Tensor:
     return torch.from_numpy(np.repeat(np.array(values, dtype=np.int64), np.array(counts, dtype=np.int64)))
 
 
-def _ids(slots: torch.Tensor) -> np.ndarray:
-    """Slot ids as a 1-D int64 array (a view when they already are)."""
+def int64_ids(slots: torch.Tensor) -> np.ndarray:
+    """Ids (slots, tids) as a 1-D int64 numpy array: a view of a CPU int64
+    tensor, else a converted copy."""
     if slots.dtype != torch.int64 or slots.device.type != "cpu":
         slots = slots.detach().to("cpu", torch.int64)
     return slots.numpy().reshape(-1)
@@ -62,8 +63,8 @@ class SlotMarks:
         marks = self._marks
         if marks is None or marks.size != num_slots:
             marks = self._marks = np.zeros(num_slots, dtype=np.bool_)
-        rows = _ids(slots)
-        parts = [_ids(g) for g in groups]
+        rows = int64_ids(slots)
+        parts = [int64_ids(g) for g in groups]
         marks[rows] = True
         try:
             hit = marks[np.concatenate(parts)]

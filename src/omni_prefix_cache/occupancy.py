@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from omni_prefix_cache.index_tensors import out_of_range
+from omni_prefix_cache.index_tensors import int64_ids, out_of_range
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, TensorName, Tid
 from omni_prefix_cache.spec_types.slot_occupancy import SlotState as SlotState  # re-exported
 from omni_prefix_cache.specs import CompiledMove, compile_machine, load_spec
@@ -227,8 +227,11 @@ class SlotOccupancy:
         """The tables of ``key``; raises OmniPrefixCacheUnmatchError naming an unknown key."""
         table = self._keys.get(key)
         if table is None:
-            raise OmniPrefixCacheUnmatchError(f"slot occupancy: unknown key {key!r} (open: {sorted(self._keys)})")
+            raise self._unknown(key)
         return table
+
+    def _unknown(self, key: TensorName) -> OmniPrefixCacheUnmatchError:
+        return OmniPrefixCacheUnmatchError(f"slot occupancy: unknown key {key!r} (open: {sorted(self._keys)})")
 
     # ------------------------------------------------------------ moves
 
@@ -256,8 +259,10 @@ class SlotOccupancy:
         self, trigger: str, key: TensorName, slots: np.ndarray, owners: torch.Tensor | int, where_enabled: bool
     ) -> int:
         """``apply`` over slots already checked by ``_as_slots``."""
-        self.get_slot_status(key)
-        state = self._arrays[key].state
+        arrays = self._arrays.get(key)
+        if arrays is None:
+            raise self._unknown(key)
+        state = arrays.state
         moves = self._moves.get(trigger)
         if moves is None:
             raise OmniPrefixCacheUnmatchError(f"slot occupancy: unknown trigger {trigger!r} for key {key!r}")
@@ -410,11 +415,9 @@ class SlotOccupancy:
         raises naming the key for non-integer or out-of-range slots."""
         if not isinstance(slots, torch.Tensor):
             slots = torch.as_tensor(slots, dtype=torch.int64)
-        if slots.dtype != torch.int64:
-            if slots.dtype.is_floating_point or slots.dtype == torch.bool:
-                raise OmniPrefixCacheUnmatchError(f"slot occupancy {key!r}: slots must be integers, got {slots.dtype}")
-            slots = slots.to(torch.int64)
-        rows = slots.detach().cpu().numpy().reshape(-1)
+        if slots.dtype.is_floating_point or slots.dtype == torch.bool:
+            raise OmniPrefixCacheUnmatchError(f"slot occupancy {key!r}: slots must be integers, got {slots.dtype}")
+        rows = int64_ids(slots)
         if out_of_range(rows, self.num_slots):
             bad = rows[(rows < 0) | (rows >= self.num_slots)]
             raise OmniPrefixCacheUnmatchError(
@@ -429,5 +432,5 @@ class SlotOccupancy:
                 return np.full(n, int(owners.reshape(())), dtype=np.int64)
             if int(owners.numel()) != n:
                 raise OmniPrefixCacheUnmatchError(f"slot occupancy: {owners.numel()} owners for {n} slots")
-            return owners.detach().cpu().numpy().astype(np.int64, copy=False).reshape(-1)
+            return int64_ids(owners)
         return np.full(n, int(owners), dtype=np.int64)
