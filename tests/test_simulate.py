@@ -362,7 +362,46 @@ def test_bench_smoke_report_has_fields() -> None:
     # Every step's sum exceeds each of its parts, so the sums' median exceeds each part's median.
     assert r["step_us_p50"] > max(r["engine_us_p50"], r["materialize_us_p50"])
     assert r["step_cpu_us_p50"] > max(r["engine_cpu_us_p50"], r["materialize_cpu_us_p50"])
-    assert "decode" in format_report(rep)
+    report = format_report(rep)
+    assert "decode" in report
+    # The per-request target shows the same run's data-movement floor per request beside it.
+    (line,) = [x for x in report.splitlines() if "engine us/request" in x and "target" in x]
+    floor = r["move_floor_us"] / r["requests_per_step"]
+    assert line.endswith(f"staging copy + pool index_copy_ alone {floor:.2f} us"), line
+
+
+def test_bench_sweep_fit_splits_fixed_and_per_request_cost() -> None:
+    """The sweep's least-squares fit recovers a known fixed + per-request
+    cost, and the fixed cost it allows is exactly the one at which the
+    spread equals the target."""
+    from omni_prefix_cache.bench import BenchReport, ScenarioResult, fixed_cost_allowed, format_report, linear_fit
+
+    assert linear_fit([(16, 1000.0), (64, 1000.0)]) == pytest.approx((1000.0, 0.0))
+    assert linear_fit([(16, 1.0), (16, 2.0)]) is None
+    a, b = linear_fit([(16, 900 + 16 * 57.0), (64, 900 + 64 * 57.0), (256, 900 + 256 * 57.0)]) or (0, 0)
+    assert (a, b) == (pytest.approx(900.0), pytest.approx(57.0))
+    allowed = fixed_cost_allowed(57.0, 16, 256, 1.3)
+    assert allowed is not None
+    spread = (allowed / 16 + 57.0) / (allowed / 256 + 57.0)
+    assert spread == pytest.approx(1.3)
+    assert fixed_cost_allowed(57.0, 16, 256, 1.0) == pytest.approx(0.0)
+    assert fixed_cost_allowed(0.0, 16, 256, 1.3) is None
+    assert fixed_cost_allowed(57.0, 16, 32, 3.0) == float("inf")  # 32/16 < 3: any fixed cost is within
+
+    def row(n: int) -> ScenarioResult:
+        return ScenarioResult(
+            name=f"decode_{n}", mode="eager", steps=1, requests_per_step=float(n), tokens_per_step=float(n),
+            engine_us_p50=900 + 57.0 * n, engine_us_p90=0.0, materialize_us_p50=0.0, materialize_us_p90=0.0,
+            engine_floor_us=1.0, materialize_floor_us=1.0, engine_ratio=1.0, materialize_ratio=1.0,
+            tokens_per_s=1.0, engine_us_per_request=(900 + 57.0 * n) / n, materialize_us_per_request=0.0,
+        )  # fmt: skip
+
+    rep = BenchReport(("eager",), 1, [], [row(16), row(64), row(256)], sweep_spread=1.9, sweep_cpu_spread=1.9)
+    assert rep.sweep_fit == (pytest.approx(900.0), pytest.approx(57.0))
+    assert rep.to_dict()["sweep_fixed_allowed_us"] == pytest.approx(allowed)
+    assert f"900 us fixed per step + 57.00 us per request; the spread target needs fixed <= {allowed:.0f} us" in (
+        format_report(rep)
+    )
 
 
 @needs_manager

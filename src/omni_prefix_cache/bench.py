@@ -107,6 +107,9 @@ class Target:
     limit: Callable[[ScenarioResult], float]
     describe: str
     modes: tuple[str, ...] = ("eager", "threaded")
+    # Same-run context printed beside the verdict (e.g. the floor the
+    # target sits against), or None.
+    context: Callable[[ScenarioResult], str] | None = None
 
 
 def _mm_key(i: int) -> str:
@@ -114,7 +117,15 @@ def _mm_key(i: int) -> str:
 
 
 DECODE_TARGETS = (
-    Target("engine us/request", lambda r: r.engine_us_per_request, lambda r: 5.0, "<= 5 us", ("eager",)),
+    Target(
+        "engine us/request",
+        lambda r: r.engine_us_per_request,
+        lambda r: 5.0,
+        "<= 5 us",
+        ("eager",),
+        # The data movement alone, per request: no bookkeeping can go under it.
+        lambda r: f"staging copy + pool index_copy_ alone {r.move_floor_us / max(r.requests_per_step, 1e-9):.2f} us",
+    ),
     Target("materialize / floor", lambda r: r.materialize_ratio, lambda r: 20.0, "<= 20x", ("eager",)),
 )
 PREFILL_TARGETS = (
@@ -285,6 +296,7 @@ class TargetVerdict:
     value: float
     limit: float
     met: bool
+    context: str = ""  # same-run context (Target.context), "" when none
 
 
 @dataclass
@@ -344,7 +356,8 @@ class ScenarioResult:
         for t in targets:
             if self.mode in t.modes:
                 value, limit = t.metric(self), t.limit(self)
-                self.verdicts.append(TargetVerdict(t.name, t.describe, value, limit, value <= limit))
+                context = t.context(self) if t.context is not None else ""
+                self.verdicts.append(TargetVerdict(t.name, t.describe, value, limit, value <= limit, context))
 
     @property
     def met(self) -> bool | None:
@@ -595,6 +608,25 @@ class BenchReport:
     def sweep_met(self) -> bool | None:
         return None if self.sweep_spread is None else self.sweep_spread <= self.sweep_target
 
+    @property
+    def sweep_fit(self) -> tuple[float, float] | None:
+        """``(fixed us per step, us per request)``: least squares of the
+        sweep's engine p50 against its requests per step (None with fewer
+        than two batch sizes). Splits what the spread target is about: the
+        fixed part is what small batches cannot amortize."""
+        return linear_fit([(r.requests_per_step, r.engine_us_p50) for r in self.sweep])
+
+    @property
+    def sweep_fixed_allowed_us(self) -> float | None:
+        """The largest fixed per-step cost that would meet the spread target
+        at the fitted per-request cost, across the sweep's smallest and
+        largest batch (None without a fit, or when no fixed cost would)."""
+        fit = self.sweep_fit
+        if fit is None:
+            return None
+        sizes = [r.requests_per_step for r in self.sweep]
+        return fixed_cost_allowed(fit[1], min(sizes), max(sizes), self.sweep_target)
+
     def baseline_verdicts(self) -> list[tuple[ScenarioResult, str, float, bool]]:
         """(row, side, ratio to baseline, within slack) for every row the baseline has: engine and
         materialize floor-normalised, the step total (``engine+materialize``) as raw wall time."""
@@ -632,9 +664,34 @@ class BenchReport:
             "sweep_cpu_spread": self.sweep_cpu_spread,
             "sweep_target": self.sweep_target,
             "sweep_met": self.sweep_met,
+            "sweep_fit": None if self.sweep_fit is None else list(self.sweep_fit),
+            "sweep_fixed_allowed_us": self.sweep_fixed_allowed_us,
             "baseline": self.baseline,
             "all_met": self.all_met,
         }
+
+
+def linear_fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least-squares ``y = a + b * x``: ``(a, b)``; None when fewer than two
+    distinct x values."""
+    if len({x for x, _ in points}) < 2:
+        return None
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    b = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return my - b * mx, b
+
+
+def fixed_cost_allowed(per_request: float, n_min: float, n_max: float, target: float) -> float | None:
+    """The largest fixed per-step cost ``a`` for which the per-request cost
+    ``a / n + per_request`` varies at most ``target``-fold between ``n_min``
+    and ``n_max`` requests per step; None when none does (a non-positive
+    per-request cost, or a target the batch sizes cannot reach)."""
+    denom = 1.0 / n_min - target / n_max
+    if per_request <= 0 or denom <= 0:
+        return None if per_request <= 0 else float("inf")
+    return per_request * (target - 1.0) / denom
 
 
 def load_baseline(path: str) -> dict[tuple[str, str], dict[str, float]]:
@@ -823,6 +880,7 @@ def format_report(rep: BenchReport) -> str:
         for v in r.verdicts:
             lines.append(
                 f"  {r.name:<13} {r.mode:<8} {v.name:<24} {v.value:>9.2f} (target {v.describe}): {_verdict(v.met)}"
+                + (f"; {v.context}" if v.context else "")
             )
     if rep.sweep:
         lines.append("")
@@ -839,6 +897,13 @@ def format_report(rep: BenchReport) -> str:
             f"  spread max/min {rep.sweep_spread:.2f} (target <= {rep.sweep_target:.2f}): {_verdict(rep.sweep_met)}"
             f"; from cpu time {rep.sweep_cpu_spread:.2f}"
         )
+        fit = rep.sweep_fit
+        if fit is not None:
+            allowed = rep.sweep_fixed_allowed_us
+            lines.append(
+                f"  fit (least squares of engine p50): {fit[0]:.0f} us fixed per step + {fit[1]:.2f} us per request"
+                + ("" if allowed is None else f"; the spread target needs fixed <= {allowed:.0f} us at that cost")
+            )
     if rep.baseline:
         lines.append("")
         lines.append(
