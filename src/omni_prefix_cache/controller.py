@@ -409,17 +409,24 @@ class OmniPrefixCacheController(UpstreamSeams):
     def drain_completed(self) -> list[Tid]:
         """Pop pool-written tids and forget their tasks (manager, under its lock)."""
         with self.lock:
-            out = list(self._completed)
-            self._completed.clear()
+            completed = self._completed
+            if not completed:
+                return []
+            out = list(completed)
+            completed.clear()
+            forget = self._tasks.pop
             for tid in out:
-                self._tasks.pop(tid, None)
+                forget(tid, None)
         return out
 
     def drain_failed(self) -> list[Tid]:
         """Pop failed tids (one-shot). Their tasks stay registered."""
         with self.lock:
-            out = list(self._failed)
-            self._failed.clear()
+            failed = self._failed
+            if not failed:
+                return []
+            out = list(failed)
+            failed.clear()
         return out
 
     def get_task(self, tid: Tid) -> WriteTask | None:

@@ -34,7 +34,16 @@ def per_row(values: list[int], counts: list[int]) -> torch.Tensor:
     """
     if counts.count(1) == len(counts):
         return int64_tensor(values)
-    return torch.from_numpy(np.repeat(np.array(values, dtype=np.int64), np.array(counts, dtype=np.int64)))
+    return torch.from_numpy(per_row_ids(values, counts))
+
+
+def per_row_ids(values: list[int], counts: list[int]) -> np.ndarray:
+    """``per_row`` as a 1-D int64 numpy array, for a caller that indexes
+    numpy tables with it (no tensor to convert back)."""
+    ids = np.array(values, dtype=np.int64)
+    if counts.count(1) == len(counts):
+        return ids
+    return np.repeat(ids, np.array(counts, dtype=np.int64))
 
 
 def int64_ids(slots: torch.Tensor) -> np.ndarray:

@@ -15,7 +15,7 @@ under its state lock only (the hooks it installs run under that lock too).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -256,9 +256,15 @@ class SlotOccupancy:
         return self._apply(trigger, key, self._as_slots(key, slots), owners, where_enabled)
 
     def _apply(
-        self, trigger: str, key: TensorName, slots: np.ndarray, owners: torch.Tensor | int, where_enabled: bool
+        self,
+        trigger: str,
+        key: TensorName,
+        slots: np.ndarray,
+        owners: torch.Tensor | np.ndarray | int,
+        where_enabled: bool,
     ) -> int:
-        """``apply`` over slots already checked by ``_as_slots``."""
+        """``apply`` over slots already checked by ``_as_slots`` (owners as
+        given to ``apply``, or already converted by ``_as_owners``)."""
         arrays = self._arrays.get(key)
         if arrays is None:
             raise self._unknown(key)
@@ -379,11 +385,34 @@ class SlotOccupancy:
         another write owns. Manager, under the state lock, once per key per
         drain. Raises for a trigger the drain operation does not fire.
         """
+        return self.settle_keys(trigger, (key,), slots, writers)
+
+    def settle_keys(
+        self,
+        trigger: str,
+        keys: Sequence[TensorName],
+        slots: torch.Tensor,
+        writers: torch.Tensor | np.ndarray | int,
+    ) -> int:
+        """``settle`` of the same rows for each of ``keys`` in order (one move
+        per key); returns the rows moved over all keys. The slots and writers
+        (or an int64 array of one writer per row) are checked and converted
+        once, after the checks the first key's own ``settle`` makes first,
+        so errors are those of ``settle`` per key."""
         if trigger not in _SETTLE_TRIGGERS:
             raise OmniPrefixCacheUnmatchError(
                 f"slot occupancy: settle takes {sorted(_SETTLE_TRIGGERS)} (protocol drain), not {trigger!r}"
             )
-        return self.apply(trigger, key, slots, writers, where_enabled=True)
+        if not keys:
+            return 0
+        rows = self._as_slots(keys[0], slots)
+        if keys[0] not in self._arrays:
+            raise self._unknown(keys[0])
+        owners = self._as_owners(writers, int(rows.size)) if rows.size else writers
+        moved = 0
+        for key in keys:
+            moved += self._apply(trigger, key, rows, owners, True)
+        return moved
 
     # ------------------------------------------------------------ checks
 
@@ -426,7 +455,11 @@ class SlotOccupancy:
         return rows
 
     @staticmethod
-    def _as_owners(owners: torch.Tensor | int, n: int) -> np.ndarray:
+    def _as_owners(owners: torch.Tensor | np.ndarray | int, n: int) -> np.ndarray:
+        if isinstance(owners, np.ndarray):  # one int64 writer per row (settle_keys)
+            if owners.size != n:
+                raise OmniPrefixCacheUnmatchError(f"slot occupancy: {owners.size} owners for {n} slots")
+            return owners
         if isinstance(owners, torch.Tensor):
             if owners.numel() == 1 and n != 1:
                 return np.full(n, int(owners.reshape(())), dtype=np.int64)

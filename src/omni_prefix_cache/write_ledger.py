@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from omni_prefix_cache.controller import OmniPrefixCacheController, StagingBufferHolder, StepD2HClaim, WriteTask
-from omni_prefix_cache.index_tensors import per_row
+from omni_prefix_cache.index_tensors import per_row, per_row_ids
 from omni_prefix_cache.interface import (
     OmniPrefixCacheUnmatchError,
     OmniPrefixCacheWriteFailedError,
@@ -43,7 +43,7 @@ from omni_prefix_cache.protocol_runtime import active_protocol
 from omni_prefix_cache.specs.loader import SpecError
 from omni_prefix_cache.specs.protocol import compile_operation
 from omni_prefix_cache.step_layout import StepOutputs
-from omni_prefix_cache.write_task import StepRows, _BudgetTicket, _WriteChunk, chunk_slots
+from omni_prefix_cache.write_task import ChunkRuns, StepRows, _BudgetTicket, _WriteChunk
 
 logger = logging.getLogger(__name__)
 
@@ -81,15 +81,21 @@ class RequestTasks:
         self.tasks.setdefault(req_id, {})[tid] = None
         return n
 
-    def forget(self, req_id: ReqId, task: WriteTask) -> None:
-        """The write was drained (written or failed)."""
-        tids = self.tasks.get(req_id)
-        if tids is not None:
-            tids.pop(task.tid, None)
-            if not tids:
-                del self.tasks[req_id]
-        if self.deferred.get(req_id) is task:
-            del self.deferred[req_id]
+    def forget_drained(self, drained: list[TaskRecord], live: set[ReqId]) -> None:
+        """The writes were drained (written or failed): forget each, in
+        order, and drop its request once idle if it is not in ``live``."""
+        tasks, deferred = self.tasks, self.deferred
+        for rec in drained:
+            rid, task = rec.req_id, rec.task
+            tids = tasks.get(rid)
+            if tids is not None:
+                tids.pop(task.tid, None)
+                if not tids:
+                    del tasks[rid]
+            if deferred and deferred.get(rid) is task:
+                del deferred[rid]
+            if rid not in live:
+                self.drop_if_idle(rid)
 
     def drop_if_idle(self, req_id: ReqId) -> None:
         """Forget ``req_id`` (no longer live) once it has no undrained write;
@@ -379,31 +385,26 @@ class WriteLedger:
         """``commit`` or ``drop`` the rows of drained writes and forget them
         (state lock held). Rows are grouped by their key tuple (one per save
         and schedule), so a drain costs one occupancy move per key group,
-        not one per task."""
-        groups: dict[tuple[TensorName, ...], tuple[list[_WriteChunk], list[int]]] = {}
+        not one per task; each group's slots and writers are gathered in the
+        one pass over the drained records."""
+        groups: dict[tuple[TensorName, ...], ChunkRuns] = {}
         settled: list[TaskRecord] = []
-        records = self.records
-        forget = self.requests.forget
+        pop = self.records.pop
         for tid in tids:
-            rec = records.pop(tid, None)
+            rec = pop(tid, None)
             if rec is None:
                 continue
             settled.append(rec)
-            forget(rec.req_id, rec.task)
-            if rec.req_id not in self._live:
-                self.requests.drop_if_idle(rec.req_id)
             for keys, chunk in rec.parts:
-                chunks, owners = groups.setdefault(keys, ([], []))
-                chunks.append(chunk)
-                owners.append(tid)
-        for keys, (chunks, owners) in groups.items():
-            counts = [c.rows for c in chunks]
+                runs = groups.get(keys)
+                if runs is None:
+                    runs = groups[keys] = ChunkRuns()
+                runs.add(chunk, tid)
+        self.requests.forget_drained(settled, self._live)
+        for keys, runs in groups.items():
             if trigger == "commit":
-                self._counters["rows_committed"] += sum(counts) * len(keys)
-            slots = chunk_slots(chunks)
-            writers = per_row(owners, counts)
-            for key in keys:
-                self._occupancy.settle(trigger, key, slots, writers)
+                self._counters["rows_committed"] += sum(runs.counts) * len(keys)
+            self._occupancy.settle_keys(trigger, keys, runs.slots(), per_row_ids(runs.owners, runs.counts))
         return settled
 
     def _note_failures_locked(self, failed: list[Tid], dropped: list[TaskRecord]) -> None:

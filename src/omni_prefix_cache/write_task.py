@@ -207,13 +207,47 @@ def step_runs(chunks: Sequence[_WriteChunk]) -> list[tuple[StepRows | None, int,
     return runs
 
 
-def chunk_slots(chunks: Sequence[_WriteChunk]) -> torch.Tensor:
-    """The slots of ``chunks`` in order as one tensor (a step's back-to-back
-    windows are one slice of its slot mapping, not a concatenation)."""
-    parts = [
-        step.slots[start:end] if step is not None else chunk.slots_cpu for step, start, end, chunk in step_runs(chunks)
-    ]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+class ChunkRuns:
+    """The slots of chunks added one by one (in order), with the write
+    owning each chunk and its row count, gathered in the caller's own pass
+    over the chunks: back-to-back windows of one step are one slice of its
+    slot mapping, not a concatenation (as ``step_runs`` merges them)."""
+
+    __slots__ = ("_parts", "_step", "_start", "_end", "owners", "counts")
+
+    def __init__(self) -> None:
+        self._parts: list[torch.Tensor] = []
+        self._step: StepRows | None = None  # the open run of windows: rows [_start, _end) of _step
+        self._start = 0
+        self._end = 0
+        self.owners: list[Tid] = []
+        self.counts: list[int] = []  # rows per chunk
+
+    def add(self, chunk: _WriteChunk, owner: Tid) -> None:
+        step, start, end = chunk.step, chunk.start, chunk.end
+        self.owners.append(owner)
+        self.counts.append(end - start)
+        if step is not None and step is self._step and start == self._end:
+            self._end = end
+            return
+        self._close_run()
+        if step is not None:
+            self._step, self._start, self._end = step, start, end
+        else:
+            self._parts.append(chunk.slots_cpu)
+
+    def _close_run(self) -> None:
+        if self._step is not None:
+            self._parts.append(self._step.slots[self._start : self._end])
+            self._step = None
+
+    def slots(self) -> torch.Tensor:
+        """The added chunks' slots in order (at least one chunk added)."""
+        self._close_run()
+        parts = self._parts
+        if len(parts) > 1:
+            self._parts = parts = [torch.cat(parts)]
+        return parts[0]
 
 
 # (chunk, key, host rows): one key's rows of one chunk, as a copy stage made them.
