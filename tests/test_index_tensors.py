@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from omni_prefix_cache.index_tensors import int64_tensor, out_of_range, per_row
+from omni_prefix_cache.index_tensors import int64_tensor, out_of_range, per_row, per_row_ids
 from omni_prefix_cache.materializer import gather_index
 
 
@@ -17,6 +17,8 @@ def test_per_row_repeats_each_value_its_count(runs: list[tuple[int, int]]) -> No
     want = torch.repeat_interleave(int64_tensor(values), torch.tensor(counts, dtype=torch.int64))
     got = per_row(values, counts)
     assert got.dtype == torch.int64 and torch.equal(got, want)
+    ids = per_row_ids(values, counts)
+    assert ids.dtype == np.int64 and ids.ndim == 1 and ids.tolist() == want.tolist()
 
 
 @given(st.lists(st.tuples(st.integers(0, 500), st.integers(0, 20)), max_size=30))
