@@ -382,8 +382,9 @@ class SlotOccupancy:
         Fires where the move is enabled: a row of the write that already left
         the state the move starts from was taken over and settled by its
         newer owner, and the ``owned_by_writer`` guard leaves in-transit rows
-        another write owns. Manager, under the state lock, once per key per
-        drain. Raises for a trigger the drain operation does not fire.
+        another write owns. Under the state lock (the ledger settles a drain
+        through ``settle_keys``, once per key group). Raises for a trigger
+        the drain operation does not fire.
         """
         return self.settle_keys(trigger, (key,), slots, writers)
 
