@@ -185,6 +185,19 @@ def _guarded(batch: Batch, run: Callable[[Any], Any]) -> list[Any]:
     return out
 
 
+def guarded_each(batch: Batch, run: Callable[[Any], Any]) -> None:
+    """``run(item)`` for each item, results dropped (an effect's handler
+    per item); an item that raises leaves the batch."""
+    done = 0
+    while done < len(batch.items):
+        try:
+            for item in batch.items[done:] if done else batch.items:
+                run(item)
+                done += 1
+        except Exception as exc:
+            batch.drop(done, exc)
+
+
 def compile_batch_operation(
     op: OperationSpec,
     binding: Binding,
@@ -242,7 +255,7 @@ def compile_batch_operation(
             effect = effects[s.effect]
 
             def each(batch: Batch) -> None:
-                _guarded(batch, effect)
+                guarded_each(batch, effect)
 
             return each
         if isinstance(s, When):
