@@ -134,7 +134,14 @@ class OmniPrefixCacheController(UpstreamSeams):
         self._registering_queued = False
         self._inline: list[WriteTask] = []  # dispatch_inline's tasks, run after the dispatch segment
         self.binding = ControllerBinding(self.queues, self._staging_pool)
-        self.ops = compile_ops(active_protocol(), self.binding, self._effects(), self._guards(), self._batch_effects())
+        self.ops = compile_ops(
+            active_protocol(),
+            self.binding,
+            self._effects(),
+            self._guards(),
+            self._batch_effects(),
+            self._batch_guards(),
+        )
         self._eager_dispatch = EagerDispatch(self)
         self._committer = Committer(self)
         self._worker: threading.Thread | None = None
@@ -200,6 +207,15 @@ class OmniPrefixCacheController(UpstreamSeams):
             "over_budget": lambda nbytes: self._budget.exceeded_by(nbytes) and self._any_unfinished(),
             "task_failed": task_failed,
             "eager": lambda _: self.eager,
+        }
+
+    def _batch_guards(self) -> dict[str, Callable[[list[Any]], list[bool]]]:
+        """Guards answered for a whole batch at once (see specs.batch): the
+        same answer per task as ``_guards``, without a call per task."""
+        immediate = WriteSchedule.JOIN_NEXT_STEP
+        return {
+            "immediate": lambda tasks: [task.schedule is immediate for task in tasks],
+            "eager": lambda tasks: [self.eager] * len(tasks),
         }
 
     def _copy_task(self, task: WriteTask) -> None:

@@ -205,12 +205,16 @@ def compile_batch_operation(
     guards: Mapping[str, Callable[[Any], bool]],
     *,
     batch_effects: Mapping[str, Callable[[Batch], None]] | None = None,
+    batch_guards: Mapping[str, MaskMany] | None = None,
 ) -> CompiledBatchOperation:
     """Bind ``op`` for batches. ``batch_effects[name](batch)`` runs an
     effect once for the whole batch (it drops the items it fails itself);
-    an effect without one runs per item. A handler missing from the
-    mappings raises SpecError now, not at the first call."""
+    an effect without one runs per item. ``batch_guards[name](items)``
+    evaluates a guard for every item at once (it must not raise; per item
+    the guard's own answer); a guard without one runs per item. A handler
+    missing from the mappings raises SpecError now, not at the first call."""
     batch_effects = dict(batch_effects or {})
+    batch_guards = dict(batch_guards or {})
 
     def steps(seq: tuple[Step, ...]) -> BatchRun:
         runs = tuple(step(s) for s in seq)
@@ -262,11 +266,12 @@ def compile_batch_operation(
             if s.guard not in guards:
                 raise SpecError(f"operation {op.name}: guard {s.guard!r} has no handler")
             g, neg = guards[s.guard], s.negate
+            g_many = batch_guards.get(s.guard)
             then = steps(s.then) if s.then else None
             orelse = steps(s.orelse) if s.orelse else None
 
             def when(batch: Batch) -> None:
-                picks = _guarded(batch, g)
+                picks = g_many(batch.items) if g_many is not None else _guarded(batch, g)
                 yes = [x for x, p in zip(batch.items, picks) if bool(p) != neg]
                 no = [x for x, p in zip(batch.items, picks) if bool(p) == neg] if len(yes) < len(picks) else []
                 _partitioned(batch, [(yes, then), (no, orelse)])
