@@ -7,7 +7,8 @@ each step runs once for a whole ``Batch`` of contexts (the writes of one
 step, the tasks one committer pass claimed): a move fires for every item in
 one call of the binding's ``move_many`` / ``try_move_many``, an effect runs
 once through its batch handler, and ``when`` / ``first_of`` partition the
-batch by their guard or by the first enabled alternative.
+batch by their guard (its batch handler, where it has one) or by the first
+enabled alternative.
 
 Per item, the result is the per-instance run's: instances of one
 operation do not share a component (each item moves its own task, position
