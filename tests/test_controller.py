@@ -323,6 +323,50 @@ def test_eager_batch_with_a_slot_written_twice_keeps_the_later_task():
     assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([5])), rows_for([5], 2.0))
 
 
+def test_eager_dispatch_mixing_staged_and_deferred_tasks_copies_the_deferred_rows():
+    # The copy stage is skipped for a batch of staging views only: one
+    # deferred write anywhere in the dispatch still gets its rows copied.
+    ctrl, pool = make(eager=True)
+    claim = ctrl.stage_step_host({}, 0, None, StagingBufferHolder.for_step(1))
+    first = staged_task(ctrl, 1, [1], claim.staging_slot)
+    deferred = deferred_task(ctrl, 2, [2], salt=0.5)
+    last = staged_task(ctrl, 3, [3], claim.staging_slot)
+    for task in (first, deferred, last):
+        ctrl.register(task)
+    ctrl.dispatch([first, deferred, last])
+    assert [t.state for t in (first, deferred, last)] == [TaskState.WRITTEN] * 3
+    expected = torch.cat([rows_for([1]), rows_for([2], 0.5), rows_for([3])])
+    assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([1, 2, 3])), expected)
+    assert ctrl._staged_bytes == 0
+
+
+def test_eager_dispatch_goes_through_wrapped_copy_and_write_seams_for_every_task():
+    # The batched copy_to_host / pool_write effects skip the per-task seams
+    # only while they are the controller's own: a wrapper sees every task.
+    ctrl, pool = make(eager=True)
+    claim = ctrl.stage_step_host({}, 0, None, StagingBufferHolder.for_step(1))
+    tasks = [staged_task(ctrl, tid, [tid], claim.staging_slot) for tid in range(1, 4)]
+    for task in tasks:
+        ctrl.register(task)
+    copied: list[int] = []
+    scattered: list[int] = []
+    real_copy, real_scatter = ctrl._copy_task, ctrl._scatter
+
+    def copy_task(task):
+        copied.append(task.tid)
+        real_copy(task)
+
+    def scatter(task):
+        scattered.append(task.tid)
+        real_scatter(task)
+
+    ctrl._copy_task, ctrl._scatter = copy_task, scatter
+    ctrl.dispatch(tasks)
+    assert copied == scattered == [1, 2, 3]
+    assert all(t.state is TaskState.WRITTEN for t in tasks)
+    assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([1, 2, 3])), rows_for([1, 2, 3]))
+
+
 def test_staging_release_twice_raises_naming_the_holder():
     ctrl, _ = make(eager=True)
     step = StagingBufferHolder.for_step(7)

@@ -100,7 +100,7 @@ class Committer:
         # An eager controller writes what a test staged by hand the way its
         # dispatch would (operation eager_run's tail).
         op = ctrl.ops.eager if ctrl.eager else ctrl.ops.write
-        pool_write = op.segments[op.tail - 1]
+        pool_write = op.batch.segments[op.tail - 1]
         with ctrl.lock:
             ready = [t for tid in queues.blocked if (t := ctrl.get_task(tid)) is not None and self._ready(t)]
             if ready:
@@ -111,17 +111,24 @@ class Committer:
         # The pass's pool writes join one batch: written once per key, then
         # finished together (the segments after the pool write, batched).
         writes = ctrl._eager_dispatch.open(op)
+        batch = Batch(list(ready))
         try:
-            for task in ready:
-                try:
-                    pool_write(task)  # joins the batch (see the controller's _scatter)
-                except BaseException as exc:
-                    # This task's failure only: letting it escape would fail
-                    # whatever the loop touches next and strand this task's join.
-                    logger.exception("omni prefix cache: pool write failed for task %s", task.tid)
-                    ctrl.fail_task(task, ctrl.write_error(task, exc, "pool write"))
+            # The whole pass at once: each task joins the write batch (see
+            # the controller's _scatter_tasks); one whose pool write raises
+            # leaves the pass with its error, the others go on.
+            pool_write(batch)
+        except BaseException as exc:
+            # Not an Exception (those stay per task): which task raised is
+            # unknown, and letting it escape would strand the joins of every
+            # task not yet in the write batch, so those fail with it.
+            logger.exception("omni prefix cache: pool write pass failed")
+            joined = {id(task) for task in writes.tasks}
+            batch.errors.extend((task, exc) for task in batch.items if id(task) not in joined)
         finally:
             ctrl._eager_dispatch.close(writes)
+        for task, error in batch.errors:
+            logger.error("omni prefix cache: pool write failed for task %s", task.tid, exc_info=error)
+            ctrl.fail_task(task, ctrl.write_error(task, error, "pool write"))
         ctrl._eager_dispatch.flush(writes)
         return [t.tid for t in ready]
 

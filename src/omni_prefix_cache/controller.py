@@ -57,7 +57,7 @@ from omni_prefix_cache.protocol_runtime import (
     compile_ops,
     task_failed,
 )
-from omni_prefix_cache.specs.batch import Batch
+from omni_prefix_cache.specs.batch import Batch, guarded_each
 from omni_prefix_cache.staging import StagingBufferHolder, StagingBufferPool, StepD2HClaim
 from omni_prefix_cache.write_errors import write_error
 from omni_prefix_cache.write_task import (
@@ -134,7 +134,14 @@ class OmniPrefixCacheController(UpstreamSeams):
         self._registering_queued = False
         self._inline: list[WriteTask] = []  # dispatch_inline's tasks, run after the dispatch segment
         self.binding = ControllerBinding(self.queues, self._staging_pool)
-        self.ops = compile_ops(active_protocol(), self.binding, self._effects(), self._guards(), self._batch_effects())
+        self.ops = compile_ops(
+            active_protocol(),
+            self.binding,
+            self._effects(),
+            self._guards(),
+            self._batch_effects(),
+            self._batch_guards(),
+        )
         self._eager_dispatch = EagerDispatch(self)
         self._committer = Committer(self)
         self._worker: threading.Thread | None = None
@@ -169,9 +176,11 @@ class OmniPrefixCacheController(UpstreamSeams):
         """Effects that run once for a whole batch (see specs.batch)."""
 
         def publish_completed(batch: Batch) -> None:
-            self._completed.extend(task.tid for task in batch.items)
+            self._completed.extend([task.tid for task in batch.items])
 
         return {
+            "copy_to_host": self._copy_tasks,
+            "pool_write": self._scatter_tasks,
             "register_task": lambda batch: self._register_tasks(batch.items),
             "unpin_budget": lambda batch: self._budget.unpin_many(batch.items),
             "wake_committer": lambda _: self.wake.notify_all(),
@@ -200,9 +209,40 @@ class OmniPrefixCacheController(UpstreamSeams):
             "eager": lambda _: self.eager,
         }
 
+    def _batch_guards(self) -> dict[str, Callable[[list[Any]], list[bool]]]:
+        """Guards answered for a whole batch at once (see specs.batch): the
+        same answer per task as ``_guards``, without a call per task."""
+        immediate = WriteSchedule.JOIN_NEXT_STEP
+        return {
+            "immediate": lambda tasks: [task.schedule is immediate for task in tasks],
+            "eager": lambda tasks: [self.eager] * len(tasks),
+        }
+
     def _copy_task(self, task: WriteTask) -> None:
         """Effect ``copy_to_host``: the rows the task's host_ready move installs."""
         task.copied_rows = self._host.copy(task)
+
+    def _copy_tasks(self, batch: Batch) -> None:
+        """Effect ``copy_to_host`` for a batch: ``_copy_task`` per task, an
+        item that raises leaving the batch. A staging view's copy stage
+        makes no rows (it was copied at save), so while the seam is the
+        controller's own it is not called for those tasks."""
+        copy = self._copy_task  # looked up per batch: tests wrap the seam
+        if getattr(copy, "__func__", None) is _PLAIN_COPY_TASK and self._host.copies_nothing(batch.items):
+            return
+        guarded_each(batch, copy)
+
+    def _scatter_tasks(self, batch: Batch) -> None:
+        """Effect ``pool_write`` for a batch: ``_scatter`` per task, an item
+        that raises leaving the batch; while the seam is the controller's
+        own and an eager batch is open, the tasks join it at once."""
+        scatter = self._scatter  # looked up per batch: tests wrap the seam
+        if getattr(scatter, "__func__", None) is _PLAIN_SCATTER:
+            open_batch = self._eager_dispatch.open_batch()
+            if open_batch is not None:
+                open_batch.tasks.extend(batch.items)
+                return
+        guarded_each(batch, scatter)
 
     def _scatter(self, task: WriteTask) -> None:
         """Effect ``pool_write``, then the rest of the task's write operation
@@ -489,3 +529,9 @@ class OmniPrefixCacheController(UpstreamSeams):
         out["holders"] = {"step": holders.get("step", 0), "task": holders.get("task", 0)}
         out["mode"] = "eager" if self.eager else f"{self.committer_mode}:{self._engine.name}"
         return out
+
+
+# The controller's own copy and pool-write seams: a batch effect takes its
+# fast path only while the seam a task would go through is one of these.
+_PLAIN_COPY_TASK = OmniPrefixCacheController._copy_task
+_PLAIN_SCATTER = OmniPrefixCacheController._scatter

@@ -40,7 +40,8 @@ class CopyQueues:
         self.low: deque[Tid] = deque()  # deferred writes queued at submit
         self.claimed: deque[Tid] = deque()  # claimed, copy stage not taken yet
         self.blocked: list[Tid] = []  # host rows ready, pool write not taken yet
-        self._effects: dict[str, Callable[[Tid], None]] = {
+        # None: the move changes the position only (no structure holds the task).
+        self._effects: dict[str, Callable[[Tid], None] | None] = {
             "push": self.high.append,
             "push_low": self.low.append,
             "push_head": self.high.appendleft,
@@ -49,7 +50,7 @@ class CopyQueues:
             "copied": self._copied,
             "written": lambda tid: _discard(self.blocked, tid),
             "skip": self._unqueue,
-            "inline": lambda tid: None,
+            "inline": None,
             "fail": self._failed,  # a queue entry stays (STALE) until its pop
         }
         missing = sorted(set(COPY_QUEUE_MACHINE.triggers) - set(self._effects))
@@ -73,7 +74,9 @@ class CopyQueues:
             raise ProtocolViolation(
                 f"task {task.tid}: copy queue position {QueuePosition(task.position).name} has no move {trigger!r}"
             )
-        self._effects[trigger](task.tid)
+        effect = self._effects[trigger]
+        if effect is not None:
+            effect(task.tid)
         task.position = move.dest
 
     def try_fire(self, task: Any, trigger: str) -> bool:
@@ -81,7 +84,9 @@ class CopyQueues:
         move = COPY_QUEUE_MACHINE.move(task.position, trigger)
         if move is None:
             return False
-        self._effects[trigger](task.tid)
+        effect = self._effects[trigger]
+        if effect is not None:
+            effect(task.tid)
         task.position = move.dest
         return True
 
@@ -89,23 +94,23 @@ class CopyQueues:
         """``try_fire`` for each task in order (a batched step); per task
         True if its position moved, False if it has no such move."""
         moves = COPY_QUEUE_MACHINE.by_state(trigger)
-        moved: list[Any] = []
-        out: list[bool | BaseException] = []
-        for task in tasks:
+        out: list[bool | BaseException] = [True] * len(tasks)
+        moved = tasks
+        for i, task in enumerate(tasks):
             move = moves[task.position]
             if move is None:
-                out.append(False)
+                out[i] = False
                 continue
-            moved.append(task)
             task.position = move.dest
-            out.append(True)
-        if moved:
+        if not all(out):
+            moved = [task for task, ok in zip(tasks, out) if ok]
+        effect = self._effects[trigger]
+        if moved and effect is not None:
             if trigger == "written" and len(moved) > 1:
                 # One pass over the blocked list for the whole batch.
                 gone = {task.tid for task in moved}
                 self.blocked[:] = [tid for tid in self.blocked if tid not in gone]
             else:
-                effect = self._effects[trigger]
                 for task in moved:
                     effect(task.tid)
         return out

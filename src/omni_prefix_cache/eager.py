@@ -58,8 +58,9 @@ def _step_window(tasks: list[WriteTask]) -> tuple[StepRows, int, int] | None:
     windows of one step in order (a save's immediate writes, none
     reassigned): their rows are rows ``[start, end)`` of the step's arrays.
     None otherwise."""
-    if any(len(t.chunks) != 1 or t.reassigned or not t.chunks[0].whole_step_view() for t in tasks):
-        return None
+    for t in tasks:  # a loop, not any(genexpr): no generator step per task
+        if len(t.chunks) != 1 or t.reassigned or not t.chunks[0].whole_step_view():
+            return None
     runs = step_runs([t.chunks[0] for t in tasks])
     if len(runs) != 1:
         return None
@@ -193,15 +194,17 @@ class EagerDispatch:
                 written_merged = self._write_merged(batch.tasks)
             except Exception:
                 written_merged = False
+        if written_merged:
+            ctrl.finish_writes(list(batch.tasks), batch.op)
+            return
         first_error: BaseException | None = None
         written: list[WriteTask] = []
         for task in batch.tasks:
             row_key: TensorName | None = None
             row_slots: torch.Tensor | None = None
             try:
-                if not written_merged:
-                    for row_key, row_slots, host in task.scatter_rows():
-                        pool.write(row_key, row_slots, host)
+                for row_key, row_slots, host in task.scatter_rows():
+                    pool.write(row_key, row_slots, host)
                 written.append(task)
             except BaseException as exc:
                 logger.exception("omni prefix cache: pool write failed for task %s", task.tid)

@@ -18,6 +18,15 @@ class HostRows:
         self.engine = engine
         self._piece_bytes = config.copy_chunk_bytes
 
+    @staticmethod
+    def copies_nothing(tasks: list[WriteTask]) -> bool:
+        """True if ``copy`` makes no rows for any of ``tasks`` (all are
+        staging views: their rows were copied at save)."""
+        for task in tasks:
+            if task.schedule is not WriteSchedule.JOIN_NEXT_STEP:
+                return False
+        return True
+
     def copy(self, task: WriteTask) -> list[HostRow]:
         """The copy stage: the host rows the task's host_ready move installs.
 
@@ -27,7 +36,7 @@ class HostRows:
         ``copy_chunk_bytes`` pieces) straight into its own slice. No
         device-side concatenation: nothing is allocated on the copy lane.
         """
-        if task.schedule is WriteSchedule.JOIN_NEXT_STEP:
+        if self.copies_nothing([task]):
             return []
         by_key: dict[TensorName, list[_WriteChunk]] = {}
         for chunk in task.chunks:

@@ -122,16 +122,13 @@ class ControllerBinding:
         (under the task's, the queues' or the pool's own lock)."""
         if role == "task":
             if trigger == "host_ready":
-                moves = WRITE_TASK_MACHINE.by_state(trigger)
-                _, fire = self._task_move(trigger)
+                many = _host_ready_many()
 
                 def attempt_host_ready(task: Any) -> bool:
-                    # Only the copy's claimant moves a COPYING task on; the
-                    # move itself re-checks under the task's lock.
-                    if moves[task.state] is None:
-                        return False
-                    fire(task)
-                    return True
+                    result = many([task])[0]
+                    if isinstance(result, BaseException):
+                        raise result
+                    return result
 
                 return attempt_host_ready
             defer = trigger == "fail"  # operation fail runs the wakes once its record is public
@@ -161,10 +158,12 @@ class ControllerBinding:
         if role == "task_holder":
             staging = self._staging
             return lambda tasks: staging.try_fire_tasks(trigger, tasks)
-        if role == "task" and trigger != "host_ready":
+        if role == "task":
+            if trigger == "host_ready":
+                return _host_ready_many()
             defer = trigger == "fail"  # as in try_move
             return lambda tasks: WriteTask.try_fire_many(tasks, trigger, defer=defer)
-        # host_ready per task through its seam; raises for a role not the controller's.
+        # Raises for a role not the controller's.
         return attempt_each(self.try_move(role, trigger))
 
     def move_many(self, role: str, trigger: str) -> tuple[MaskMany, RunMany]:
@@ -189,16 +188,9 @@ class ControllerBinding:
             return bool(task.can(trigger))
 
         if trigger == "host_ready":
-            # The move installs the rows the copy stage made (copy_to_host);
-            # staging views have none: the move waits the step's copy event.
-            def fire(task: Any) -> None:
-                rows, task.copied_rows = task.copied_rows, ()
-                if rows:
-                    task.set_host_tensor(rows)
-                else:
-                    task.mark_host_ready()
+            return enabled, _fire_host_ready
 
-        elif trigger == "fail":
+        if trigger == "fail":
             # Wakes are deferred: operation fail runs them (wake_failed) once
             # its failure record is public.
             def fire(task: Any) -> None:
@@ -222,6 +214,43 @@ class ControllerBinding:
             staging.fire(trigger, task.staging_slot, StagingBufferHolder.for_task(task.tid))
 
         return enabled, fire
+
+
+def _fire_host_ready(task: Any) -> None:
+    """Move ``task.host_ready``: it installs the rows the copy stage made
+    (copy_to_host); staging views have none: the move waits the step's
+    copy event."""
+    rows, task.copied_rows = task.copied_rows, ()
+    if rows:
+        task.set_host_tensor(rows)
+    else:
+        task.mark_host_ready()
+
+
+def _host_ready_many() -> AttemptMany:
+    """``attempt_many`` of ``task.host_ready``: per task one table lookup,
+    then the move through its seams (``_fire_host_ready``), which re-check
+    under the task's lock. Only the copy's claimant moves a COPYING task on."""
+    moves = WRITE_TASK_MACHINE.by_state("host_ready")
+
+    def attempt_many(tasks: list[Any]) -> list[bool | BaseException]:
+        out: list[bool | BaseException] = [True] * len(tasks)
+        for i, task in enumerate(tasks):
+            if moves[task.state] is None:
+                out[i] = False
+                continue
+            # _fire_host_ready, inline: one call less per task.
+            rows, task.copied_rows = task.copied_rows, ()
+            try:
+                if rows:
+                    task.set_host_tensor(rows)
+                else:
+                    task.mark_host_ready()
+            except Exception as exc:
+                out[i] = exc
+        return out
+
+    return attempt_many
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -342,10 +371,12 @@ def compile_ops(
     effects: Mapping[str, Run],
     guards: Mapping[str, Pred],
     batch_effects: Mapping[str, BatchRun] | None = None,
+    batch_guards: Mapping[str, MaskMany] | None = None,
 ) -> ControllerOps:
     """Compile the controller's operations of ``spec`` against ``binding``
-    and the controller's effect and guard handlers (``batch_effects``: an
-    effect's handler for a whole batch, where it has one)."""
+    and the controller's effect and guard handlers (``batch_effects`` /
+    ``batch_guards``: an effect's or a guard's handler for a whole batch,
+    where it has one)."""
 
     def make(name: str, *, lock: str | None = None, project: bool = False) -> RuntimeOp:
         # The per-instance and the batched form compile the same (possibly
@@ -362,7 +393,9 @@ def compile_ops(
         tail = writes[0] + 1 if writes else len(op.segments)
         return RuntimeOp(
             compile_operation(op, binding, effects, guards),
-            compile_batch_operation(op, binding, effects, guards, batch_effects=batch_effects),
+            compile_batch_operation(
+                op, binding, effects, guards, batch_effects=batch_effects, batch_guards=batch_guards
+            ),
             tuple(seg.lock for seg in op.segments),
             tail,
         )

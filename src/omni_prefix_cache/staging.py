@@ -82,6 +82,8 @@ HOLDER_MACHINE = compile_machine(
 # States in which a holder holds its page (the spec's holds_page tag): a move
 # into one takes the page, a move out of one lets it go.
 _HOLDS_PAGE = HOLDER_MACHINE.tagged("holds_page")
+# A task holder without the namedtuple's Python-level __new__ (batched moves).
+_new_holder = tuple.__new__
 
 
 class StagingBufferPool:
@@ -177,18 +179,25 @@ class StagingBufferPool:
         """``try_fire`` of each task's holder on its ``staging_slot``, under
         one acquisition (a batched step); False for a task with no page,
         the exception for a holder whose move raised."""
-        out: list[bool | BaseException] = []
+        out: list[bool | BaseException] = [False] * len(tasks)
         moves = HOLDER_MACHINE.by_state(trigger)
+        page_of = self._page_of
         with self._page_freed:
-            for task in tasks:
+            for i, task in enumerate(tasks):
                 page = task.staging_slot
                 if page is None:
-                    out.append(False)
+                    continue
+                # _try_locked, inline: the holder's state and move, then the
+                # move (its guards and effects) in _apply.
+                holder = _new_holder(StagingBufferHolder, ("task", task.tid))
+                state = self.holder_state(holder)
+                move = moves[state]
+                if move is None or (move.dest not in _HOLDS_PAGE and page_of.get(holder) != page):
                     continue
                 try:
-                    out.append(self._try_locked(trigger, page, StagingBufferHolder("task", task.tid), moves))
+                    out[i] = self._apply(trigger, page, holder, move, state)
                 except Exception as exc:
-                    out.append(exc)
+                    out[i] = exc
         return out
 
     def _try_locked(

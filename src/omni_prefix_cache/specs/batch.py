@@ -7,7 +7,8 @@ each step runs once for a whole ``Batch`` of contexts (the writes of one
 step, the tasks one committer pass claimed): a move fires for every item in
 one call of the binding's ``move_many`` / ``try_move_many``, an effect runs
 once through its batch handler, and ``when`` / ``first_of`` partition the
-batch by their guard or by the first enabled alternative.
+batch by their guard (its batch handler, where it has one) or by the first
+enabled alternative.
 
 Per item, the result is the per-instance run's: instances of one
 operation do not share a component (each item moves its own task, position
@@ -185,6 +186,19 @@ def _guarded(batch: Batch, run: Callable[[Any], Any]) -> list[Any]:
     return out
 
 
+def guarded_each(batch: Batch, run: Callable[[Any], Any]) -> None:
+    """``run(item)`` for each item, results dropped (an effect's handler
+    per item); an item that raises leaves the batch."""
+    done = 0
+    while done < len(batch.items):
+        try:
+            for item in batch.items[done:] if done else batch.items:
+                run(item)
+                done += 1
+        except Exception as exc:
+            batch.drop(done, exc)
+
+
 def compile_batch_operation(
     op: OperationSpec,
     binding: Binding,
@@ -192,12 +206,16 @@ def compile_batch_operation(
     guards: Mapping[str, Callable[[Any], bool]],
     *,
     batch_effects: Mapping[str, Callable[[Batch], None]] | None = None,
+    batch_guards: Mapping[str, MaskMany] | None = None,
 ) -> CompiledBatchOperation:
     """Bind ``op`` for batches. ``batch_effects[name](batch)`` runs an
     effect once for the whole batch (it drops the items it fails itself);
-    an effect without one runs per item. A handler missing from the
-    mappings raises SpecError now, not at the first call."""
+    an effect without one runs per item. ``batch_guards[name](items)``
+    evaluates a guard for every item at once (it must not raise; per item
+    the guard's own answer); a guard without one runs per item. A handler
+    missing from the mappings raises SpecError now, not at the first call."""
     batch_effects = dict(batch_effects or {})
+    batch_guards = dict(batch_guards or {})
 
     def steps(seq: tuple[Step, ...]) -> BatchRun:
         runs = tuple(step(s) for s in seq)
@@ -242,18 +260,19 @@ def compile_batch_operation(
             effect = effects[s.effect]
 
             def each(batch: Batch) -> None:
-                _guarded(batch, effect)
+                guarded_each(batch, effect)
 
             return each
         if isinstance(s, When):
             if s.guard not in guards:
                 raise SpecError(f"operation {op.name}: guard {s.guard!r} has no handler")
             g, neg = guards[s.guard], s.negate
+            g_many = batch_guards.get(s.guard)
             then = steps(s.then) if s.then else None
             orelse = steps(s.orelse) if s.orelse else None
 
             def when(batch: Batch) -> None:
-                picks = _guarded(batch, g)
+                picks = g_many(batch.items) if g_many is not None else _guarded(batch, g)
                 yes = [x for x, p in zip(batch.items, picks) if bool(p) != neg]
                 no = [x for x, p in zip(batch.items, picks) if bool(p) == neg] if len(yes) < len(picks) else []
                 _partitioned(batch, [(yes, then), (no, orelse)])
