@@ -370,6 +370,35 @@ def test_bench_smoke_report_has_fields() -> None:
     assert line.endswith(f"staging copy + pool index_copy_ alone {floor:.2f} us"), line
 
 
+@needs_manager
+def test_bench_counts_the_engine_threads_page_faults_per_side(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Page faults are read just outside each timed side: the engine calls'
+    count is the delta across new_step_starts + save_outputs, materialize's
+    the delta across materialize (a fake counter that jumps inside each)."""
+    from omni_prefix_cache import bench
+    from omni_prefix_cache.manager import OmniPrefixCacheManager
+
+    faults = [0]
+    real_save, real_mat = OmniPrefixCacheManager.save_outputs, OmniPrefixCacheManager.materialize
+
+    def save(self: Any, *a: Any, **k: Any) -> Any:
+        faults[0] += 5
+        return real_save(self, *a, **k)
+
+    def materialize(self: Any, *a: Any, **k: Any) -> Any:
+        faults[0] += 3
+        return real_mat(self, *a, **k)
+
+    monkeypatch.setattr(bench, "_RUSAGE_THREAD", 1)
+    monkeypatch.setattr(bench, "_thread_faults", lambda: faults[0])
+    monkeypatch.setattr(OmniPrefixCacheManager, "save_outputs", save)
+    monkeypatch.setattr(OmniPrefixCacheManager, "materialize", materialize)
+    rep = bench.run_bench(["decode"], iters=3, warmup=1, sweep=False, modes=("eager",))
+    (r,) = rep.results
+    assert (r.engine_faults_p50, r.materialize_faults_p50) == (5, 3)
+    assert "page faults per step: engine 5, materialize 3" in bench.format_report(rep)
+
+
 def test_bench_sweep_fit_splits_fixed_and_per_request_cost() -> None:
     """The sweep's least-squares fit recovers a known fixed + per-request
     cost, and the fixed cost it allows is exactly the one at which the

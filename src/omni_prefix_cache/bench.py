@@ -54,6 +54,7 @@ import json
 import os
 import pstats
 import random
+import resource
 import threading
 import time
 from collections.abc import Callable
@@ -349,6 +350,10 @@ class ScenarioResult:
     baseline_materialize_floor_us: float | None = None
     # Simulated forward pass between new_step_starts and save_outputs (us, not timed; 0: none).
     forward_us: float = 0.0
+    # Minor page faults the engine thread took per step (p50) inside the engine
+    # calls and inside materialize (None: no per-thread usage on this OS).
+    engine_faults_p50: float | None = None
+    materialize_faults_p50: float | None = None
 
     def judge(self, targets: tuple[Target, ...]) -> None:
         """Evaluate ``targets`` that apply to this result's mode."""
@@ -393,6 +398,18 @@ def _move_floor_us(
         pool.index_copy_(0, slots[:n], stage[:n])
     t2 = time.perf_counter_ns()
     return (t1 - t0) / 1000.0, (t2 - t0) / 1000.0
+
+
+# Minor page faults of the calling thread (Linux); None where the OS has no
+# per-thread usage.
+_RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)
+
+
+def _thread_faults() -> int:
+    """Minor page faults the calling thread has taken so far (0 without
+    per-thread usage): a first write to a page of a fresh pool slab or
+    output buffer costs one, and the floors' warm buffers take none."""
+    return 0 if _RUSAGE_THREAD is None else resource.getrusage(_RUSAGE_THREAD).ru_minflt
 
 
 def _committer_clock(before: set[threading.Thread]) -> Callable[[], int] | None:
@@ -477,6 +494,8 @@ def run_scenario(
     mat_floor_cpu: list[float] = []
     com_eng: list[float] = []
     com_mat: list[float] = []
+    eng_faults: list[float] = []
+    mat_faults: list[float] = []
     k0 = k1 = k2 = 0
     reqs = tokens = hit_rows = 0
     gc.collect()
@@ -494,6 +513,7 @@ def run_scenario(
                 profiler.enable()
             if committer_cpu is not None:
                 k0 = committer_cpu()
+            f0 = _thread_faults()
             c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
             mgr.new_step_starts(st.output)
             if forward_us > 0:
@@ -512,8 +532,10 @@ def run_scenario(
                 c1, t1m = time.thread_time_ns(), time.perf_counter_ns()
             else:
                 t1m = t1
+            f1 = _thread_faults()
             outs = mgr.materialize(sid, st.order)
             t2, c2 = time.perf_counter_ns(), time.thread_time_ns()
+            f2 = _thread_faults()
             if committer_cpu is not None:
                 k2 = committer_cpu()
             if timed and profiler is not None:
@@ -528,6 +550,8 @@ def run_scenario(
             com_mat.append((k2 - k1) / 1000.0)
             eng_cpu.append((c1 - c0) / 1000.0)
             mat_cpu.append((c2 - c1) / 1000.0)
+            eng_faults.append(float(f1 - f0))
+            mat_faults.append(float(f2 - f1))
             wall, cpu = _floor_us([hidden_buf[:n], *mm.values()])
             eng_floor.append(wall)
             eng_floor_cpu.append(cpu)
@@ -583,6 +607,8 @@ def run_scenario(
         committer_cpu_engine_us_p50=None if committer_cpu is None else _pct(com_eng, 50),
         committer_cpu_materialize_us_p50=None if committer_cpu is None else _pct(com_mat, 50),
         forward_us=float(forward_us),
+        engine_faults_p50=_pct(eng_faults, 50) if _RUSAGE_THREAD is not None else None,
+        materialize_faults_p50=_pct(mat_faults, 50) if _RUSAGE_THREAD is not None else None,
     )
     result.judge(sc.targets)
     return result
@@ -862,6 +888,12 @@ def format_report(rep: BenchReport) -> str:
         lines.append(
             f"{'':<13} {r.mode:<8} {'floors':<11} staging copy {r.staging_copy_us:.1f} us, "
             f"staging copy + pool index_copy_ {r.move_floor_us:.1f} us"
+            + (
+                ""
+                if r.engine_faults_p50 is None or r.materialize_faults_p50 is None
+                else f" (warm pages); page faults per step: engine {r.engine_faults_p50:.0f}, "
+                f"materialize {r.materialize_faults_p50:.0f}"
+            )
         )
         lines.append(
             f"{'':<13} {r.mode:<8} {'step total':<11} engine + materialize {r.step_us_p50:.1f} us "
