@@ -342,7 +342,7 @@ class SlotOccupancy:
         its version. Under the state lock."""
         return self.apply("map", key, slots, owners)
 
-    def take_tenancy(self, slots: torch.Tensor, writes: Mapping[TensorName, torch.Tensor | int]) -> None:
+    def take_tenancy(self, slots: torch.Tensor, writes: Mapping[TensorName, torch.Tensor | np.ndarray | int]) -> None:
         """A save's step takes ``slots`` for its writes (coupling
         ``take_tenancy``): every key in ``writes`` fires the coupling's
         ``fires`` trigger (``map``, owned by the given tids), every other

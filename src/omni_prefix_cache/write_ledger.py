@@ -25,10 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from omni_prefix_cache.controller import OmniPrefixCacheController, StagingBufferHolder, StepD2HClaim, WriteTask
-from omni_prefix_cache.index_tensors import per_row, per_row_ids
+from omni_prefix_cache.index_tensors import per_row_ids
 from omni_prefix_cache.interface import (
     OmniPrefixCacheUnmatchError,
     OmniPrefixCacheWriteFailedError,
@@ -76,10 +77,24 @@ class RequestTasks:
 
     def open(self, req_id: ReqId, tid: Tid) -> int:
         """Record a new write of ``req_id``; returns its ``write_n``."""
-        n = self.opened.get(req_id, 0) + 1
-        self.opened[req_id] = n
-        self.tasks.setdefault(req_id, {})[tid] = None
-        return n
+        return self.open_many([req_id], [tid])[0]
+
+    def open_many(self, req_ids: list[ReqId], tids: list[Tid]) -> list[int]:
+        """``open`` for each ``(req_ids[i], tids[i])`` in order (a step's
+        writes); returns their ``write_n``s."""
+        opened, tasks = self.opened, self.tasks
+        write_ns: list[int] = []
+        for rid, tid in zip(req_ids, tids, strict=True):
+            n = opened.get(rid, 0) + 1
+            opened[rid] = n
+            # Not setdefault: it would build a dict per call to throw away.
+            mine = tasks.get(rid)
+            if mine is None:
+                tasks[rid] = {tid: None}
+            else:
+                mine[tid] = None
+            write_ns.append(n)
+        return write_ns
 
     def forget_drained(self, drained: list[TaskRecord], live: set[ReqId]) -> None:
         """The writes were drained (written or failed): forget each, in
@@ -198,22 +213,15 @@ class WriteLedger:
         page = claimed.staging_slot
         tasks: list[WriteTask] = []
         records = self.records
-        opened = self.requests.open
+        of_step, step_write = _WriteChunk.of_step, WriteTask.step_write
+        freeze_event, d2h_event = split.freeze_event, claimed.event
+        tids = list(itertools.islice(self._tids, len(req_order)))
+        write_ns = self.requests.open_many(req_order, tids)
         start = 0
-        for rid in req_order:
+        for rid, tid, write_n in zip(req_order, tids, write_ns):
             end = start + spans[rid][1]
-            tid = next(self._tids)
-            chunk = _WriteChunk.of_step(rows, start, end)
-            task = WriteTask(
-                tid=tid,
-                req_id=rid,
-                write_n=opened(rid, tid),
-                schedule=WriteSchedule.JOIN_NEXT_STEP,
-                chunks=[chunk],
-                freeze_event=split.freeze_event,
-                staging_slot=page,
-                step_d2h_event=claimed.event,
-            )
+            chunk = of_step(rows, start, end)
+            task = step_write(tid, rid, write_n, chunk, freeze_event, page, d2h_event)
             records[tid] = TaskRecord(task, rid, [(keys, chunk)])
             tasks.append(task)
             start = end
@@ -281,13 +289,13 @@ class WriteLedger:
         if not req_order:
             return
         sizes = [spans[r][1] for r in req_order]
-        writes: dict[TensorName, torch.Tensor] = {}
+        # Owners per row as one int64 array each, shared by the keys (the
+        # occupancy takes numpy owners as they are: no conversion per key).
+        writes: dict[TensorName, np.ndarray] = {}
         if immediate:
-            owners = per_row([t.tid for t in immediate], sizes)
-            writes.update(dict.fromkeys(split.immediate, owners))
+            writes.update(dict.fromkeys(split.immediate, per_row_ids([t.tid for t in immediate], sizes)))
         if deferred_tids:
-            owners = per_row(deferred_tids, sizes)
-            writes.update(dict.fromkeys(split.deferred_clone, owners))
+            writes.update(dict.fromkeys(split.deferred_clone, per_row_ids(deferred_tids, sizes)))
         self._occupancy.take_tenancy(slots, writes)
 
     def on_reassign(self, tid: Tid, key: TensorName, slots: torch.Tensor) -> None:

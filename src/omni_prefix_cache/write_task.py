@@ -340,6 +340,43 @@ class WriteTask:
     # Effects a deferred ``fail`` still owes (run by wake_failed_waiters).
     _owed_wakes: tuple[Any, ...] = ()
 
+    @classmethod
+    def step_write(
+        cls,
+        tid: Tid,
+        req_id: ReqId,
+        write_n: int,
+        chunk: _WriteChunk,
+        freeze_event: Any,
+        staging_slot: int,
+        step_d2h_event: Any,
+    ) -> WriteTask:
+        """An immediate (JOIN_NEXT_STEP) write of one step window: the same
+        task as the dataclass constructor with these arguments builds (every
+        field, in field order, fresh factory defaults), without its keyword
+        matching (a save builds one per request per step)."""
+        task = cls.__new__(cls)
+        task.tid = tid
+        task.req_id = req_id
+        task.write_n = write_n
+        task.schedule = WriteSchedule.JOIN_NEXT_STEP
+        task.chunks = [chunk]
+        task.freeze_event = freeze_event
+        task.state = TaskState.PENDING
+        task.reassigned = {}
+        task.host_ready = TaskEvent()
+        task.done = TaskEvent()
+        task.lock = sync.new_rlock()
+        task.position = QueuePosition.UNQUEUED
+        task.queued_at_submit = False
+        task.copied_rows = ()
+        task.enqueued_time = time.monotonic()
+        task.staging_slot = staging_slot
+        task.step_d2h_event = step_d2h_event
+        task._slot_to_row = None
+        task._owed_wakes = ()
+        return task
+
     def __repr__(self) -> str:
         return (
             f"WriteTask(tid={self.tid}, req={self.req_id!r}, {self.schedule.value}, "

@@ -1,0 +1,158 @@
+"""A save's registration of its immediate writes (WriteLedger.register_immediate_locked,
+WriteTask.step_write, RequestTasks.open_many) and its tenancy (take_tenancy_locked) against
+references: the dataclass constructor, one ``open`` per write, one owner per request's rows."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import threading
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+
+from omni_prefix_cache import sync
+from omni_prefix_cache.interface import ReqId, Tid, WriteSchedule
+from omni_prefix_cache.occupancy import SlotOccupancy, SlotState
+from omni_prefix_cache.staging import StepD2HClaim
+from omni_prefix_cache.step_layout import StepOutputs
+from omni_prefix_cache.write_ledger import RequestTasks, WriteLedger
+from omni_prefix_cache.write_task import StepRows, TaskEvent, WriteTask, _WriteChunk
+
+# Fields the constructor fills from a factory: fresh objects of the same type, never shared.
+FACTORY_FIELDS = {f.name for f in dataclasses.fields(WriteTask) if f.default_factory is not dataclasses.MISSING}
+
+
+def test_step_write_builds_what_the_constructor_builds() -> None:
+    chunk = _WriteChunk.of_step(StepRows(slots=torch.arange(4), host={}, tensors={}), 1, 3)
+    event = object()
+    fast = WriteTask.step_write(7, "r", 2, chunk, "freeze", 3, event)
+    other = WriteTask.step_write(1, "q", 1, chunk, None, 0, None)
+    slow = WriteTask(
+        tid=7,
+        req_id="r",
+        write_n=2,
+        schedule=WriteSchedule.JOIN_NEXT_STEP,
+        chunks=[chunk],
+        freeze_event="freeze",
+        staging_slot=3,
+        step_d2h_event=event,
+    )
+    # Every field, in field order (a field added to the dataclass must be added to step_write).
+    assert list(vars(fast)) == list(vars(slow)) == [f.name for f in dataclasses.fields(WriteTask)]
+    for name in vars(slow):
+        got, want = getattr(fast, name), getattr(slow, name)
+        if name in FACTORY_FIELDS:
+            assert type(got) is type(want), name
+            if name != "enqueued_time":
+                assert got is not want and got is not getattr(other, name), name
+        else:
+            assert got == want, name
+    fresh = [getattr(fast, name) for name in FACTORY_FIELDS if name != "enqueued_time"]
+    assert len({id(v) for v in fresh}) == len(fresh)  # no two fields share one object
+    assert fast.chunks is not slow.chunks and fast.chunks == [chunk]
+    assert fast.enqueued_time <= slow.enqueued_time
+    assert not fast.host_ready.is_set() and not fast.done.is_set() and fast.reassigned == {}
+
+
+def test_step_write_takes_its_lock_from_the_sync_seam() -> None:
+    class SeamRLock:
+        pass
+
+    chunk = _WriteChunk.of_step(StepRows(slots=torch.arange(1), host={}, tensors={}), 0, 1)
+    with sync.installed(RLock=SeamRLock):
+        task = WriteTask.step_write(1, "r", 1, chunk, None, 0, None)
+    assert isinstance(task.lock, SeamRLock)
+    assert isinstance(task.host_ready, TaskEvent) and isinstance(task.done, TaskEvent)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_open_many_counts_and_lists_each_requests_writes_in_order(seed: int) -> None:
+    rng = random.Random(seed)
+    reqs = RequestTasks()
+    opened: dict[ReqId, int] = {}  # the reference: write_n so far and undrained tids per request
+    undrained: dict[ReqId, list[Tid]] = {}
+    tid = 0
+    for _ in range(rng.randint(1, 6)):
+        if rng.random() < 0.3:  # some requests' writes drained and the requests dropped
+            for rid in list(undrained):
+                if rng.random() < 0.5:
+                    del reqs.tasks[rid], undrained[rid], opened[rid]
+                    reqs.drop_if_idle(rid)
+        rids = [f"r{rng.randrange(5)}" for _ in range(rng.randint(0, 6))]  # repeats within a batch too
+        tids = list(range(tid + 1, tid + 1 + len(rids)))
+        tid += len(rids)
+        if rng.random() < 0.3:
+            got = [reqs.open(r, t) for r, t in zip(rids, tids, strict=True)]
+        else:
+            got = reqs.open_many(rids, tids)
+        want = []
+        for rid, t in zip(rids, tids, strict=True):
+            opened[rid] = opened.get(rid, 0) + 1
+            undrained.setdefault(rid, []).append(t)
+            want.append(opened[rid])
+        assert got == want, f"seed={seed}"
+        assert reqs.opened == opened, f"seed={seed}"
+        assert {r: list(t) for r, t in reqs.tasks.items()} == undrained, f"seed={seed}"
+
+
+class _Controller:
+    """What registration asks of the controller: CPU tensors, and the registered batch."""
+
+    def __init__(self) -> None:
+        self.registered: list[list[WriteTask]] = []
+
+    def is_device(self, tensor: torch.Tensor) -> bool:
+        return False
+
+    def register_many(self, tasks: list[WriteTask], queued: bool = True) -> None:
+        assert queued
+        self.registered.append(list(tasks))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_step_registers_one_write_per_request_and_owns_its_rows(seed: int) -> None:
+    rng = random.Random(seed)
+    keys = ("h", "mm")
+    occ = SlotOccupancy(64)
+    for key in (*keys, "other"):
+        occ.add_key(key)
+    ctrl = _Controller()
+    ledger = WriteLedger(ctrl, occ, threading.Lock(), set(), Counter())  # type: ignore[arg-type]
+    for step in range(3):
+        req_order: list[ReqId] = [f"r{i}" for i in rng.sample(range(6), rng.randint(1, 6))]
+        spans: dict[ReqId, tuple[int, int]] = {}
+        start = 0
+        for rid in req_order:  # decode (1), prefill (3) and requests with no row this step (0)
+            size = rng.choice([0, 1, 1, 3])
+            spans[rid] = (start, size)
+            start += size
+        n = start
+        slots = torch.tensor(rng.sample(range(64), n), dtype=torch.int64)
+        immediate = {k: torch.randn(n, 2) for k in keys}
+        split = StepOutputs(immediate=immediate, leftover={}, deferred_chunks=[])
+        claimed = StepD2HClaim(step, {k: v.clone() for k, v in immediate.items()}, None)
+        opened_before = dict(ledger.requests.opened)
+        first_tid = max(ledger.records, default=0) + 1
+        registered: list[WriteTask] = []
+        tasks = ledger.register_immediate_locked(split, claimed, req_order, spans, slots, registered)
+        assert registered == tasks == ctrl.registered[-1]
+        assert [t.tid for t in tasks] == list(range(first_tid, first_tid + len(req_order)))
+        owner = torch.empty(n, dtype=torch.int64)
+        for rid, task in zip(req_order, tasks, strict=True):
+            lo, size = spans[rid]
+            assert (task.req_id, task.write_n) == (rid, opened_before.get(rid, 0) + 1), f"seed={seed}"
+            assert (task.staging_slot, task.schedule) == (step, WriteSchedule.JOIN_NEXT_STEP)
+            assert torch.equal(task.chunks[0].slots_cpu, slots[lo : lo + size])
+            assert ledger.records[task.tid].parts == [(keys, task.chunks[0])]
+            owner[lo : lo + size] = task.tid
+        deferred: list[Tid] = []
+        ledger.take_tenancy_locked(split, slots, req_order, spans, tasks, deferred)
+        for key in keys:
+            table = occ.get_slot_status(key)
+            assert torch.equal(table.tids[slots], owner), f"seed={seed} step={step} key={key}"
+            assert (table.state[slots] == int(SlotState.IN_TRANSIT)).all()
+        other: Any = occ.get_slot_status("other")
+        assert (other.state[slots] == int(SlotState.ABSENT)).all()
