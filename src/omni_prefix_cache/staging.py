@@ -82,8 +82,6 @@ HOLDER_MACHINE = compile_machine(
 # States in which a holder holds its page (the spec's holds_page tag): a move
 # into one takes the page, a move out of one lets it go.
 _HOLDS_PAGE = HOLDER_MACHINE.tagged("holds_page")
-# A task holder without the namedtuple's Python-level __new__ (batched moves).
-_new_holder = tuple.__new__
 
 
 class StagingBufferPool:
@@ -181,21 +179,13 @@ class StagingBufferPool:
         the exception for a holder whose move raised."""
         out: list[bool | BaseException] = [False] * len(tasks)
         moves = HOLDER_MACHINE.by_state(trigger)
-        page_of = self._page_of
         with self._page_freed:
             for i, task in enumerate(tasks):
                 page = task.staging_slot
                 if page is None:
                     continue
-                # _try_locked, inline: the holder's state and move, then the
-                # move (its guards and effects) in _apply.
-                holder = _new_holder(StagingBufferHolder, ("task", task.tid))
-                state = self.holder_state(holder)
-                move = moves[state]
-                if move is None or (move.dest not in _HOLDS_PAGE and page_of.get(holder) != page):
-                    continue
                 try:
-                    out[i] = self._apply(trigger, page, holder, move, state)
+                    out[i] = self._try_locked(trigger, page, StagingBufferHolder("task", task.tid), moves)
                 except Exception as exc:
                     out[i] = exc
         return out

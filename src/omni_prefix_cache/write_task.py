@@ -260,7 +260,7 @@ HostRow = tuple[_WriteChunk, TensorName, torch.Tensor]
 
 def _drop_device_clone(task: WriteTask) -> None:
     for chunk in task.chunks:
-        chunk._tensors = {}  # the ``tensors`` setter, without a call per chunk
+        chunk.tensors = {}
         if chunk.step is not None:
             # The step's clones back none of its writes once its rows are
             # on the host (every window reads the staging views): the first
@@ -450,13 +450,7 @@ class WriteTask:
                     out[i] = False
                     continue
                 try:
-                    if defer:
-                        task._apply_locked(move, True)
-                    else:
-                        # _apply_locked(move, False), inline: one call less per task.
-                        task.state = move.dest
-                        for effect in move.effects:
-                            effect(task)
+                    task._apply_locked(move, defer)
                 except Exception as exc:
                     out[i] = exc
         return out
@@ -512,10 +506,7 @@ class WriteTask:
             move = _HOST_READY[self.state]
             if move is None:
                 raise illegal_move(self, TaskState.HOST_READY)
-            # _apply_locked(move, False), inline (once per immediate write).
-            self.state = move.dest
-            for effect in move.effects:
-                effect(self)
+            self._apply_locked(move, False)
 
     def mark_failed(self, *, defer_wake: bool = False) -> bool:
         """Any non-terminal state -> FAILED. False if already terminal.
