@@ -81,13 +81,7 @@ class GpuBudget:
 
     def unpin_many(self, tasks: list[WriteTask]) -> None:
         """``unpin`` for each task, under one acquisition."""
-        pinned: list[tuple[WriteTask, list[_BudgetTicket]]] = []
-        for task in tasks:
-            # Most writes (a step's staging views) pin no clone: no call for them.
-            for chunk in task.chunks:
-                if chunk.budget is not None:
-                    pinned.append((task, task.budget_tickets()))
-                    break
+        pinned = [(task, tickets) for task in tasks if (tickets := task.budget_tickets())]
         if not pinned:
             return
         with self._lock:

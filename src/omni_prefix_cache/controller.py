@@ -240,7 +240,7 @@ class OmniPrefixCacheController(UpstreamSeams):
         if getattr(scatter, "__func__", None) is _PLAIN_SCATTER:
             open_batch = self._eager_dispatch.open_batch()
             if open_batch is not None:
-                open_batch.tasks.extend(batch.items)
+                self._eager_dispatch.add(open_batch, batch.items)
                 return
         guarded_each(batch, scatter)
 
@@ -251,7 +251,7 @@ class OmniPrefixCacheController(UpstreamSeams):
         the rows join its batch instead; the batch's flush finishes them."""
         batch = self._eager_dispatch.open_batch()
         if batch is not None:
-            self._eager_dispatch.add(batch, task)
+            self._eager_dispatch.add(batch, [task])
             return
         for key, slots, host in task.scatter_rows():
             self.pool.write(key, slots, host)

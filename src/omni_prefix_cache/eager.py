@@ -139,8 +139,9 @@ class EagerDispatch:
                 raise run.errors[0][1]
             outer.errors.extend(run.errors)
 
-    def add(self, batch: _PoolWriteBatch, task: WriteTask) -> None:
-        batch.tasks.append(task)
+    def add(self, batch: _PoolWriteBatch, tasks: list[WriteTask]) -> None:
+        """The tasks' pool writes join ``batch`` (its flush writes them)."""
+        batch.tasks.extend(tasks)
 
     def _write_window(self, step: StepRows, start: int, end: int) -> None:
         """One scatter per key of rows ``[start, end)`` of ``step``."""

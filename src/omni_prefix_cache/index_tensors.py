@@ -32,8 +32,6 @@ def per_row(values: list[int], counts: list[int]) -> torch.Tensor:
     host's cores are busy. numpy's ``repeat`` is a plain loop; one row
     each (decode) is the values themselves.
     """
-    if counts.count(1) == len(counts):
-        return int64_tensor(values)
     return torch.from_numpy(per_row_ids(values, counts))
 
 

@@ -612,6 +612,9 @@ class WriteTask:
 
     def budget_tickets(self) -> list[_BudgetTicket]:
         """The distinct tickets across this task's chunks (by identity)."""
+        if len(self.chunks) == 1:  # the usual write (a step's staging view pins none)
+            budget = self.chunks[0].budget
+            return [] if budget is None else [budget]
         seen: dict[int, _BudgetTicket] = {}
         for chunk in self.chunks:
             if chunk.budget is not None:

@@ -175,14 +175,7 @@ def _guarded(batch: Batch, run: Callable[[Any], Any]) -> list[Any]:
     """``run(item)`` for each item; an item that raises leaves the batch.
     Returns the results of the items still in it."""
     out: list[Any] = []
-    done = 0
-    while done < len(batch.items):
-        try:
-            for item in batch.items[done:] if done else batch.items:
-                out.append(run(item))
-                done += 1
-        except Exception as exc:
-            batch.drop(done, exc)
+    guarded_each(batch, lambda item: out.append(run(item)))
     return out
 
 
