@@ -55,6 +55,7 @@ import os
 import pstats
 import random
 import resource
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -646,7 +647,8 @@ class BenchReport:
     def sweep_fixed_allowed_us(self) -> float | None:
         """The largest fixed per-step cost that would meet the spread target
         at the fitted per-request cost, across the sweep's smallest and
-        largest batch (None without a fit, or when no fixed cost would)."""
+        largest batch (None without a fit or with a non-positive
+        per-request cost)."""
         fit = self.sweep_fit
         if fit is None:
             return None
@@ -702,18 +704,16 @@ def linear_fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
     distinct x values."""
     if len({x for x, _ in points}) < 2:
         return None
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    b = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
-    return my - b * mx, b
+    b, a = statistics.linear_regression([x for x, _ in points], [y for _, y in points])
+    return a, b
 
 
 def fixed_cost_allowed(per_request: float, n_min: float, n_max: float, target: float) -> float | None:
     """The largest fixed per-step cost ``a`` for which the per-request cost
     ``a / n + per_request`` varies at most ``target``-fold between ``n_min``
-    and ``n_max`` requests per step; None when none does (a non-positive
-    per-request cost, or a target the batch sizes cannot reach)."""
+    and ``n_max`` requests per step: infinite when the batch sizes are
+    within ``target`` of each other (any fixed cost is), None for a
+    non-positive per-request cost."""
     denom = 1.0 / n_min - target / n_max
     if per_request <= 0 or denom <= 0:
         return None if per_request <= 0 else float("inf")
