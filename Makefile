@@ -13,13 +13,13 @@ diagrams:
 diagrams-check:
 	$(PYTHON) -m omni_prefix_cache diagrams --out diagrams --check
 
-# Typed state enums and trigger names (src/omni_prefix_cache/spec_types/) from spec/*.yaml;
+# Typed state enums and trigger names (src/omni_prefix_cache/specs/types/) from spec/*.yaml;
 # committed, and checked for staleness by tests/test_spec_types.py.
 typed-specs:
-	$(PYTHON) -m omni_prefix_cache.specs.typed
+	$(PYTHON) -m omni_prefix_cache.specs.typegen
 
 typed-specs-check:
-	$(PYTHON) -m omni_prefix_cache.specs.typed --check
+	$(PYTHON) -m omni_prefix_cache.specs.typegen --check
 
 # ruff, then mypy --strict over the package (its settings: [tool.mypy] in pyproject.toml).
 lint:
@@ -78,7 +78,7 @@ check:
 # GPUCHECKFLAGS: e.g. GPUCHECKFLAGS="--dry-run" or GPUCHECKFLAGS="--json --steps 800"
 .PHONY: gpu-check
 gpu-check:
-	$(PYTHON) -m omni_prefix_cache.gpu_check $(GPUCHECKFLAGS)
+	$(PYTHON) -m omni_prefix_cache.tools.gpu_check $(GPUCHECKFLAGS)
 
 # Fresh-seed fuzzing of every stateful machine (generated spec machines and racing
 # machines), each failure found kept in FUZZ_DB and replayed first next time.

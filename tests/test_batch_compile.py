@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_prefix_cache.protocol_runtime import CONTROLLER_EFFECTS, CONTROLLER_ROLES
 from omni_prefix_cache.specs.batch import Batch, compile_batch_operation
-from omni_prefix_cache.specs.protocol import Do, OperationSpec, ProtocolViolation, compile_operation, load_protocol
+from omni_prefix_cache.specs.composition import Do, OperationSpec, ProtocolViolation, compile_operation, load_protocol
+from omni_prefix_cache.writes.operations import CONTROLLER_EFFECTS, CONTROLLER_ROLES
 
 SPEC = load_protocol()
 MACHINES = {role: SPEC.components[role] for role in CONTROLLER_ROLES}

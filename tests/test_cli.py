@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from omni_prefix_cache import cli
-from omni_prefix_cache.cli import EXIT_ERROR, EXIT_NOTHING_CHECKED, EXIT_USAGE, build_parser, main
-from omni_prefix_cache.progress import StepProgress
+from omni_prefix_cache.tools import cli
+from omni_prefix_cache.tools.cli import EXIT_ERROR, EXIT_NOTHING_CHECKED, EXIT_USAGE, build_parser, main
+from omni_prefix_cache.tools.progress import StepProgress
 
 
 def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -121,7 +121,7 @@ def test_help_does_not_import_torch() -> None:
     # --help must not pay torch's import (seconds); the latency itself is measured, not asserted.
     code = (
         "import sys\n"
-        "from omni_prefix_cache.cli import main\n"
+        "from omni_prefix_cache.tools.cli import main\n"
         "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
         "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', file=sys.stderr)\n"
     )
@@ -139,7 +139,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_bench_scenario_names_match_the_bench() -> None:
-    from omni_prefix_cache.bench import SCENARIOS
+    from omni_prefix_cache.tools.bench import SCENARIOS
 
     assert set(cli.BENCH_SCENARIOS) == set(SCENARIOS)
 

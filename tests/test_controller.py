@@ -19,7 +19,7 @@ from omni_prefix_cache.controller import (
     _BudgetTicket,
     _WriteChunk,
 )
-from omni_prefix_cache.copy_engine import CpuCopyEngine
+from omni_prefix_cache.device.copy_engine import CpuCopyEngine
 from omni_prefix_cache.interface import HIDDEN_KEY, OmniPrefixCacheUnmatchError, PrefixCacheConfig, WriteSchedule
 
 NUM_BLOCKS, BLOCK_SIZE, WIDTH = 16, 4, 3

@@ -27,7 +27,7 @@ from omni_prefix_cache.controller import (
     _BudgetTicket,
     _WriteChunk,
 )
-from omni_prefix_cache.copy_engine import CpuCopyEngine, CudaCopyEngine, CudaRuntime, DeviceEvents
+from omni_prefix_cache.device.copy_engine import CpuCopyEngine, CudaCopyEngine, CudaRuntime, DeviceEvents
 from omni_prefix_cache.interface import (
     HIDDEN_KEY,
     ModelCachePolicy,
@@ -375,7 +375,7 @@ class _Recorder:
 
 
 def _budget_run(engine: Any, caplog: pytest.LogCaptureFixture) -> tuple[list[int], int, Any]:
-    from omni_prefix_cache.simulate.engine import SimConfig, run_simulation
+    from omni_prefix_cache.tools.simulate.engine import SimConfig, run_simulation
 
     made: list[_Recorder] = []
 

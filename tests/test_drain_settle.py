@@ -13,11 +13,11 @@ from typing import Any, cast
 import pytest
 import torch
 
-from omni_prefix_cache.index_tensors import per_row
+from omni_prefix_cache.device.index_tensors import per_row
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, ReqId, TensorName, Tid, WriteSchedule
-from omni_prefix_cache.occupancy import SlotOccupancy
-from omni_prefix_cache.write_ledger import RequestTasks, TaskRecord, WriteLedger
-from omni_prefix_cache.write_task import ChunkRuns, StepRows, WriteTask, _WriteChunk
+from omni_prefix_cache.steps.occupancy import SlotOccupancy
+from omni_prefix_cache.steps.write_ledger import RequestTasks, TaskRecord, WriteLedger
+from omni_prefix_cache.writes.write_task import ChunkRuns, StepRows, WriteTask, _WriteChunk
 
 NUM_SLOTS = 64
 KEY_GROUPS: list[tuple[TensorName, ...]] = [("h", "mm"), ("mm2",), ("h",)]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from omni_prefix_cache.cli import EXPLORE_SCENARIOS
 from omni_prefix_cache.testing.explore.history import Op, check_history, linearizable, stress
 from omni_prefix_cache.testing.explore.runner import explore, replay
 from omni_prefix_cache.testing.explore.scenarios import SCENARIOS
 from omni_prefix_cache.testing.explore.strategies import make_token, parse_token
+from omni_prefix_cache.tools.cli import EXPLORE_SCENARIOS
 
 # Found by `omni-prefix-cache explore --mutant cow_copy_missed_before_reads_lock` (reuse-read, within
 # the first 1,747 schedules since the committer runs its passes as batches): the prefetch thread is

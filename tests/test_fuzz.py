@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import omni_prefix_cache.write_task as write_task_mod
+import omni_prefix_cache.writes.write_task as write_task_mod
 from omni_prefix_cache.specs import load_spec, spec_names
 from omni_prefix_cache.testing.mutants import recompile, single_moves, without_move
 

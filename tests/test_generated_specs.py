@@ -20,12 +20,12 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-import omni_prefix_cache.copy_queues as copy_queues_mod
-import omni_prefix_cache.occupancy as occupancy_mod
-import omni_prefix_cache.planned_read as planned_read_mod
-import omni_prefix_cache.staging as staging_mod
-import omni_prefix_cache.step_context as step_context_mod
-import omni_prefix_cache.write_task as write_task_mod
+import omni_prefix_cache.reads.planned_read as planned_read_mod
+import omni_prefix_cache.steps.occupancy as occupancy_mod
+import omni_prefix_cache.steps.step_context as step_context_mod
+import omni_prefix_cache.writes.copy_queues as copy_queues_mod
+import omni_prefix_cache.writes.staging as staging_mod
+import omni_prefix_cache.writes.write_task as write_task_mod
 from omni_prefix_cache.specs import SpecError, load_spec, parse_spec, spec_names
 from omni_prefix_cache.specs.compiled import CompiledMachine
 from omni_prefix_cache.testing.adapters import (

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from omni_prefix_cache import gpu_check
-from omni_prefix_cache.copy_engine import CopyEngine
+from omni_prefix_cache.device.copy_engine import CopyEngine
 from omni_prefix_cache.testing.fake_device import FakeDeviceEngine
+from omni_prefix_cache.tools import gpu_check
 
 
 def test_dry_run_passes_every_check(capsys: pytest.CaptureFixture[str]) -> None:

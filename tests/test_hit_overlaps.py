@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from omni_prefix_cache.hit_planner import HitPlanner
-from omni_prefix_cache.index_tensors import SlotMarks
+from omni_prefix_cache.device.index_tensors import SlotMarks
+from omni_prefix_cache.reads.hit_planner import HitPlanner
 
 
 def planner(num_slots: int) -> Any:

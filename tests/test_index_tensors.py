@@ -7,8 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from omni_prefix_cache.index_tensors import int64_tensor, out_of_range, per_row, per_row_ids
-from omni_prefix_cache.materializer import gather_index
+from omni_prefix_cache.device.index_tensors import int64_tensor, out_of_range, per_row, per_row_ids
+from omni_prefix_cache.reads.materializer import gather_index
 
 
 @given(st.lists(st.tuples(st.integers(-(2**40), 2**40), st.integers(0, 40)), max_size=30))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from omni_prefix_cache.interface import HIDDEN_KEY
-from omni_prefix_cache.materializer import gather_index
+from omni_prefix_cache.reads.materializer import gather_index
 from test_manager import MODES, Driver, Req, make
 
 

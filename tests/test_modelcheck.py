@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import yaml
 
-from omni_prefix_cache.cli import main
 from omni_prefix_cache.specs import SpecError, load_spec
-from omni_prefix_cache.specs.protocol import load_protocol
+from omni_prefix_cache.specs.composition import load_protocol
 from omni_prefix_cache.testing.modelcheck import BROKEN, CI_BOUNDS, Bounds, ComposedModel, check
 from omni_prefix_cache.testing.mutants import without_move
+from omni_prefix_cache.tools.cli import main
 
 SMALL = Bounds(requests=1, tasks=2, slots=2, pages=1, steps=2, reads=1, failures=1)
 # Two requests so takeover across requests is explored.

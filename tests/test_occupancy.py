@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, WriteSchedule
-from omni_prefix_cache.occupancy import SLOT_MACHINE, SlotOccupancy, SlotState
 from omni_prefix_cache.specs import load_spec
 from omni_prefix_cache.specs.oracle import build_oracle, oracle_step
-from omni_prefix_cache.write_task import WriteTask, _WriteChunk
+from omni_prefix_cache.steps.occupancy import SLOT_MACHINE, SlotOccupancy, SlotState
+from omni_prefix_cache.writes.write_task import WriteTask, _WriteChunk
 
 ABSENT, IN_TRANSIT, COMMITTED = int(SlotState.ABSENT), int(SlotState.IN_TRANSIT), int(SlotState.COMMITTED)
 

@@ -46,8 +46,8 @@ def test_runtime_needs_only_its_declared_dependencies() -> None:
     # The engine-facing modules must import without the extras' packages.
     code = (
         "import sys\n"
-        "import omni_prefix_cache.manager, omni_prefix_cache.group_view, omni_prefix_cache.cli\n"
-        "import omni_prefix_cache.stats, omni_prefix_cache.simulate, omni_prefix_cache.bench\n"
+        "import omni_prefix_cache.manager, omni_prefix_cache.group_view, omni_prefix_cache.tools.cli\n"
+        "import omni_prefix_cache.ops.stats, omni_prefix_cache.tools.simulate, omni_prefix_cache.tools.bench\n"
         "import omni_prefix_cache.testing.modelcheck\n"
         "print(sorted(m for m in ('hypothesis', 'transitions', 'graphviz', 'prometheus_client') if m in sys.modules))\n"
     )

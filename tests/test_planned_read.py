@@ -20,7 +20,7 @@ import torch
 
 from omni_prefix_cache.interface import HIDDEN_KEY, OmniPrefixCacheUnmatchError, PrefixCacheConfig
 from omni_prefix_cache.manager import PREFETCH_THREAD_PREFIX, OmniPrefixCacheManager
-from omni_prefix_cache.planned_read import PlannedReads, ReadState
+from omni_prefix_cache.reads.planned_read import PlannedReads, ReadState
 from test_manager import BS, BlockView
 
 HID = 6

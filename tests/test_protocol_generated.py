@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import settings
 
+from omni_prefix_cache.specs.composition import load_protocol
 from omni_prefix_cache.specs.loader import SpecError
-from omni_prefix_cache.specs.protocol import load_protocol
 from omni_prefix_cache.testing import protocol_tests
 from omni_prefix_cache.testing.protocol_tests import build_machine, invariant_table, rule_table
 

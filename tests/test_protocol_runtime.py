@@ -17,12 +17,12 @@ from omni_prefix_cache.controller import (
     WriteTask,
     _WriteChunk,
 )
-from omni_prefix_cache.copy_queues import CopyQueues
 from omni_prefix_cache.interface import HIDDEN_KEY, PrefixCacheConfig, WriteSchedule
-from omni_prefix_cache.protocol_runtime import use_protocol
-from omni_prefix_cache.spec_types.copy_queue import QueuePosition
+from omni_prefix_cache.specs.composition import ProtocolViolation, load_protocol
 from omni_prefix_cache.specs.loader import SpecError
-from omni_prefix_cache.specs.protocol import ProtocolViolation, load_protocol
+from omni_prefix_cache.specs.types.copy_queue import QueuePosition
+from omni_prefix_cache.writes.copy_queues import CopyQueues
+from omni_prefix_cache.writes.operations import use_protocol
 
 
 def _controller(**kw: Any) -> OmniPrefixCacheController:

@@ -6,14 +6,14 @@ from typing import Any
 
 import pytest
 
-from omni_prefix_cache.specs.loader import SpecError
-from omni_prefix_cache.specs.protocol import (
+from omni_prefix_cache.specs.composition import (
     ProtocolViolation,
     compile_operation,
     compile_protocol,
     load_protocol,
     parse_protocol,
 )
+from omni_prefix_cache.specs.loader import SpecError
 
 
 class _Recorder:
@@ -136,7 +136,7 @@ def test_parse_refuses_unknown_top_level_fields() -> None:
 
 
 def test_the_swimlane_lists_an_operations_steps_in_order_under_their_locks() -> None:
-    from omni_prefix_cache.specs.protocol_diagrams import swimlane_label
+    from omni_prefix_cache.specs.composition_diagrams import swimlane_label
 
     spec = load_protocol()
     label = swimlane_label(spec.ops["committer_write"], spec)

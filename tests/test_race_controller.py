@@ -29,7 +29,7 @@ from omni_prefix_cache.controller import (
     _BudgetTicket,
     _WriteChunk,
 )
-from omni_prefix_cache.copy_engine import CpuCopyEngine
+from omni_prefix_cache.device.copy_engine import CpuCopyEngine
 from omni_prefix_cache.interface import (
     HIDDEN_KEY,
     OmniPrefixCacheStagingTimeoutError,
@@ -37,9 +37,9 @@ from omni_prefix_cache.interface import (
     PrefixCacheConfig,
     WriteSchedule,
 )
-from omni_prefix_cache.spec_types.copy_queue import QueuePosition
-from omni_prefix_cache.specs.protocol import load_protocol
-from omni_prefix_cache.write_task import WRITE_TASK_MACHINE
+from omni_prefix_cache.specs.composition import load_protocol
+from omni_prefix_cache.specs.types.copy_queue import QueuePosition
+from omni_prefix_cache.writes.write_task import WRITE_TASK_MACHINE
 
 NUM_BLOCKS, BLOCK_SIZE, WIDTH, PAGES = 4, 2, 2, 2
 NUM_SLOTS = NUM_BLOCKS * BLOCK_SIZE

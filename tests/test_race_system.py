@@ -30,9 +30,9 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initial
 from omni_prefix_cache.controller import TaskState
 from omni_prefix_cache.interface import HIDDEN_KEY, OmniPrefixCacheUnmatchError
 from omni_prefix_cache.manager import PREFETCH_THREAD_PREFIX
-from omni_prefix_cache.occupancy import SlotState
-from omni_prefix_cache.simulate.rows import rows_from_hashes
+from omni_prefix_cache.steps.occupancy import SlotState
 from omni_prefix_cache.testing.serving_model import RecentFirstAllocator, ServingModel, failing_seams, racing_manager
+from omni_prefix_cache.tools.simulate.rows import rows_from_hashes
 
 NUM_BLOCKS, BLOCK_SIZE, CAPACITY, DEPTH = 8, 2, 12, 3
 IMMEDIATE, DEFERRED, LEFTOVER = "talker.h", "codes.audio", "codes.ref"

@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from omni_prefix_cache.interface import HIDDEN_KEY, StageCacheOutputs
-from omni_prefix_cache.simulate import SimConfig, WorkloadConfig, run_simulation
-from omni_prefix_cache.simulate.batch import PersistentBatch, SimGroupView
-from omni_prefix_cache.simulate.blocks import BlockAllocator
-from omni_prefix_cache.simulate.oracle import Oracle, RowExpectation
-from omni_prefix_cache.simulate.reference import ReferenceManager
-from omni_prefix_cache.simulate.report import format_table, percentile, summary
-from omni_prefix_cache.simulate.rows import PrefixHashes, block_hash, rows_from_hashes
-from omni_prefix_cache.simulate.scheduler import Scheduler, Status
-from omni_prefix_cache.simulate.workload import FollowupSpec, RequestSpec, generate_trace
+from omni_prefix_cache.tools.simulate import SimConfig, WorkloadConfig, run_simulation
+from omni_prefix_cache.tools.simulate.batch import PersistentBatch, SimGroupView
+from omni_prefix_cache.tools.simulate.blocks import BlockAllocator
+from omni_prefix_cache.tools.simulate.oracle import Oracle, RowExpectation
+from omni_prefix_cache.tools.simulate.reference import ReferenceManager
+from omni_prefix_cache.tools.simulate.report import format_table, percentile, summary
+from omni_prefix_cache.tools.simulate.rows import PrefixHashes, block_hash, rows_from_hashes
+from omni_prefix_cache.tools.simulate.scheduler import Scheduler, Status
+from omni_prefix_cache.tools.simulate.workload import FollowupSpec, RequestSpec, generate_trace
 
 HAS_MANAGER = importlib.util.find_spec("omni_prefix_cache.manager") is not None
 needs_manager = pytest.mark.skipif(not HAS_MANAGER, reason="omni_prefix_cache.manager not available")
@@ -326,7 +326,7 @@ def test_short_simulation_has_no_mismatch_or_leak(eager: bool) -> None:
 
 @needs_manager
 def test_cli_simulate_json_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
-    from omni_prefix_cache.cli import main
+    from omni_prefix_cache.tools.cli import main
 
     rc = main(["simulate", "--eager", "--arrival-steps", "15", "--json", "--quiet", "--torch-threads", "0"])
     out = json.loads(capsys.readouterr().out)
@@ -335,7 +335,7 @@ def test_cli_simulate_json_exit_status(capsys: pytest.CaptureFixture[str]) -> No
 
 @needs_manager
 def test_bench_smoke_report_has_fields() -> None:
-    from omni_prefix_cache.bench import format_report, run_bench
+    from omni_prefix_cache.tools.bench import format_report, run_bench
 
     rep = run_bench(["decode"], iters=3, warmup=1, sweep=False, modes=("eager",))
     d = rep.to_dict()
@@ -375,8 +375,8 @@ def test_bench_counts_the_engine_threads_page_faults_per_side(monkeypatch: pytes
     """Page faults are read just outside each timed side: the engine calls'
     count is the delta across new_step_starts + save_outputs, materialize's
     the delta across materialize (a fake counter that jumps inside each)."""
-    from omni_prefix_cache import bench
     from omni_prefix_cache.manager import OmniPrefixCacheManager
+    from omni_prefix_cache.tools import bench
 
     faults = [0]
     real_save, real_mat = OmniPrefixCacheManager.save_outputs, OmniPrefixCacheManager.materialize
@@ -403,7 +403,7 @@ def test_bench_sweep_fit_splits_fixed_and_per_request_cost() -> None:
     """The sweep's least-squares fit recovers a known fixed + per-request
     cost, and the fixed cost it allows is exactly the one at which the
     spread equals the target."""
-    from omni_prefix_cache.bench import BenchReport, ScenarioResult, fixed_cost_allowed, format_report, linear_fit
+    from omni_prefix_cache.tools.bench import BenchReport, ScenarioResult, fixed_cost_allowed, format_report, linear_fit
 
     assert linear_fit([(16, 1000.0), (64, 1000.0)]) == pytest.approx((1000.0, 0.0))
     assert linear_fit([(16, 1.0), (16, 2.0)]) is None
@@ -438,8 +438,8 @@ def test_bench_forward_is_slept_between_the_engine_calls_and_not_timed(monkeypat
     """``forward_us``: the engine thread sleeps that long after each
     new_step_starts, before its save_outputs; the engine time leaves it out
     (a 60 ms forward against a decode step of a few ms)."""
-    from omni_prefix_cache import bench
     from omni_prefix_cache.manager import OmniPrefixCacheManager
+    from omni_prefix_cache.tools import bench
 
     calls: list[str] = []
     real_sleep, real_new, real_save = (
@@ -465,7 +465,7 @@ def test_bench_forward_is_slept_between_the_engine_calls_and_not_timed(monkeypat
 
 @needs_manager
 def test_bench_runs_both_modes_and_compares_with_a_baseline(tmp_path: Any) -> None:
-    from omni_prefix_cache.bench import format_report, run_bench
+    from omni_prefix_cache.tools.bench import format_report, run_bench
 
     first = run_bench(["decode_mm4"], iters=2, warmup=1, sweep=False)
     assert [(r.name, r.mode) for r in first.results] == [("decode_mm4", "eager"), ("decode_mm4", "threaded")]

@@ -9,7 +9,7 @@ import pytest
 
 from omni_prefix_cache.specs import SpecError, compile_machine, load_all_specs
 from omni_prefix_cache.specs.loader import parse_spec
-from omni_prefix_cache.specs.typed import OUT_DIR, render_module, stale_typed, trigger_enum_name, write_typed
+from omni_prefix_cache.specs.typegen import OUT_DIR, render_module, stale_typed, trigger_enum_name, write_typed
 
 
 def test_committed_modules_match_the_specs() -> None:
@@ -20,7 +20,7 @@ def test_committed_modules_match_the_specs() -> None:
 @pytest.mark.parametrize("name", sorted(load_all_specs()))
 def test_generated_names_are_the_specs(name: str) -> None:
     spec = load_all_specs()[name]
-    module = importlib.import_module(f"omni_prefix_cache.spec_types.{name}")
+    module = importlib.import_module(f"omni_prefix_cache.specs.types.{name}")
     states = getattr(module, spec.enum_name)
     assert [(m.name, int(m)) for m in states] == [(s, i) for i, s in enumerate(spec.state_names)]
     assert {m.name for m in states.final_states} == set(spec.final_states)
@@ -42,7 +42,7 @@ def test_staleness_is_detected(tmp_path: Path) -> None:
 
 
 def test_a_spec_change_makes_the_generated_enum_refused() -> None:
-    from omni_prefix_cache.spec_types.step_context import StepState
+    from omni_prefix_cache.specs.types.step_context import StepState
 
     spec = load_all_specs()["step_context"]
     data = {
@@ -63,4 +63,4 @@ def test_a_spec_change_makes_the_generated_enum_refused() -> None:
 
 
 def test_output_folder_is_the_package() -> None:
-    assert OUT_DIR == Path(importlib.import_module("omni_prefix_cache.spec_types").__file__).parent
+    assert OUT_DIR == Path(importlib.import_module("omni_prefix_cache.specs.types").__file__).parent

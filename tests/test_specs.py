@@ -28,10 +28,10 @@ from omni_prefix_cache.specs import (
     parse_spec,
     spec_names,
 )
+from omni_prefix_cache.specs.composition import load_protocol
+from omni_prefix_cache.specs.composition_diagrams import render_protocol
 from omni_prefix_cache.specs.diagrams import render_dot, stale_diagrams
 from omni_prefix_cache.specs.oracle import build_oracle, oracle_step
-from omni_prefix_cache.specs.protocol import load_protocol
-from omni_prefix_cache.specs.protocol_diagrams import render_protocol
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC_DIR = REPO / "spec"

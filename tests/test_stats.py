@@ -14,7 +14,7 @@ import torch
 from omni_prefix_cache import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
 from omni_prefix_cache.group_view import FullAttentionGroupView
 from omni_prefix_cache.manager import OmniPrefixCacheManager
-from omni_prefix_cache.stats import FIELD_HELP, STAT_FIELDS, CacheStats
+from omni_prefix_cache.ops.stats import FIELD_HELP, STAT_FIELDS, CacheStats
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -120,7 +120,7 @@ def test_prometheus_collector_scrapes_the_snapshot() -> None:
     prometheus_client = pytest.importorskip("prometheus_client")
     from prometheus_client.parser import text_string_to_metric_families
 
-    from omni_prefix_cache.metrics import OmniPrefixCacheCollector
+    from omni_prefix_cache.ops.metrics import OmniPrefixCacheCollector
 
     mgr = _run_two_requests(_engine())
     registry = prometheus_client.CollectorRegistry()

@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-from omni_prefix_cache import sync
+from omni_prefix_cache.device import sync
 from omni_prefix_cache.interface import ReqId, Tid, WriteSchedule
-from omni_prefix_cache.occupancy import SlotOccupancy, SlotState
-from omni_prefix_cache.staging import StepD2HClaim
-from omni_prefix_cache.step_layout import StepOutputs
-from omni_prefix_cache.write_ledger import RequestTasks, WriteLedger
-from omni_prefix_cache.write_task import StepRows, TaskEvent, WriteTask, _WriteChunk
+from omni_prefix_cache.steps.occupancy import SlotOccupancy, SlotState
+from omni_prefix_cache.steps.step_layout import StepOutputs
+from omni_prefix_cache.steps.write_ledger import RequestTasks, WriteLedger
+from omni_prefix_cache.writes.staging import StepD2HClaim
+from omni_prefix_cache.writes.write_task import StepRows, TaskEvent, WriteTask, _WriteChunk
 
 # Fields the constructor fills from a factory: fresh objects of the same type, never shared.
 FACTORY_FIELDS = {f.name for f in dataclasses.fields(WriteTask) if f.default_factory is not dataclasses.MISSING}

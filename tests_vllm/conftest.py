@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import vllm  # noqa: E402, F401  (fails collection when vLLM is missing: never a silent skip)
 
-from omni_prefix_cache.simulate.vllm_engine import load_vllm  # noqa: E402
+from omni_prefix_cache.tools.simulate.vllm_engine import load_vllm  # noqa: E402
 
 # One line per simulation run, printed in the terminal summary (make test-vllm's report).
 RUN_LINES: list[str] = []

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from omni_prefix_cache import protocols as P
+from omni_prefix_cache import engine_types as P
 from omni_prefix_cache.group_view import FullAttentionGroupView, stage_prefix_cache_config
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError
-from omni_prefix_cache.simulate import SimConfig
-from omni_prefix_cache.simulate.vllm_engine import RunnerBatch, VllmOptions, VllmScheduler
-from omni_prefix_cache.simulate.workload import RequestSpec
+from omni_prefix_cache.tools.simulate import SimConfig
+from omni_prefix_cache.tools.simulate.vllm_engine import RunnerBatch, VllmOptions, VllmScheduler
+from omni_prefix_cache.tools.simulate.workload import RequestSpec
 
 BLOCK = 16
 

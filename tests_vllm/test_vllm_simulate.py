@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from omni_prefix_cache.simulate import SimConfig
-from omni_prefix_cache.simulate.vllm_engine import VllmOptions, VllmSimResult, run_vllm_simulation
-from omni_prefix_cache.simulate.workload import FollowupSpec, RequestSpec
+from omni_prefix_cache.tools.simulate import SimConfig
+from omni_prefix_cache.tools.simulate.vllm_engine import VllmOptions, VllmSimResult, run_vllm_simulation
+from omni_prefix_cache.tools.simulate.workload import FollowupSpec, RequestSpec
 
 V1 = VllmOptions()  # 0.33 default runner: a resumed request is a cached one, in resumed_req_ids
 V2 = VllmOptions(resumed_as_new=True)  # Model Runner V2: a resumed request is among the new ones
@@ -17,8 +17,8 @@ V2 = VllmOptions(resumed_as_new=True)  # Model Runner V2: a resumed request is a
 def _replay(mode: str, seed: int, opts: VllmOptions) -> str:
     if opts.resumed_as_new:  # no CLI flag for the V2 reporting: replay from Python
         return (
-            f"replay: .venv-vllm/bin/python -c 'from omni_prefix_cache.simulate.vllm_engine import *; "
-            f"from omni_prefix_cache.simulate import SimConfig; print(run_vllm_simulation(SimConfig(seed={seed}, "
+            f"replay: .venv-vllm/bin/python -c 'from omni_prefix_cache.tools.simulate.vllm_engine import *; "
+            f"from omni_prefix_cache.tools.simulate import SimConfig; print(run_vllm_simulation(SimConfig(seed={seed}, "
             f"eager={mode == 'eager'}), VllmOptions(resumed_as_new=True)).mismatch_details)'"
         )
     return f"replay: .venv-vllm/bin/omni-prefix-cache simulate --engine vllm --{mode} --seed {seed}"

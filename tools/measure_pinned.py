@@ -43,7 +43,7 @@ def main() -> None:
     torch.cuda.is_available = lambda: True
     torch.empty = spy
     import omni_prefix_cache
-    from omni_prefix_cache.simulate.engine import SimConfig, run_simulation
+    from omni_prefix_cache.tools.simulate.engine import SimConfig, run_simulation
 
     res = run_simulation(SimConfig(steps=30, eager=True))
     stats = res.manager_stats or {}

@@ -1,3 +1,3 @@
-from omni_prefix_cache.cli import main
+from omni_prefix_cache.tools.cli import main
 
 raise SystemExit(main())

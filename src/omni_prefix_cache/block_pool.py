@@ -20,8 +20,8 @@ import mmap
 
 import torch
 
-from omni_prefix_cache import sync
-from omni_prefix_cache.index_tensors import out_of_range
+from omni_prefix_cache.device import sync
+from omni_prefix_cache.device.index_tensors import out_of_range
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, PrefixCacheConfig, TensorName
 
 logger = logging.getLogger(__name__)

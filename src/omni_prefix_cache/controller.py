@@ -32,15 +32,10 @@ from typing import Any, Literal
 
 import torch
 
-from omni_prefix_cache import sync
 from omni_prefix_cache.block_pool import PrefixBlockPool
-from omni_prefix_cache.budget import GpuBudget
-from omni_prefix_cache.committer import Committer
-from omni_prefix_cache.controller_seams import UpstreamSeams
-from omni_prefix_cache.copy_engine import CopyEngine, DeviceEvents, default_engine
-from omni_prefix_cache.copy_queues import CopyQueues
-from omni_prefix_cache.eager import EagerDispatch, _joined, _PoolWriteBatch
-from omni_prefix_cache.host_rows import HostRows
+from omni_prefix_cache.compat.controller_seams import UpstreamSeams
+from omni_prefix_cache.device import sync
+from omni_prefix_cache.device.copy_engine import CopyEngine, DeviceEvents, default_engine
 from omni_prefix_cache.interface import (
     OmniPrefixCacheUnmatchError,
     OmniPrefixCacheWriteFailedError,
@@ -49,7 +44,13 @@ from omni_prefix_cache.interface import (
     Tid,
     WriteSchedule,
 )
-from omni_prefix_cache.protocol_runtime import (
+from omni_prefix_cache.specs.batch import Batch, guarded_each
+from omni_prefix_cache.writes.budget import GpuBudget
+from omni_prefix_cache.writes.committer import Committer
+from omni_prefix_cache.writes.copy_queues import CopyQueues
+from omni_prefix_cache.writes.eager import EagerDispatch, _joined, _PoolWriteBatch
+from omni_prefix_cache.writes.host_rows import HostRows
+from omni_prefix_cache.writes.operations import (
     ControllerBinding,
     OpRunner,
     RuntimeOp,
@@ -57,10 +58,9 @@ from omni_prefix_cache.protocol_runtime import (
     compile_ops,
     task_failed,
 )
-from omni_prefix_cache.specs.batch import Batch, guarded_each
-from omni_prefix_cache.staging import StagingBufferHolder, StagingBufferPool, StepD2HClaim
-from omni_prefix_cache.write_errors import write_error
-from omni_prefix_cache.write_task import (
+from omni_prefix_cache.writes.staging import StagingBufferHolder, StagingBufferPool, StepD2HClaim
+from omni_prefix_cache.writes.write_errors import write_error
+from omni_prefix_cache.writes.write_task import (
     TaskEvent,
     TaskState,
     WriteTask,

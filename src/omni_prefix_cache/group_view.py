@@ -17,8 +17,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from omni_prefix_cache.engine_types import InputBatchLike
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, PrefixCacheConfig, ReqId
-from omni_prefix_cache.protocols import InputBatchLike
 
 
 def _empty_slots() -> torch.Tensor:

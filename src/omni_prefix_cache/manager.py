@@ -40,12 +40,12 @@ from typing import Any, Literal
 
 import torch
 
-from omni_prefix_cache import sync
-from omni_prefix_cache import validation as check
 from omni_prefix_cache.block_pool import PrefixBlockPool
+from omni_prefix_cache.compat.manager_seams import UpstreamSeams
 from omni_prefix_cache.controller import OmniPrefixCacheController, StagingBufferHolder, StepD2HClaim, WriteTask
-from omni_prefix_cache.copy_engine import CopyEngine
-from omni_prefix_cache.hit_planner import HitPlanner, PendingHit
+from omni_prefix_cache.device import sync
+from omni_prefix_cache.device.copy_engine import CopyEngine
+from omni_prefix_cache.engine_types import SchedulerOutputLike
 from omni_prefix_cache.interface import (
     ModelCachePolicy,
     OmniPrefixCacheInvalidArgumentError,
@@ -58,19 +58,19 @@ from omni_prefix_cache.interface import (
     StepId,
     Tid,
 )
-from omni_prefix_cache.manager_seams import UpstreamSeams
-from omni_prefix_cache.manager_stats import ManagerStats
-from omni_prefix_cache.materializer import Materializer
-from omni_prefix_cache.occupancy import SlotOccupancy
-from omni_prefix_cache.planned_read import HitReads
-from omni_prefix_cache.protocols import SchedulerOutputLike
+from omni_prefix_cache.ops.manager_stats import ManagerStats
+from omni_prefix_cache.reads.hit_planner import HitPlanner, PendingHit
+from omni_prefix_cache.reads.materializer import Materializer
+from omni_prefix_cache.reads.planned_read import HitReads
 from omni_prefix_cache.specs import CompiledMove
-from omni_prefix_cache.step_context import STEP_CONSUMED, STEP_INITIAL, StepContext, step_move
-from omni_prefix_cache.step_layout import SchedSnapshot, StepLayout
-from omni_prefix_cache.step_layout import is_step_token_tensor as _is_step_token_tensor
-from omni_prefix_cache.step_layout import snapshot_leftover_mm_cpu as _snapshot_leftover_mm_cpu
-from omni_prefix_cache.write_ledger import WriteLedger
-from omni_prefix_cache.write_task import _BudgetTicket
+from omni_prefix_cache.steps import validation as check
+from omni_prefix_cache.steps.occupancy import SlotOccupancy
+from omni_prefix_cache.steps.step_context import STEP_CONSUMED, STEP_INITIAL, StepContext, step_move
+from omni_prefix_cache.steps.step_layout import SchedSnapshot, StepLayout
+from omni_prefix_cache.steps.step_layout import is_step_token_tensor as _is_step_token_tensor
+from omni_prefix_cache.steps.step_layout import snapshot_leftover_mm_cpu as _snapshot_leftover_mm_cpu
+from omni_prefix_cache.steps.write_ledger import WriteLedger
+from omni_prefix_cache.writes.write_task import _BudgetTicket
 
 __all__ = [
     "PREFETCH_THREAD_PREFIX",

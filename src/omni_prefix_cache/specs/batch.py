@@ -39,8 +39,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_prefix_cache.specs.loader import SpecError
-from omni_prefix_cache.specs.protocol import (
+from omni_prefix_cache.specs.composition import (
     Binding,
     Couple,
     Do,
@@ -51,6 +50,7 @@ from omni_prefix_cache.specs.protocol import (
     Step,
     When,
 )
+from omni_prefix_cache.specs.loader import SpecError
 
 # attempt_many(items) -> per item: True (fired), False (not enabled) or the
 # exception its move raised (the item's own failure; the others go on).

@@ -58,8 +58,8 @@ def render_dot(spec: MachineSpec) -> str:
 
 def _all_sources() -> dict[str, str]:
     """File stem -> DOT source: every machine, then the protocol's pictures."""
-    from omni_prefix_cache.specs.protocol import load_protocol
-    from omni_prefix_cache.specs.protocol_diagrams import render_protocol
+    from omni_prefix_cache.specs.composition import load_protocol
+    from omni_prefix_cache.specs.composition_diagrams import render_protocol
 
     out = {name: render_dot(spec) for name, spec in load_all_specs().items()}
     out.update(render_protocol(load_protocol()))

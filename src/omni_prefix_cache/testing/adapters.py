@@ -1,6 +1,6 @@
 """Adapters that play the specs against the real runtime objects.
 
-- ``WriteTaskAdapter``: ``write_task`` on ``omni_prefix_cache.write_task.WriteTask``.
+- ``WriteTaskAdapter``: ``write_task`` on ``omni_prefix_cache.writes.write_task.WriteTask``.
 - ``StagingHolderAdapter``: ``staging_holder`` on ``StagingBufferPool``.
 - ``SlotOccupancyAdapter``: ``slot_occupancy`` on ``SlotOccupancy``.
 - ``StepContextAdapter``: ``step_context`` on ``OmniPrefixCacheManager``.
@@ -85,7 +85,7 @@ class WriteTaskAdapter(SpecAdapter):
     max_handles = 6
 
     def __init__(self, spec: MachineSpec | None = None):
-        from omni_prefix_cache.write_task import TaskState
+        from omni_prefix_cache.writes.write_task import TaskState
 
         self.spec = spec or load_spec("write_task")
         unknown = sorted(set(self.spec.triggers) - set(_TASK_APIS))
@@ -106,13 +106,13 @@ class WriteTaskAdapter(SpecAdapter):
 
     @staticmethod
     def _chunk(handle: int, n: int) -> Any:
-        from omni_prefix_cache.write_task import _WriteChunk
+        from omni_prefix_cache.writes.write_task import _WriteChunk
 
         slots = torch.arange(2 * handle, 2 * handle + 2, dtype=torch.int64) + 100 * n
         return _WriteChunk(slots_cpu=slots, tensors={HIDDEN_KEY: torch.full((2, 4), float(handle))})
 
     def create(self, system: _TaskSystem, handle: int, args: Mapping[str, Any]) -> None:
-        from omni_prefix_cache.write_task import WriteTask
+        from omni_prefix_cache.writes.write_task import WriteTask
 
         system.tasks[handle] = WriteTask(
             tid=handle, req_id=f"r{handle}", write_n=1, schedule=args["schedule"], chunks=[self._chunk(handle, 0)]
@@ -305,7 +305,7 @@ class _CountingCondition(threading.Condition):
 
 class _PoolSystem:
     def __init__(self, depth: int, capacity: int):
-        from omni_prefix_cache.staging import StagingBufferPool
+        from omni_prefix_cache.writes.staging import StagingBufferPool
 
         self.pool = StagingBufferPool(depth, capacity)
         self.pool._page_freed = self.wakes = _CountingCondition()
@@ -318,7 +318,7 @@ class _PoolSystem:
     def holder(self, handle: int) -> Any:
         """The handle's holder; one that never held a page gets the next id
         tentatively (kept by ``issued`` only once a claim or bind succeeds)."""
-        from omni_prefix_cache.staging import StagingBufferHolder
+        from omni_prefix_cache.writes.staging import StagingBufferHolder
 
         if handle in self.holders:
             return self.holders[handle]
@@ -479,7 +479,7 @@ class _OccSystem:
     slot tenancy moves, with its manager hooks recorded per key."""
 
     def __init__(self, num_slots: int):
-        from omni_prefix_cache.occupancy import SlotOccupancy
+        from omni_prefix_cache.steps.occupancy import SlotOccupancy
 
         self.occ = SlotOccupancy(num_slots, on_reassign=self._on_reassign, on_reuse=self._on_reuse)
         self.table = self.occ.add_key(HIDDEN_KEY)
@@ -539,7 +539,7 @@ class SlotOccupancyAdapter(SpecAdapter):
             raise Refused(f"{trigger}: {moved} rows moved")
 
     def read_state(self, system: _OccSystem, handle: int) -> str:
-        from omni_prefix_cache.occupancy import SlotState
+        from omni_prefix_cache.steps.occupancy import SlotState
 
         return SlotState(int(system.table.state[handle])).name
 
@@ -667,7 +667,7 @@ class SlotOccupancyAdapter(SpecAdapter):
                 m.system.seen_versions[h] = v
 
         def tenant_owns_all_keys(m: GeneratedMachine) -> None:
-            from omni_prefix_cache.occupancy import SlotState
+            from omni_prefix_cache.steps.occupancy import SlotState
 
             t = m.system.other
             for h, (state, owner) in m.model.env.get("other", {}).items():
@@ -763,7 +763,7 @@ class StepContextAdapter(SpecAdapter):
         return trigger != "save"
 
     def read_state(self, system: _ManagerSystem, handle: int) -> str:
-        from omni_prefix_cache.step_context import StepState
+        from omni_prefix_cache.steps.step_context import StepState
 
         sid = system.sids.get(handle)
         if sid is None:
@@ -772,7 +772,7 @@ class StepContextAdapter(SpecAdapter):
         return StepState(ctx.state).name if ctx is not None else "CONSUMED"
 
     def _pages_held(self, system: _ManagerSystem, handle: int) -> int:
-        from omni_prefix_cache.staging import StagingBufferHolder
+        from omni_prefix_cache.writes.staging import StagingBufferHolder
 
         holder = StagingBufferHolder.for_step(self._sid(system, handle))
         return sum(holder in busy for busy in system.mgr._controller._staging_pool._busy)
@@ -819,7 +819,7 @@ class _ReadSystem:
     def __init__(self) -> None:
         from omni_prefix_cache.block_pool import PrefixBlockPool
         from omni_prefix_cache.interface import PrefixCacheConfig
-        from omni_prefix_cache.planned_read import PlannedReads
+        from omni_prefix_cache.reads.planned_read import PlannedReads
 
         self.pool = PrefixBlockPool(PrefixCacheConfig(num_blocks=1, block_size=self.slots))
         self.pool.ensure_key(HIDDEN_KEY, torch.float32, 2)
@@ -870,7 +870,7 @@ class PlannedReadAdapter(SpecAdapter):
         return _ReadSystem()
 
     def create(self, system: _ReadSystem, handle: int, args: Mapping[str, Any]) -> None:
-        from omni_prefix_cache.planned_read import PlannedRead
+        from omni_prefix_cache.reads.planned_read import PlannedRead
 
         slot = self._slot(handle)
         system.refs[handle] = PlannedRead(
@@ -886,7 +886,7 @@ class PlannedReadAdapter(SpecAdapter):
         system.reads.move(system.refs[handle], trigger, reused)
 
     def read_state(self, system: _ReadSystem, handle: int) -> str:
-        from omni_prefix_cache.planned_read import ReadState
+        from omni_prefix_cache.reads.planned_read import ReadState
 
         return ReadState(int(system.refs[handle].state)).name
 
@@ -997,7 +997,7 @@ class _QueueEntry:
     """What CopyQueues reads of a task: its tid and its position."""
 
     def __init__(self, tid: int):
-        from omni_prefix_cache.spec_types.copy_queue import QueuePosition
+        from omni_prefix_cache.specs.types.copy_queue import QueuePosition
 
         self.tid = tid
         self.position: Any = QueuePosition.UNQUEUED
@@ -1005,7 +1005,7 @@ class _QueueEntry:
 
 class _QueueSystem:
     def __init__(self) -> None:
-        from omni_prefix_cache.copy_queues import CopyQueues
+        from omni_prefix_cache.writes.copy_queues import CopyQueues
 
         self.queues = CopyQueues()
         self.entries: dict[int, _QueueEntry] = {}
@@ -1040,12 +1040,12 @@ class CopyQueueAdapter(SpecAdapter):
         system.queues.fire(system.entries[handle], trigger)
 
     def read_state(self, system: _QueueSystem, handle: int) -> str:
-        from omni_prefix_cache.spec_types.copy_queue import QueuePosition
+        from omni_prefix_cache.specs.types.copy_queue import QueuePosition
 
         return QueuePosition(int(system.entries[handle].position)).name
 
     def refusal(self, trigger: str, args: Mapping[str, Any], outcome: Outcome) -> Refusal | None:
-        from omni_prefix_cache.specs.protocol import ProtocolViolation
+        from omni_prefix_cache.specs.composition import ProtocolViolation
 
         return Refusal(ProtocolViolation, rf"copy queue position \w+ has no move '{trigger}'")
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from omni_prefix_cache.copy_engine import CudaCopyEngine, CudaRuntime
+from omni_prefix_cache.device.copy_engine import CudaCopyEngine, CudaRuntime
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from typing import Any
 
 import yaml
 
+from omni_prefix_cache.specs.composition import ProtocolSpec, load_protocol, parse_protocol
 from omni_prefix_cache.specs.loader import MachineSpec, SpecError, parse_spec
-from omni_prefix_cache.specs.protocol import ProtocolSpec, load_protocol, parse_protocol
 from omni_prefix_cache.testing.mutants import spec_to_dict, with_move, without_move
 
 

@@ -48,14 +48,14 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from omni_prefix_cache.specs.compiled import CompiledMachine, compile_machine
-from omni_prefix_cache.specs.loader import MachineSpec, MoveSpec, SpecError
-from omni_prefix_cache.specs.protocol import (
+from omni_prefix_cache.specs.composition import (
     CompiledOperation,
     Fire,
     ProtocolSpec,
     ProtocolViolation,
     compile_protocol,
 )
+from omni_prefix_cache.specs.loader import MachineSpec, MoveSpec, SpecError
 from omni_prefix_cache.testing.model_mutations import BROKEN as BROKEN  # re-exported: the catalogue
 from omni_prefix_cache.testing.model_mutations import Mutation as Mutation
 from omni_prefix_cache.testing.model_mutations import load_variant

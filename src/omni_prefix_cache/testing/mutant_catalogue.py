@@ -71,8 +71,8 @@ def _set(stack: contextlib.ExitStack, owner: Any, attr: str, value: Any) -> None
 def _spec_mutant(stack: contextlib.ExitStack, patch: Callable[[dict[str, Any]], None]) -> None:
     """Controllers built while the mutant is applied compile their
     operations from the composition with ``patch`` applied."""
-    from omni_prefix_cache.protocol_runtime import use_protocol
-    from omni_prefix_cache.specs.protocol import load_protocol
+    from omni_prefix_cache.specs.composition import load_protocol
+    from omni_prefix_cache.writes.operations import use_protocol
 
     stack.enter_context(use_protocol(load_protocol().mutated(patch, check_coverage=False)))
 
@@ -91,7 +91,7 @@ def _segment_with(op: dict[str, Any], step: Any) -> list[Any]:
 @_register("escalate_requeues_claimed", "escalate re-queues a task the committer already claimed (double copy)")
 def _escalate_requeues_claimed(stack: contextlib.ExitStack) -> None:
     from omni_prefix_cache.controller import OmniPrefixCacheController, TaskState
-    from omni_prefix_cache.spec_types.copy_queue import QueuePosition
+    from omni_prefix_cache.specs.types.copy_queue import QueuePosition
 
     original = OmniPrefixCacheController.escalate
 
@@ -137,7 +137,7 @@ def _failure_wake_before_record(stack: contextlib.ExitStack) -> None:
 
 @_register("budget_uncharged_twice", "a budget ticket uncharges again when a task releases it twice")
 def _budget_uncharged_twice(stack: contextlib.ExitStack) -> None:
-    from omni_prefix_cache.write_task import _BudgetTicket
+    from omni_prefix_cache.writes.write_task import _BudgetTicket
 
     def release(self: _BudgetTicket, tid: int) -> int:
         self.tids.discard(tid)
@@ -148,7 +148,7 @@ def _budget_uncharged_twice(stack: contextlib.ExitStack) -> None:
 
 @_register("committer_dies_on_exception", "a copy failure escapes the committer instead of failing its task")
 def _committer_dies(stack: contextlib.ExitStack) -> None:
-    from omni_prefix_cache.committer import Committer
+    from omni_prefix_cache.writes.committer import Committer
 
     def copy(self: Committer, tids: list[int]) -> None:
         ctrl = self._ctrl
@@ -162,7 +162,7 @@ def _committer_dies(stack: contextlib.ExitStack) -> None:
 
 @_register("pool_write_failure_wrong_task", "a pool-write failure is charged to another task")
 def _pool_write_failure_wrong_task(stack: contextlib.ExitStack) -> None:
-    from omni_prefix_cache.committer import Committer
+    from omni_prefix_cache.writes.committer import Committer
 
     def write(self: Committer) -> list[int]:
         ctrl = self._ctrl
@@ -185,7 +185,7 @@ def _pool_write_failure_wrong_task(stack: contextlib.ExitStack) -> None:
 
 @_register("eager_failure_leaves_later_tasks", "a failed eager dispatch leaves the batch's later tasks unfailed")
 def _eager_failure_leaves_later(stack: contextlib.ExitStack) -> None:
-    from omni_prefix_cache.eager import EagerDispatch
+    from omni_prefix_cache.writes.eager import EagerDispatch
 
     def dispatch(self: EagerDispatch, tasks: list[Any]) -> None:
         batch = self.open(self._ctrl.ops.eager)
@@ -208,7 +208,7 @@ def _no_release_at_write(data: dict[str, Any]) -> None:
 @_register("task_holder_released_at_drain", "a task's staging hold is released at drain, not at its pool write")
 def _holder_released_at_drain(stack: contextlib.ExitStack) -> None:
     from omni_prefix_cache.controller import OmniPrefixCacheController
-    from omni_prefix_cache.staging import StagingBufferHolder
+    from omni_prefix_cache.writes.staging import StagingBufferHolder
 
     _spec_mutant(stack, _no_release_at_write)
     original_drain = OmniPrefixCacheController.drain_completed
@@ -276,7 +276,7 @@ def _queued_deferred_pushed_high(stack: contextlib.ExitStack) -> None:
     "a rewrite of a slot the write already lost is appended to it, not opened as a new write (rows dropped)",
 )
 def _tombstone_drops_fresh_rows(stack: contextlib.ExitStack) -> None:
-    from omni_prefix_cache.write_task import WriteTask
+    from omni_prefix_cache.writes.write_task import WriteTask
 
     _set(stack, WriteTask, "reassigned_intersects", lambda self, chunk: False)
 
@@ -285,7 +285,7 @@ def _tombstone_drops_fresh_rows(stack: contextlib.ExitStack) -> None:
 def _leftover_sliced_by_ge(stack: contextlib.ExitStack) -> None:
     import torch
 
-    from omni_prefix_cache import step_layout
+    from omni_prefix_cache.steps import step_layout
 
     original = step_layout.snapshot_leftover_mm_cpu
 
@@ -324,7 +324,7 @@ def _state_lock_across_join(stack: contextlib.ExitStack) -> None:
 
 @_register("save_skips_previous_write_barrier", "save does not wait for the previous step's pool writes")
 def _save_skips_barrier(stack: contextlib.ExitStack) -> None:
-    from omni_prefix_cache.write_ledger import WriteLedger
+    from omni_prefix_cache.steps.write_ledger import WriteLedger
 
     def join_previous_step(self: WriteLedger) -> None:
         self.previous_step_writes = []  # forgotten, never joined
@@ -336,7 +336,7 @@ def _save_skips_barrier(stack: contextlib.ExitStack) -> None:
 def _same_step_hit_planned_early(stack: contextlib.ExitStack) -> None:
     # Plan every hit at new_step_starts, even on ABSENT rows this step is
     # about to compute, and never plan it again at save.
-    from omni_prefix_cache.hit_planner import HitPlanner
+    from omni_prefix_cache.reads.hit_planner import HitPlanner
 
     plan_many = HitPlanner.plan_many  # plan() is plan_many() of one hit
     _set(stack, HitPlanner, "plan_many", lambda self, hits, *, at_save: plan_many(self, hits, at_save=True))
@@ -345,7 +345,7 @@ def _same_step_hit_planned_early(stack: contextlib.ExitStack) -> None:
 
 @_register("reused_block_hit_not_replanned", "a hit on a block this step reallocates reads the old tenant's rows")
 def _reused_block_hit_not_replanned(stack: contextlib.ExitStack) -> None:
-    from omni_prefix_cache.hit_planner import HitPlanner
+    from omni_prefix_cache.reads.hit_planner import HitPlanner
 
     _set(stack, HitPlanner, "replan_same_step_hits", lambda self, hits, slots: None)
 
@@ -354,7 +354,7 @@ def _reused_block_hit_not_replanned(stack: contextlib.ExitStack) -> None:
 def _stale_tenant_keys_kept(stack: contextlib.ExitStack) -> None:
     # The bug before slot tenancy was declared: mapping a step touched only
     # the keys in that step, so the others stayed COMMITTED with old rows.
-    from omni_prefix_cache.occupancy import SlotOccupancy
+    from omni_prefix_cache.steps.occupancy import SlotOccupancy
 
     def take_tenancy(self: SlotOccupancy, slots: Any, writes: Any) -> None:
         for key, owners in writes.items():
@@ -368,7 +368,7 @@ def _cow_copy_missed_before_reads_lock(stack: contextlib.ExitStack) -> None:
     # The race: `preserved = preserved or {}` ran before the lock, so a
     # still-empty dict was swapped for a fresh one while a reuse filled the
     # read's own dict and bumped the versions.
-    from omni_prefix_cache.planned_read import HitReads
+    from omni_prefix_cache.reads.planned_read import HitReads
 
     check = HitReads.ensure_not_reassigned
 
@@ -392,7 +392,7 @@ def _escalate_pushes_high_queued_twice(stack: contextlib.ExitStack) -> None:
     # Patches OmniPrefixCacheController.escalate: a second head entry for a
     # task whose position is already HIGH.
     from omni_prefix_cache.controller import OmniPrefixCacheController
-    from omni_prefix_cache.spec_types.copy_queue import QueuePosition
+    from omni_prefix_cache.specs.types.copy_queue import QueuePosition
 
     original = OmniPrefixCacheController.escalate
 
@@ -428,7 +428,7 @@ def _drain_forgets_sticky_failure(stack: contextlib.ExitStack) -> None:
 def _fail_keeps_staging_page(stack: contextlib.ExitStack) -> None:
     # A runtime bug, not a spec mutation (that is fail_keeps_staging_hold):
     # the spec still lists the release, ControllerBinding.try_move drops it.
-    from omni_prefix_cache.protocol_runtime import ControllerBinding
+    from omni_prefix_cache.writes.operations import ControllerBinding
 
     original = ControllerBinding.try_move
 
@@ -449,7 +449,7 @@ def _materialize_keeps_step_page(stack: contextlib.ExitStack) -> None:
     # Patches Materializer.release (the consume move's effects).
     import dataclasses
 
-    from omni_prefix_cache.materializer import Materializer
+    from omni_prefix_cache.reads.materializer import Materializer
 
     original = Materializer.release
 
@@ -480,7 +480,7 @@ def invariant_names(tests: tuple[str, ...] = KILLER_TESTS) -> frozenset[str]:
     composition spec's, the generated protocol machine's checkers and the
     ``@invariant()`` methods of the racing tests."""
     from omni_prefix_cache.specs import load_all_specs
-    from omni_prefix_cache.specs.protocol import load_protocol
+    from omni_prefix_cache.specs.composition import load_protocol
     from omni_prefix_cache.testing.protocol_tests import invariant_names as protocol_checkers
 
     names = {inv.name for spec in load_all_specs().values() for inv in spec.invariants}

@@ -54,12 +54,10 @@ from omni_prefix_cache.interface import (
     WriteSchedule,
 )
 from omni_prefix_cache.manager import PREFETCH_THREAD_PREFIX
-from omni_prefix_cache.occupancy import SlotState
-from omni_prefix_cache.simulate.rows import rows_from_hashes
-from omni_prefix_cache.spec_types.copy_queue import QueuePosition
+from omni_prefix_cache.specs.composition import ProtocolSpec, load_protocol
 from omni_prefix_cache.specs.loader import SpecError
-from omni_prefix_cache.specs.protocol import ProtocolSpec, load_protocol
-from omni_prefix_cache.staging import StagingBufferHolder
+from omni_prefix_cache.specs.types.copy_queue import QueuePosition
+from omni_prefix_cache.steps.occupancy import SlotState
 from omni_prefix_cache.testing.serving_model import (
     PlannedStep,
     RecentFirstAllocator,
@@ -67,6 +65,8 @@ from omni_prefix_cache.testing.serving_model import (
     failing_seams,
     racing_manager,
 )
+from omni_prefix_cache.tools.simulate.rows import rows_from_hashes
+from omni_prefix_cache.writes.staging import StagingBufferHolder
 
 NUM_BLOCKS, BLOCK_SIZE, CAPACITY, DEPTH = 8, 2, 12, 3
 IMMEDIATE, DEFERRED, LEFTOVER = "talker.h", "codes.audio", "codes.ref"

@@ -19,9 +19,9 @@ import torch
 
 from omni_prefix_cache.interface import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
 from omni_prefix_cache.manager import OmniPrefixCacheManager
-from omni_prefix_cache.simulate.batch import SimGroupView
-from omni_prefix_cache.simulate.blocks import BlockAllocator
-from omni_prefix_cache.simulate.rows import PrefixHashes, block_hash, mix64, rows_from_hashes
+from omni_prefix_cache.tools.simulate.batch import SimGroupView
+from omni_prefix_cache.tools.simulate.blocks import BlockAllocator
+from omni_prefix_cache.tools.simulate.rows import PrefixHashes, block_hash, mix64, rows_from_hashes
 
 VOCAB = 50
 

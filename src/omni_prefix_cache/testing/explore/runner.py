@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_prefix_cache import sync
+from omni_prefix_cache.device import sync
 from omni_prefix_cache.testing.explore.scenarios import SCENARIOS, Scenario
 from omni_prefix_cache.testing.explore.scheduler import Chooser, Failure, Scheduler
 from omni_prefix_cache.testing.explore.strategies import Bounded, Pct, Replay, make_token, parse_token

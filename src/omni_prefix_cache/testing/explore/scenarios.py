@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from omni_prefix_cache import sync
 from omni_prefix_cache.controller import TaskState
+from omni_prefix_cache.device import sync
 from omni_prefix_cache.interface import (
     HIDDEN_KEY,
     ModelCachePolicy,
@@ -29,7 +29,7 @@ from omni_prefix_cache.interface import (
     PrefixCacheConfig,
 )
 from omni_prefix_cache.manager import OmniPrefixCacheManager
-from omni_prefix_cache.occupancy import SlotState
+from omni_prefix_cache.steps.occupancy import SlotState
 from omni_prefix_cache.testing.explore.scheduler import Scheduler
 
 BS = 2

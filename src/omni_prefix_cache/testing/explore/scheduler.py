@@ -14,7 +14,7 @@ ends when every thread has finished; all threads blocked is a deadlock
 failure, and a failure anywhere aborts the run by unwinding every thread
 with :class:`Aborted`.
 
-The primitives here replace the ``omni_prefix_cache.sync`` seam's factories
+The primitives here replace the ``omni_prefix_cache.device.sync`` seam's factories
 for the duration of one run (see :meth:`Scheduler.factories`).
 """
 
@@ -305,7 +305,7 @@ class Scheduler:
     # ------------------------------------------------------------ seam
 
     def factories(self) -> dict[str, Any]:
-        """Factories for ``omni_prefix_cache.sync.installed``."""
+        """Factories for ``omni_prefix_cache.device.sync.installed``."""
         sched = self
         return {
             "Lock": lambda: CLock(sched),

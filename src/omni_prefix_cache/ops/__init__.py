@@ -1,0 +1,1 @@
+"""Operator-facing views: stats snapshots and the Prometheus collector."""

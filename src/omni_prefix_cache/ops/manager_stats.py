@@ -1,0 +1,60 @@
+"""The manager's operator view: ``stats()`` and ``stats_snapshot()`` (a
+mixin of OmniPrefixCacheManager; any thread, takes the state lock briefly)."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any
+
+from omni_prefix_cache.block_pool import PrefixBlockPool
+from omni_prefix_cache.controller import OmniPrefixCacheController
+from omni_prefix_cache.interface import ReqId, StepId
+from omni_prefix_cache.ops.stats import MANAGER_COUNTERS, CacheStats
+from omni_prefix_cache.steps.step_context import StepContext
+from omni_prefix_cache.steps.write_ledger import WriteLedger
+
+
+class ManagerStats:
+    """Mixin: the counters, gauges and the controller's snapshot."""
+
+    _state_lock: threading.Lock
+    _ledger: WriteLedger
+    _counters: Counter[str]
+    _live: set[ReqId]
+    _step_ctxs: dict[StepId, StepContext]
+    _pool: PrefixBlockPool
+    _controller: OmniPrefixCacheController
+
+    def stats(self) -> dict[str, Any]:
+        """Metrics an operator would export, as a dict (any thread; takes the
+        state lock briefly): every :class:`CacheStats` field by name, plus
+        the historical keys: prefix queries and hits (requests, tokens), steps saved /
+        materialized / discarded, tokens saved, rows committed to the pool
+        (rows x keys), failed writes, live requests, open steps, and the
+        controller's snapshot (tasks by state, queue depths, staged bytes,
+        staging holders by kind). A write failure the committer recorded
+        counts at once (``failed_writes``, ``sticky_failure``), before any
+        serving entry drains it."""
+        out = self._raw_stats()
+        out.update(CacheStats.from_stats(out).as_dict())
+        return out
+
+    def stats_snapshot(self) -> CacheStats:
+        """``stats()`` as a typed, frozen snapshot (Prometheus-style names)."""
+        return CacheStats.from_stats(self._raw_stats())
+
+    def _raw_stats(self) -> dict[str, Any]:
+        """The historical ``stats()`` keys; CacheStats is derived from them."""
+        with self._state_lock:
+            # Report a failure the committer recorded but no entry drained yet.
+            self._ledger.drain_failures_locked()
+            out: dict[str, Any] = {name: self._counters.get(name, 0) for name in MANAGER_COUNTERS}
+            out["live_requests"] = len(self._live)
+            out["open_steps"] = len(self._step_ctxs)
+            out["sticky_failure"] = self._ledger.failure is not None
+        key_bytes = self._pool.key_nbytes()
+        out["pool_host_bytes"] = sum(key_bytes.values())  # unpinned
+        out.update(self._controller.stats())
+        out["pool_key_bytes"] = key_bytes
+        return out

@@ -1,0 +1,73 @@
+"""A ``prometheus_client`` collector over a manager's :class:`~omni_prefix_cache.ops.stats.CacheStats`.
+
+Needs the ``metrics`` extra (``pip install 'omni-prefix-cache[metrics]'``)::
+
+    from prometheus_client import REGISTRY
+    from omni_prefix_cache.ops.metrics import OmniPrefixCacheCollector
+
+    REGISTRY.register(OmniPrefixCacheCollector(manager, labels={"stage": "talker"}))
+
+Each scrape takes one ``stats_snapshot()`` (the manager's locks, briefly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from omni_prefix_cache.ops.stats import FIELD_HELP, STAT_FIELDS, CacheStats
+
+# Fields exported with one sample per mapping entry, and the label naming the entry.
+_LABELLED = {"pool_bytes": "key", "write_tasks_by_state": "state"}
+
+
+class OmniPrefixCacheCollector(Collector):
+    """Exports every ``CacheStats`` field as ``<namespace>_<field>``.
+
+    ``source`` is a manager (anything with ``stats_snapshot()``) or a
+    callable returning a ``CacheStats``. ``labels`` are constant labels added
+    to every sample (e.g. the stage name when one process runs several).
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        *,
+        namespace: str = "omni_prefix_cache",
+        labels: Mapping[str, str] | None = None,
+    ) -> None:
+        snapshot = getattr(source, "stats_snapshot", None)
+        self._snapshot: Callable[[], CacheStats] = snapshot if callable(snapshot) else source
+        self._namespace = namespace
+        self._labels = dict(labels or {})
+
+    def describe(self) -> Iterable[Metric]:
+        # Registration must not take the manager's locks; names are fixed anyway.
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        snap = self._snapshot()
+        names, values = list(self._labels), list(self._labels.values())
+        for name in STAT_FIELDS:
+            value = getattr(snap, name)
+            full, doc = f"{self._namespace}_{name}", FIELD_HELP[name]
+            if name == "mode":
+                info = InfoMetricFamily(full, doc, labels=names)
+                info.add_metric(values, {"mode": str(value)})
+                yield info
+            elif name in _LABELLED:
+                gauge = GaugeMetricFamily(full, doc, labels=[*names, _LABELLED[name]])
+                for entry, amount in sorted(value.items()):
+                    gauge.add_metric([*values, str(entry)], float(amount))
+                yield gauge
+            elif name.endswith("_total"):
+                counter = CounterMetricFamily(full.removesuffix("_total"), doc, labels=names)
+                counter.add_metric(values, float(value))
+                yield counter
+            else:
+                gauge = GaugeMetricFamily(full, doc, labels=names)
+                gauge.add_metric(values, float(value))
+                yield gauge

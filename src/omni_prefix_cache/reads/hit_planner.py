@@ -1,0 +1,356 @@
+"""Prefix hits: from new_step_starts to planned reads on the prefetch thread.
+
+``HitPlanner`` validates a hit (block aligned, group-0 block ids in range),
+keeps it pending until its step's save, plans one read per cached key
+(``HitReads.plan``; a step's hits key by key with ``plan_many``) and submits
+the reads to the prefetch thread. A hit on a block its own step reallocates
+is planned again at save, against that step's tables
+(``replan_same_step_hits``).
+
+Threading: every method but ``hit_blocks`` and ``block_slots`` (pure)
+expects the manager's state lock held; ``start_prefetch`` runs in the same
+state segment that planned the reads (operation new_step), so a shutdown
+under that lock cancels or waits for each of them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni_prefix_cache.device.index_tensors import SlotMarks
+from omni_prefix_cache.interface import (
+    ModelCachePolicy,
+    OmniPrefixCacheInvalidArgumentError,
+    OmniPrefixCacheInvalidTypeError,
+    OmniPrefixCacheShutdownError,
+    OmniPrefixCacheUnmatchError,
+    PrefixCacheConfig,
+    ReqId,
+    TensorName,
+)
+from omni_prefix_cache.reads.planned_read import HitReads, PlannedRead
+from omni_prefix_cache.steps.occupancy import READ_BASELINE, SlotOccupancy, rows_tagged
+from omni_prefix_cache.steps.step_context import KeyLayout, StepContext
+from omni_prefix_cache.steps.validation import as_int, listed
+
+logger = logging.getLogger(__name__)
+
+_INT: frozenset[type] = frozenset({int})
+
+
+@dataclass(eq=False)
+class PendingHit:
+    """A prefix hit registered at new_step_starts, handed to its save."""
+
+    req_id: ReqId
+    num_computed: int
+    block_ids: list[int]
+    slots: torch.Tensor
+    num_scheduled: int
+    futures: dict[TensorName, Future[torch.Tensor]] = field(default_factory=dict)
+    refs: dict[TensorName, PlannedRead] = field(default_factory=dict)
+
+
+# One planned hit read waiting for the prefetch thread.
+HitJob = tuple[PendingHit, TensorName, PlannedRead]
+
+
+class HitPlanner:
+    """Pending hits (``pending``, by request) and the planning of their reads.
+
+    ``prefetch`` is the executor the reads run on (the facade shuts it down).
+
+    ``policy`` and ``is_closed`` are read when called (the facade may swap
+    its policy); ``layouts`` is the step layout's ``known`` table.
+    """
+
+    def __init__(
+        self,
+        config: PrefixCacheConfig,
+        occupancy: SlotOccupancy,
+        reads: HitReads,
+        prefetch: ThreadPoolExecutor,
+        layouts: Mapping[TensorName, KeyLayout],
+        policy: Callable[[], ModelCachePolicy],
+        is_closed: Callable[[], bool],
+    ) -> None:
+        self._config = config
+        self._block_size = int(config.block_size)
+        self._occupancy = occupancy
+        self._reads = reads
+        self.prefetch = prefetch
+        self._layouts = layouts
+        self._policy = policy
+        self._is_closed = is_closed
+        self.pending: dict[ReqId, PendingHit] = {}
+        self._marks = SlotMarks()  # the same-step hit check's table over the pool's slots
+
+    def hit_blocks(self, rid: ReqId, computed: int, block_ids: Any) -> list[int]:
+        """Validate a hit and return its group-0 prefix block ids. Raises
+        the invalid-argument or invalid-type error naming the request."""
+        bs = self._block_size
+        if computed % bs:
+            raise OmniPrefixCacheInvalidArgumentError(
+                f"prefix hit not block aligned: request {rid!r} has num_computed_tokens={computed}, block_size={bs}"
+            )
+        need = computed // bs
+        group0 = None
+        if isinstance(block_ids, (str, bytes)) or (block_ids is not None and not isinstance(block_ids, Sequence)):
+            raise OmniPrefixCacheInvalidTypeError(
+                f"prefix hit of request {rid!r}: block_ids must be a sequence of per-group block id lists, "
+                f"got {type(block_ids).__name__}"
+            )
+        if block_ids is not None and len(block_ids) > 0:
+            group0 = block_ids[0]
+        if group0 is not None and (isinstance(group0, (str, bytes)) or not isinstance(group0, Sequence)):
+            raise OmniPrefixCacheInvalidTypeError(
+                f"prefix hit of request {rid!r}: group-0 block ids must be a sequence, got {type(group0).__name__}"
+            )
+        if group0 is None or len(group0) < need:
+            have = 0 if group0 is None else len(group0)
+            raise OmniPrefixCacheInvalidArgumentError(
+                f"prefix hit of request {rid!r} ({computed} tokens, {need} blocks) comes with {have} group-0 block ids"
+            )
+        blocks = list(group0)[:need]
+        if not set(map(type, blocks)) <= _INT:  # exact ints (the usual case) need no call per block
+            blocks = [as_int(f"prefix hit of request {rid!r}: block id", b) for b in blocks]
+        if blocks and (min(blocks) < 0 or max(blocks) >= self._config.num_blocks):
+            bad = [b for b in blocks if b < 0 or b >= self._config.num_blocks]
+            raise OmniPrefixCacheInvalidArgumentError(
+                f"prefix hit of request {rid!r}: block ids {listed(bad)} outside [0, {self._config.num_blocks})"
+            )
+        return blocks
+
+    def block_slots(self, blocks: list[int]) -> torch.Tensor:
+        """The KV slot ids of ``blocks``, in order."""
+        return self.block_slots_many([blocks])[0]
+
+    def block_slots_many(self, hits: list[list[int]]) -> list[torch.Tensor]:
+        """``block_slots`` of several block lists at once (numpy: a few ops
+        for all of them, each result a view of one array)."""
+        if not hits:
+            return []
+        bs = self._block_size
+        every = np.fromiter((b for blocks in hits for b in blocks), dtype=np.int64)
+        slots = np.add.outer(every * bs, np.arange(bs, dtype=np.int64)).reshape(-1)
+        cuts = np.cumsum([len(blocks) * bs for blocks in hits])[:-1]
+        return [torch.from_numpy(part) for part in np.split(slots, cuts)]
+
+    def candidates(
+        self,
+        new_reqs: list[tuple[ReqId, int, Any, Any]],
+        num_sched: Mapping[ReqId, int],
+        live: set[ReqId],
+        gone: set[ReqId],
+    ) -> tuple[list[tuple[ReqId, int, list[int]]], int, int]:
+        """The prefix queries of newly scheduled requests (new_step_starts,
+        state lock): ``([(req_id, computed, blocks)] of the hits, queried
+        requests, queried tokens)``. A live request re-entering the new list
+        (not in ``gone``) is no query. Raises like ``hit_blocks`` before any
+        table changes."""
+        candidates: list[tuple[ReqId, int, list[int]]] = []
+        queried = query_tokens = 0
+        for rid, computed, block_ids, req in new_reqs:
+            if rid in live and rid not in gone:
+                continue
+            queried += 1
+            query_tokens += _query_tokens(req, computed, num_sched.get(rid, 0))
+            if computed > 0:
+                candidates.append((rid, computed, self.hit_blocks(rid, computed, block_ids)))
+        return candidates, queried, query_tokens
+
+    def register(
+        self, candidates: list[tuple[ReqId, int, list[int]]], num_sched: Mapping[ReqId, int]
+    ) -> list[PendingHit]:
+        """Make each validated ``(req_id, computed, blocks)`` the request's
+        pending hit, dropping an older one (new_step_starts, state lock)."""
+        new_hits: list[PendingHit] = []
+        if not candidates:
+            return new_hits
+        all_slots = self.block_slots_many([blocks for _, _, blocks in candidates])
+        for (rid, computed, blocks), slots in zip(candidates, all_slots):
+            hit = PendingHit(
+                req_id=rid,
+                num_computed=computed,
+                block_ids=blocks,
+                slots=slots,
+                num_scheduled=num_sched.get(rid, 0),
+            )
+            self.drop_request(rid)
+            self.pending[rid] = hit
+            new_hits.append(hit)
+        return new_hits
+
+    def drop_request(self, rid: ReqId) -> None:
+        """The request finished (or hits again): its pending hit, if any,
+        will never be served (state lock)."""
+        stale = self.pending.pop(rid, None)
+        if stale is not None:
+            self.drop(stale)
+
+    def take_all(self) -> dict[ReqId, PendingHit]:
+        """Hand every pending hit to the save that serves it (state lock)."""
+        hits, self.pending = self.pending, {}
+        return hits
+
+    def drop_all(self) -> None:
+        """Drop every pending hit (shutdown, state lock)."""
+        for hit in self.pending.values():
+            self.drop(hit)
+        self.pending.clear()
+
+    def drop(self, hit: PendingHit) -> None:
+        """A hit that will never be served: cancel its prefetches and forget
+        its pending reads (a running prefetch forgets its own). Any lock."""
+        for key, fut in hit.futures.items():
+            if fut.cancel():
+                ref = hit.refs.get(key)
+                if ref is not None:
+                    self._reads.forget(ref)
+        for key, ref in hit.refs.items():
+            if key not in hit.futures:
+                self._reads.forget(ref)
+
+    def plan(self, hit: PendingHit, *, at_save: bool) -> list[HitJob]:
+        """Plan the hit's reads for every cached key not planned yet (state
+        lock held): ``plan_many`` of this one hit."""
+        return self.plan_many([hit], at_save=at_save)
+
+    def plan_many(self, hits: Sequence[PendingHit], *, at_save: bool) -> list[HitJob]:
+        """Plan the hits' reads for every cached key not planned yet (state
+        lock held), key by key: one state gather per key for all the hits,
+        their reads planned together (``HitReads.plan_many``). Jobs come hit
+        by hit, keys in policy order. At new_step_starts a key with ABSENT
+        rows (or no slab yet) waits for save: this very step may compute
+        them. A read that cannot be served becomes a failed future, raised
+        by materialize."""
+        hits = [hit for hit in hits if hit.num_computed > 0]
+        if not hits:
+            return []
+        occupancy = self._occupancy
+        keys = self._policy().get_hit_keys(occupancy.keys())
+        planned: dict[int, list[HitJob]] = {id(hit): [] for hit in hits}
+        for key in keys:
+            todo = [hit for hit in hits if key not in hit.futures]
+            if not todo:
+                continue
+            if not occupancy.has_key(key):
+                if at_save:
+                    for hit in todo:
+                        self._fail(hit, key, _never_cached(hit, key))
+                continue
+            if not at_save:
+                todo = self._without_absent_rows(todo, key)
+                if not todo:
+                    continue
+            refs = self._reads.plan_many([hit.slots for hit in todo], key, [hit.req_id for hit in todo])
+            for hit, ref in zip(todo, refs):
+                if isinstance(ref, OmniPrefixCacheUnmatchError):
+                    self._fail(hit, key, ref)
+                    continue
+                hit.refs[key] = ref
+                planned[id(hit)].append((hit, key, ref))
+        return [job for hit in hits for job in planned[id(hit)]]
+
+    def _without_absent_rows(self, hits: list[PendingHit], key: TensorName) -> list[PendingHit]:
+        """The hits with no row of ``key`` in a read_baseline state: at
+        new_step_starts such a key waits for save (``plan``)."""
+        sizes = [int(hit.slots.numel()) for hit in hits]
+        state = self._occupancy.state[key].index_select(0, torch.cat([hit.slots for hit in hits]))
+        absent = rows_tagged(state, READ_BASELINE)
+        if not bool(absent.any()):
+            return hits
+        return [hit for hit, rows in zip(hits, absent.split(sizes)) if not bool(rows.any())]
+
+    def replan_same_step_hits(self, hits: dict[ReqId, PendingHit], slots: torch.Tensor) -> None:
+        """A hit planned at new_step_starts whose slots this very step maps
+        is a same-step hit on a reused block: vLLM dropped the old block
+        hash before reallocating it, so the hit means the rows this step
+        computes, not the old tenant's (which the reuse just preserved for
+        it). The step is the new tenant of every key of those slots (keys it
+        does not write were reset), so drop the plans of every key; save
+        plans them again against this step's tables right after (state lock
+        held)."""
+        planned = [hit for hit in hits.values() if hit.futures and int(hit.slots.numel())]
+        if int(slots.numel()) == 0 or not planned:
+            return
+        for hit, overlaps in zip(planned, self.overlaps(slots, [hit.slots for hit in planned])):
+            if not overlaps:
+                continue
+            for key in list(hit.futures):
+                fut = hit.futures.pop(key)
+                ref = hit.refs.pop(key, None)
+                # A prefetch already running forgets its own read; its
+                # result is simply never looked at.
+                if fut.cancel() and ref is not None:
+                    self._reads.forget(ref)
+
+    def overlaps(self, slots: torch.Tensor, groups: list[torch.Tensor]) -> list[bool]:
+        """Whether each non-empty slot tensor of ``groups`` shares a slot with
+        ``slots`` (all in range), with a few array ops whatever the number
+        of groups (``SlotMarks``)."""
+        return self._marks.overlaps(self._occupancy.num_slots, slots, groups)
+
+    def attach_to_step(self, hits: dict[ReqId, PendingHit], ctx: StepContext) -> list[HitJob]:
+        """Hand the save's hits to its step context and plan their reads at
+        save (state lock held). A hit not scheduled this step gets an empty
+        span. Returns the reads to start on the prefetch thread."""
+        for rid, hit in hits.items():
+            if rid in ctx.spans:
+                hit.num_scheduled = ctx.spans[rid][1]
+        jobs = self.plan_many(list(hits.values()), at_save=True)
+        for rid, hit in hits.items():
+            ctx.hits[rid] = (hit.num_computed, list(hit.block_ids))
+            ctx.hit_prefetch[rid] = hit.futures
+            ctx.hit_refs[rid] = hit.refs
+            if rid not in ctx.spans:
+                ctx.spans[rid] = (0, 0)
+        return jobs
+
+    @staticmethod
+    def _fail(hit: PendingHit, key: TensorName, exc: OmniPrefixCacheUnmatchError) -> None:
+        logger.warning("omni prefix cache unmatch: %s", exc)
+        fut: Future[torch.Tensor] = Future()
+        fut.set_exception(exc)
+        hit.futures[key] = fut
+
+    def start_prefetch(self, jobs: list[HitJob]) -> None:
+        """Submit planned reads to the prefetch thread (engine thread, state
+        lock held: the segment that planned them). A read that cannot start
+        becomes a failed future (the shutdown error after shutdown)."""
+        for hit, key, ref in jobs:
+            layout = self._layouts[key]
+            total = hit.num_computed + hit.num_scheduled
+            try:
+                fut = self.prefetch.submit(self._reads.prefetch, ref, layout, hit.num_computed, total)
+            except Exception as exc:
+                self._reads.forget(ref)
+                fut = Future()
+                kind = OmniPrefixCacheShutdownError if self._is_closed() else OmniPrefixCacheUnmatchError
+                error = kind(f"prefetch of {key!r} rows for request {hit.req_id!r} could not start: {exc!r}")
+                error.__cause__ = exc
+                fut.set_exception(error)
+            hit.futures[key] = fut
+
+
+def _never_cached(hit: PendingHit, key: TensorName) -> OmniPrefixCacheUnmatchError:
+    return OmniPrefixCacheUnmatchError(
+        f"prefix hit of request {hit.req_id!r}: key {key!r} was never cached (slots {listed(hit.slots)} are ABSENT)"
+    )
+
+
+def _query_tokens(req: Any, computed: int, scheduled: int) -> int:
+    """Prompt tokens a new request looked up in the prefix cache (vLLM's
+    ``prompt_token_ids`` when present, else computed plus first-step tokens)."""
+    prompt = getattr(req, "prompt_token_ids", None)
+    try:
+        return len(prompt) if prompt is not None else computed + scheduled
+    except TypeError:
+        return computed + scheduled

@@ -1,0 +1,470 @@
+"""Slot occupancy per (slot, key), driven by the compiled ``slot_occupancy`` spec.
+
+Each pool key has three tables with one row per KV slot: ``state`` (int8, a
+``SlotState``), ``tids`` (the owning write task, -1 when none) and
+``slot_version`` (bumped each time a committed slot is reused). A move is
+applied to a whole slot tensor at once: the source states are gathered, the
+spec's move table says where each group goes, guards filter rows and effects
+run once per source-state group. Nothing here loops over slots in Python on
+the common path. Moves work on numpy views of the tables (the same memory):
+a numpy op on a step's few hundred slots costs a fraction of a torch op.
+
+Threading: a ``SlotOccupancy`` has no lock of its own. The manager calls it
+under its state lock only (the hooks it installs run under that lock too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from omni_prefix_cache.device.index_tensors import int64_ids, out_of_range
+from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, TensorName, Tid
+from omni_prefix_cache.specs import CompiledMove, compile_machine, load_spec
+from omni_prefix_cache.specs.composition import load_protocol
+from omni_prefix_cache.specs.types.slot_occupancy import SlotState as SlotState  # re-exported
+
+# Slots listed in an error message before it summarises the rest.
+_MAX_LISTED = 16
+_NO_OWNER = -1
+
+
+class SlotGroup(NamedTuple):
+    """The rows of one vectorised move that share a source state.
+
+    ``owners`` is per row: the new owner for ``map``, the writer whose pool
+    write is being settled for ``commit`` / ``drop``.
+    """
+
+    key: TensorName
+    slots: np.ndarray  # int64 KV slot ids
+    owners: np.ndarray  # int64 tids, same length as slots
+
+
+@dataclass(eq=False)
+class KeySlots:
+    """The occupancy tables of one pool key (what ``get_slot_status`` returns)."""
+
+    state: torch.Tensor  # int8 SlotState per slot
+    tids: torch.Tensor  # int64 owner tid per slot, -1 when not IN_TRANSIT
+    slot_version: torch.Tensor  # int64, +1 per reuse of a committed slot
+
+
+class _KeyArrays(NamedTuple):
+    """Numpy views of one key's tables (the moves write through them)."""
+
+    state: np.ndarray
+    tids: np.ndarray
+    slot_version: np.ndarray
+
+
+# ------------------------------------------------------------ spec handlers
+# Signature (occupancy, group). Guards return a bool mask over the group's
+# rows; effects mutate the tables or call the occupancy's hooks.
+
+
+def _owned_by_writer(occ: SlotOccupancy, group: SlotGroup) -> np.ndarray:
+    owned: np.ndarray = occ._arrays[group.key].tids[group.slots] == group.owners
+    return owned
+
+
+def _set_owner(occ: SlotOccupancy, group: SlotGroup) -> None:
+    occ._arrays[group.key].tids[group.slots] = group.owners
+
+
+def _clear_owner(occ: SlotOccupancy, group: SlotGroup) -> None:
+    occ._arrays[group.key].tids[group.slots] = _NO_OWNER
+
+
+def _bump_version(occ: SlotOccupancy, group: SlotGroup) -> None:
+    # Gather-add-scatter: a slot listed twice in one map is still one reuse
+    # (its copies all write the same bumped value).
+    versions = occ._arrays[group.key].slot_version
+    versions[group.slots] = versions[group.slots] + 1
+
+
+def _reassign_from_old_owner(occ: SlotOccupancy, group: SlotGroup) -> None:
+    # Runs before set_owner (spec order), so `tids` still names the old owner.
+    old = occ._arrays[group.key].tids[group.slots]
+    taken = old != group.owners  # a task remapping its own slot loses nothing
+    if not taken.any():
+        return
+    old, slots = old[taken], group.slots[taken]
+    hook = occ.on_reassign
+    if hook is None:
+        return
+    for tid in dict.fromkeys(old.tolist()):  # usually one or two owners
+        hook(int(tid), group.key, torch.from_numpy(slots[old == tid]))
+
+
+def _preserve_pending_reads(occ: SlotOccupancy, group: SlotGroup) -> None:
+    hook = occ.on_reuse
+    if hook is not None:
+        hook(group.key, torch.from_numpy(group.slots))
+
+
+SLOT_MACHINE = compile_machine(
+    load_spec("slot_occupancy"),
+    guards={"owned_by_writer": _owned_by_writer},
+    effects={
+        "set_owner": _set_owner,
+        "reassign_from_old_owner": _reassign_from_old_owner,
+        "preserve_pending_reads": _preserve_pending_reads,
+        "bump_version": _bump_version,
+        "clear_owner": _clear_owner,
+    },
+    state_enum=SlotState,
+)
+# The slot moves the protocol's drain operation fires (where enabled).
+_SETTLE_TRIGGERS = frozenset(t for role, t in load_protocol().ops["drain"].moves if role == "slot")
+INITIAL = int(SLOT_MACHINE.initial)
+
+
+def state_mask(tag: str) -> torch.Tensor:
+    """A bool lookup table over slot states: True for the states the spec
+    tags ``tag`` (index it with a state tensor: ``state_mask(t)[state.long()]``)."""
+    tagged = SLOT_MACHINE.tagged(tag)
+    if not tagged:
+        raise OmniPrefixCacheUnmatchError(f"{SLOT_MACHINE.spec.origin}: no state is tagged {tag!r}")
+    return torch.tensor([SlotState(s) in tagged for s in range(len(SlotState))], dtype=torch.bool)
+
+
+def rows_tagged(state: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``table``'s entry for each row's state: with a ``state_mask``, which
+    rows are in a tagged state; with ``READ_SOURCE``, where each is read from."""
+    return table.index_select(0, state.to(torch.int64))
+
+
+_OWNED = state_mask("owned")
+# Where a planned read takes a row from, by its slot state's tag (read_pool: the pool).
+READ_BASELINE = state_mask("read_baseline")
+READ_OWNER = state_mask("read_owner")
+# Both at once, as bits per slot state (0: the row is read from the pool), so
+# a read whose rows are all committed is told apart with one lookup.
+READ_FROM_BASELINE, READ_FROM_OWNER = 1, 2
+READ_SOURCE = READ_BASELINE.to(torch.int8) * READ_FROM_BASELINE + READ_OWNER.to(torch.int8) * READ_FROM_OWNER
+
+# Hooks the manager installs. on_reassign(old_tid, key, slots): a newer write
+# took these in-transit rows from old_tid. on_reuse(key, slots): these
+# committed rows are about to be overwritten by a new tenant.
+ReassignHook = Callable[[Tid, TensorName, torch.Tensor], None]
+ReuseHook = Callable[[TensorName, torch.Tensor], None]
+
+
+def _describe(slots: torch.Tensor | np.ndarray) -> str:
+    listed = slots[:_MAX_LISTED].tolist()
+    more = int(slots.size if isinstance(slots, np.ndarray) else slots.numel()) - len(listed)
+    return f"{listed}" + (f" (+{more} more)" if more > 0 else "")
+
+
+class SlotOccupancy:
+    """Occupancy tables for every pool key, moved by the compiled spec.
+
+    ``state`` maps key -> int8 state tensor (the seed suite reads it
+    directly). Callers hold the manager's state lock for every method.
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        *,
+        on_reassign: ReassignHook | None = None,
+        on_reuse: ReuseHook | None = None,
+    ) -> None:
+        if int(num_slots) <= 0:
+            raise OmniPrefixCacheUnmatchError(f"slot occupancy: num_slots must be positive, got {num_slots}")
+        self.num_slots = int(num_slots)
+        self.on_reassign = on_reassign
+        self.on_reuse = on_reuse
+        self._keys: dict[TensorName, KeySlots] = {}
+        self._arrays: dict[TensorName, _KeyArrays] = {}
+        self.state: dict[TensorName, torch.Tensor] = {}
+        n_states = len(SlotState)
+        # Slot tenancy (the spec's `take_tenancy` coupling): the triggers a
+        # save fires on the keys it writes and on every other open key.
+        tenancy = {c.name: c for c in SLOT_MACHINE.spec.couplings}.get("take_tenancy")
+        if tenancy is None:
+            raise OmniPrefixCacheUnmatchError(f"{SLOT_MACHINE.spec.origin}: no 'take_tenancy' coupling declared")
+        self._tenant_writes, self._tenant_others = tenancy.fires, tenancy.others
+        # Per trigger: the move from each source state (None where the spec
+        # declares none), and the source states that make it illegal.
+        self._moves: dict[str, tuple[CompiledMove | None, ...]] = {}
+        self._illegal: dict[str, tuple[int, ...]] = {}
+        for trigger in SLOT_MACHINE.triggers:
+            row = tuple(SLOT_MACHINE.move(s, trigger) for s in range(n_states))
+            self._moves[trigger] = row
+            self._illegal[trigger] = tuple(s for s, m in enumerate(row) if m is None)
+
+    # ------------------------------------------------------------ keys
+
+    def add_key(self, key: TensorName) -> KeySlots:
+        """Open ``key``'s tables (all ABSENT, no owner, version 0); idempotent.
+        Manager, under its state lock, when the pool key is published."""
+        table = self._keys.get(key)
+        if table is None:
+            table = KeySlots(
+                state=torch.full((self.num_slots,), INITIAL, dtype=torch.int8),
+                tids=torch.full((self.num_slots,), _NO_OWNER, dtype=torch.int64),
+                slot_version=torch.zeros((self.num_slots,), dtype=torch.int64),
+            )
+            self._keys[key] = table
+            self._arrays[key] = _KeyArrays(table.state.numpy(), table.tids.numpy(), table.slot_version.numpy())
+            self.state[key] = table.state
+        return table
+
+    def has_key(self, key: TensorName) -> bool:
+        return key in self._keys
+
+    def keys(self) -> list[TensorName]:
+        """Open keys, in opening order."""
+        return list(self._keys)
+
+    def get_slot_status(self, key: TensorName) -> KeySlots:
+        """The tables of ``key``; raises OmniPrefixCacheUnmatchError naming an unknown key."""
+        table = self._keys.get(key)
+        if table is None:
+            raise self._unknown(key)
+        return table
+
+    def _unknown(self, key: TensorName) -> OmniPrefixCacheUnmatchError:
+        return OmniPrefixCacheUnmatchError(f"slot occupancy: unknown key {key!r} (open: {sorted(self._keys)})")
+
+    # ------------------------------------------------------------ moves
+
+    def apply(
+        self,
+        trigger: str,
+        key: TensorName,
+        slots: torch.Tensor,
+        owners: torch.Tensor | int,
+        *,
+        where_enabled: bool = False,
+    ) -> int:
+        """Fire ``trigger`` on every row of ``slots`` for ``key``; returns how
+        many rows moved (a row a guard refuses stays where it is).
+
+        Raises OmniPrefixCacheUnmatchError naming the key, the trigger, the
+        source state and the offending slots if the spec declares no such
+        move for any row; nothing is changed then. ``where_enabled`` is the
+        protocol's ``slot.trigger?``: rows without the move are left as they
+        are instead. Under the state lock.
+        """
+        return self._apply(trigger, key, self._as_slots(key, slots), owners, where_enabled)
+
+    def _apply(
+        self,
+        trigger: str,
+        key: TensorName,
+        slots: np.ndarray,
+        owners: torch.Tensor | np.ndarray | int,
+        where_enabled: bool,
+    ) -> int:
+        """``apply`` over slots already checked by ``_as_slots`` (owners as
+        given to ``apply``, or already converted by ``_as_owners``)."""
+        arrays = self._arrays.get(key)
+        if arrays is None:
+            raise self._unknown(key)
+        state = arrays.state
+        moves = self._moves.get(trigger)
+        if moves is None:
+            raise OmniPrefixCacheUnmatchError(f"slot occupancy: unknown trigger {trigger!r} for key {key!r}")
+        n = int(slots.size)
+        if n == 0:
+            return 0
+        owner_rows = self._as_owners(owners, n)
+        src = state[slots]
+        moved = 0
+        for move, group in self._groups(key, trigger, moves, src, slots, owner_rows, where_enabled):
+            for guard in move.guards:
+                ok = guard(self, group)
+                if not ok.all():
+                    group = SlotGroup(key, group.slots[ok], group.owners[ok])
+            if group.slots.size == 0:
+                continue
+            state[group.slots] = int(move.dest)
+            for effect in move.effects:
+                effect(self, group)
+            moved += int(group.slots.size)
+        return moved
+
+    def _groups(
+        self,
+        key: TensorName,
+        trigger: str,
+        moves: tuple[CompiledMove | None, ...],
+        src: np.ndarray,
+        slots: np.ndarray,
+        owners: np.ndarray,
+        where_enabled: bool,
+    ) -> list[tuple[CompiledMove, SlotGroup]]:
+        """Split rows by source state, raising first (unless
+        ``where_enabled``) if any row is in a state without the move. Every
+        group is cut from the state snapshot taken before any group moves,
+        so a group's move never re-routes another group's rows. A few array
+        ops whatever the number of groups: one stable sort by state, then
+        views per state."""
+        counts: list[int] = np.bincount(src, minlength=len(moves)).tolist()
+        if max(counts) == len(src):  # the common case: every row starts in one state
+            state = counts.index(len(src))
+            if not where_enabled and state in self._illegal[trigger]:
+                self._refuse(key, trigger, state, slots)
+            move = moves[state]
+            return [] if move is None else [(move, SlotGroup(key, slots, owners))]
+        if not where_enabled:
+            for bad in self._illegal[trigger]:
+                if counts[bad]:
+                    self._refuse(key, trigger, bad, slots[src == bad])
+        order = np.argsort(src, kind="stable")  # stable: a slot listed twice keeps its row order
+        cuts = np.cumsum(counts)[:-1]
+        slot_parts = np.split(slots[order], cuts)
+        owner_parts = np.split(owners[order], cuts)
+        return [
+            (move, SlotGroup(key, slot_parts[state], owner_parts[state]))
+            for state, move in enumerate(moves)
+            if move is not None and counts[state]
+        ]
+
+    @staticmethod
+    def _refuse(key: TensorName, trigger: str, state: int, slots: np.ndarray) -> None:
+        raise OmniPrefixCacheUnmatchError(
+            f"slot occupancy {key!r}: {trigger} is illegal from {SlotState(state).name} "
+            f"for slots {_describe(slots)} (spec slot_occupancy)"
+        )
+
+    def map(self, key: TensorName, slots: torch.Tensor, owners: torch.Tensor | int) -> int:
+        """A write maps ``slots`` (ABSENT/IN_TRANSIT/COMMITTED -> IN_TRANSIT,
+        owned by ``owners``). Takeover records reassigned rows on the old
+        owner; reuse of a committed slot preserves pending reads and bumps
+        its version. Under the state lock."""
+        return self.apply("map", key, slots, owners)
+
+    def take_tenancy(self, slots: torch.Tensor, writes: Mapping[TensorName, torch.Tensor | np.ndarray | int]) -> None:
+        """A save's step takes ``slots`` for its writes (coupling
+        ``take_tenancy``): every key in ``writes`` fires the coupling's
+        ``fires`` trigger (``map``, owned by the given tids), every other
+        open key fires ``others`` (``reset``: its rows become absent, never
+        the previous tenant's). Under the state lock."""
+        if int(slots.numel()) == 0:
+            return
+        first = next(iter(writes), None)
+        if first is None:
+            first = next(iter(self._keys), None)
+        if first is None:
+            return
+        # One check of the slots for every key's move (named after the key
+        # moved first, as a per-key check would be).
+        self.get_slot_status(first)
+        rows = self._as_slots(first, slots)
+        for key, owners in writes.items():
+            self._apply(self._tenant_writes, key, rows, owners, False)
+        for key in self._keys:
+            if key not in writes:
+                self._apply(self._tenant_others, key, rows, _NO_OWNER, False)
+
+    def commit(self, key: TensorName, slots: torch.Tensor, writers: torch.Tensor | int) -> int:
+        """Strict ``commit``: every row must be IN_TRANSIT (else raises);
+        rows now owned by another write stay. Under the state lock."""
+        return self.apply("commit", key, slots, writers)
+
+    def drop(self, key: TensorName, slots: torch.Tensor, writers: torch.Tensor | int) -> int:
+        """Strict ``drop`` (the writer failed): IN_TRANSIT -> ABSENT for rows
+        it still owns. Under the state lock."""
+        return self.apply("drop", key, slots, writers)
+
+    def settle(self, trigger: str, key: TensorName, slots: torch.Tensor, writers: torch.Tensor | int) -> int:
+        """The drain's ``slot.commit?`` / ``slot.drop?`` (spec/protocol.yaml,
+        operation ``drain``) for a drained write's own rows.
+
+        Fires where the move is enabled: a row of the write that already left
+        the state the move starts from was taken over and settled by its
+        newer owner, and the ``owned_by_writer`` guard leaves in-transit rows
+        another write owns. Under the state lock (the ledger settles a drain
+        through ``settle_keys``, once per key group). Raises for a trigger
+        the drain operation does not fire.
+        """
+        return self.settle_keys(trigger, (key,), slots, writers)
+
+    def settle_keys(
+        self,
+        trigger: str,
+        keys: Sequence[TensorName],
+        slots: torch.Tensor,
+        writers: torch.Tensor | np.ndarray | int,
+    ) -> int:
+        """``settle`` of the same rows for each of ``keys`` in order (one move
+        per key); returns the rows moved over all keys. The slots and writers
+        (or an int64 array of one writer per row) are checked and converted
+        once, after the checks the first key's own ``settle`` makes first,
+        so errors are those of ``settle`` per key."""
+        if trigger not in _SETTLE_TRIGGERS:
+            raise OmniPrefixCacheUnmatchError(
+                f"slot occupancy: settle takes {sorted(_SETTLE_TRIGGERS)} (protocol drain), not {trigger!r}"
+            )
+        if not keys:
+            return 0
+        rows = self._as_slots(keys[0], slots)
+        if keys[0] not in self._arrays:
+            raise self._unknown(keys[0])
+        owners = self._as_owners(writers, int(rows.size)) if rows.size else writers
+        moved = 0
+        for key in keys:
+            moved += self._apply(trigger, key, rows, owners, True)
+        return moved
+
+    # ------------------------------------------------------------ checks
+
+    def check_invariants(self, live_tids: set[Tid] | None = None) -> None:
+        """Raise OmniPrefixCacheUnmatchError naming the key and slots that
+        break a declared invariant: ``owner_iff_in_transit`` always,
+        ``owner_is_live_task`` when ``live_tids`` is given. (Version
+        monotonicity is a property of the moves; tests check it across them.)"""
+        for key, table in self._keys.items():
+            in_transit = rows_tagged(table.state, _OWNED)
+            owned = table.tids != _NO_OWNER
+            bad = (in_transit != owned).nonzero().flatten()
+            if bad.numel():
+                raise OmniPrefixCacheUnmatchError(
+                    f"slot occupancy {key!r}: owner_iff_in_transit broken at slots {_describe(bad)}"
+                )
+            if live_tids is not None and bool(in_transit.any()):
+                owners = table.tids[in_transit]
+                dead = sorted(set(owners.tolist()) - set(live_tids))
+                if dead:
+                    raise OmniPrefixCacheUnmatchError(
+                        f"slot occupancy {key!r}: owner_is_live_task broken: owners {dead[:_MAX_LISTED]} are not live"
+                    )
+
+    # ------------------------------------------------------------ helpers
+
+    def _as_slots(self, key: TensorName, slots: torch.Tensor) -> np.ndarray:
+        """The slots as a 1-D int64 array (a view of a CPU int64 tensor);
+        raises naming the key for non-integer or out-of-range slots."""
+        if not isinstance(slots, torch.Tensor):
+            slots = torch.as_tensor(slots, dtype=torch.int64)
+        if slots.dtype.is_floating_point or slots.dtype == torch.bool:
+            raise OmniPrefixCacheUnmatchError(f"slot occupancy {key!r}: slots must be integers, got {slots.dtype}")
+        rows = int64_ids(slots)
+        if out_of_range(rows, self.num_slots):
+            bad = rows[(rows < 0) | (rows >= self.num_slots)]
+            raise OmniPrefixCacheUnmatchError(
+                f"slot occupancy {key!r}: slots {_describe(bad)} outside [0, {self.num_slots})"
+            )
+        return rows
+
+    @staticmethod
+    def _as_owners(owners: torch.Tensor | np.ndarray | int, n: int) -> np.ndarray:
+        if isinstance(owners, np.ndarray):  # one int64 writer per row (settle_keys)
+            if owners.size != n:
+                raise OmniPrefixCacheUnmatchError(f"slot occupancy: {owners.size} owners for {n} slots")
+            return owners
+        if isinstance(owners, torch.Tensor):
+            if owners.numel() == 1 and n != 1:
+                return np.full(n, int(owners.reshape(())), dtype=np.int64)
+            if int(owners.numel()) != n:
+                raise OmniPrefixCacheUnmatchError(f"slot occupancy: {owners.numel()} owners for {n} slots")
+            return int64_ids(owners)
+        return np.full(n, int(owners), dtype=np.int64)

@@ -1,0 +1,391 @@
+"""A small vLLM-v1-like scheduler: chunked prefill under a token budget, decode,
+preemption under KV pressure, streaming continuations, finishes and aborts.
+
+It owns request state and the block allocator and emits, per step, the three
+things the prefix cache manager reads from vLLM's scheduler output
+(``scheduled_new_reqs``, ``finished_req_ids``, ``num_scheduled_tokens``),
+plus what the oracle needs to know (which rows each request must get back).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+from omni_prefix_cache.tools.simulate.blocks import BlockAllocator
+from omni_prefix_cache.tools.simulate.rows import PrefixHashes, block_hash, chain_hash, mix64
+from omni_prefix_cache.tools.simulate.workload import RequestSpec
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not holding blocks: new, or preempted
+    RUNNING = "running"  # holds blocks, has tokens to compute
+    AWAITING_INPUT = "awaiting_input"  # holds blocks, streamed prompt: next segment not here yet
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """The fields of vLLM's NewRequestData the manager reads."""
+
+    req_id: str
+    num_computed_tokens: int
+    block_ids: tuple[list[int], ...]
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """The fields of vLLM's SchedulerOutput the manager reads."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    finished_req_ids: set[str]
+    num_scheduled_tokens: dict[str, int]
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+class SimRequest:
+    """Engine-side state of one request."""
+
+    def __init__(self, spec: RequestSpec, block_size: int, seed: int, vocab: int) -> None:
+        self.spec = spec
+        self.req_id = spec.req_id
+        self.block_size = block_size
+        self.vocab = vocab
+        self.salt = chain_hash(seed + 1, spec.req_id.encode())
+        self.tokens: list[int] = []
+        self.hashes = PrefixHashes(sum(len(s) for s in spec.segments) + spec.max_output + 8)
+        self.block_hashes: list[int] = []
+        self.segments_revealed = 0
+        self.computed = 0
+        self.blocks: list[int] = []
+        self.num_cached_blocks = 0
+        self.num_output = 0
+        self.status = Status.WAITING
+        self.live = False  # the manager saw it as new and has not been told it finished
+        self.emit_new = True  # next time it is scheduled it goes in scheduled_new_reqs
+        self.next_segment_step: int | None = None
+        self.abort_step = None if spec.abort_after is None else spec.arrival_step + spec.abort_after
+        self.preempted = False
+        self.reveal_segment()
+
+    @property
+    def pending(self) -> int:
+        """Known tokens not computed yet."""
+        return len(self.tokens) - self.computed
+
+    @property
+    def more_segments(self) -> bool:
+        return self.segments_revealed < len(self.spec.segments)
+
+    def reveal_segment(self) -> None:
+        self.append_tokens(self.spec.segments[self.segments_revealed])
+        self.segments_revealed += 1
+        self.next_segment_step = None
+
+    def append_tokens(self, toks: tuple[int, ...] | list[int]) -> None:
+        self.tokens.extend(toks)
+        self.hashes.extend(toks)
+        bs = self.block_size
+        while (len(self.block_hashes) + 1) * bs <= len(self.tokens):
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(block_hash(parent, self.tokens[i * bs : (i + 1) * bs]))
+
+    def sample(self) -> None:
+        """Append the next output token (a deterministic function of request and position)."""
+        self.append_tokens([mix64(self.salt ^ (len(self.tokens) * 0x9E3779B1)) % self.vocab])
+        self.num_output += 1
+
+
+# The scheduler's request type: SimRequest here, the vLLM driver's DriverRequest in simulate.vllm_engine.
+R = TypeVar("R")
+
+
+@dataclass
+class Scheduled(Generic[R]):
+    """One request's share of a step."""
+
+    req: R
+    n: int  # tokens computed this step
+    start: int  # first position computed this step
+    new_entry: NewRequestData | None  # set when it appears in scheduled_new_reqs
+    manager_hit: int  # cached rows the manager must prepend (a prefix hit of a request it does not know)
+
+
+@dataclass
+class StepPlan(Generic[R]):
+    step: int
+    entries: list[Scheduled[R]]
+    output: SchedulerOutput
+
+
+@dataclass
+class SchedulerStats:
+    arrived: int = 0
+    rejected: int = 0
+    finished: int = 0
+    aborted: int = 0
+    preemptions: int = 0
+    resumes: int = 0
+    resumes_with_hit: int = 0
+    stream_reentries: int = 0
+    hits: int = 0
+    hit_tokens: int = 0
+    same_step_hits: int = 0
+    live_prefix_tokens: int = 0  # prefix blocks reused by live requests (resume): not manager hits
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    followups: int = 0
+    reused_ids: int = 0  # a second turn arriving under its finished first turn's id
+    duplicates: int = 0
+    empty_steps: int = 0
+    max_running: int = 0
+
+
+class SimScheduler(Protocol):
+    """What the engine loop and the progress line use: :class:`Scheduler` or the vLLM driver's ``VllmScheduler``."""
+
+    @property
+    def stats(self) -> SchedulerStats: ...
+    @property
+    def alloc(self) -> Any: ...  # ``alloc.stats`` is a dataclass the result reports
+    @property
+    def idle(self) -> bool: ...
+    @property
+    def running(self) -> Sequence[Any]: ...
+    @property
+    def waiting(self) -> Sequence[Any]: ...
+    def progress(self) -> float: ...
+    def live_requests(self) -> Sequence[Any]: ...
+    def abort_all(self, step: int) -> None: ...
+    def schedule(self, step: int) -> StepPlan[Any]: ...
+    def update(self, plan: StepPlan[Any]) -> None: ...
+
+
+@dataclass
+class Scheduler:
+    """Requests, KV blocks and the per-step scheduling decisions."""
+
+    trace: list[RequestSpec]
+    num_blocks: int
+    block_size: int
+    token_budget: int
+    max_num_seqs: int
+    seed: int = 0
+    vocab: int = 32000
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+
+    def __post_init__(self) -> None:
+        self.alloc = BlockAllocator(self.num_blocks, self.block_size)
+        self._arrivals: deque[RequestSpec] = deque(sorted(self.trace, key=lambda s: s.arrival_step))
+        self._followups: list[RequestSpec] = []
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.requests: dict[str, SimRequest] = {}
+        self._finished_pending: list[SimRequest] = []
+
+    # ------------------------------------------------------------ lifecycle
+
+    @property
+    def idle(self) -> bool:
+        """No request left to arrive, run or report."""
+        return not (self._arrivals or self._followups or self.waiting or self.running or self._finished_pending)
+
+    def progress(self) -> float:
+        """Share of the requests known so far (trace + second turns) that are done."""
+        st = self.stats
+        known = len(self.trace) + st.followups
+        return (st.finished + st.aborted + st.rejected) / known if known else 1.0
+
+    def live_requests(self) -> list[SimRequest]:
+        return [*self.running, *self.waiting]
+
+    def _arrive(self, spec: RequestSpec) -> None:
+        if sum(len(seg) for seg in spec.segments) + spec.max_output > self.num_blocks * self.block_size:
+            self.stats.rejected += 1  # longer than the whole KV cache: vLLM refuses it at admission
+            return
+        req = SimRequest(spec, self.block_size, self.seed, self.vocab)
+        self.stats.reused_ids += req.req_id in self.requests
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+        self.stats.arrived += 1
+        self.stats.duplicates += spec.duplicate_of is not None
+
+    def _finish(self, req: SimRequest, *, aborted: bool, step: int) -> None:
+        if req.status is Status.DONE:
+            return
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+        else:
+            self.running.remove(req)
+        self.alloc.free(req.blocks)
+        req.blocks = []
+        req.status = Status.DONE
+        self._finished_pending.append(req)
+        if aborted:
+            self.stats.aborted += 1
+            return
+        self.stats.finished += 1
+        f = req.spec.followup
+        if f is not None:
+            self._followups.append(
+                RequestSpec(
+                    req_id=req.req_id if f.reuse_id else f"{req.req_id}.2",
+                    arrival_step=step + 1 + f.delay,
+                    segments=(tuple(req.tokens) + f.extra,),
+                    max_output=f.max_output,
+                )
+            )
+            self.stats.followups += 1
+
+    def abort_all(self, step: int) -> None:
+        """Abort every request still alive (end of run)."""
+        for req in list(self.live_requests()):
+            self._finish(req, aborted=True, step=step)
+        self._arrivals.clear()
+        self._followups.clear()
+
+    def _preempt(self, req: SimRequest) -> None:
+        self.running.remove(req)
+        self.alloc.free(req.blocks)
+        req.blocks = []
+        req.computed = 0
+        req.num_cached_blocks = 0
+        req.status = Status.WAITING
+        req.emit_new = True
+        req.preempted = True
+        self.waiting.appendleft(req)
+        self.stats.preemptions += 1
+
+    def _blocks_needed(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def _cache_full_blocks(self, req: SimRequest, upto: int, step: int) -> None:
+        full = upto // self.block_size
+        for i in range(req.num_cached_blocks, full):
+            self.alloc.cache(req.blocks[i], req.block_hashes[i], step)
+        req.num_cached_blocks = max(req.num_cached_blocks, full)
+
+    # ------------------------------------------------------------ one step
+
+    def _start_step(self, step: int) -> None:
+        while self._arrivals and self._arrivals[0].arrival_step <= step:
+            self._arrive(self._arrivals.popleft())
+        due = [f for f in self._followups if f.arrival_step <= step]
+        for f in due:
+            self._followups.remove(f)
+            self._arrive(f)
+        for req in list(self.live_requests()):
+            if req.abort_step is not None and req.abort_step <= step:
+                self._finish(req, aborted=True, step=step)
+            elif req.next_segment_step is not None and req.next_segment_step <= step:
+                req.reveal_segment()
+                if req.status is Status.AWAITING_INPUT:
+                    req.status = Status.RUNNING
+                    req.emit_new = True
+
+    def schedule(self, step: int) -> StepPlan[SimRequest]:
+        """Decide this step: running requests first, then admissions (only if nobody was preempted)."""
+        self._start_step(step)
+        budget = self.token_budget
+        entries: list[Scheduled[SimRequest]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if req.status is not Status.RUNNING or req.pending == 0:
+                i += 1
+                continue
+            n = min(req.pending, budget)
+            need = self._blocks_needed(req.computed + n) - len(req.blocks)
+            while need > self.alloc.num_free:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                break
+            req.blocks.extend(self.alloc.allocate(max(0, need)) or [])
+            self._cache_full_blocks(req, req.computed + n, step)
+            new_entry = None
+            if req.emit_new:
+                new_entry = NewRequestData(req.req_id, req.computed, (list(req.blocks),))
+                self.stats.stream_reentries += 1
+            entries.append(Scheduled(req, n, req.computed, new_entry, 0))
+            budget -= n
+            i += 1
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hit_blocks = self.alloc.lookup_prefix(req.block_hashes, len(req.tokens))
+            hit = len(hit_blocks) * self.block_size
+            n = min(len(req.tokens) - hit, budget)
+            need = self._blocks_needed(hit + n) - len(hit_blocks)
+            revived = sum(1 for b in hit_blocks if self.alloc.is_free(b))
+            if need > self.alloc.num_free - revived:
+                break
+            same_step = any(self.alloc.cached_step(b) == step for b in hit_blocks)
+            self.alloc.touch(hit_blocks)
+            req.blocks = hit_blocks + (self.alloc.allocate(need) or [])
+            req.computed = hit
+            req.num_cached_blocks = len(hit_blocks)
+            self._cache_full_blocks(req, hit + n, step)
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = Status.RUNNING
+            manager_hit = 0
+            if req.preempted:
+                self.stats.resumes += 1
+                self.stats.resumes_with_hit += hit > 0
+            if req.live:
+                self.stats.live_prefix_tokens += hit
+            elif hit:
+                manager_hit = hit
+                self.stats.hits += 1
+                self.stats.hit_tokens += hit
+                self.stats.same_step_hits += same_step
+            entries.append(Scheduled(req, n, hit, NewRequestData(req.req_id, hit, (list(req.blocks),)), manager_hit))
+            budget -= n
+        if not entries:
+            self.stats.empty_steps += 1
+        self.stats.max_running = max(self.stats.max_running, len(self.running))
+        for e in entries:
+            if e.new_entry is not None:
+                e.req.live = True
+                e.req.emit_new = False
+        finished = self._finished_pending
+        self._finished_pending = []
+        for req in finished:
+            req.live = False  # a reused id arriving now is a different object: it stays as decided above
+        out = SchedulerOutput(
+            scheduled_new_reqs=[e.new_entry for e in entries if e.new_entry is not None],
+            finished_req_ids={r.req_id for r in finished},
+            num_scheduled_tokens={e.req.req_id: e.n for e in entries},
+        )
+        return StepPlan(step, entries, out)
+
+    def update(self, plan: StepPlan[SimRequest]) -> None:
+        """Apply the forward's results: advance, sample, finish."""
+        for e in plan.entries:
+            req = e.req
+            decode = e.n == 1 and req.num_output > 0 and req.computed == len(req.tokens) - 1
+            req.computed += e.n
+            if decode:
+                self.stats.decode_tokens += 1
+            else:
+                self.stats.prefill_tokens += e.n
+            if req.computed != len(req.tokens):
+                continue
+            if req.more_segments:
+                req.status = Status.AWAITING_INPUT
+                req.next_segment_step = plan.step + 1 + req.spec.segment_gap
+                continue
+            req.sample()
+            if req.num_output >= req.spec.max_output:
+                self._finish(req, aborted=False, step=plan.step)

@@ -1,0 +1,633 @@
+"""WriteTask: one write of (slot, key) rows for a single request.
+
+Its lifecycle is the ``write_task`` spec (spec/write_task.yaml): the state
+enum ``TaskState`` is generated from it and every move goes through the
+compiled table. The wait events ``host_ready`` and ``done`` are set only by
+the effects the spec declares on a move, never directly.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omni_prefix_cache.device import sync
+from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, ReqId, TensorName, Tid, WriteSchedule
+from omni_prefix_cache.specs import compile_machine, load_spec
+from omni_prefix_cache.specs.types.copy_queue import QueuePosition
+from omni_prefix_cache.specs.types.write_task import TaskState as TaskState  # re-exported
+
+# Guards the one-time creation of a TaskEvent's condition (see TaskEvent.wait).
+_EVENT_COND_INIT = threading.Lock()
+
+
+class TaskEvent:
+    """A one-shot event that is cheap until somebody waits on it.
+
+    ``threading.Event()`` costs about 6 us to build here and each task needs
+    two, while most tasks are never waited on. The condition is created on
+    the first ``wait``; ``set`` notifies only if one exists. Same
+    ``is_set`` / ``set`` / ``wait`` contract as ``threading.Event``
+    (no ``clear``: task events never reset).
+    """
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._cond: threading.Condition | None = None
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def set(self) -> None:
+        self._flag = True
+        cond = self._cond
+        if cond is not None:
+            with cond:
+                cond.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until set or ``timeout`` seconds pass; True if set."""
+        if self._flag:
+            return True
+        with _EVENT_COND_INIT:
+            if self._cond is None:
+                self._cond = sync.Condition(sync.Lock())
+        cond = self._cond
+        with cond:
+            # The predicate is re-read under the condition's lock, so a set()
+            # that raced the creation above is never missed.
+            return cond.wait_for(lambda: self._flag, timeout)
+
+
+@dataclass(eq=False)
+class _BudgetTicket:
+    """The GPU-byte charge of one device clone shared by several writes.
+
+    Charged once by ``reserve``; uncharged once, when the last task pinned
+    on it releases. Holds no tensors.
+    """
+
+    nbytes: int
+    tids: set[Tid] = field(default_factory=set)
+    _freed: bool = False
+
+    def release(self, tid: Tid) -> int:
+        """Unpin ``tid``; return the bytes to uncharge: ``nbytes`` exactly
+        once (when the last holder leaves), else 0. Idempotent per tid."""
+        self.tids.discard(tid)
+        if self.tids or self._freed:
+            return 0
+        self._freed = True
+        return self.nbytes
+
+
+@dataclass(eq=False, slots=True)
+class StepRows:
+    """One save's immediate rows as a struct of arrays: the step's slot
+    mapping, its staging views and (device) clones per key, ``n`` rows
+    each. Every immediate write of the step views rows ``[start, end)`` of
+    it (its ``_WriteChunk``), so the step is registered, written to the
+    pool and settled without a per-request copy or split, and a pool write
+    of a whole step is one ``index_copy_`` per key."""
+
+    slots: torch.Tensor
+    host: dict[TensorName, torch.Tensor]
+    tensors: dict[TensorName, torch.Tensor]
+    _unique: bool | None = None
+
+    def unique_slots(self) -> bool:
+        """True if no slot repeats within the step (then its rows may be
+        written in one scatter; computed once)."""
+        if self._unique is None:
+            values = self.slots.tolist()
+            self._unique = len(set(values)) == len(values)
+        return self._unique
+
+
+class _WriteChunk:
+    """One save's slots and tensors appended onto a WriteTask.
+
+    ``slots_cpu``: int64 KV slot ids, in token order; ``tensors``: the
+    frozen clone (device, or CPU); ``host``: host rows ``[0:n)``;
+    ``budget``: the charge of the clone ``tensors`` views. An immediate
+    write's chunk is a window ``[start, end)`` of its step's ``StepRows``
+    (``of_step``): its slot, host and clone views are cut only when read.
+    """
+
+    __slots__ = ("_slots", "_tensors", "_host", "budget", "step", "start", "end")
+
+    def __init__(
+        self,
+        slots_cpu: torch.Tensor | None = None,
+        tensors: dict[TensorName, torch.Tensor] | None = None,
+        host: dict[TensorName, torch.Tensor] | None = None,
+        budget: _BudgetTicket | None = None,
+    ) -> None:
+        self._slots: torch.Tensor | None = slots_cpu
+        self._tensors: dict[TensorName, torch.Tensor] | None = tensors
+        self._host: dict[TensorName, torch.Tensor] | None = {} if host is None else host
+        self.budget = budget
+        self.step: StepRows | None = None
+        self.start = 0
+        self.end = 0 if slots_cpu is None else int(slots_cpu.shape[0])
+
+    @classmethod
+    def of_step(cls, step: StepRows, start: int, end: int) -> _WriteChunk:
+        """Rows ``[start, end)`` of ``step``, viewed lazily."""
+        chunk = cls.__new__(cls)
+        chunk._slots = chunk._tensors = chunk._host = None
+        chunk.budget = None
+        chunk.step, chunk.start, chunk.end = step, start, end
+        return chunk
+
+    @property
+    def slots_cpu(self) -> torch.Tensor:
+        if self._slots is None:
+            assert self.step is not None
+            self._slots = self.step.slots[self.start : self.end]
+        return self._slots
+
+    @slots_cpu.setter
+    def slots_cpu(self, value: torch.Tensor) -> None:
+        self._slots = value
+        self.end = self.start + int(value.shape[0])
+
+    def _window(self, arrays: dict[TensorName, torch.Tensor]) -> dict[TensorName, torch.Tensor]:
+        """This chunk's rows of a step's per-key arrays, as views."""
+        return {k: v[self.start : self.end] for k, v in arrays.items()}
+
+    @property
+    def tensors(self) -> dict[TensorName, torch.Tensor]:
+        if self._tensors is None:
+            self._tensors = {} if self.step is None else self._window(self.step.tensors)
+        return self._tensors
+
+    @tensors.setter
+    def tensors(self, value: dict[TensorName, torch.Tensor]) -> None:
+        self._tensors = value
+
+    @property
+    def host(self) -> dict[TensorName, torch.Tensor]:
+        if self._host is None:
+            self._host = {} if self.step is None else self._window(self.step.host)
+        return self._host
+
+    @host.setter
+    def host(self, value: dict[TensorName, torch.Tensor]) -> None:
+        self._host = value
+
+    @property
+    def rows(self) -> int:
+        return self.end - self.start
+
+    def whole_step_view(self) -> bool:
+        """True while the chunk is still an untouched window of its step
+        (its rows can be written with the step's other windows at once)."""
+        return self.step is not None and self._host is None
+
+
+def step_runs(chunks: Sequence[_WriteChunk]) -> list[tuple[StepRows | None, int, int, _WriteChunk]]:
+    """``chunks`` in order as runs: back-to-back windows of one step merge
+    into one ``(step, start, end, first chunk)``; any other chunk is
+    ``(None, 0, rows, chunk)``."""
+    runs: list[tuple[StepRows | None, int, int, _WriteChunk]] = []
+    for c in chunks:
+        step = c.step
+        if step is not None and runs:
+            last_step, last_start, last_end, first = runs[-1]
+            if last_step is step and last_end == c.start:
+                runs[-1] = (step, last_start, c.end, first)
+                continue
+        runs.append((step, c.start, c.end, c) if step is not None else (None, 0, c.rows, c))
+    return runs
+
+
+class ChunkRuns:
+    """The slots of chunks added one by one (in order), with the write
+    owning each chunk and its row count, gathered in the caller's own pass
+    over the chunks: back-to-back windows of one step are one slice of its
+    slot mapping, not a concatenation (as ``step_runs`` merges them)."""
+
+    __slots__ = ("_parts", "_step", "_start", "_end", "owners", "counts")
+
+    def __init__(self) -> None:
+        self._parts: list[torch.Tensor] = []
+        self._step: StepRows | None = None  # the open run of windows: rows [_start, _end) of _step
+        self._start = 0
+        self._end = 0
+        self.owners: list[Tid] = []
+        self.counts: list[int] = []  # rows per chunk
+
+    def add(self, chunk: _WriteChunk, owner: Tid) -> None:
+        step, start, end = chunk.step, chunk.start, chunk.end
+        self.owners.append(owner)
+        self.counts.append(end - start)
+        if step is not None and step is self._step and start == self._end:
+            self._end = end
+            return
+        self._close_run()
+        if step is not None:
+            self._step, self._start, self._end = step, start, end
+        else:
+            self._parts.append(chunk.slots_cpu)
+
+    def _close_run(self) -> None:
+        if self._step is not None:
+            self._parts.append(self._step.slots[self._start : self._end])
+            self._step = None
+
+    def slots(self) -> torch.Tensor:
+        """The added chunks' slots in order (at least one chunk added)."""
+        self._close_run()
+        parts = self._parts
+        if len(parts) > 1:
+            self._parts = parts = [torch.cat(parts)]
+        return parts[0]
+
+
+# (chunk, key, host rows): one key's rows of one chunk, as a copy stage made them.
+HostRow = tuple[_WriteChunk, TensorName, torch.Tensor]
+
+
+# --------------------------------------------------------------- spec effects
+# Each runs under the task's lock, as part of the move that declares it.
+
+
+def _drop_device_clone(task: WriteTask) -> None:
+    for chunk in task.chunks:
+        chunk.tensors = {}
+        if chunk.step is not None:
+            # The step's clones back none of its writes once its rows are
+            # on the host (every window reads the staging views): the first
+            # write past its copy frees them for all.
+            chunk.step.tensors = {}
+
+
+def _set_host_ready(task: WriteTask) -> None:
+    task.host_ready.set()
+
+
+def _set_done(task: WriteTask) -> None:
+    task.done.set()
+
+
+WRITE_TASK_MACHINE = compile_machine(
+    load_spec("write_task"),
+    effects={
+        "drop_device_clone": _drop_device_clone,
+        "set_host_ready": _set_host_ready,
+        "set_done": _set_done,
+    },
+    state_enum=TaskState,
+)
+# The host_ready move from each state (mark_host_ready runs once per write).
+_HOST_READY = WRITE_TASK_MACHINE.by_state("host_ready")
+# States in which a task still accepts chunks (the spec's accepts_chunks tag).
+_ACCEPTS_CHUNKS = WRITE_TASK_MACHINE.tagged("accepts_chunks")
+
+
+def illegal_move(task: WriteTask, to: Any) -> OmniPrefixCacheUnmatchError:
+    name = to.name if hasattr(to, "name") else str(to)
+    return OmniPrefixCacheUnmatchError(f"task {task.tid}: illegal transition {task.state.name} -> {name}")
+
+
+@dataclass(eq=False, repr=False)
+class WriteTask:
+    """One write of (slot, key) rows for one request (``req_id``'s
+    ``write_n``-th write). May cover several keys and, for deferred writes,
+    several chunks (one per save).
+
+    ``state`` is the single source of truth; it moves only through the
+    compiled ``write_task`` spec. ``lock`` (reentrant: an operation's
+    ``task`` segment holds it while its moves take it again) covers
+    ``state``, ``reassigned``, chunk appends, host/clone swaps and
+    ``slot_to_row``. ``position`` is the task's ``copy_queue`` state, moved
+    only by the controller's compiled operations under the controller lock.
+    """
+
+    tid: Tid
+    req_id: ReqId
+    write_n: int
+    schedule: WriteSchedule
+    chunks: list[_WriteChunk]
+    # Compute-stream event after the on-device clone; copy and read lanes
+    # wait it before touching chunk tensors (a later CUDA-graph replay
+    # overwrites the static buffers the clone was taken from).
+    freeze_event: Any = None
+    state: Any = TaskState.PENDING
+    # Rows of this write taken over by a newer write; skipped at pool write.
+    reassigned: dict[TensorName, torch.Tensor] = field(default_factory=dict)
+    host_ready: TaskEvent = field(default_factory=TaskEvent)
+    done: TaskEvent = field(default_factory=TaskEvent)
+    lock: Any = field(default_factory=sync.new_rlock)
+    position: Any = QueuePosition.UNQUEUED
+    # A deferred write registered queued (its dispatch pushes it to the low queue).
+    queued_at_submit: bool = False
+    # Host rows a copy stage made, installed by its host_ready move.
+    copied_rows: Sequence[HostRow] = ()
+    # Budget flush picks the pending task with the oldest of these.
+    enqueued_time: float = field(default_factory=time.monotonic)
+    # Immediate path: the staging page this write views, and the step's
+    # device-to-host event (None once complete or on CPU).
+    staging_slot: int | None = None
+    step_d2h_event: Any = None
+    _slot_to_row: dict[int, tuple[int, int]] | None = None
+    # Effects a deferred ``fail`` still owes (run by wake_failed_waiters).
+    _owed_wakes: tuple[Any, ...] = ()
+
+    @classmethod
+    def step_write(
+        cls,
+        tid: Tid,
+        req_id: ReqId,
+        write_n: int,
+        chunk: _WriteChunk,
+        freeze_event: Any,
+        staging_slot: int,
+        step_d2h_event: Any,
+    ) -> WriteTask:
+        """An immediate (JOIN_NEXT_STEP) write of one step window: the same
+        task as the dataclass constructor with these arguments builds (every
+        field, in field order, fresh factory defaults), without its keyword
+        matching (a save builds one per request per step)."""
+        task = cls.__new__(cls)
+        task.tid = tid
+        task.req_id = req_id
+        task.write_n = write_n
+        task.schedule = WriteSchedule.JOIN_NEXT_STEP
+        task.chunks = [chunk]
+        task.freeze_event = freeze_event
+        task.state = TaskState.PENDING
+        task.reassigned = {}
+        task.host_ready = TaskEvent()
+        task.done = TaskEvent()
+        task.lock = sync.new_rlock()
+        task.position = QueuePosition.UNQUEUED
+        task.queued_at_submit = False
+        task.copied_rows = ()
+        task.enqueued_time = time.monotonic()
+        task.staging_slot = staging_slot
+        task.step_d2h_event = step_d2h_event
+        task._slot_to_row = None
+        task._owed_wakes = ()
+        return task
+
+    def __repr__(self) -> str:
+        return (
+            f"WriteTask(tid={self.tid}, req={self.req_id!r}, {self.schedule.value}, "
+            f"{TaskState(self.state).name}, position {QueuePosition(self.position).name})"
+        )
+
+    # ------------------------------------------------------------ lifecycle
+
+    def _move_locked(self, to: Any, *, defer: bool = False) -> None:
+        move = WRITE_TASK_MACHINE.move_to(self.state, to)
+        if move is None:
+            raise illegal_move(self, to)
+        self._apply_locked(move, defer)
+
+    def _apply_locked(self, move: Any, defer: bool) -> None:
+        """Enter ``move.dest`` and run its effects (task lock held); with
+        ``defer`` the deferrable ones are owed until ``wake_failed_waiters``."""
+        self.state = move.dest
+        if defer:
+            for effect in move.undeferrable:
+                effect(self)
+            self._owed_wakes = move.deferrable
+        else:
+            for effect in move.effects:
+                effect(self)
+
+    def transition(self, to: Any) -> None:
+        """Move to ``to``; raises OmniPrefixCacheUnmatchError unless the spec
+        declares the move from the current state. Any thread."""
+        with self.lock:
+            self._move_locked(to)
+
+    def can(self, trigger: str) -> bool:
+        """True if the spec has a ``trigger`` move from the current state."""
+        return WRITE_TASK_MACHINE.move(self.state, trigger) is not None
+
+    def try_fire(self, trigger: str, *, defer: bool = False) -> bool:
+        """``fire`` if the spec has the move from the current state, atomically;
+        False (nothing moved) otherwise."""
+        with self.lock:
+            move = WRITE_TASK_MACHINE.move(self.state, trigger)
+            if move is None:
+                return False
+            self._apply_locked(move, defer)
+            return True
+
+    def fire(self, trigger: str, *, defer: bool = False, rows: Sequence[HostRow] = ()) -> None:
+        """Fire ``trigger``; raises OmniPrefixCacheUnmatchError unless the
+        spec declares it from the current state. ``rows``: host rows the
+        move installs (a copy stage's output), before its effects run;
+        ``defer``: as ``mark_failed(defer_wake=True)``."""
+        with self.lock:
+            move = WRITE_TASK_MACHINE.move(self.state, trigger)
+            if move is None:
+                raise illegal_move(self, trigger)
+            for chunk, key, tensor in rows:
+                chunk.host[key] = tensor
+            self._apply_locked(move, defer)
+
+    @staticmethod
+    def try_fire_many(tasks: Sequence[WriteTask], trigger: str, *, defer: bool = False) -> list[bool | BaseException]:
+        """``try_fire`` for each task (a batched step): per task True if it
+        moved, False if the spec has no such move from its state, or the
+        exception one of its move's effects raised."""
+        moves = WRITE_TASK_MACHINE.by_state(trigger)
+        out: list[bool | BaseException] = [True] * len(tasks)
+        for i, task in enumerate(tasks):
+            with task.lock:
+                move = moves[task.state]
+                if move is None:
+                    out[i] = False
+                    continue
+                try:
+                    task._apply_locked(move, defer)
+                except Exception as exc:
+                    out[i] = exc
+        return out
+
+    def try_transition(self, to: Any) -> bool:
+        """Move to ``to`` if the spec allows it from the current state."""
+        with self.lock:
+            if WRITE_TASK_MACHINE.move_to(self.state, to) is None:
+                return False
+            self._move_locked(to)
+            return True
+
+    def claim_copy(self) -> bool:
+        """QUEUED -> COPYING. Of racing callers exactly one gets True."""
+        return self.try_transition(TaskState.COPYING)
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.state in WRITE_TASK_MACHINE.final
+
+    def append_chunk(self, chunk: _WriteChunk, freeze_event: Any = None) -> Any:
+        """Grow the write by one save's rows. Returns None if appended, else
+        the state that closed the task (the caller opens a new task).
+
+        The newest ``freeze_event`` covers every earlier clone: events on one
+        compute stream complete in order.
+        """
+        with self.lock:
+            if self.state not in _ACCEPTS_CHUNKS:
+                return self.state
+            self.chunks.append(chunk)
+            self._slot_to_row = None
+            if freeze_event is not None:
+                self.freeze_event = freeze_event
+            return None
+
+    def set_host_tensor(self, rows: list[tuple[_WriteChunk, TensorName, torch.Tensor]]) -> None:
+        """COPYING -> HOST_READY after installing the copied host rows. An
+        illegal call raises before touching any chunk."""
+        with self.lock:
+            if WRITE_TASK_MACHINE.move_to(self.state, TaskState.HOST_READY) is None:
+                raise illegal_move(self, TaskState.HOST_READY)
+            for chunk, key, tensor in rows:
+                chunk.host[key] = tensor
+            self._move_locked(TaskState.HOST_READY)
+
+    def mark_host_ready(self) -> None:
+        """COPYING -> HOST_READY for staging views: waits the step's
+        device-to-host event first (outside the task lock)."""
+        if self.step_d2h_event is not None:
+            self.step_d2h_event.synchronize()
+        with self.lock:
+            move = _HOST_READY[self.state]
+            if move is None:
+                raise illegal_move(self, TaskState.HOST_READY)
+            self._apply_locked(move, False)
+
+    def mark_failed(self, *, defer_wake: bool = False) -> bool:
+        """Any non-terminal state -> FAILED. False if already terminal.
+
+        ``defer_wake``: run only the undeferrable effects now; the caller
+        publishes its failure record, then calls ``wake_failed_waiters``.
+        """
+        with self.lock:
+            if self.is_terminal:
+                return False
+            self._move_locked(TaskState.FAILED, defer=defer_wake)
+            return True
+
+    def wake_failed_waiters(self) -> None:
+        """Run the wake effects a deferred ``fail`` still owes."""
+        with self.lock:
+            owed, self._owed_wakes = self._owed_wakes, ()
+            for effect in owed:
+                effect(self)
+
+    def mark_done(self) -> None:
+        """HOST_READY -> WRITTEN (the completion record is already public)."""
+        self.transition(TaskState.WRITTEN)
+
+    def clear_tensors(self) -> None:
+        """Drop the device clone without a move (host rows untouched)."""
+        with self.lock:
+            _drop_device_clone(self)
+
+    # ------------------------------------------------------------ ownership
+
+    def add_reassigned(self, key: TensorName, slots: torch.Tensor) -> None:
+        """Record that a newer write took these (slot, key) rows over."""
+        with self.lock:
+            prev = self.reassigned.get(key)
+            self.reassigned[key] = slots.clone() if prev is None else torch.cat([prev, slots])
+
+    def reassigned_intersects(self, chunk: _WriteChunk) -> bool:
+        """True if the chunk would re-add a (key, slot) this write already
+        lost; the caller opens a fresh write instead of appending."""
+        with self.lock:
+            if not self.reassigned:
+                return False
+            new = set(chunk.slots_cpu.tolist())
+            for key in chunk.tensors:
+                taken = self.reassigned.get(key)
+                if taken is not None and not new.isdisjoint(taken.tolist()):
+                    return True
+            return False
+
+    # ------------------------------------------------------------ reading rows
+
+    def get_host_tensor(self, si: int, key: TensorName) -> torch.Tensor | None:
+        """Chunk ``si``'s host rows for ``key`` if copied, else its device
+        clone, read in one snapshot under the lock."""
+        with self.lock:
+            chunk = self.chunks[si]
+            src = chunk.host.get(key)
+            return chunk.tensors.get(key) if src is None else src
+
+    def slot_to_row(self) -> dict[int, tuple[int, int]]:
+        """slot -> (chunk index, row); a later chunk wins for a slot written twice."""
+        with self.lock:
+            if self._slot_to_row is None:
+                table: dict[int, tuple[int, int]] = {}
+                for si, chunk in enumerate(self.chunks):
+                    for ri, slot in enumerate(chunk.slots_cpu.tolist()):
+                        table[slot] = (si, ri)
+                self._slot_to_row = table
+            return self._slot_to_row
+
+    def scatter_rows(self) -> list[tuple[TensorName, torch.Tensor, torch.Tensor]]:
+        """``(key, slots, host_rows)`` to write, one entry per key.
+
+        Slots in ``reassigned`` are left out; a slot written by two chunks
+        (preempt and resume onto the same block) keeps the later chunk's row.
+        """
+        with self.lock:
+            reassigned = dict(self.reassigned)
+        per_key: dict[TensorName, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for chunk in self.chunks:
+            for key, host in chunk.host.items():
+                per_key.setdefault(key, []).append((chunk.slots_cpu, host))
+        out: list[tuple[TensorName, torch.Tensor, torch.Tensor]] = []
+        for key, parts in per_key.items():
+            if len(parts) == 1:
+                slots, host = parts[0]
+            else:
+                slots = torch.cat([p[0] for p in parts])
+                host = torch.cat([p[1] for p in parts], dim=0)
+                slots, host = _keep_last_write(slots, host)
+            taken = reassigned.get(key)
+            if taken is not None and taken.numel():
+                gone = set(taken.tolist())
+                keep = [i for i, s in enumerate(slots.tolist()) if s not in gone]
+                if not keep:
+                    continue
+                if len(keep) < slots.numel():
+                    idx = torch.tensor(keep, dtype=torch.int64)
+                    slots, host = slots.index_select(0, idx), host.index_select(0, idx)
+            out.append((key, slots, host))
+        return out
+
+    def budget_tickets(self) -> list[_BudgetTicket]:
+        """The distinct tickets across this task's chunks (by identity)."""
+        if len(self.chunks) == 1:  # the usual write (a step's staging view pins none)
+            budget = self.chunks[0].budget
+            return [] if budget is None else [budget]
+        seen: dict[int, _BudgetTicket] = {}
+        for chunk in self.chunks:
+            if chunk.budget is not None:
+                seen.setdefault(id(chunk.budget), chunk.budget)
+        return list(seen.values())
+
+
+def _keep_last_write(slots: torch.Tensor, host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop earlier rows of any slot that appears twice (in order of first
+    appearance of each slot's last write)."""
+    order = slots.tolist()
+    last = {s: i for i, s in enumerate(order)}
+    if len(last) == len(order):
+        return slots, host
+    idx = torch.tensor(sorted(last.values()), dtype=torch.int64)
+    return slots.index_select(0, idx), host.index_select(0, idx)
