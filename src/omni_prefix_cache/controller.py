@@ -149,6 +149,28 @@ class OmniPrefixCacheController(UpstreamSeams):
             self._worker = sync.Thread(target=self._committer.loop, name="omni-prefix-cache-committer", daemon=True)
             self._worker.start()
 
+    # ------------------------------------------------------------ components
+
+    @property
+    def budget(self) -> GpuBudget:
+        """The GPU-byte budget (its counters under ``lock``)."""
+        return self._budget
+
+    @property
+    def staging_pool(self) -> StagingBufferPool:
+        """The staging pages and their holders (under ``staging_pool.lock``)."""
+        return self._staging_pool
+
+    @property
+    def host_rows(self) -> HostRows:
+        """The copy stage and the reads of rows not yet in the pool."""
+        return self._host
+
+    @property
+    def engine(self) -> CopyEngine:
+        """Where rows leave the device."""
+        return self._host.engine
+
     # ------------------------------------------------------------ protocol handlers
 
     def _effects(self) -> dict[str, Callable[[Any], None]]:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -74,6 +75,7 @@ from omni_prefix_cache.writes.write_task import _BudgetTicket
 
 __all__ = [
     "PREFETCH_THREAD_PREFIX",
+    "ManagerComponents",
     "OmniPrefixCacheManager",
     "_is_step_token_tensor",  # seed-suite imports, now in step_layout
     "_snapshot_leftover_mm_cpu",
@@ -82,6 +84,24 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PREFETCH_THREAD_PREFIX = "omni-prefix-cache-prefetch"
+
+
+@dataclass(frozen=True)
+class ManagerComponents:
+    """The manager's components, for diagnostics and the test harnesses
+    (``testing/``, ``tools/``): an engine never needs them. Their tables
+    are covered by ``state_lock`` (see the module docstring)."""
+
+    controller: OmniPrefixCacheController
+    pool: PrefixBlockPool
+    occupancy: SlotOccupancy
+    ledger: WriteLedger
+    reads: HitReads
+    hits: HitPlanner
+    layout: StepLayout
+    materializer: Materializer
+    steps: dict[StepId, StepContext]
+    state_lock: Any
 
 
 class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
@@ -144,6 +164,22 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
             is_closed=lambda: self._closed,
         )
         self._materializer = Materializer(self._ledger, self._reads, self._state_lock)
+
+    @property
+    def components(self) -> ManagerComponents:
+        """The components this manager delegates to (diagnostics, tests)."""
+        return ManagerComponents(
+            controller=self._controller,
+            pool=self._pool,
+            occupancy=self._slot_status,
+            ledger=self._ledger,
+            reads=self._reads,
+            hits=self._hits,
+            layout=self._layout,
+            materializer=self._materializer,
+            steps=self._step_ctxs,
+            state_lock=self._state_lock,
+        )
 
     def register_policy(self, policy: ModelCachePolicy) -> None:
         """Set the model's cache policy (hidden or not, deferred mm keys).

@@ -290,6 +290,11 @@ class StagingBufferPool:
             self._closed = True
             self._page_freed.notify_all()
 
+    def page_holders(self, page: int) -> frozenset[StagingBufferHolder]:
+        """The holders of ``page`` now (diagnostics and checks; a snapshot)."""
+        with self._page_freed:
+            return frozenset(self._busy[page])
+
     def holders(self) -> list[StagingBufferHolder]:
         """Every holder currently holding a page (diagnostics)."""
         with self._page_freed:
