@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -165,6 +165,23 @@ class OmniPrefixCacheController(UpstreamSeams):
     def host_rows(self) -> HostRows:
         """The copy stage and the reads of rows not yet in the pool."""
         return self._host
+
+    @property
+    def tasks(self) -> Mapping[Tid, WriteTask]:
+        """The task registry (registered, not yet drained). Read without
+        the lock: a checker looks between scheduled steps; callers that
+        race the committer use ``registered()``."""
+        return self._tasks
+
+    @property
+    def completed(self) -> Sequence[Tid]:
+        """Pool-written tids not yet drained by the manager (read as ``tasks``)."""
+        return self._completed
+
+    @property
+    def failed(self) -> Sequence[Tid]:
+        """Failed tids not yet drained by the manager (read as ``tasks``)."""
+        return self._failed
 
     @property
     def engine(self) -> CopyEngine:

@@ -291,9 +291,13 @@ class StagingBufferPool:
             self._page_freed.notify_all()
 
     def page_holders(self, page: int) -> frozenset[StagingBufferHolder]:
-        """The holders of ``page`` now (diagnostics and checks; a snapshot)."""
-        with self._page_freed:
-            return frozenset(self._busy[page])
+        """The holders of ``page``, read without the lock (a checker looks
+        between scheduled steps; a racing reader gets a snapshot)."""
+        return frozenset(self._busy[page])
+
+    def page_of(self, holder: StagingBufferHolder) -> int | None:
+        """The page ``holder`` holds, or None (read as ``page_holders``)."""
+        return self._page_of.get(holder)
 
     def holders(self) -> list[StagingBufferHolder]:
         """Every holder currently holding a page (diagnostics)."""
