@@ -61,18 +61,18 @@ def test_a_resumed_request_rewrites_rows_its_open_write_lost(eager: bool, monkey
     machine = build_machine(eager=eager)()
     try:
         machine.first_arrivals(prefixes=[2], recent_first=True)
-        first = machine._drive_new_step(_Script(**{"admit q0": 4}))
-        machine._drive_materialize(first)
+        first = machine.drive_new_step(_Script(**{"admit q0": 4}))
+        machine.drive_materialize(first)
         machine.checks.rows_match_reference()
         script = _Script(**{"preempt": "q0", "tenant prefix": 0, "admit q1": 2})
-        for sid in machine._drive_interim_tenant(script):
-            machine._drive_materialize(sid)
+        for sid in machine.drive_interim_tenant(script):
+            machine.drive_materialize(sid)
         machine.checks.rows_match_reference()
         machine.model.end("q0")
-        machine._drive_drain()  # announces the finish: q0's writes are escalated
+        machine.drive_drain()  # announces the finish: q0's writes are escalated
         while not eager and machine._committer_unit():
             pass
-        machine._drive_drain()  # publishes them
+        machine.drive_drain()  # publishes them
         assert machine.model.cached_blocks(), "the trace no longer leaves cached blocks to check"
         for name in invariant_table(load_protocol()):
             getattr(machine.checks, name)()
@@ -91,20 +91,20 @@ def test_a_same_step_hit_on_a_reused_block_gets_this_steps_rows(eager: bool, mon
     machine = build_machine(eager=eager)()
     try:
         machine.first_arrivals(prefixes=[2, 0], recent_first=True)
-        s0 = machine._drive_new_step(_Script(**{"admit q0": 1, "admit q1": 3}))
-        machine._drive_materialize(s0)
-        s1 = machine._drive_new_step(_Script(**{"run q0": 1, "run q1": 1}))
-        machine._drive_materialize(s1)
+        s0 = machine.drive_new_step(_Script(**{"admit q0": 1, "admit q1": 3}))
+        machine.drive_materialize(s0)
+        s1 = machine.drive_new_step(_Script(**{"run q0": 1, "run q1": 1}))
+        machine.drive_materialize(s1)
         machine.checks.rows_match_reference()
         for _ in range(3):
             machine.model.arrive(0, [])
-        machine._drive_preempt(_Script(preempt="q1"))
+        machine.drive_preempt(_Script(preempt="q1"))
         for _ in range(2):
             machine.model.arrive(0, [])
         admits = {"admit q1": 2, **{f"admit q{i}": 1 for i in range(2, 7)}}
-        s2 = machine._drive_new_step(_Script(**{"run q0": 1, **admits}))
+        s2 = machine.drive_new_step(_Script(**{"run q0": 1, **admits}))
         assert s2 is not None, "the trace no longer reaches its third step"
-        machine._drive_materialize(s2)
+        machine.drive_materialize(s2)
         machine.checks.rows_match_reference()
     finally:
         machine.teardown()
@@ -120,21 +120,21 @@ def test_a_paused_prefetch_reads_preserved_rows_of_reused_slots(eager: bool, mon
     machine = build_machine(eager=eager)()
     try:
         machine.first_arrivals(prefixes=[0], recent_first=True)
-        machine._drive_materialize(machine._drive_new_step(_Script(**{"admit q0": 4})))
+        machine.drive_materialize(machine.drive_new_step(_Script(**{"admit q0": 4})))
         machine.model.end("q0")
-        machine._drive_drain()
+        machine.drive_drain()
         while not eager and machine._committer_unit():
             pass
-        machine._drive_drain()
+        machine.drive_drain()
         machine.model.arrive(0, [23])
-        s1 = machine._drive_new_step(_Script(**{"admit q1": 1}))
+        s1 = machine.drive_new_step(_Script(**{"admit q1": 1}))
         assert machine.prefetch.pending, "the trace no longer plans a prefetch"
-        machine._drive_prefetch_pause()
+        machine.drive_prefetch_pause()
         assert machine.paused is not None, "the prefetch did not reach its version check"
-        machine._drive_paused_reader_slots_reused(2, _Script())
-        machine._drive_prefetch_resume()
+        machine.drive_paused_reader_slots_reused(2, _Script())
+        machine.drive_prefetch_resume()
         machine.checks.rows_match_reference()
-        machine._drive_discard(s1)
+        machine.drive_discard(s1)
     finally:
         machine.teardown()
 

@@ -40,7 +40,7 @@ def _rule_defs(eager: bool) -> dict[str, Callable[[type[ProtocolMachine]], Any]]
 
     def plain(name: str, pre: Callable[[Any], bool] | None = None, **strategies: Any) -> Any:
         def make(cls: type[ProtocolMachine]) -> Any:
-            driver: Callable[..., Any] = getattr(cls, f"_drive_{name}")
+            driver: Callable[..., Any] = getattr(cls, f"drive_{name}")
 
             def run(self: Any, **kw: Any) -> Any:
                 return driver(self, **kw)
@@ -55,18 +55,18 @@ def _rule_defs(eager: bool) -> dict[str, Callable[[type[ProtocolMachine]], Any]]
 
     def new_step_rule(cls: type[ProtocolMachine]) -> Any:
         def new_step(self: Any, data: Any) -> Any:
-            sid = self._drive_new_step(data)
+            sid = self.drive_new_step(data)
             return multiple() if sid is None else sid
 
-        new_step.__doc__ = ProtocolMachine._drive_new_step.__doc__
+        new_step.__doc__ = ProtocolMachine.drive_new_step.__doc__
         ready = precondition(lambda self: self.pending is None and len(self.expects) < DEPTH)
         return ready(rule(target=steps, data=st.data())(new_step))
 
     def interim_tenant_rule(cls: type[ProtocolMachine]) -> Any:
         def interim_tenant(self: Any, data: Any) -> Any:
-            return multiple(*self._drive_interim_tenant(data))
+            return multiple(*self.drive_interim_tenant(data))
 
-        interim_tenant.__doc__ = ProtocolMachine._drive_interim_tenant.__doc__
+        interim_tenant.__doc__ = ProtocolMachine.drive_interim_tenant.__doc__
         ready = precondition(
             lambda self: (
                 self.pending is None
@@ -80,15 +80,15 @@ def _rule_defs(eager: bool) -> dict[str, Callable[[type[ProtocolMachine]], Any]]
 
     def save_rule(cls: type[ProtocolMachine]) -> Any:
         def save(self: Any) -> Any:
-            sid = self._drive_save()
+            sid = self.drive_save()
             return multiple() if sid is None else sid
 
-        save.__doc__ = ProtocolMachine._drive_save.__doc__
+        save.__doc__ = ProtocolMachine.drive_save.__doc__
         return precondition(lambda self: self.pending is not None)(rule(target=steps)(save))
 
     def consume(name: str) -> Any:
         def make(cls: type[ProtocolMachine]) -> Any:
-            driver = getattr(cls, f"_drive_{name}")
+            driver = getattr(cls, f"drive_{name}")
 
             def run(self: Any, sid: Any) -> None:
                 driver(self, sid)

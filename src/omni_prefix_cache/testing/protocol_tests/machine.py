@@ -3,7 +3,7 @@
 A manager with the manual committer and a lazy prefetch executor
 (``serving_model.racing_manager``), the seams a run instruments (joins,
 registrations, escalations, injected failures, a prefetch paused at its
-version check), and one ``_drive_<rule>`` method per driver rule: each
+version check), and one ``drive_<rule>`` method per driver rule: each
 plays a step of the engine's workload or a protocol operation and records
 what the checkers (``checks.ProtocolChecks``) and the row oracle need.
 """
@@ -56,7 +56,7 @@ from omni_prefix_cache.writes.staging import StagingBufferHolder
 
 
 class ProtocolMachine(RuleBasedStateMachine):
-    """The drivers (``_drive_<rule>``), over the real manager, and its
+    """The drivers (``drive_<rule>``), over the real manager, and its
     checkers (``checks``); ``build_machine`` turns them into rules and
     invariants from the spec. Not a test on its own (no rules)."""
 
@@ -290,17 +290,17 @@ class ProtocolMachine(RuleBasedStateMachine):
             for _ in range(2 if data.draw(st.booleans(), label="pair") else 1):
                 model.arrive(prefix, tail)
 
-    def _drive_preempt(self, data: Any) -> None:
+    def drive_preempt(self, data: Any) -> None:
         """A running request is preempted: its blocks recycle (recent first,
         an interim tenant may take them); it resumes later, still live."""
         pool = [r.rid for r in self.model.running()]
         self.model.preempt(data.draw(st.sampled_from(sorted(pool)), label="preempt"))
 
-    def _drive_prefetch_run(self) -> None:
+    def drive_prefetch_run(self) -> None:
         """The prefetch thread runs the oldest waiting fetch."""
         self.prefetch.run_next()
 
-    def _drive_prefetch_pause(self) -> None:
+    def drive_prefetch_pause(self) -> None:
         """The next prefetch runs on its own thread up to its version check
         and waits there; saves reusing its slots may run before it resumes."""
         fut = self.prefetch.pending.pop(0)
@@ -315,36 +315,36 @@ class ProtocolMachine(RuleBasedStateMachine):
         if not self.at_seam.is_set():
             self._resume_paused()
 
-    def _drive_prefetch_resume(self) -> None:
+    def drive_prefetch_resume(self) -> None:
         self._resume_paused()
 
-    def _drive_paused_reader_slots_reused(self, prefix: int, data: Any) -> None:
+    def drive_paused_reader_slots_reused(self, prefix: int, data: Any) -> None:
         """The paused reader aborts (its blocks go back to the free list), a
         new request arrives and the next step may place it on those blocks."""
         assert self.paused_reader is not None
         self.model.end(self.paused_reader)
         self.model.arrive(prefix, [23, 24, 20])
-        if self._drive_new_step(data) is None:
-            self._drive_save()
+        if self.drive_new_step(data) is None:
+            self.drive_save()
 
-    def _drive_interim_tenant(self, data: Any) -> list[int]:
+    def drive_interim_tenant(self, data: Any) -> list[int]:
         """A running request is preempted; an interim tenant takes its freed
         blocks (recent first) for one step and aborts; the request resumes
         onto them and rewrites rows its open deferred write already lost."""
         rid = data.draw(st.sampled_from(sorted(r.rid for r in self.model.running())), label="preempt")
         self.model.preempt(rid)
         tenant = self.model.arrive(data.draw(st.integers(0, 2), label="tenant prefix"), [24, 23])
-        sids = [self._drive_new_step(data, admit_only=tenant)]
+        sids = [self.drive_new_step(data, admit_only=tenant)]
         if tenant in self.model.requests:
             self.model.end(tenant)
-        self._drive_drain()
+        self.drive_drain()
         if not self.dead:
-            sids.append(self._drive_new_step(data, admit_only=rid))
+            sids.append(self.drive_new_step(data, admit_only=rid))
         return [sid for sid in sids if sid is not None]
 
     # ------------------------------------------------------------ operations
 
-    def _drive_new_step(self, data: Any, admit_only: str | None = None) -> int | None:
+    def drive_new_step(self, data: Any, admit_only: str | None = None) -> int | None:
         """new_step: the scheduler plans a step; the manager plans its hits."""
         draw = data.draw
         if admit_only is None:
@@ -368,10 +368,10 @@ class ProtocolMachine(RuleBasedStateMachine):
         ):
             # Mostly the engine saves right after its forward; otherwise the
             # save rule runs it later, after other threads' moves.
-            return self._drive_save()
+            return self.drive_save()
         return None
 
-    def _drive_save(self) -> int | None:
+    def drive_save(self) -> int | None:
         """save (eager: with eager_run inline; a failing flush: abandon_save)."""
         planned, absent = self.pending, self.pending_absent
         self.pending = None
@@ -397,7 +397,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.saves += 1
         return int(sid)
 
-    def _drive_finish_or_abort(self, action: str, data: Any) -> None:
+    def drive_finish_or_abort(self, action: str, data: Any) -> None:
         """A request finishes after decoding or aborts (even mid-prefill);
         the facade entry announcing it escalates its unfinished writes."""
         model = self.model
@@ -408,9 +408,9 @@ class ProtocolMachine(RuleBasedStateMachine):
         if not pool or self.pending is not None:
             return
         model.end(data.draw(st.sampled_from(sorted(pool)), label=action))
-        self._drive_drain()
+        self.drive_drain()
 
-    def _drive_drain(self) -> None:
+    def drive_drain(self) -> None:
         """A facade entry with nothing scheduled: drains the records and
         announces finished requests."""
         if self.pending is not None:
@@ -424,16 +424,16 @@ class ProtocolMachine(RuleBasedStateMachine):
         except Exception as exc:
             self.violations["committer_never_raises"].append(f"{getattr(op, '__name__', op)} raised {exc!r}")
 
-    def _drive_committer_claim(self) -> None:
+    def drive_committer_claim(self) -> None:
         self._committer_op(self.ctrl.committer_claim)
 
-    def _drive_committer_copy(self) -> None:
+    def drive_committer_copy(self) -> None:
         self._committer_op(self.ctrl.committer_copy)
 
-    def _drive_committer_write(self) -> None:
+    def drive_committer_write(self) -> None:
         self._committer_op(self.ctrl.committer_write)
 
-    def _drive_inject_failure(self, where: str, data: Any) -> None:
+    def drive_inject_failure(self, where: str, data: Any) -> None:
         """Arm a copy or pool-write failure for a live task or one of the
         next tasks a save registers."""
         if self.dead:
@@ -442,7 +442,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         future = list(range(self.max_tid + 1, self.max_tid + 4))
         self.poison[where].add(data.draw(st.sampled_from(sorted(alive) + future), label=f"fail {where}"))
 
-    def _drive_join(self, data: Any) -> None:
+    def drive_join(self, data: Any) -> None:
         """join a queued (or later) task from the engine thread."""
         joinable = [t for t, task in list(self.ctrl.tasks.items()) if task.state is not TaskState.PENDING]
         if not joinable:
@@ -456,7 +456,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             task = self.ctrl.get_task(tid)
             event("join raised: " + ("failed task" if task is not None and task.state is TaskState.FAILED else "stuck"))
 
-    def _drive_submit_queued(self, slot: int) -> None:
+    def drive_submit_queued(self, slot: int) -> None:
         """save's ``queued_at_submit`` branch, which the manager never takes:
         a deferred write registered and dispatched at once through the
         controller's public ``submit`` (as upstream callers do), on a side
@@ -469,7 +469,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         )
         self.ctrl.submit(task, queued=True)
 
-    def _drive_materialize(self, sid: int | None) -> None:
+    def drive_materialize(self, sid: int | None) -> None:
         if sid is None or sid not in self.expects:
             return
         self._resume_paused()  # materialize waits for its prefetches
@@ -481,7 +481,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         if outs is not None:
             self.served.append(Served(sid, outs, planned, absent))
 
-    def _drive_discard(self, sid: int | None) -> None:
+    def drive_discard(self, sid: int | None) -> None:
         if sid is None or sid not in self.expects:
             return
         self.expects.pop(sid)
