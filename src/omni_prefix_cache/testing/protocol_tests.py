@@ -57,7 +57,7 @@ from omni_prefix_cache.manager import PREFETCH_THREAD_PREFIX
 from omni_prefix_cache.specs.composition import ProtocolSpec, load_protocol
 from omni_prefix_cache.specs.loader import SpecError
 from omni_prefix_cache.specs.types.copy_queue import QueuePosition
-from omni_prefix_cache.steps.occupancy import SlotState
+from omni_prefix_cache.steps.slot_occupancy import SlotState
 from omni_prefix_cache.testing.serving_model import (
     PlannedStep,
     RecentFirstAllocator,
@@ -270,7 +270,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         class SeamLock:
             def __enter__(self) -> SeamLock:
                 caller = sys._getframe(1).f_code.co_name
-                if threading.current_thread() is race.paused and caller == "ensure_not_reassigned":
+                if threading.current_thread() is race.paused and caller == "ensure_not_overwritten":
                     race.at_seam.set()
                     race.go.wait(30)
                 real.acquire()
