@@ -144,6 +144,7 @@ class Samples:
     hit_rows: int = 0
 
     def add(self, timing: StepTiming, floors: StepFloors, st: StepInput, returned: dict[str, int]) -> None:
+        """Record a timed step, its floors, and the rows materialize ``returned`` per key."""
         self.timings.append(timing)
         self.floors.append(floors)
         self.reqs += len(st.order)

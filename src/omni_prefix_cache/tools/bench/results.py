@@ -113,6 +113,8 @@ class ScenarioResult:
 
 @dataclass
 class BenchReport:
+    """A whole run: its rows, the sweep's, and how they compare with the targets and the baseline."""
+
     modes: tuple[str, ...]
     torch_threads: int
     results: list[ScenarioResult]

@@ -127,6 +127,7 @@ def _deferred_trace(steps: int, per_step: int = 2) -> Callable[[random.Random], 
 
 
 def decode_scenario(num_reqs: int = 64, *, warmup: int = 20, iters: int = 200, mm_keys: int = 1) -> Scenario:
+    """``num_reqs`` requests decoding one token a step, with ``mm_keys`` token-major mm keys."""
     steps = warmup + iters + 2
     prompt = 16
     blocks = num_reqs * (-(-(prompt + steps + 8) // 16) + 1)
@@ -145,6 +146,7 @@ def decode_scenario(num_reqs: int = 64, *, warmup: int = 20, iters: int = 200, m
 
 
 def prefill_hits_scenario(*, warmup: int = 5, iters: int = 40) -> Scenario:
+    """Prompts sharing a system prompt that later arrivals hit."""
     return Scenario(
         name="prefill_hits",
         trace=_prefill_hits_trace(warmup + iters + 8),
@@ -156,6 +158,7 @@ def prefill_hits_scenario(*, warmup: int = 5, iters: int = 40) -> Scenario:
 
 
 def deferred_scenario(*, warmup: int = 20, iters: int = 150) -> Scenario:
+    """Two-turn conversations with a deferred mm key."""
     return Scenario(
         name="deferred",
         trace=_deferred_trace(warmup + iters + 8),

@@ -12,6 +12,7 @@ from omni_prefix_cache.tools.commands.common import (
     EXIT_FAILED,
     EXIT_NOTHING_CHECKED,
     EXIT_OK,
+    EXIT_USAGE,
     HelpFormatter,
     describe,
     float_in,
@@ -117,9 +118,8 @@ def sim_config(args: argparse.Namespace) -> Any:
 
 
 def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The manager's own config check on the arguments; a usage error when it refuses them."""
-    # The manager's own config check, run before the simulation starts, so a bad
-    # combination is a usage error rather than "the manager raised".
+    """The manager's own config check, run before the simulation starts, so a
+    bad combination is a usage error (argparse's exit) rather than "the manager raised"."""
     from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError
 
     try:
@@ -143,16 +143,16 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.torch_threads)
     if args.verbose:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    run = run_simulation
+    simulate = run_simulation
     if args.engine == "vllm":
-        from omni_prefix_cache.tools.simulate.vllm_engine import run_vllm_simulation as run
+        from omni_prefix_cache.tools.simulate.vllm_engine import run_vllm_simulation as simulate
     progress = ProgressLine(enabled=progress_enabled(args))
     progress.arrival_steps = args.arrival_steps
     try:
-        res = run(cfg, progress=progress)
+        res = simulate(cfg, progress=progress)
     except ImportError as exc:
         print(f"simulate --engine {args.engine}: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     finally:
         progress.close()
     if args.json:
