@@ -42,7 +42,7 @@ class _OccSystem:
     def __init__(self, num_slots: int):
         from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
 
-        self.occ = SlotOccupancy(num_slots, on_takeover=self._on_reassign, on_reuse=self._on_reuse)
+        self.occ = SlotOccupancy(num_slots, on_takeover=self._on_takeover, on_reuse=self._on_reuse)
         self.table = self.occ.add_key(HIDDEN_KEY)
         self.other = self.occ.add_key(_OTHER_KEY)
         self.reassigned: dict[int, frozenset[int]] = {}
@@ -50,7 +50,7 @@ class _OccSystem:
         self.reuses: dict[int, int] = {}
         self.seen_versions: dict[int, int] = {}
 
-    def _on_reassign(self, tid: int, key: str, slots: torch.Tensor) -> None:
+    def _on_takeover(self, tid: int, key: str, slots: torch.Tensor) -> None:
         book = self.reassigned if key == HIDDEN_KEY else self.other_reassigned
         book[tid] = book.get(tid, frozenset()) | frozenset(slots.tolist())
 
@@ -68,7 +68,7 @@ class SlotOccupancyAdapter(SpecAdapter):
     ``drop`` the writer (mostly the current owner). Observed effects:
     ``set_owner`` / ``clear_owner`` as the slot's tid, ``bump_version`` as
     its version, ``reassign_from_old_owner`` as the slots the manager's
-    on_reassign hook records per old owner, ``preserve_pending_reads`` as
+    on_takeover hook records per old owner, ``preserve_pending_reads`` as
     the on_reuse hook calls per slot. ``reset`` has no new owner (tid -1).
     An environment rule applies one trigger to several slots in one
     vectorised call (all or nothing when a row is illegal); another takes
