@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from omni_prefix_cache.specs.composition_grammar import Couple, Do, Fire, FirstOf, OperationSpec, Step, When
 from omni_prefix_cache.specs.composition_loader import ProtocolSpec
-from omni_prefix_cache.specs.loader import SpecError
+from omni_prefix_cache.specs.loader import SpecError, TriggerName
 
 
 class Binding(Protocol):
@@ -30,7 +30,7 @@ class Binding(Protocol):
     its alternatives with ``enabled``.
     """
 
-    def move(self, role: str, trigger: str) -> tuple[Callable[[Any], bool], Callable[[Any], None]]: ...
+    def move(self, role: str, trigger: TriggerName) -> tuple[Callable[[Any], bool], Callable[[Any], None]]: ...
 
     def coupling(self, role: str, name: str) -> Callable[[Any], None]: ...
 

@@ -20,13 +20,15 @@ import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from omni_prefix_cache.specs.loader import TriggerName
+
 
 @dataclass(frozen=True, eq=False)
 class Fire:
     """Fire ``trigger`` on ``role``'s instance; ``optional`` = only where enabled."""
 
     role: str
-    trigger: str
+    trigger: TriggerName
     optional: bool
 
     @property
