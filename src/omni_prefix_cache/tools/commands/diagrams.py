@@ -18,8 +18,9 @@ def add_parser(sub: Any) -> None:
         "diagrams",
         help="render every spec into DOT (and SVG) diagrams",
         description=describe(
-            "Render every spec/*.yaml into <out>/<name>.dot and .svg (the SVG needs graphviz's dot). "
-            "With --check, compare the committed .dot files with the specs instead."
+            "Render every spec/*.yaml into <out>/<name>.dot and .svg (the SVG needs graphviz's dot), "
+            "and the package map (packages.dot: which layer imports which, read from the source). "
+            "With --check, compare the committed .dot files with the specs and the source instead."
         ),
         formatter_class=HelpFormatter,
     )
@@ -49,17 +50,21 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"diagrams: {exc}; install the extra: pip install 'omni-prefix-cache[diagrams]'", file=sys.stderr)
         return EXIT_ERROR
+    from omni_prefix_cache.tools.package_map import render_package_map
+
+    # The package map is drawn from the source beside the specs' pictures.
+    extra = {"packages": render_package_map()}
 
     out = Path(args.out)
     if args.check:
-        stale = stale_diagrams(out)
+        stale = stale_diagrams(out, extra)
         if stale:
             print(f"stale diagrams in {out}: {', '.join(stale)} (run: make diagrams)", file=sys.stderr)
             return EXIT_FAILED
-        print(f"diagrams in {out} match the specs")
+        print(f"diagrams in {out} match the specs and the source")
         return EXIT_OK
     try:
-        written = write_diagrams(out, svg=not args.no_svg)
+        written = write_diagrams(out, svg=not args.no_svg, extra=extra)
     except OSError as exc:
         print(f"diagrams: cannot write to {out}: {exc}", file=sys.stderr)
         return EXIT_ERROR
