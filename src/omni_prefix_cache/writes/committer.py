@@ -49,6 +49,8 @@ class Committer:
         self._ctrl = ctrl
         self._queues = ctrl.queues
         self._ready = ctrl.binding.move("task", "written")[0]
+        # Enabled while a claimed task's copy stage has not finished.
+        self._copying = ctrl.binding.move("position", "copied")[0]
 
     def claim(self) -> Tid | None:
         """``committer_claim``: pop the next entry (high first) and claim its
@@ -81,13 +83,26 @@ class Committer:
 
     def _copy(self, tids: list[Tid]) -> None:
         """``committer_copy`` of the claimed ``tids`` as one batch (their
-        copy stages already taken off the claimed list); a failure fails
-        only its own task."""
+        copy stages already taken off the claimed list); an Exception fails
+        only its own task. A BaseException (KeyboardInterrupt, SystemExit)
+        stops the pass where it was: every task of it whose copy stage did
+        not finish fails with it, then it propagates (the thread's loop
+        logs it and serves on)."""
         ctrl = self._ctrl
         tasks = [task for tid in tids if (task := ctrl.get_task(tid)) is not None]
         if not tasks:
             return
-        batch = ctrl._runner.run_many(ctrl.ops.copy, tasks)
+        try:
+            batch = ctrl._runner.run_many(ctrl.ops.copy, tasks)
+        except BaseException as exc:
+            # Which task raised is unknown; a task left claimed is on no
+            # queue, so no committer would ever copy it, and its joiners
+            # would wait out the whole staging timeout.
+            with ctrl.lock:
+                stranded = [task for task in tasks if self._copying(task)]
+            for task in stranded:
+                ctrl.fail_task(task, ctrl.write_error(task, exc, "copy"))
+            raise
         for task, exc in batch.errors:
             logger.error("omni prefix cache: copy failed for task %s (req %s)", task.tid, task.req_id, exc_info=exc)
             ctrl.fail_task(task, ctrl.write_error(task, exc, "copy"))
@@ -210,7 +225,7 @@ class Committer:
             try:
                 with torch.inference_mode():
                     self.step()
-            except BaseException:  # pragma: no cover - step already attributes failures
+            except BaseException:  # a stage that raises has already failed its tasks
                 logger.exception("omni prefix cache committer step failed")
 
     def wait(self, tids: list[Tid], event: Literal["done", "host_ready"]) -> None:
