@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, Tid
+from omni_prefix_cache.interface import OmniPrefixCacheJoinTimeoutError, Tid
 from omni_prefix_cache.specs.batch import Batch
 from omni_prefix_cache.specs.composition import ProtocolViolation
 from omni_prefix_cache.writes.write_errors import join_error
@@ -231,8 +231,9 @@ class Committer:
     def wait(self, tids: list[Tid], event: Literal["done", "host_ready"]) -> None:
         """Operation ``join``'s wait (``event`` of each task) and its raise
         (guard ``task_failed``): an on_demand joiner first runs committer
-        steps itself. Raises if a task failed or does not reach ``event``
-        within ``staging_claim_timeout_s``."""
+        steps itself. Raises the write-failed (or shutdown) error if a task
+        failed, ``OmniPrefixCacheJoinTimeoutError`` if one does not reach
+        ``event`` within ``staging_claim_timeout_s``."""
         ctrl = self._ctrl
         timeout = ctrl.config.staging_claim_timeout_s
         deadline = time.monotonic() + timeout
@@ -244,7 +245,7 @@ class Committer:
             if ctrl.committer_mode == "on_demand" and not ctrl.eager:
                 self.step_until(task, event, deadline)
             if not getattr(task, event).wait(max(0.0, deadline - time.monotonic())):
-                raise OmniPrefixCacheUnmatchError(
+                raise OmniPrefixCacheJoinTimeoutError(
                     f"task {tid} ({task.schedule.value}) did not reach {event} within {timeout:g}s "
                     f"(state={task.state.name}, in_flight_tasks={ctrl.in_flight_tasks()})"
                 )
