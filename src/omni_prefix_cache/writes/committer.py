@@ -94,14 +94,14 @@ class Committer:
             return
         try:
             batch = ctrl._runner.run_many(ctrl.ops.copy, tasks)
-        except BaseException as exc:
+        except BaseException as interrupt:
             # Which task raised is unknown; a task left claimed is on no
             # queue, so no committer would ever copy it, and its joiners
             # would wait out the whole staging timeout.
             with ctrl.lock:
                 stranded = [task for task in tasks if self._copying(task)]
             for task in stranded:
-                ctrl.fail_task(task, ctrl.write_error(task, exc, "copy"))
+                ctrl.fail_task(task, ctrl.write_error(task, interrupt, "copy"))
             raise
         for task, exc in batch.errors:
             logger.error("omni prefix cache: copy failed for task %s (req %s)", task.tid, task.req_id, exc_info=exc)

@@ -3,6 +3,8 @@ failed, and to its joiners."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from omni_prefix_cache.interface import (
@@ -10,8 +12,53 @@ from omni_prefix_cache.interface import (
     OmniPrefixCacheUnmatchError,
     OmniPrefixCacheWriteFailedError,
     TensorName,
+    Tid,
 )
 from omni_prefix_cache.writes.write_task import WriteTask
+
+
+@dataclass(eq=False, slots=True)
+class FailureRecord:
+    """One failure cause: the first write-failed error it made (naming its
+    first task, the cause as ``__cause__``) and every task it failed."""
+
+    error: OmniPrefixCacheWriteFailedError
+    tids: set[Tid] = field(default_factory=set)
+
+
+class FailureRecords:
+    """Why failed tasks failed, one record per failure cause (the exception
+    underneath, ``error.__cause__``, else the error itself), not one per
+    task: a fault that fails a whole batch costs one record and a tid each.
+    Not thread-safe: the controller lock covers every call."""
+
+    def __init__(self) -> None:
+        # Keyed by the cause's id: the record's error keeps the cause alive.
+        self._by_cause: dict[int, FailureRecord] = {}
+
+    def add(self, tid: Tid, error: OmniPrefixCacheWriteFailedError) -> None:
+        """Record that ``error`` failed ``tid`` (a tid keeps its first record)."""
+        if self.of(tid) is not None:
+            return
+        cause = error.__cause__ if error.__cause__ is not None else error
+        record = self._by_cause.get(id(cause))
+        if record is None:
+            record = self._by_cause[id(cause)] = FailureRecord(error)
+        record.tids.add(tid)
+
+    def of(self, tid: Tid) -> OmniPrefixCacheWriteFailedError | None:
+        """The error of the record that names ``tid``, if any."""
+        for record in self._by_cause.values():
+            if tid in record.tids:
+                return record.error
+        return None
+
+    def records(self) -> list[FailureRecord]:
+        """Every record, in the order their causes first failed a task."""
+        return list(self._by_cause.values())
+
+    def __len__(self) -> int:
+        return len(self._by_cause)
 
 
 def write_error(
