@@ -65,7 +65,9 @@ def drv_sched(*, finished: set[str]) -> Any:
 
 
 def _deferred_tids(mgr: OmniPrefixCacheManager) -> list[int]:
-    return sorted(tid for tid, task in mgr.components.controller.tasks.items() if task.schedule.value == "join_on_finish")
+    return sorted(
+        tid for tid, task in mgr.components.controller.tasks.items() if task.schedule.value == "join_on_finish"
+    )
 
 
 def _assert_released(mgr: OmniPrefixCacheManager, tids: list[int]) -> None:

@@ -55,7 +55,9 @@ def test_one_fault_failing_several_writes_leaves_one_record_naming_them_all(eage
 
 def test_distinct_causes_keep_distinct_records(managers: list[Any]) -> None:
     view = BlockView()
-    mgr = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=NUM_BLOCKS, block_size=BS), view, eager=False, committer="manual")
+    mgr = OmniPrefixCacheManager(
+        PrefixCacheConfig(num_blocks=NUM_BLOCKS, block_size=BS), view, eager=False, committer="manual"
+    )
     managers.append(mgr)
     drv = Driver(mgr, view)
     ctrl = mgr.components.controller

@@ -24,7 +24,7 @@ def _join_timeout_error() -> type[BaseException]:
 
 def test_join_timeout_error_is_exported_like_the_others_and_is_a_library_error() -> None:
     kind = _join_timeout_error()
-    assert getattr(omni_prefix_cache, "OmniPrefixCacheJoinTimeoutError") is kind
+    assert omni_prefix_cache.OmniPrefixCacheJoinTimeoutError is kind
     assert "OmniPrefixCacheJoinTimeoutError" in omni_prefix_cache.__all__
     assert issubclass(kind, interface.OmniPrefixCacheUnmatchError)
     for other in (
