@@ -37,9 +37,10 @@ def test_one_fault_failing_several_writes_leaves_one_record_naming_them_all(eage
         assert eager  # eager: the dispatch itself raises, and releases the step
     else:
         mgr.discard_step(sid)
-        tids = [t.tid for t in list(ctrl.tasks.values()) if t.req_id in reqs]
-        with pytest.raises(OmniPrefixCacheWriteFailedError):
-            ctrl.join(tids)
+        # One join per write: a join raises at the first failed one.
+        for tid in [t.tid for t in list(ctrl.tasks.values()) if t.req_id in reqs]:
+            with pytest.raises(OmniPrefixCacheWriteFailedError):
+                ctrl.join([tid])
     pool.write = real_write  # type: ignore[method-assign]
     failed = {tid for tid, t in ctrl.tasks.items() if t.state.name == "FAILED"}
     assert {ctrl.tasks[tid].req_id for tid in failed} == set(reqs)
