@@ -50,6 +50,14 @@ def test_one_fault_failing_several_writes_leaves_one_record_naming_them_all(eage
     (record,) = records
     assert record.tids == failed and record.error.__cause__ is fault
     assert all(ctrl.failure_of(tid) is record.error for tid in failed)
+    # A joiner of any of them is told about its own write, with the shared cause.
+    for tid in sorted(failed):
+        task = ctrl.tasks[tid]
+        with pytest.raises(OmniPrefixCacheWriteFailedError) as info:
+            ctrl.join([tid])
+        assert info.value.tid == tid and info.value.req_id == task.req_id
+        assert info.value.slots == tuple(drv.view.slot_ids(task.req_id, 0, 4)) and "m" in info.value.keys
+        assert info.value.__cause__ is fault
     with pytest.raises(OmniPrefixCacheWriteFailedError, match="injected pool fault"):
         drv.run({"e": Req([4], 0, 4)})
 
