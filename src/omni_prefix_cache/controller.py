@@ -59,7 +59,7 @@ from omni_prefix_cache.writes.operations import (
     task_failed,
 )
 from omni_prefix_cache.writes.staging import StagingBufferHolder, StagingBufferPool, StepD2HClaim
-from omni_prefix_cache.writes.write_errors import write_error
+from omni_prefix_cache.writes.write_errors import FailureRecord, FailureRecords, write_error
 from omni_prefix_cache.writes.write_task import (
     TaskEvent,
     TaskState,
@@ -95,6 +95,11 @@ class OmniPrefixCacheController(UpstreamSeams):
     the task registry, the copy queues, the completion and failure records
     and the budget counter. Never held across a copy, a pool write, a join
     or a budget flush. Each task's own lock covers its state.
+
+    Failures: the controller keeps one failure record per failure cause
+    (``failures``: the cause's first write-failed error and the tids it
+    failed), not one per failed task; records and failed tasks stay until
+    shutdown (a failure is sticky, so nothing is retried meanwhile).
     """
 
     def __init__(
@@ -115,9 +120,10 @@ class OmniPrefixCacheController(UpstreamSeams):
         self._tasks: dict[Tid, WriteTask] = {}
         self._completed: deque[Tid] = deque()  # pool-written, not yet drained by the manager
         self._failed: deque[Tid] = deque()  # failed; the manager raises from every later entry
-        # Why a task failed, for the error its joiners and the manager raise.
-        # Only failed tasks have an entry, and failed tasks stay registered.
-        self._causes: dict[Tid, OmniPrefixCacheWriteFailedError] = {}
+        # Why tasks failed, for the error their joiners and the manager
+        # raise: one record per failure cause (not per task), kept until
+        # shutdown. Failed tasks stay registered.
+        self._causes = FailureRecords()
         self.lock = sync.RLock()
         self.wake = sync.Condition(self.lock)
         self.stopping = False
@@ -403,17 +409,26 @@ class OmniPrefixCacheController(UpstreamSeams):
         budget is never uncharged twice), ``error`` its recorded cause."""
         if isinstance(error, OmniPrefixCacheWriteFailedError) and not task.is_terminal:
             with self.lock:
-                self._causes.setdefault(task.tid, error)
+                self._causes.add(task.tid, error)
         return self._run(self.ops.fail, task)
 
     # The error to raise for a task failing at a stage (see write_errors).
     write_error = staticmethod(write_error)
 
     def failure_of(self, tid: Tid) -> OmniPrefixCacheWriteFailedError | None:
-        """The recorded cause of a failed task (None if it failed without a
-        write-failed error: a shutdown, a save refused by a library error)."""
+        """The error of the failure record naming a failed task: the first
+        write-failed error its cause made, which names the first task that
+        cause failed (None if the task failed without a write-failed error:
+        a shutdown, a save refused by a library error)."""
         with self.lock:
-            return self._causes.get(tid)
+            return self._causes.of(tid)
+
+    @property
+    def failures(self) -> list[FailureRecord]:
+        """The failure records, one per failure cause (not one per failed
+        task), each naming the tasks it failed; kept until shutdown."""
+        with self.lock:
+            return self._causes.records()
 
     # ------------------------------------------------------------ device
 

@@ -188,9 +188,11 @@ class StepLayout:
     ) -> tuple[list[ReqId], dict[ReqId, tuple[int, int]], torch.Tensor, StepOutputs]:
         """Check and route one save (engine thread, no lock): the outputs'
         types and devices, the request spans and slots (``request_spans``),
-        the split by how rows travel (``split``) and that the immediate rows
-        fit a staging page. Raises the invalid-type or invalid-argument
-        error naming the step; nothing is registered yet."""
+        the split by how rows travel (``split``), that the immediate rows
+        fit a staging page and that the host can hold the slabs of keys the
+        pool has not opened yet (``PrefixBlockPool.check_fits``). Raises the
+        invalid-type or invalid-argument error naming the step; nothing is
+        registered yet."""
         check_step_tensors(sid, hidden, mm)
         req_order, spans, slots = self.request_spans(sid, sched, n)
         # The scheduler's counts are the spans' row counts (request_spans built them from it).
@@ -203,6 +205,10 @@ class StepLayout:
                 f"step {sid} has {n} tokens; staging capacity is {capacity} "
                 "(size staging_capacity_tokens to max_num_batched_tokens)"
             )
+        # The first save of a key fixes its width, so its slab is sized now.
+        self._pool.check_fits(
+            {key: (lay.dtype, lay.width) for key, lay in split.layouts.items()}, what=f"save_outputs (step {sid})"
+        )
         return req_order, spans, slots, split
 
     def request_spans(

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, Tid
+from omni_prefix_cache.interface import OmniPrefixCacheJoinTimeoutError, Tid
 from omni_prefix_cache.specs.batch import Batch
 from omni_prefix_cache.specs.composition import ProtocolViolation
 from omni_prefix_cache.writes.write_errors import join_error
@@ -49,6 +49,8 @@ class Committer:
         self._ctrl = ctrl
         self._queues = ctrl.queues
         self._ready = ctrl.binding.move("task", "written")[0]
+        # Enabled while a claimed task's copy stage has not finished.
+        self._copying = ctrl.binding.move("position", "copied")[0]
 
     def claim(self) -> Tid | None:
         """``committer_claim``: pop the next entry (high first) and claim its
@@ -81,13 +83,26 @@ class Committer:
 
     def _copy(self, tids: list[Tid]) -> None:
         """``committer_copy`` of the claimed ``tids`` as one batch (their
-        copy stages already taken off the claimed list); a failure fails
-        only its own task."""
+        copy stages already taken off the claimed list); an Exception fails
+        only its own task. A BaseException (KeyboardInterrupt, SystemExit)
+        stops the pass where it was: every task of it whose copy stage did
+        not finish fails with it, then it propagates (the thread's loop
+        logs it and serves on)."""
         ctrl = self._ctrl
         tasks = [task for tid in tids if (task := ctrl.get_task(tid)) is not None]
         if not tasks:
             return
-        batch = ctrl._runner.run_many(ctrl.ops.copy, tasks)
+        try:
+            batch = ctrl._runner.run_many(ctrl.ops.copy, tasks)
+        except BaseException as interrupt:
+            # Which task raised is unknown; a task left claimed is on no
+            # queue, so no committer would ever copy it, and its joiners
+            # would wait out the whole staging timeout.
+            with ctrl.lock:
+                stranded = [task for task in tasks if self._copying(task)]
+            for task in stranded:
+                ctrl.fail_task(task, ctrl.write_error(task, interrupt, "copy"))
+            raise
         for task, exc in batch.errors:
             logger.error("omni prefix cache: copy failed for task %s (req %s)", task.tid, task.req_id, exc_info=exc)
             ctrl.fail_task(task, ctrl.write_error(task, exc, "copy"))
@@ -210,14 +225,15 @@ class Committer:
             try:
                 with torch.inference_mode():
                     self.step()
-            except BaseException:  # pragma: no cover - step already attributes failures
+            except BaseException:  # a stage that raises has already failed its tasks
                 logger.exception("omni prefix cache committer step failed")
 
     def wait(self, tids: list[Tid], event: Literal["done", "host_ready"]) -> None:
         """Operation ``join``'s wait (``event`` of each task) and its raise
         (guard ``task_failed``): an on_demand joiner first runs committer
-        steps itself. Raises if a task failed or does not reach ``event``
-        within ``staging_claim_timeout_s``."""
+        steps itself. Raises the write-failed (or shutdown) error if a task
+        failed, ``OmniPrefixCacheJoinTimeoutError`` if one does not reach
+        ``event`` within ``staging_claim_timeout_s``."""
         ctrl = self._ctrl
         timeout = ctrl.config.staging_claim_timeout_s
         deadline = time.monotonic() + timeout
@@ -229,7 +245,7 @@ class Committer:
             if ctrl.committer_mode == "on_demand" and not ctrl.eager:
                 self.step_until(task, event, deadline)
             if not getattr(task, event).wait(max(0.0, deadline - time.monotonic())):
-                raise OmniPrefixCacheUnmatchError(
+                raise OmniPrefixCacheJoinTimeoutError(
                     f"task {tid} ({task.schedule.value}) did not reach {event} within {timeout:g}s "
                     f"(state={task.state.name}, in_flight_tasks={ctrl.in_flight_tasks()})"
                 )

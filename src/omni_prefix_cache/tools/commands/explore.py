@@ -19,8 +19,16 @@ from omni_prefix_cache.tools.commands.common import (
 )
 
 SUMMARY = "race the runtime's real threads under a controlled scheduler"
-# Scenario names of testing.explore.scenarios.SCENARIOS (tests keep the two in step), cheapest first.
-EXPLORE_SCENARIOS = ("escalate-copying", "copy-failure", "write-failure", "reuse-read", "deferred-flush", "shutdown")
+# Scenario names of testing.explore.runner.SCENARIOS (tests keep the two in step), cheapest first.
+EXPLORE_SCENARIOS = (
+    "copy-interrupt",
+    "escalate-copying",
+    "copy-failure",
+    "write-failure",
+    "reuse-read",
+    "deferred-flush",
+    "shutdown",
+)
 # The CI bound: every schedule with at most one deviation, per scenario.
 EXPLORE_CI_BOUND = 1
 
