@@ -15,6 +15,11 @@ from enum import IntEnum
 from typing import Any, ClassVar, cast
 
 from omni_prefix_cache.specs.loader import MachineSpec, MoveSpec, SpecError, TriggerName
+from omni_prefix_cache.telemetry.moves import MoveRecorder
+from omni_prefix_cache.telemetry.registry import TELEMETRY
+
+# The state tag that says an instance waits there: its stays are timed.
+WAITS_TAG = "waits"
 
 
 class SpecState(IntEnum):
@@ -43,6 +48,8 @@ class CompiledMove:
     undeferrable: tuple[Callable[..., Any], ...]
     deferrable: tuple[Callable[..., Any], ...]
     spec: MoveSpec
+    # Position in the machine's ``moves`` (the recorder's counter index).
+    index: int = 0
 
 
 # Marks a (source, dest) pair reached by more than one trigger.
@@ -55,7 +62,13 @@ class CompiledMachine:
     ``move(state, trigger)`` and ``move_to(state, dest)`` return the move or
     None when the spec declares none; they never evaluate guards or run
     effects (the runtime does both, under whatever lock it holds).
+
+    ``recorder`` is the machine's metrics (``telemetry.moves``), set by the
+    process registry while metrics are on and None while off: the runtime
+    code that applies a move reports it there when it is set.
     """
+
+    recorder: MoveRecorder | None
 
     def __init__(self, spec: MachineSpec, state_enum: type[SpecState], moves: list[CompiledMove]):
         self.spec = spec
@@ -74,6 +87,15 @@ class CompiledMachine:
         self.triggers = spec.triggers
         self.initial = state_enum[spec.initial]
         self.final: frozenset[SpecState] = frozenset(state_enum[s] for s in spec.final_states)
+        self.recorder = None
+        TELEMETRY.register(self)
+
+    def recorder_spec(self) -> tuple[str, list[tuple[str, str, str]], dict[int, str]]:
+        """For the metrics registry: the spec's name, (trigger, source, dest)
+        per move index, and the states tagged ``waits`` (number -> name)."""
+        labels = [(str(m.trigger), m.source.name, m.dest.name) for m in self.moves]
+        timed = {int(self.State[s]): s for s in self.spec.tagged(WAITS_TAG)}
+        return self.spec.name, labels, timed
 
     def move(self, state: int, trigger: TriggerName) -> CompiledMove | None:
         return self._by_trigger[state].get(trigger)
@@ -162,8 +184,8 @@ def compile_machine(
             undeferrable=tuple(effects[e] for e in m.effects if e not in m.deferrable),
             deferrable=tuple(effects[e] for e in m.effects if e in m.deferrable),
             spec=m,
+            index=i,
         )
-        for m in spec.moves
-        for src in m.source
+        for i, (m, src) in enumerate((m, src) for m in spec.moves for src in m.source)
     ]
     return CompiledMachine(spec, enum_cls, moves)

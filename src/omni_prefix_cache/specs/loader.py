@@ -42,6 +42,10 @@ _TOP_KEYS = {"name", "enum", "description", "states", "transitions", "invariants
 _COUPLING_KEYS = {"name", "fires", "others", "meaning"}
 _STATE_KEYS = {"name", "meaning", "initial", "final", "tags"}
 _MOVE_KEYS = {"trigger", "source", "dest", "conditions", "after", "meaning", "deferrable"}
+# The state tags the runtime asks for (docs/spec_format.md lists their meanings).
+KNOWN_TAGS = frozenset(
+    {"rest", "waits", "accepts_chunks", "failure", "owned", "holds_page", "read_baseline", "read_owner", "read_pool"}
+)
 
 
 # A trigger of the machine being compiled, as its spec spells it. The generic
@@ -208,13 +212,17 @@ def parse_spec(data: Mapping[str, Any], origin: str = "<spec>") -> MachineSpec:
         meaning = raw.get("meaning")
         if not isinstance(meaning, str) or not meaning.strip():
             raise _fail(origin, where, "needs a one-line 'meaning'")
+        tags = _names(raw.get("tags"), origin, where, "tags")
+        unknown_tags = sorted(set(tags) - KNOWN_TAGS)
+        if unknown_tags:
+            raise _fail(origin, where, f"unknown tags {unknown_tags} (known: {', '.join(sorted(KNOWN_TAGS))})")
         states.append(
             StateSpec(
                 name=sname,
                 meaning=meaning.strip(),
                 initial=bool(raw.get("initial", False)),
                 final=bool(raw.get("final", False)),
-                tags=_names(raw.get("tags"), origin, where, "tags"),
+                tags=tags,
             )
         )
     initials = [s.name for s in states if s.initial]
@@ -308,7 +316,24 @@ def parse_spec(data: Mapping[str, Any], origin: str = "<spec>") -> MachineSpec:
         couplings=tuple(couplings),
     )
     _check_graph(spec)
+    _check_waits(spec)
     return spec
+
+
+def _check_waits(spec: MachineSpec) -> None:
+    """A ``waits`` state's stays are timed from the move that enters it to
+    the move that leaves it: a final state is never left, and a state only
+    creation enters (no move from another state) has no start to time."""
+    entered = {m.dest for m in spec.moves if any(s != m.dest for s in m.source)}
+    for state in spec.states:
+        if "waits" not in state.tags:
+            continue
+        if state.final:
+            raise _fail(spec.origin, f"state {state.name}", "a final state cannot be tagged waits (it is never left)")
+        if state.name not in entered:
+            raise _fail(
+                spec.origin, f"state {state.name}", "tagged waits but no move enters it from another state"
+            )
 
 
 def _check_graph(spec: MachineSpec) -> None:
