@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,7 @@ from omni_prefix_cache.interface import (
     PrefixCacheConfig,
     TensorName,
 )
+from omni_prefix_cache.telemetry.registry import TELEMETRY
 
 logger = logging.getLogger(__name__)
 
@@ -315,7 +317,13 @@ class PrefixBlockPool:
         if n == 0:
             return
         self._check_range(key, index)
+        dp = TELEMETRY.datapath
+        if dp is None:
+            slab.index_copy_(0, index, host.to("cpu", non_blocking=False))
+            return
+        start = TELEMETRY.cpu_clock()
         slab.index_copy_(0, index, host.to("cpu", non_blocking=False))
+        dp.pool_written(threading.current_thread().name, int(host.nbytes), start, TELEMETRY.cpu_clock())
 
     def _slab(self, key: TensorName) -> torch.Tensor:
         slab = self._slabs.get(key)

@@ -61,6 +61,9 @@ class PrefixCacheConfig:
     staging_claim_timeout_s: float = 30.0
     # Device->host piece size for JOIN_ON_FINISH copies.
     copy_chunk_bytes: int = 16 * 1024 * 1024
+    # Runtime metrics (docs/stats.md, "Metrics"): spec move counts, time in
+    # state, data-path figures. Process-wide; the last manager built sets it.
+    metrics: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "staging_depth", "staging_capacity_tokens", "copy_chunk_bytes"):

@@ -73,6 +73,8 @@ from omni_prefix_cache.steps.step_layout import SchedSnapshot, StepLayout
 from omni_prefix_cache.steps.step_layout import is_step_token_tensor as _is_step_token_tensor
 from omni_prefix_cache.steps.step_layout import snapshot_leftover_mm_cpu as _snapshot_leftover_mm_cpu
 from omni_prefix_cache.steps.write_ledger import SaveProgress, WriteLedger
+from omni_prefix_cache.telemetry.locks import timed_lock
+from omni_prefix_cache.telemetry.registry import TELEMETRY
 
 __all__ = [
     "PREFETCH_THREAD_PREFIX",
@@ -133,6 +135,8 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
                 f"group view block_size {view_bs} does not match PrefixCacheConfig.block_size {config.block_size}"
             )
         self._view = view
+        # Process-wide (the compiled machines are): see telemetry.registry.
+        TELEMETRY.set_enabled(config.metrics)
         self._pool = PrefixBlockPool(config)
         # ``engine``: where rows leave the device (default: CUDA lanes when
         # CUDA exists and eager is off, else host copies; a fake injects faults).
@@ -140,7 +144,7 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
             self._pool, config, eager=eager, committer=committer, engine=engine
         )
         self._policy = ModelCachePolicy()
-        self._state_lock = sync.Lock()
+        self._state_lock = timed_lock(sync.Lock(), "state_lock")
         self._live: set[ReqId] = set()
         self._pending_sched: SchedSnapshot | None = None
         # Operator counters (state lock); see stats().

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from omni_prefix_cache.device import sync
+from omni_prefix_cache.telemetry.registry import TELEMETRY
 
 # (host destination, source) pairs: each source is copied into its own slice.
 Copies = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -250,13 +251,34 @@ class CudaCopyEngine:
             with self._rt.use_stream(device, stream):
                 for event in waits:
                     self._rt.wait(stream, event)
+                timing = self._timing_start(stream)
                 for dst, src in items:
                     self._rt.record_stream(src, stream)
                     self.copy_into(dst, src)
                 event = self._rt.new_event()
                 event.record(stream)
+                if timing is not None:
+                    self._timing_end(lane, stream, timing)
             done[device] = event
         return next(iter(done.values())) if len(done) == 1 else DeviceEvents(done)
+
+    @staticmethod
+    def _timing_start(stream: Any) -> Any:  # pragma: no cover - CUDA only
+        """With metrics on, a timing event recorded on ``stream`` before its
+        copies (host clocks would time the launch, not the copy)."""
+        if TELEMETRY.datapath is None:
+            return None
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        return start
+
+    @staticmethod
+    def _timing_end(lane: str, stream: Any, start: Any) -> None:  # pragma: no cover - CUDA only
+        dp = TELEMETRY.datapath
+        if dp is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(stream)
+            dp.device_copy(lane, start, end)
 
     def launch(self, freeze_event: DeviceEvent | None, copies: Copies) -> DeviceEvent | None:
         return self._run("copy", freeze_event, copies)

@@ -40,6 +40,7 @@ from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
 from omni_prefix_cache.steps.slot_tags import READ_BASELINE, rows_tagged
 from omni_prefix_cache.steps.step_context import KeyLayout, StepContext
 from omni_prefix_cache.steps.validation import as_int, listed
+from omni_prefix_cache.telemetry.registry import dropped
 
 logger = logging.getLogger(__name__)
 
@@ -222,6 +223,7 @@ class HitPlanner:
     def drop(self, hit: PendingHit) -> None:
         """A hit that will never be served: cancel its prefetches and forget
         its pending reads (a running prefetch forgets its own). Any lock."""
+        dropped(len(hit.futures))  # a running one finishes unread
         for key, fut in hit.futures.items():
             if fut.cancel():
                 ref = hit.refs.get(key)
@@ -302,6 +304,7 @@ class HitPlanner:
                 ref = hit.refs.pop(key, None)
                 # A prefetch already running forgets its own read; its
                 # result is simply never looked at.
+                dropped(1)
                 if fut.cancel() and ref is not None:
                     self._reads.forget(ref)
 

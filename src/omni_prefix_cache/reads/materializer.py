@@ -37,6 +37,7 @@ from omni_prefix_cache.steps.step_context import StepContext
 from omni_prefix_cache.steps.step_layout import payload_for_request
 from omni_prefix_cache.steps.validation import listed
 from omni_prefix_cache.steps.write_ledger import WriteLedger
+from omni_prefix_cache.telemetry.registry import TELEMETRY, dropped
 
 
 class Materializer:
@@ -169,7 +170,19 @@ class Materializer:
         Only shutdown cancels a read a step still owns, so a cancelled one is
         the shutdown error; a failed read raises its own error."""
         try:
-            return fut.result()
+            dp = TELEMETRY.datapath
+            if dp is None:
+                return fut.result()
+            if fut.done():
+                dp.add("prefetch_hits_total", "used")
+                return fut.result()
+            # Served late: the engine thread waits the prefetch thread.
+            start = TELEMETRY.clock()
+            try:
+                return fut.result()
+            finally:
+                dp.add("prefetch_hits_total", "late")
+                dp.waited("prefetch", start, TELEMETRY.clock())
         except CancelledError:
             raise OmniPrefixCacheShutdownError(
                 f"materialize(step {ctx.step_id}): the hit read of {key!r} rows for request {rid!r} was cancelled "
@@ -209,6 +222,7 @@ class Materializer:
             for rid, futures in ctx.hit_prefetch.items():
                 for key, fut in futures.items():
                     if fut.cancel():
+                        dropped(1)
                         ref = ctx.hit_refs.get(rid, {}).get(key)
                         if ref is not None:
                             stale.append(ref)

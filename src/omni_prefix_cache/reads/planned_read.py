@@ -166,6 +166,9 @@ class PlannedReads:
                 "(spec planned_read)"
             )
         ref.state = move.dest
+        recorder = PLANNED_READ_MACHINE.recorder
+        if recorder is not None:
+            recorder.moved(move, ref)
         for effect in move.effects:
             effect(self, ref, reused)
 

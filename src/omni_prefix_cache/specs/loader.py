@@ -331,9 +331,7 @@ def _check_waits(spec: MachineSpec) -> None:
         if state.final:
             raise _fail(spec.origin, f"state {state.name}", "a final state cannot be tagged waits (it is never left)")
         if state.name not in entered:
-            raise _fail(
-                spec.origin, f"state {state.name}", "tagged waits but no move enters it from another state"
-            )
+            raise _fail(spec.origin, f"state {state.name}", "tagged waits but no move enters it from another state")
 
 
 def _check_graph(spec: MachineSpec) -> None:

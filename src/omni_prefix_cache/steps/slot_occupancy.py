@@ -253,6 +253,7 @@ class SlotOccupancy:
         owner_rows = self._as_owners(owners, n)
         src = state[slots]
         moved = 0
+        recorder = SLOT_MACHINE.recorder
         for move, group in self._groups(key, trigger, moves, src, slots, owner_rows, where_enabled):
             for guard in move.guards:
                 ok = guard(self, group)
@@ -264,6 +265,8 @@ class SlotOccupancy:
             for effect in move.effects:
                 effect(self, group)
             moved += int(group.slots.size)
+            if recorder is not None:
+                recorder.counted(move, int(group.slots.size))
         return moved
 
     def _groups(

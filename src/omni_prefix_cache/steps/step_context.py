@@ -101,6 +101,12 @@ def step_move(step_id: StepId, state: SpecState, trigger: StepContextTrigger) ->
     return move
 
 
+def _record(move: CompiledMove, ctx: StepContext) -> None:
+    recorder = STEP_MACHINE.recorder
+    if recorder is not None:
+        recorder.moved(move, ctx)
+
+
 # The operator counter of each consuming trigger.
 _CONSUMED_COUNTERS = {
     StepContextTrigger.MATERIALIZE: "steps_materialized",
@@ -124,8 +130,10 @@ class StepTable:
 
     def publish_locked(self, ctx: StepContext) -> None:
         """``save``: the step is SAVED and open until consumed."""
-        ctx.state = step_move(ctx.step_id, STEP_INITIAL, StepContextTrigger.SAVE).dest
+        move = step_move(ctx.step_id, STEP_INITIAL, StepContextTrigger.SAVE)
+        ctx.state = move.dest
         self.open[ctx.step_id] = ctx
+        _record(move, ctx)
 
     def consume_locked(self, step_id: StepId, trigger: StepContextTrigger) -> tuple[StepContext, CompiledMove]:
         """``materialize`` or ``discard``: pop the step's context, move it to
@@ -141,6 +149,7 @@ class StepTable:
         del self.open[step_id]
         self._counters[_CONSUMED_COUNTERS[trigger]] += 1
         ctx.state = move.dest
+        _record(move, ctx)
         return ctx, move
 
     def close_locked(self) -> list[StepContext]:

@@ -45,6 +45,7 @@ from omni_prefix_cache.steps.request_tasks import RequestTasks, TaskRecord
 from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
 from omni_prefix_cache.steps.step_layout import StepOutputs
 from omni_prefix_cache.steps.sticky_failure import StickyFailure
+from omni_prefix_cache.telemetry.registry import TELEMETRY
 from omni_prefix_cache.writes.operations import active_protocol
 from omni_prefix_cache.writes.write_task import ChunkRuns, StepRows, _BudgetTicket, _WriteChunk
 
@@ -133,7 +134,11 @@ class WriteLedger:
         JOIN_NEXT_STEP writes. Raises what the join raises."""
         previous = self.previous_step_writes
         if previous:
+            dp = TELEMETRY.datapath
+            start = TELEMETRY.clock() if dp is not None else 0
             self._controller.join(previous)
+            if dp is not None:
+                dp.waited("save_barrier", start, TELEMETRY.clock())
             self.previous_step_writes = []
 
     def reserve_budget(self, split: StepOutputs, reserved: list[_BudgetTicket]) -> None:

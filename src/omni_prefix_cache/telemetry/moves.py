@@ -64,6 +64,13 @@ class MoveRecorder:
         with self._lock:
             self._counts[move.index] += 1
 
+    def moved_batch(self, keys: Sequence[Hashable], moves: Sequence[Any]) -> None:
+        """``moved`` for each (key, move) pair; a None move (the item had
+        no such move, so nothing moved) is skipped."""
+        for key, move in zip(keys, moves):
+            if move is not None:
+                self.moved(move, key)
+
     def counted(self, move: Any, n: int) -> None:
         """``move`` was applied to ``n`` instances at once (an array machine);
         counted only (see ``docs/stats.md`` on untimed array states)."""

@@ -43,6 +43,9 @@ class Telemetry:
     def __init__(self) -> None:
         self.datapath: DataPath | None = None
         self.clock: Callable[[], int] = time.monotonic_ns
+        # CPU time of the calling thread: host copies and pool writes (a
+        # thread preempted mid-copy is not charged for the wait).
+        self.cpu_clock: Callable[[], int] = time.thread_time_ns
         self._machines: weakref.WeakSet[Any] = weakref.WeakSet()
         self._lock = threading.Lock()
 
@@ -60,10 +63,13 @@ class Telemetry:
         name, labels, timed = machine.recorder_spec()
         return MoveRecorder(name, labels, timed, self.clock)
 
-    def enable(self, *, clock: Callable[[], int] | None = None) -> None:
+    def enable(self, *, clock: Callable[[], int] | None = None, cpu_clock: Callable[[], int] | None = None) -> None:
         """Start recording (idempotent: an enabled registry keeps its series
-        unless ``clock`` changes, which starts fresh ones)."""
+        unless ``clock`` changes, which starts fresh ones). ``clock`` /
+        ``cpu_clock``: nanosecond clocks to use instead of the monotonic and
+        the thread clock (a test's)."""
         with self._lock:
+            self.cpu_clock = cpu_clock or time.thread_time_ns
             if self.enabled and (clock is None or clock is self.clock):
                 return
             self.clock = clock or time.monotonic_ns
@@ -92,12 +98,14 @@ class Telemetry:
             self.enable(clock=clock)
 
     @contextmanager
-    def recording(self, *, clock: Callable[[], int] | None = None) -> Iterator[Telemetry]:
-        """Fresh series for the block (``clock`` injected, e.g. a test's);
-        the previous switch state is restored after, with fresh series."""
+    def recording(
+        self, *, clock: Callable[[], int] | None = None, cpu_clock: Callable[[], int] | None = None
+    ) -> Iterator[Telemetry]:
+        """Fresh series for the block (clocks injected, e.g. a test's); the
+        previous switch state is restored after, with fresh series."""
         was = self.enabled
         self.disable()
-        self.enable(clock=clock or time.monotonic_ns)
+        self.enable(clock=clock or time.monotonic_ns, cpu_clock=cpu_clock)
         try:
             yield self
         finally:
@@ -158,3 +166,12 @@ def _merged(a: HistogramSummary, b: HistogramSummary) -> HistogramSummary:
 
 
 TELEMETRY = Telemetry()
+
+
+def dropped(n: int) -> None:
+    """``n`` prefetched hit reads were abandoned before anyone used them
+    (the hit dropped, re-planned after a reuse of its slots, or its step
+    consumed without reading them)."""
+    dp = TELEMETRY.datapath
+    if dp is not None:
+        dp.add("prefetch_hits_total", "dropped", n)

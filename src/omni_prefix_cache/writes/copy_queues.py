@@ -78,6 +78,9 @@ class CopyQueues:
         if effect is not None:
             effect(task.tid)
         task.position = move.dest
+        recorder = COPY_QUEUE_MACHINE.recorder
+        if recorder is not None:
+            recorder.moved(move, task)
 
     def try_fire(self, task: Any, trigger: str) -> bool:
         """``fire`` if the position has the move; False (nothing moved) otherwise."""
@@ -88,6 +91,9 @@ class CopyQueues:
         if effect is not None:
             effect(task.tid)
         task.position = move.dest
+        recorder = COPY_QUEUE_MACHINE.recorder
+        if recorder is not None:
+            recorder.moved(move, task)
         return True
 
     def try_fire_many(self, tasks: list[Any], trigger: str) -> list[bool | BaseException]:
@@ -96,6 +102,9 @@ class CopyQueues:
         moves = COPY_QUEUE_MACHINE.by_state(trigger)
         out: list[bool | BaseException] = [True] * len(tasks)
         moved = tasks
+        recorder = COPY_QUEUE_MACHINE.recorder
+        if recorder is not None:
+            recorder.moved_batch(tasks, [moves[task.position] for task in tasks])
         for i, task in enumerate(tasks):
             move = moves[task.position]
             if move is None:

@@ -7,6 +7,7 @@ import torch
 
 from omni_prefix_cache.device.copy_engine import CopyEngine
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, PrefixCacheConfig, TensorName, WriteSchedule
+from omni_prefix_cache.telemetry.registry import TELEMETRY
 from omni_prefix_cache.writes.write_task import HostRow, WriteTask, _WriteChunk
 
 
@@ -59,9 +60,14 @@ class HostRows:
                     copies.append((host[offset + s : offset + end], src[s:end]))
                 rows_out.append((chunk, key, host[offset : offset + rows]))
                 offset += rows
+        dp = TELEMETRY.datapath
+        start = TELEMETRY.cpu_clock() if dp is not None else 0
         event = self.engine.launch(task.freeze_event, copies)
         if event is not None:
             event.synchronize()
+        if dp is not None:
+            # On CUDA the lane's events time the copy (device_copy_seconds).
+            dp.copied("deferred", sum(dst.nbytes for dst, _ in copies), start, TELEMETRY.cpu_clock())
         return rows_out
 
     @torch.inference_mode()

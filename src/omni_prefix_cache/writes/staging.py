@@ -26,6 +26,7 @@ from omni_prefix_cache.interface import (
 )
 from omni_prefix_cache.specs import compile_machine, load_spec
 from omni_prefix_cache.specs.types.staging_holder import HolderState as HolderState  # re-exported
+from omni_prefix_cache.telemetry.registry import TELEMETRY
 
 
 class StagingBufferHolder(NamedTuple):
@@ -163,6 +164,9 @@ class StagingBufferPool:
                 )
             self._busy[page].discard(holder)
             del self._page_of[holder]
+        recorder = HOLDER_MACHINE.recorder
+        if recorder is not None:
+            recorder.moved(move, holder)
         for effect in move.effects:
             effect(self, page, holder)
         return True
@@ -328,7 +332,11 @@ class StagingBufferPool:
                 f"step {step_holder.owner_id} has {n} tokens; staging capacity is {self.capacity} "
                 "(size staging_capacity_tokens to max_num_batched_tokens)"
             )
+        dp = TELEMETRY.datapath
+        start = TELEMETRY.clock() if dp is not None else 0
         page = self.claim(step_holder, timeout)
+        if dp is not None:
+            dp.waited("staging_claim", start, TELEMETRY.clock())
         try:
             views = {key: self.views(page, key, n, int(src.shape[-1]), src.dtype) for key, src in tensors.items()}
             # Each key's rows land straight in its slice of the page: no
@@ -338,8 +346,13 @@ class StagingBufferPool:
             if any(engine.is_device(src) for _, src in copies):
                 event = engine.launch(freeze_event, copies)
             else:
+                start = TELEMETRY.cpu_clock() if dp is not None else 0
                 for dst, src in copies:
                     dst.copy_(src)
+                if dp is not None:
+                    dp.copied("step", sum(dst.nbytes for dst, _ in copies), start, TELEMETRY.cpu_clock())
+            if dp is not None and event is not None:
+                dp.add("d2h_bytes_total", "step", sum(dst.nbytes for dst, _ in copies))
             return StepD2HClaim(staging_slot=page, views=views, event=event)
         except BaseException as exc:
             self.release(page, step_holder, "abandon")

@@ -395,6 +395,9 @@ class WriteTask:
         """Enter ``move.dest`` and run its effects (task lock held); with
         ``defer`` the deferrable ones are owed until ``wake_failed_waiters``."""
         self.state = move.dest
+        recorder = WRITE_TASK_MACHINE.recorder
+        if recorder is not None:
+            recorder.moved(move, self)
         if defer:
             for effect in move.undeferrable:
                 effect(self)

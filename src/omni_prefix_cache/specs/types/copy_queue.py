@@ -21,13 +21,13 @@ class QueuePosition(SpecState):
     UNQUEUED = 0
     """registered, on no queue (deferred and not escalated, or queued but not yet dispatched) (initial)"""
     HIGH = 1
-    """on the high-priority copy queue (immediate writes, escalated writes)"""
+    """on the high-priority copy queue (immediate writes, escalated writes) (tag waits)"""
     LOW = 2
-    """on the low-priority copy queue (deferred writes submitted queued)"""
+    """on the low-priority copy queue (deferred writes submitted queued) (tag waits)"""
     CLAIMED = 3
-    """popped by the committer, which owns the copy stage"""
+    """popped by the committer, which owns the copy stage (tag waits)"""
     BLOCKED = 4
-    """host rows ready, waiting for the committer's pool write"""
+    """host rows ready, waiting for the committer's pool write (tag waits)"""
     INLINE = 5
     """claimed by an eager dispatch, which runs its copy and pool write on the calling thread"""
     STALE = 6

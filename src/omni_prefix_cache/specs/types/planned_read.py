@@ -22,9 +22,12 @@ class ReadState(SpecState):
     PLANNING = 0
     """being planned under the state lock; absent mm rows take the baseline, hidden ones refuse (initial)"""
     PENDING = 1
-    """registered; waits for its fetch; a reuse of its slots preserves the old rows first"""
+    """registered; waits for its fetch; a reuse of its slots preserves the old rows first (tag waits)"""
     FETCHING = 2
-    """a thread is reading it (joins in-transit owners, reads the pool, checks versions); still preserved"""
+    """
+    a thread is reading it (joins in-transit owners, reads the pool, checks versions); still preserved (tag
+    waits)
+    """
     SERVED = 3
     """its rows were returned (final)"""
     FAILED = 4

@@ -20,7 +20,7 @@ class HolderState(SpecState):
     UNHELD = 0
     """not yet holding a page (initial)"""
     HELD = 1
-    """holds one page; the page is busy (tag holds_page)"""
+    """holds one page; the page is busy (tag holds_page, tag waits)"""
     RELEASED = 2
     """let go; the page is free once its last holder is released (final)"""
 

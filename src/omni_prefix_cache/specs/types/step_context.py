@@ -20,7 +20,7 @@ class StepState(SpecState):
     UNSAVED = 0
     """no save issued this step id yet (unknown ids are in this state) (initial)"""
     SAVED = 1
-    """save_outputs returned this id; it holds a staging page"""
+    """save_outputs returned this id; it holds a staging page (tag waits)"""
     CONSUMED = 2
     """already materialized or discarded (or its save failed); a second consume raises (final)"""
 

@@ -20,11 +20,11 @@ class TaskState(SpecState):
     PENDING = 0
     """registered, not on a copy queue (deferred waits for finish or budget) (initial, tag accepts_chunks)"""
     QUEUED = 1
-    """on a copy queue (tag accepts_chunks)"""
+    """on a copy queue (tag accepts_chunks, tag waits)"""
     COPYING = 2
-    """exactly one thread owns the copy stage"""
+    """exactly one thread owns the copy stage (tag waits)"""
     HOST_READY = 3
-    """host rows ready; device clone dropped"""
+    """host rows ready; device clone dropped (tag waits)"""
     WRITTEN = 4
     """rows are in the CPU block pool (final)"""
     FAILED = 5
