@@ -15,6 +15,7 @@ See docs/cuda.md for the integration contract.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -266,7 +267,8 @@ class CudaCopyEngine:
     def _timing_start(stream: Any) -> Any:  # pragma: no cover - CUDA only
         """With metrics on, a timing event recorded on ``stream`` before its
         copies (host clocks would time the launch, not the copy)."""
-        if TELEMETRY.datapath is None:
+        # A fake runtime on a CPU machine (tests) has no events to time with.
+        if TELEMETRY.datapath is None or not _cuda_present():
             return None
         start = torch.cuda.Event(enable_timing=True)
         start.record(stream)
@@ -298,6 +300,11 @@ class CudaCopyEngine:
         dst = self.host_empty(src.shape, src.dtype)
         self.copy_into(dst, src)
         return dst
+
+
+@functools.cache
+def _cuda_present() -> bool:
+    return bool(torch.cuda.is_available())
 
 
 def default_engine(eager: bool) -> CopyEngine:

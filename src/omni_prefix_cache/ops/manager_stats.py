@@ -13,6 +13,7 @@ from omni_prefix_cache.interface import ReqId, StepId
 from omni_prefix_cache.ops.stats import MANAGER_COUNTERS, CacheStats
 from omni_prefix_cache.steps.step_context import StepContext
 from omni_prefix_cache.steps.write_ledger import WriteLedger
+from omni_prefix_cache.telemetry.registry import TELEMETRY
 
 
 class ManagerStats:
@@ -57,4 +58,5 @@ class ManagerStats:
         out["pool_host_bytes"] = sum(key_bytes.values())  # unpinned
         out.update(self._controller.stats())
         out["pool_key_bytes"] = key_bytes
+        out["metrics"] = TELEMETRY.summary()
         return out

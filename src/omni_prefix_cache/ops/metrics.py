@@ -7,7 +7,9 @@ Needs the ``metrics`` extra (``pip install 'omni-prefix-cache[metrics]'``)::
 
     REGISTRY.register(OmniPrefixCacheCollector(manager, labels={"stage": "talker"}))
 
-Each scrape takes one ``stats_snapshot()`` (the manager's locks, briefly).
+Each scrape takes one ``stats_snapshot()`` (the manager's locks, briefly)
+and reads the process's runtime metrics (``telemetry``; their own short
+locks only), exported with their histogram buckets.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from omni_prefix_cache.ops.stats import FIELD_HELP, STAT_FIELDS, CacheStats
+from omni_prefix_cache.ops.telemetry_export import telemetry_families
+from omni_prefix_cache.telemetry.registry import TELEMETRY
 
 
 class StatsSource(Protocol):
@@ -64,6 +68,8 @@ class OmniPrefixCacheCollector(Collector):
         for name in STAT_FIELDS:
             value = getattr(snap, name)
             full, doc = f"{self._namespace}_{name}", FIELD_HELP[name]
+            if name == "metrics":
+                continue  # exported below, with full histogram buckets
             if name == "mode":
                 info = InfoMetricFamily(full, doc, labels=names)
                 info.add_metric(values, {"mode": str(value)})
@@ -81,3 +87,4 @@ class OmniPrefixCacheCollector(Collector):
                 gauge = GaugeMetricFamily(full, doc, labels=names)
                 gauge.add_metric(values, float(value))
                 yield gauge
+        yield from telemetry_families(TELEMETRY, self._namespace, names, values)

@@ -50,6 +50,9 @@ class CacheStats:
     pool_bytes: Mapping[str, int] = field(default_factory=dict)  # CPU slab bytes by key
     write_tasks_by_state: Mapping[str, int] = field(default_factory=dict)
     mode: str = ""  # "eager", or "<committer>:<copy engine>"
+    # Runtime metrics as summaries (telemetry.registry.Telemetry.summary):
+    # spec move counts, time in state and data-path histograms.
+    metrics: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def pool_bytes_total(self) -> int:
@@ -67,6 +70,7 @@ class CacheStats:
         out = asdict(self)
         out["pool_bytes"] = dict(self.pool_bytes)
         out["write_tasks_by_state"] = dict(self.write_tasks_by_state)
+        out["metrics"] = dict(self.metrics)
         out["pool_bytes_total"] = self.pool_bytes_total
         return out
 
@@ -101,6 +105,7 @@ class CacheStats:
             "pool_bytes": dict(raw.get("pool_key_bytes") or {}),
             "write_tasks_by_state": dict(raw.get("tasks_by_state") or {}),
             "mode": str(raw.get("mode", "")),
+            "metrics": dict(raw.get("metrics") or {}),
         }
         return cls(**values)
 
@@ -149,4 +154,5 @@ FIELD_HELP: dict[str, str] = {
     "pool_bytes": "Bytes of the CPU pool slab, by key",
     "write_tasks_by_state": "Write tasks by lifecycle state",
     "mode": "Committer mode: eager, or <committer>:<copy engine>",
+    "metrics": "Runtime metrics (move counts, time in state, data path) as count, sum, p50, p99",
 }

@@ -4,6 +4,7 @@ sweep, the baseline comparison, and the ``omni-prefix-cache bench`` entry."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -11,6 +12,8 @@ from typing import Any
 
 import torch
 
+from omni_prefix_cache.interface import PrefixCacheConfig
+from omni_prefix_cache.telemetry.registry import TELEMETRY
 from omni_prefix_cache.tools.bench.measure import ManagerFactory, run_scenario
 from omni_prefix_cache.tools.bench.profiling import profile_scenario
 from omni_prefix_cache.tools.bench.report import format_report
@@ -109,6 +112,13 @@ def run_bench(
     )
 
 
+def _without_metrics(cfg: PrefixCacheConfig, view: Any, eager: bool) -> Any:
+    """A bench manager built with ``metrics=False`` (``bench --metrics off``)."""
+    from omni_prefix_cache.manager import OmniPrefixCacheManager
+
+    return OmniPrefixCacheManager(dataclasses.replace(cfg, metrics=False), view, eager=eager)
+
+
 def main_bench(args: argparse.Namespace) -> int:
     """Entry point of ``omni-prefix-cache bench`` (its arguments:
     ``tools.commands.bench``); the exit status."""
@@ -133,6 +143,7 @@ def main_bench(args: argparse.Namespace) -> int:
             sweep=not args.no_sweep,
             progress=line.update,
             forward_us=getattr(args, "forward_us", 0.0),
+            manager_factory=None if getattr(args, "metrics", "on") == "on" else _without_metrics,
         )
     finally:
         line.close()
@@ -141,7 +152,7 @@ def main_bench(args: argparse.Namespace) -> int:
             json.dump(rep.to_dict(), f, indent=2)
             f.write("\n")
     if args.json:
-        print(json.dumps(rep.to_dict(), indent=2))
+        print(json.dumps({**rep.to_dict(), "metrics": TELEMETRY.summary()}, indent=2, default=str))
     else:
         print(format_report(rep))
     return 1 if args.strict and not rep.all_met else 0

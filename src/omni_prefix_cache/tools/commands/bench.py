@@ -87,6 +87,12 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--top", type=positive, default=25, help="functions shown by --profile")
     p.add_argument("--json", action="store_true", help="print the machine-readable report (no progress line)")
+    p.add_argument(
+        "--metrics",
+        choices=["on", "off"],
+        default="on",
+        help="runtime metrics (PrefixCacheConfig.metrics, default on); run both to see their cost side by side",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     p.add_argument(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from omni_prefix_cache.tools.commands.common import (
@@ -83,6 +84,13 @@ def add_parser(sub: Any) -> None:
         "--discard-prob", type=probability, default=0.03, help="chance a step is discarded, not materialized"
     )
     p.add_argument("--json", action="store_true", help="print the machine-readable summary (no progress line)")
+    p.add_argument(
+        "--metrics-out",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="draw the run's metrics (time in state per machine, D2H / pool-write bytes per step); needs [plots]",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument(
         "--torch-threads",
@@ -148,15 +156,29 @@ def run(args: argparse.Namespace) -> int:
         from omni_prefix_cache.tools.simulate.vllm_engine import run_vllm_simulation as simulate
     progress = ProgressLine(enabled=progress_enabled(args))
     progress.arrival_steps = args.arrival_steps
+    from omni_prefix_cache.telemetry.registry import TELEMETRY
+    from omni_prefix_cache.tools.simulate.metrics_report import StepSampler, require_matplotlib, write_report
+
+    if args.metrics_out is not None:
+        try:
+            require_matplotlib()
+        except ImportError as exc:
+            print(str(exc), file=sys.stderr)
+            return EXIT_USAGE
+    TELEMETRY.enable()
+    TELEMETRY.reset()  # this run's series only
+    sampler = StepSampler(progress)
     try:
-        res = simulate(cfg, progress=progress)
+        res = simulate(cfg, progress=sampler)
     except ImportError as exc:
         print(f"simulate --engine {args.engine}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     finally:
         progress.close()
+    if args.metrics_out is not None:
+        write_report(args.metrics_out, sampler)
     if args.json:
-        print(json.dumps(summary(res), indent=2, default=str))
+        print(json.dumps({**summary(res), "metrics": TELEMETRY.summary()}, indent=2, default=str))
     else:
         print(format_table(res))
     if res.error is not None:
