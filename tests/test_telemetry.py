@@ -84,6 +84,7 @@ def test_metrics_off_touches_no_histogram(managers: list[Any], monkeypatch: pyte
 
     monkeypatch.setattr(Histogram, "observe", refuse)
     was = TELEMETRY.enabled
+    TELEMETRY.disable()
     try:
         mgr, drv = make(False, metrics=False)
         managers.append(mgr)
@@ -144,7 +145,7 @@ def test_a_prefetch_dropped_by_a_reuse_counts_as_dropped(clock: Clock, managers:
     """d's hit, planned at new_step_starts against a's committed rows, is
     re-planned when c reuses the block in the same step: its first
     prefetch is dropped, the re-planned one used or served late."""
-    mgr, drv = make(False)
+    mgr, drv = make(False, metrics=True)
     managers.append(mgr)
     sid, want = drv.run({"a": Req([0], 0, 4)})
     drv.check(sid, want)
@@ -160,7 +161,7 @@ def test_a_prefetch_dropped_by_a_reuse_counts_as_dropped(clock: Clock, managers:
 
 
 def test_data_path_bytes_of_a_threaded_run(clock: Clock, managers: list[Any]) -> None:
-    mgr, drv = make(False)
+    mgr, drv = make(False, metrics=True)
     managers.append(mgr)
     sid, want = drv.run({"a": Req([0, 1], 0, 8)})
     drv.check(sid, want)
@@ -216,7 +217,7 @@ def test_the_collector_exports_moves_and_time_in_state_with_buckets(clock: Clock
     prometheus = pytest.importorskip("prometheus_client")
     from omni_prefix_cache.ops.metrics import OmniPrefixCacheCollector
 
-    mgr, drv = make(False)
+    mgr, drv = make(False, metrics=True)
     managers.append(mgr)
     sid, want = drv.run({"a": Req([0], 0, 4)})
     clock.advance(0.02)

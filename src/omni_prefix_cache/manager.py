@@ -136,7 +136,8 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
             )
         self._view = view
         # Process-wide (the compiled machines are): see telemetry.registry.
-        TELEMETRY.set_enabled(config.metrics)
+        if config.metrics:
+            TELEMETRY.enable()
         self._pool = PrefixBlockPool(config)
         # ``engine``: where rows leave the device (default: CUDA lanes when
         # CUDA exists and eager is off, else host copies; a fake injects faults).

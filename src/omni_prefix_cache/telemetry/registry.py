@@ -3,9 +3,9 @@ recorder, and the data-path families.
 
 Compiled machines are process singletons (each runtime module compiles its
 spec once at import), so their recorders are too: ``TELEMETRY`` is one per
-process, as Prometheus' default registry is. A manager applies its config's
-``metrics`` flag here when it is built (one serving process runs one stage;
-several managers in one process share the series).
+process, as Prometheus' default registry is. A manager built with its
+config's ``metrics`` on turns them on here (one serving process runs one
+stage; several managers in one process share the series).
 
 With metrics off every machine's ``recorder`` and ``TELEMETRY.datapath`` are
 None; each recording site checks that one attribute and does nothing else.

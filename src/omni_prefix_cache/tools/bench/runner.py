@@ -112,11 +112,11 @@ def run_bench(
     )
 
 
-def _without_metrics(cfg: PrefixCacheConfig, view: Any, eager: bool) -> Any:
-    """A bench manager built with ``metrics=False`` (``bench --metrics off``)."""
+def _with_metrics(cfg: PrefixCacheConfig, view: Any, eager: bool) -> Any:
+    """A bench manager built with ``metrics=True`` (``bench --metrics on``)."""
     from omni_prefix_cache.manager import OmniPrefixCacheManager
 
-    return OmniPrefixCacheManager(dataclasses.replace(cfg, metrics=False), view, eager=eager)
+    return OmniPrefixCacheManager(dataclasses.replace(cfg, metrics=True), view, eager=eager)
 
 
 def main_bench(args: argparse.Namespace) -> int:
@@ -143,7 +143,7 @@ def main_bench(args: argparse.Namespace) -> int:
             sweep=not args.no_sweep,
             progress=line.update,
             forward_us=getattr(args, "forward_us", 0.0),
-            manager_factory=None if getattr(args, "metrics", "on") == "on" else _without_metrics,
+            manager_factory=_with_metrics if getattr(args, "metrics", "off") == "on" else None,
         )
     finally:
         line.close()

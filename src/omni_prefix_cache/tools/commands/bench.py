@@ -90,8 +90,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--metrics",
         choices=["on", "off"],
-        default="on",
-        help="runtime metrics (PrefixCacheConfig.metrics, default on); run both to see their cost side by side",
+        default="off",
+        help="runtime metrics (PrefixCacheConfig.metrics, default off); run both to see their cost side by side",
     )
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
