@@ -71,7 +71,7 @@ from omni_prefix_cache.steps.step_layout import SchedSnapshot, StepLayout
 from omni_prefix_cache.steps.step_layout import is_step_token_tensor as _is_step_token_tensor
 from omni_prefix_cache.steps.step_layout import snapshot_leftover_mm_cpu as _snapshot_leftover_mm_cpu
 from omni_prefix_cache.steps.write_ledger import WriteLedger
-from omni_prefix_cache.writes.write_task import _BudgetTicket
+from omni_prefix_cache.writes.chunks import BudgetTicket
 
 __all__ = [
     "PREFETCH_THREAD_PREFIX",
@@ -295,7 +295,7 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
             hits = self._hits.take_all()
             self._next_step_id += 1
         claimed: StepD2HClaim | None = None
-        reserved: list[_BudgetTicket] = []
+        reserved: list[BudgetTicket] = []
         registered: list[WriteTask] = []
         published = False
         registering = False  # past this point a failed save cannot be retried
@@ -424,7 +424,7 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
         self,
         sid: StepId,
         claimed: StepD2HClaim | None,
-        reserved: list[_BudgetTicket],
+        reserved: list[BudgetTicket],
         registered: list[WriteTask],
         published: bool,
         hits: dict[ReqId, PendingHit],

@@ -43,8 +43,8 @@ from omni_prefix_cache.specs.composition import compile_operation
 from omni_prefix_cache.specs.loader import SpecError
 from omni_prefix_cache.steps.occupancy import SlotOccupancy
 from omni_prefix_cache.steps.step_layout import StepOutputs
+from omni_prefix_cache.writes.chunks import BudgetTicket, ChunkRuns, StepRows, WriteChunk
 from omni_prefix_cache.writes.operations import active_protocol
-from omni_prefix_cache.writes.write_task import ChunkRuns, StepRows, _BudgetTicket, _WriteChunk
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class TaskRecord:
 
     task: WriteTask
     req_id: ReqId
-    parts: list[tuple[tuple[TensorName, ...], _WriteChunk]]
+    parts: list[tuple[tuple[TensorName, ...], WriteChunk]]
 
 
 class RequestTasks:
@@ -213,7 +213,7 @@ class WriteLedger:
         page = claimed.staging_slot
         tasks: list[WriteTask] = []
         records = self.records
-        of_step, step_write = _WriteChunk.of_step, WriteTask.step_write
+        of_step, step_write = WriteChunk.of_step, WriteTask.step_write
         freeze_event, d2h_event = split.freeze_event, claimed.event
         tids = list(itertools.islice(self._tids, len(req_order)))
         write_ns = self.requests.open_many(req_order, tids)
@@ -245,7 +245,7 @@ class WriteLedger:
         for rid, chunk in split.deferred_chunks:
             task = self.requests.deferred.get(rid)
             if task is not None and (
-                task.reassigned_intersects(chunk) or ctrl.append_chunk(task, chunk, split.freeze_event) is not None
+                task.taken_over_intersects(chunk) or ctrl.append_chunk(task, chunk, split.freeze_event) is not None
             ):
                 task = None
             if task is None:
@@ -302,7 +302,7 @@ class WriteLedger:
         """Occupancy hook (state lock held): a newer write took these rows."""
         rec = self.records.get(tid)
         if rec is not None:
-            rec.task.add_reassigned(key, slots)
+            rec.task.add_taken_over(key, slots)
 
     @staticmethod
     def stranded(registered: list[WriteTask]) -> list[WriteTask]:
@@ -315,7 +315,7 @@ class WriteLedger:
         self,
         sid: StepId,
         claimed: StepD2HClaim | None,
-        reserved: list[_BudgetTicket],
+        reserved: list[BudgetTicket],
         registered: list[WriteTask],
         published: bool,
         error: BaseException,

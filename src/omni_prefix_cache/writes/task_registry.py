@@ -1,0 +1,124 @@
+"""The controller's registered writes and their records: the registry
+(effect ``register_task``), the completion and failure records (effects
+``publish_completed`` / ``publish_failed``) the manager drains, and the
+cause each failed write is raised with."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from omni_prefix_cache.interface import OmniPrefixCacheWriteFailedError, Tid
+from omni_prefix_cache.writes.write_task import WriteTask
+
+
+class TaskRegistry:
+    """Registered tasks (until the manager drains their completion), the
+    undrained completion and failure records, and failure causes.
+
+    ``lock`` is the controller's (reentrant) lock; it covers every table.
+    Effects run with it held; the other methods take it themselves, except
+    the lock-free reads (``tasks``, ``completed``, ``failed``, ``get``).
+    Failed tasks stay registered (a joiner still finds them).
+    """
+
+    def __init__(self, lock: Any) -> None:
+        self.lock = lock
+        self.tasks: dict[Tid, WriteTask] = {}
+        self.completed: deque[Tid] = deque()  # pool-written, not yet drained by the manager
+        self.failed: deque[Tid] = deque()  # failed; the manager raises from every later entry
+        # Why a task failed, for the error its joiners and the manager raise.
+        self._causes: dict[Tid, OmniPrefixCacheWriteFailedError] = {}
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    # ------------------------------------------------------------ effects (lock held)
+
+    def register(self, tasks: Iterable[WriteTask], queued: bool) -> None:
+        """Effect ``register_task``: the tasks join the registry, stamped for
+        the budget flush's oldest-first order (``queued``: registered to be
+        queued at their dispatch)."""
+        now, registry = time.monotonic(), self.tasks
+        for task in tasks:
+            task.enqueued_time = now
+            task.queued_at_submit = queued
+            registry[task.tid] = task
+
+    def publish_completed(self, task: WriteTask) -> None:
+        """Effect ``publish_completed``."""
+        self.completed.append(task.tid)
+
+    def publish_completed_many(self, tasks: Sequence[WriteTask]) -> None:
+        """Effect ``publish_completed`` for a batch."""
+        self.completed.extend([task.tid for task in tasks])
+
+    def publish_failed(self, task: WriteTask) -> None:
+        """Effect ``publish_failed``."""
+        self.failed.append(task.tid)
+
+    # ------------------------------------------------------------ reads
+
+    def get(self, tid: Tid) -> WriteTask | None:
+        return self.tasks.get(tid)
+
+    def registered(self) -> list[WriteTask]:
+        """Every registered task (not yet drained)."""
+        with self.lock:
+            return list(self.tasks.values())
+
+    def unfinished(self) -> list[WriteTask]:
+        """Registered tasks not yet terminal."""
+        with self.lock:
+            return [t for t in self.tasks.values() if not t.is_terminal]
+
+    def any_unfinished(self) -> bool:
+        with self.lock:
+            return any(not t.is_terminal for t in self.tasks.values())
+
+    # ------------------------------------------------------------ causes
+
+    def record_cause(self, task: WriteTask, error: BaseException | None) -> None:
+        """Keep ``error`` as the cause ``task`` fails with, where it is a
+        write-failed error and the task is not terminal yet (the first wins)."""
+        if isinstance(error, OmniPrefixCacheWriteFailedError) and not task.is_terminal:
+            with self.lock:
+                self._causes.setdefault(task.tid, error)
+
+    def failure_of(self, tid: Tid) -> OmniPrefixCacheWriteFailedError | None:
+        """The recorded cause of a failed task (None if it failed without a
+        write-failed error: a shutdown, a save refused by a library error)."""
+        with self.lock:
+            return self._causes.get(tid)
+
+    def has_causes(self) -> bool:
+        """True while any failure cause is kept (diagnostics)."""
+        with self.lock:
+            return bool(self._causes)
+
+    # ------------------------------------------------------------ drains (manager)
+
+    def drain_completed(self) -> list[Tid]:
+        """Pop pool-written tids and forget their tasks."""
+        with self.lock:
+            completed = self.completed
+            if not completed:
+                return []
+            out = list(completed)
+            completed.clear()
+            forget = self.tasks.pop
+            for tid in out:
+                forget(tid, None)
+        return out
+
+    def drain_failed(self) -> list[Tid]:
+        """Pop failed tids (one-shot). Their tasks stay registered."""
+        with self.lock:
+            failed = self.failed
+            if not failed:
+                return []
+            out = list(failed)
+            failed.clear()
+        return out
