@@ -378,11 +378,27 @@ class OmniPrefixCacheController(UpstreamSeams):
 
     def drain_completed(self) -> list[Tid]:
         """Pop pool-written tids and forget their tasks (manager, under its lock)."""
-        return self._registry.drain_completed()
+        registry = self._registry
+        with self.lock:
+            completed = registry.completed
+            if not completed:
+                return []
+            out = list(completed)
+            completed.clear()
+            forget = registry.tasks.pop
+            for tid in out:
+                forget(tid, None)
+        return out
 
     def drain_failed(self) -> list[Tid]:
         """Pop failed tids (one-shot). Their tasks stay registered."""
-        return self._registry.drain_failed()
+        with self.lock:
+            failed = self._registry.failed
+            if not failed:
+                return []
+            out = list(failed)
+            failed.clear()
+        return out
 
     def get_task(self, tid: Tid) -> WriteTask | None:
         return self._registry.get(tid)

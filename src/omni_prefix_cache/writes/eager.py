@@ -87,7 +87,7 @@ class EagerDispatch:
             self._fail_tasks(tasks, error)
             raise error
         try:
-            writer.land_or_raise(batch)
+            writer.land(batch, reraise=True)
         except BaseException as exc:
             self._fail_tasks(tasks, exc)
             raise

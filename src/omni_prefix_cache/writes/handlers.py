@@ -110,7 +110,7 @@ class WriteHandlers:
             "register_task": lambda batch: registry.register(batch.items, self.registering_queued),
             "unpin_budget": lambda batch: budget.unpin_many(batch.items),
             "wake_committer": lambda _: self._wake.notify_all(),
-            "publish_completed": lambda batch: registry.publish_completed_many(batch.items),
+            "publish_completed": registry.publish_completed_batch,
             "dispatch_inline": lambda batch: self.inline.extend(batch.items),
         }
 

@@ -165,20 +165,16 @@ class PoolWriter:
 
     # ------------------------------------------------------------ landing a batch
 
-    def land(self, batch: PoolWriteBatch) -> None:
-        """Write and finish a closed batch; a failing write fails only the
-        tasks whose rows failed (the committer's rule: nothing raises)."""
-        self._land(batch, reraise=False)
+    def land(self, batch: PoolWriteBatch, *, reraise: bool = False) -> None:
+        """Write a closed batch and finish its tasks; a failing write fails
+        only the tasks whose rows failed. Nothing raises (the committer's
+        rule) unless ``reraise``: then the first write failure does, after
+        the batch landed (an eager dispatch's rule).
 
-    def land_or_raise(self, batch: PoolWriteBatch) -> None:
-        """``land``, then raise the first write failure (an eager dispatch's rule)."""
-        self._land(batch, reraise=True)
-
-    def _land(self, batch: PoolWriteBatch, *, reraise: bool) -> None:
-        """Write a batch at once where it can (``_write_merged``); otherwise
-        (or if a merged write fails) task by task, so a failure is
-        attributed to exactly the task whose rows failed. Then the written
-        tasks finish their operation (its segments after the pool write)."""
+        Written at once where it can (``_write_merged``); otherwise (or if
+        a merged write fails) task by task, so a failure is attributed to
+        exactly the task whose rows failed. Then the written tasks finish
+        their operation (its segments after the pool write)."""
         if not batch.tasks:
             return
         pool = self._pool

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from omni_prefix_cache.interface import OmniPrefixCacheWriteFailedError, Tid
+from omni_prefix_cache.specs.batch import Batch
 from omni_prefix_cache.writes.write_task import WriteTask
 
 
@@ -51,9 +52,9 @@ class TaskRegistry:
         """Effect ``publish_completed``."""
         self.completed.append(task.tid)
 
-    def publish_completed_many(self, tasks: Sequence[WriteTask]) -> None:
-        """Effect ``publish_completed`` for a batch."""
-        self.completed.extend([task.tid for task in tasks])
+    def publish_completed_batch(self, batch: Batch) -> None:
+        """Effect ``publish_completed`` for a batch of tasks."""
+        self.completed.extend([task.tid for task in batch.items])
 
     def publish_failed(self, task: WriteTask) -> None:
         """Effect ``publish_failed``."""
@@ -97,28 +98,3 @@ class TaskRegistry:
         """True while any failure cause is kept (diagnostics)."""
         with self.lock:
             return bool(self._causes)
-
-    # ------------------------------------------------------------ drains (manager)
-
-    def drain_completed(self) -> list[Tid]:
-        """Pop pool-written tids and forget their tasks."""
-        with self.lock:
-            completed = self.completed
-            if not completed:
-                return []
-            out = list(completed)
-            completed.clear()
-            forget = self.tasks.pop
-            for tid in out:
-                forget(tid, None)
-        return out
-
-    def drain_failed(self) -> list[Tid]:
-        """Pop failed tids (one-shot). Their tasks stay registered."""
-        with self.lock:
-            failed = self.failed
-            if not failed:
-                return []
-            out = list(failed)
-            failed.clear()
-        return out
