@@ -8,13 +8,14 @@ Run ``python tests/test_layout.py`` for the full list of what breaks a rule.
 from __future__ import annotations
 
 import ast
-import sys
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from omni_prefix_cache.tools import package_map
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
@@ -32,16 +33,8 @@ ALLOWED_ATTRS = {"_replace", "_asdict", "_fields", "_make"}
 FOREIGN_ROOTS = {"torch", "sys", "np", "numpy", "os", "threading"}
 
 
-def module_name(path: Path) -> str:
-    rel = path.relative_to(SRC).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
 def src_modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+    return package_map.modules(PKG)
 
 
 def _is_private(name: str) -> bool:
@@ -55,67 +48,8 @@ def _in(path: Path, folder: Path) -> bool:
 # ------------------------------------------------------------------ imports
 
 
-def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
-    """Every omni_prefix_cache module ``path`` imports, anywhere in it
-    (module scope, ``TYPE_CHECKING`` blocks and function bodies alike)."""
-    me = module_name(path)
-    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name in modules)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*anchor, base] if base else anchor)
-            for alias in node.names:
-                sub = f"{base}.{alias.name}"
-                if sub in modules:
-                    out.add(sub)
-                elif base in modules:
-                    out.add(base)
-    out.discard(me)
-    return out
-
-
 def import_cycles() -> list[list[str]]:
-    modules = src_modules()
-    graph = {m: imports_of(p, modules) for m, p in modules.items()}
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    out: list[list[str]] = []
-    counter = [0]
-
-    def visit(v: str) -> None:  # Tarjan's strongly connected components
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    sys.setrecursionlimit(10_000)
-    for m in graph:
-        if m not in index:
-            visit(m)
-    return out
+    return package_map.cycles(package_map.module_graph(PKG))
 
 
 # ------------------------------------------------------------------ private access
@@ -291,15 +225,16 @@ def test_private_access_rule_can_fail(tmp_path: Path, source: str, expected: lis
         path.unlink()
 
 
-def test_cycle_finder_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cycle_finder_can_fail(tmp_path: Path) -> None:
     pkg = tmp_path / "omni_prefix_cache"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "a.py").write_text("from omni_prefix_cache import b\n")
     (pkg / "b.py").write_text("if False:\n    from omni_prefix_cache.a import x\n")
-    monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
-    monkeypatch.setattr(sys.modules[__name__], "PKG", pkg)
-    assert import_cycles() == [["omni_prefix_cache.a", "omni_prefix_cache.b"]]
+    (pkg / "c.py").write_text("from omni_prefix_cache.a import y\n")
+    graph = package_map.module_graph(pkg)
+    assert graph["omni_prefix_cache.c"] == {"omni_prefix_cache.a"}
+    assert package_map.cycles(graph) == [["omni_prefix_cache.a", "omni_prefix_cache.b"]]
 
 
 def report() -> None:

@@ -18,7 +18,8 @@ from hypothesis import settings
 from omni_prefix_cache.specs.composition import load_protocol
 from omni_prefix_cache.specs.loader import SpecError
 from omni_prefix_cache.testing import protocol_tests
-from omni_prefix_cache.testing.protocol_tests import build_machine, invariant_table, rule_table
+from omni_prefix_cache.testing.protocol_tests import build_machine, checks, invariant_table, rule_table
+from omni_prefix_cache.testing.protocol_tests import machine as protocol_machine
 
 
 class _Script:
@@ -43,6 +44,12 @@ class _Script:
         return self.DEFAULTS[label]
 
 
+def _quiet_events(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hypothesis's ``event`` outside a Hypothesis run: a no-op."""
+    for module in (protocol_machine, checks):
+        monkeypatch.setattr(module, "event", lambda *a, **k: None)
+
+
 @pytest.mark.parametrize("eager", [False, True], ids=["manual", "eager"])
 def test_a_resumed_request_rewrites_rows_its_open_write_lost(eager: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     # A trace of the generated machine's rules: q0 opens a deferred write on
@@ -50,25 +57,25 @@ def test_a_resumed_request_rewrites_rows_its_open_write_lost(eager: bool, monkey
     # block for one step and aborts, q0 resumes onto it. The rewrite must go
     # to a new write, not be appended to the one that lost those slots
     # (mutant tombstone_drops_fresh_rows: the pool keeps stale rows).
-    monkeypatch.setattr(protocol_tests, "event", lambda *a, **k: None)  # outside Hypothesis
+    _quiet_events(monkeypatch)  # outside Hypothesis
     machine = build_machine(eager=eager)()
     try:
         machine.first_arrivals(prefixes=[2], recent_first=True)
-        first = machine._drive_new_step(_Script(**{"admit q0": 4}))
-        machine._drive_materialize(first)
-        machine.rows_match_reference()
+        first = machine.drive_new_step(_Script(**{"admit q0": 4}))
+        machine.drive_materialize(first)
+        machine.checks.rows_match_reference()
         script = _Script(**{"preempt": "q0", "tenant prefix": 0, "admit q1": 2})
-        for sid in machine._drive_interim_tenant(script):
-            machine._drive_materialize(sid)
-        machine.rows_match_reference()
+        for sid in machine.drive_interim_tenant(script):
+            machine.drive_materialize(sid)
+        machine.checks.rows_match_reference()
         machine.model.end("q0")
-        machine._drive_drain()  # announces the finish: q0's writes are escalated
+        machine.drive_drain()  # announces the finish: q0's writes are escalated
         while not eager and machine._committer_unit():
             pass
-        machine._drive_drain()  # publishes them
+        machine.drive_drain()  # publishes them
         assert machine.model.cached_blocks(), "the trace no longer leaves cached blocks to check"
         for name in invariant_table(load_protocol()):
-            getattr(machine, name)()
+            getattr(machine.checks, name)()
     finally:
         machine.teardown()
 
@@ -80,25 +87,25 @@ def test_a_same_step_hit_on_a_reused_block_gets_this_steps_rows(eager: bool, mon
     # recent-first allocator; the next step admits identical prompts whose
     # prefix hit lands on a block that very step reallocates. The hit must be
     # re-planned against this step's rows (mutant reused_block_hit_not_replanned).
-    monkeypatch.setattr(protocol_tests, "event", lambda *a, **k: None)  # outside Hypothesis
+    _quiet_events(monkeypatch)  # outside Hypothesis
     machine = build_machine(eager=eager)()
     try:
         machine.first_arrivals(prefixes=[2, 0], recent_first=True)
-        s0 = machine._drive_new_step(_Script(**{"admit q0": 1, "admit q1": 3}))
-        machine._drive_materialize(s0)
-        s1 = machine._drive_new_step(_Script(**{"run q0": 1, "run q1": 1}))
-        machine._drive_materialize(s1)
-        machine.rows_match_reference()
+        s0 = machine.drive_new_step(_Script(**{"admit q0": 1, "admit q1": 3}))
+        machine.drive_materialize(s0)
+        s1 = machine.drive_new_step(_Script(**{"run q0": 1, "run q1": 1}))
+        machine.drive_materialize(s1)
+        machine.checks.rows_match_reference()
         for _ in range(3):
             machine.model.arrive(0, [])
-        machine._drive_preempt(_Script(preempt="q1"))
+        machine.drive_preempt(_Script(preempt="q1"))
         for _ in range(2):
             machine.model.arrive(0, [])
         admits = {"admit q1": 2, **{f"admit q{i}": 1 for i in range(2, 7)}}
-        s2 = machine._drive_new_step(_Script(**{"run q0": 1, **admits}))
+        s2 = machine.drive_new_step(_Script(**{"run q0": 1, **admits}))
         assert s2 is not None, "the trace no longer reaches its third step"
-        machine._drive_materialize(s2)
-        machine.rows_match_reference()
+        machine.drive_materialize(s2)
+        machine.checks.rows_match_reference()
     finally:
         machine.teardown()
 
@@ -109,25 +116,25 @@ def test_a_paused_prefetch_reads_preserved_rows_of_reused_slots(eager: bool, mon
     # its prefetch pauses at its version check; q1 aborts and a new tenant
     # reuses those blocks; the prefetch resumes and must serve the preserved
     # copies (mutant cow_copy_missed_before_reads_lock).
-    monkeypatch.setattr(protocol_tests, "event", lambda *a, **k: None)  # outside Hypothesis
+    _quiet_events(monkeypatch)  # outside Hypothesis
     machine = build_machine(eager=eager)()
     try:
         machine.first_arrivals(prefixes=[0], recent_first=True)
-        machine._drive_materialize(machine._drive_new_step(_Script(**{"admit q0": 4})))
+        machine.drive_materialize(machine.drive_new_step(_Script(**{"admit q0": 4})))
         machine.model.end("q0")
-        machine._drive_drain()
+        machine.drive_drain()
         while not eager and machine._committer_unit():
             pass
-        machine._drive_drain()
+        machine.drive_drain()
         machine.model.arrive(0, [23])
-        s1 = machine._drive_new_step(_Script(**{"admit q1": 1}))
+        s1 = machine.drive_new_step(_Script(**{"admit q1": 1}))
         assert machine.prefetch.pending, "the trace no longer plans a prefetch"
-        machine._drive_prefetch_pause()
+        machine.drive_prefetch_pause()
         assert machine.paused is not None, "the prefetch did not reach its version check"
-        machine._drive_paused_reader_slots_reused(2, _Script())
-        machine._drive_prefetch_resume()
-        machine.rows_match_reference()
-        machine._drive_discard(s1)
+        machine.drive_paused_reader_slots_reused(2, _Script())
+        machine.drive_prefetch_resume()
+        machine.checks.rows_match_reference()
+        machine.drive_discard(s1)
     finally:
         machine.teardown()
 

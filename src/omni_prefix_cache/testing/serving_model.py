@@ -286,10 +286,10 @@ class LazyExecutor:
     interleaving of prefetches with everything else is the test's choice."""
 
     def __init__(self) -> None:
-        self.pending: list[_LazyFuture] = []
+        self.pending: list[LazyFuture] = []
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
-        fut = _LazyFuture(self, fn, args, kwargs)
+        fut = LazyFuture(self, fn, args, kwargs)
         self.pending.append(fut)
         return fut
 
@@ -306,12 +306,19 @@ class LazyExecutor:
         self.pending.clear()
 
 
-class _LazyFuture(Future[Any]):
+class LazyFuture(Future[Any]):
+    """A job of a ``LazyExecutor``: it runs when a test runs it or asks for its result."""
+
     def __init__(
         self, owner: LazyExecutor, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         super().__init__()
         self._owner, self._job = owner, (fn, args, kwargs)
+
+    @property
+    def args(self) -> tuple[Any, ...]:
+        """The job's positional arguments (a prefetch's first is its PlannedRead)."""
+        return self._job[1]
 
     def run_now(self) -> bool:
         if not self.set_running_or_notify_cancel():
@@ -357,7 +364,8 @@ def racing_manager(
     )
     mgr = OmniPrefixCacheManager(config, model.view, eager=eager, committer=committer)
     mgr.register_policy(ModelCachePolicy(needs_full_hidden_states=True, deferred_keys=frozenset({deferred_key})))
-    mgr._hits.prefetch.shutdown(wait=False)
+    hits = mgr.components.hits
+    hits.prefetch.shutdown(wait=False)
     prefetch = LazyExecutor()
-    mgr._hits.prefetch = prefetch  # type: ignore[assignment]
+    hits.prefetch = prefetch  # type: ignore[assignment]
     return mgr, prefetch

@@ -32,10 +32,16 @@ from omni_prefix_cache.manager import OmniPrefixCacheManager
 from omni_prefix_cache.steps.occupancy import SlotState
 from omni_prefix_cache.testing.explore.scheduler import Scheduler
 from omni_prefix_cache.testing.write_fakes import install_failing_stages, probe_joins
+from omni_prefix_cache.writes.staging import StagingBufferHolder, StagingBufferPool
 
 BS = 2
 NUM_BLOCKS = 6
 WIDTHS = {HIDDEN_KEY: 2, "m": 1, "d": 1}
+
+
+def _pages(pool: StagingBufferPool) -> list[frozenset[StagingBufferHolder]]:
+    """Each staging page's holders, by page."""
+    return [pool.page_holders(page) for page in range(pool.depth)]
 
 
 def _fail(name: str, detail: str) -> AssertionError:
@@ -148,7 +154,7 @@ class Engine:
         return sid, expected
 
     def _check_save_barrier(self, sid: int) -> None:
-        ctrl = self.mgr._controller
+        ctrl = self.mgr.components.controller
         for tid in self.previous_immediate:
             task = ctrl.get_task(tid)
             if task is not None and not task.is_terminal:
@@ -156,7 +162,7 @@ class Engine:
                     "no_join_under_state_lock_and_save_waits_previous_writes",
                     f"step {sid} saved before task {tid} of the previous step was written",
                 )
-        self.previous_immediate = list(self.mgr._ledger.previous_step_writes)
+        self.previous_immediate = list(self.mgr.components.ledger.previous_step_writes)
 
     def check(self, sid: int, expected: Expected) -> None:
         """materialize(sid) and compare every row with the engine's."""
@@ -180,7 +186,7 @@ class Watch:
 
     def __init__(self, sched: Scheduler, mgr: OmniPrefixCacheManager) -> None:
         self.sched, self.mgr = sched, mgr
-        ctrl = self.ctrl = mgr._controller
+        ctrl = self.ctrl = mgr.components.controller
         self.ever_failed: set[int] = set()
         self.poison: dict[str, Callable[[Any], bool]] = {}
         self.violations: list[str] = []
@@ -193,7 +199,7 @@ class Watch:
 
         def joining(tids: list[int], event: Any) -> None:
             # Recorded, not raised: the manager would wrap an error raised inside its call.
-            if getattr(mgr._state_lock, "owner", None) is sched.current():
+            if getattr(mgr.components.state_lock, "owner", None) is sched.current():
                 self.violations.append(f"join({event}) of tasks {list(tids)} under the state lock")
 
         def poisoned(stage: str) -> Callable[[Any], bool]:
@@ -212,23 +218,23 @@ class Watch:
             raise _fail("no_join_under_state_lock_and_save_waits_previous_writes", self.violations[0])
         if ctrl.lock.locked():
             return
-        queued = [*ctrl._queue_hi, *ctrl._queue_lo]
+        queued = [*ctrl.queues.high, *ctrl.queues.low]
         if len(set(queued)) != len(queued):
             raise _fail(
                 "composed.one_queue_entry",
-                f"a task is queued twice: hi={list(ctrl._queue_hi)} lo={list(ctrl._queue_lo)}",
+                f"a task is queued twice: hi={list(ctrl.queues.high)} lo={list(ctrl.queues.low)}",
             )
         for tid in queued:
-            task = ctrl._tasks.get(tid)
+            task = ctrl.tasks.get(tid)
             if task is not None and task.state not in (TaskState.QUEUED, TaskState.FAILED):
                 raise _fail("composed.queued_not_claimed", f"task {tid} is on a copy queue while {task.state.name}")
         # Claimed (popped, copy stage not taken yet) or copying: one claim only.
-        for tid in self.copying | set(ctrl._claimed):
-            task = ctrl._tasks.get(tid)
+        for tid in self.copying | set(ctrl.queues.claimed):
+            task = ctrl.tasks.get(tid)
             if task is not None and (task.state is TaskState.QUEUED or tid in queued):
                 raise _fail("write_task.single_copy_claim", f"task {tid} is queued again while its copy runs")
-        for tid, task in list(ctrl._tasks.items()):
-            if task.done.is_set() and tid not in ctrl._completed and tid not in ctrl._failed:
+        for tid, task in list(ctrl.tasks.items()):
+            if task.done.is_set() and tid not in ctrl.completed and tid not in ctrl.failed:
                 if tid not in self.ever_failed:
                     raise _fail(
                         "composed.done_after_record",
@@ -238,53 +244,54 @@ class Watch:
     def fingerprint(self) -> Any:
         ctrl, mgr = self.ctrl, self.mgr
         return (
-            tuple(sorted((tid, t.state.name, t.done.is_set()) for tid, t in ctrl._tasks.items())),
-            tuple(ctrl._queue_hi),
-            tuple(ctrl._queue_lo),
-            tuple(ctrl._claimed),
-            tuple(ctrl._blocked),
-            tuple(ctrl._completed),
-            tuple(ctrl._failed),
-            tuple(sorted((sid, str(ctx.state)) for sid, ctx in mgr._step_ctxs.items())),
-            len(mgr._reads.pending),
-            tuple(tuple(sorted((h.kind, h.owner_id) for h in page)) for page in ctrl._staging_pool._busy),
+            tuple(sorted((tid, t.state.name, t.done.is_set()) for tid, t in ctrl.tasks.items())),
+            tuple(ctrl.queues.high),
+            tuple(ctrl.queues.low),
+            tuple(ctrl.queues.claimed),
+            tuple(ctrl.queues.blocked),
+            tuple(ctrl.completed),
+            tuple(ctrl.failed),
+            tuple(sorted((sid, str(ctx.state)) for sid, ctx in mgr.components.steps.items())),
+            len(mgr.components.reads.pending),
+            tuple(tuple(sorted((h.kind, h.owner_id) for h in page)) for page in _pages(ctrl.staging_pool)),
         )
 
     # ------------------------------------------------------------ at the end of a schedule
 
     def any_failed(self) -> bool:
-        return any(t.state is TaskState.FAILED for t in list(self.ctrl._tasks.values()))
+        return any(t.state is TaskState.FAILED for t in list(self.ctrl.tasks.values()))
 
     def check_quiesced(self, dead: bool) -> None:
         """After every request ended and every step was consumed: the racing
         tests' invariants, then nothing leaked."""
         mgr, ctrl = self.mgr, self.ctrl
         if not dead:
-            held = {h for page in ctrl._staging_pool._busy for h in page}
+            held = {h for page in _pages(ctrl.staging_pool) for h in page}
             steps = {h.owner_id for h in held if h.kind == "step"}
-            if steps != set(mgr._step_ctxs):
-                raise _fail("holders_match_live_steps_and_unwritten_tasks", f"{steps} != {set(mgr._step_ctxs)}")
-            tickets = {id(c.budget): c.budget for t in ctrl._tasks.values() for c in t.chunks if c.budget}
-            if ctrl._staged_bytes != sum(t.nbytes for t in tickets.values() if not t.freed):
-                raise _fail("staged_bytes_equal_live_tickets", f"staged {ctrl._staged_bytes}")
-            for key in list(mgr._slot_status.state):
-                status = mgr._slot_status.get_slot_status(key)
+            if steps != set(mgr.components.steps):
+                raise _fail("holders_match_live_steps_and_unwritten_tasks", f"{steps} != {set(mgr.components.steps)}")
+            tickets = {id(c.budget): c.budget for t in ctrl.tasks.values() for c in t.chunks if c.budget}
+            if ctrl.budget.staged_bytes != sum(t.nbytes for t in tickets.values() if not t.freed):
+                raise _fail("staged_bytes_equal_live_tickets", f"staged {ctrl.budget.staged_bytes}")
+            for key in list(mgr.components.occupancy.state):
+                status = mgr.components.occupancy.get_slot_status(key)
                 in_transit = status.state == int(SlotState.IN_TRANSIT)
                 if not torch.equal(in_transit, status.tids >= 0):
                     raise _fail("occupancy_matches_tasks", f"{key}: owner set iff IN_TRANSIT")
-        left = {t: task.state.name for t, task in ctrl._tasks.items() if not task.is_terminal}
+        left = {t: task.state.name for t, task in ctrl.tasks.items() if not task.is_terminal}
         if left:
             raise _fail("nothing_leaked", f"unfinished tasks after quiescing: {left}")
-        if any(ctrl._staging_pool._busy):
-            raise _fail("nothing_leaked", f"staging pages still held: {ctrl._staging_pool._busy}")
-        if ctrl._staged_bytes != 0:
-            raise _fail("nothing_leaked", f"{ctrl._staged_bytes} staged budget bytes left")
-        if mgr._step_ctxs:
-            raise _fail("nothing_leaked", f"step contexts left: {sorted(mgr._step_ctxs)}")
-        if mgr._reads.pending and not dead:
+        pages = [set(page) for page in _pages(ctrl.staging_pool)]
+        if any(pages):
+            raise _fail("nothing_leaked", f"staging pages still held: {pages}")
+        if ctrl.budget.staged_bytes != 0:
+            raise _fail("nothing_leaked", f"{ctrl.budget.staged_bytes} staged budget bytes left")
+        if mgr.components.steps:
+            raise _fail("nothing_leaked", f"step contexts left: {sorted(mgr.components.steps)}")
+        if mgr.components.reads.pending and not dead:
             # After shutdown a read whose prefetch finished but was never served may stay
             # registered (the manager is going away); before it, none may.
-            raise _fail("nothing_leaked", f"{len(mgr._reads.pending)} planned reads left")
+            raise _fail("nothing_leaked", f"{len(mgr.components.reads.pending)} planned reads left")
 
     def check_sticky(self) -> None:
         try:
@@ -363,7 +370,7 @@ def _quiesce(engine: Engine, watch: Watch, *, dead: bool) -> None:
         finished = SimpleNamespace(scheduled_new_reqs=[], finished_req_ids=set(engine.live), num_scheduled_tokens={})
         mgr.new_step_starts(finished)
         engine.live.clear()
-        ctrl.join([tid for tid, t in list(ctrl._tasks.items()) if not t.is_terminal])
+        ctrl.join([tid for tid, t in list(ctrl.tasks.items()) if not t.is_terminal])
         mgr.new_step_starts(_EMPTY)
         watch.check_quiesced(dead=False)
     mgr.shutdown()
@@ -452,17 +459,17 @@ def _failure_while_joining(sched: Scheduler, stage: str) -> None:
     if not dead:
         # Every write a's rows went into failed: joining it must say so.
         try:
-            mgr._controller.join(sorted(poisoned))
+            mgr.components.controller.join(sorted(poisoned))
         except OmniPrefixCacheUnmatchError:
             dead = True
     if not poisoned:
         raise AssertionError("explore scenario: the poisoned write never ran")
-    failed = {tid for tid, t in list(watch.ctrl._tasks.items()) if t.state is TaskState.FAILED}
+    failed = {tid for tid, t in list(watch.ctrl.tasks.items()) if t.state is TaskState.FAILED}
     if failed - poisoned:
         raise _fail(
             "failure_attributed_to_its_task", f"tasks {sorted(failed - poisoned)} failed; only {poisoned} were poisoned"
         )
-    if not (failed & poisoned) and poisoned & set(watch.ctrl._tasks):
+    if not (failed & poisoned) and poisoned & set(watch.ctrl.tasks):
         raise _fail("failure_attributed_to_its_task", f"poisoned tasks {sorted(poisoned)} did not fail")
     watch.check_sticky()
     _quiesce(engine, watch, dead=True)
