@@ -1,25 +1,21 @@
-"""The write path: WriteTasks, the staging pool, the GPU-byte budget, the
-copy queues and the single committer that writes the CPU block pool.
-
-The manager owns request and slot identity and decides when to submit; this
-class runs the writes. Two schedules (``WriteSchedule``):
+"""The write path's facade: WriteTasks, the staging pool, the GPU-byte
+budget, the copy queues and the single committer that writes the CPU block
+pool. The manager owns request and slot identity and decides when to
+submit; this class runs the writes, on two schedules (``WriteSchedule``):
 
     JOIN_NEXT_STEP   save already copied the whole step into a staging page
-                     and set ``chunk.host`` to views of it. The committer
-                     waits that copy's event, then writes the pool.
+                     (``chunk.host`` views it); the committer waits that
+                     copy's event, then writes the pool.
     JOIN_ON_FINISH   rows stay in a device clone; the committer copies them
                      to owned host tensors, then writes the pool.
 
-The committer runs threaded, manual, on_demand or eager (see ``committer``).
-
 Every operation is the composition's (spec/protocol.yaml), compiled once per
 controller (``writes.operations``): a task, its queue position and its
-staging hold move only through those compiled segments, each run under the
-lock it declares. The controller builds its parts and hands each the few
-collaborators it needs: ``task_registry`` (tasks and records),
-``copy_queues`` (positions), ``host_rows`` (copy stage and reads),
-``pool_writer`` (batched pool writes), ``handlers`` (effects and guards), ``committer`` (claim, copy, write),
-``eager`` (inline dispatch), ``budget`` (GPU bytes).
+staging hold move only through those compiled segments, each under the lock
+it declares. The controller builds its parts and hands each the few it
+needs: ``task_registry``, ``copy_queues``, ``host_rows`` (copy stage, reads),
+``pool_writer``, ``handlers`` (effects, guards), ``committer`` (threaded,
+manual, on_demand; see there), ``eager`` (inline dispatch), ``budget``.
 """
 
 from __future__ import annotations
@@ -122,18 +118,10 @@ class OmniPrefixCacheController(UpstreamSeams):
             drain=lambda: self._committer.drain(self._worker),
             close_staging=self._staging_pool.close,
         )
-        handlers = self._handlers
         self.binding = ControllerBinding(self.queues, self._staging_pool)
-        self.ops = compile_ops(
-            active_protocol(),
-            self.binding,
-            handlers.effects(),
-            handlers.guards(),
-            handlers.batch_effects(),
-            handlers.batch_guards(),
-        )
+        self.ops = compile_ops(active_protocol(), self.binding, *self._handlers.tables())
         self._writer = PoolWriter(pool, self._runner, self.ops, self.mode, self.fail_task)
-        handlers.stages.use(pool_write=self._writer)
+        self._handlers.stages.use(pool_write=self._writer)
         self._eager_dispatch = EagerDispatch(
             EagerRun(self._runner, self.ops.eager, self._writer), self._writer, self.ops.eager, self.fail_tasks
         )
@@ -183,9 +171,8 @@ class OmniPrefixCacheController(UpstreamSeams):
 
     @property
     def tasks(self) -> Mapping[Tid, WriteTask]:
-        """The task registry (registered, not yet drained). Read without
-        the lock: a checker looks between scheduled steps; callers that
-        race the committer use ``registered()``."""
+        """Registered tasks, not yet drained, read without the lock (a checker
+        between scheduled steps; callers racing the committer: ``registered()``)."""
         return self._registry.tasks
 
     @property
@@ -237,7 +224,7 @@ class OmniPrefixCacheController(UpstreamSeams):
 
     def in_flight_tasks(self) -> int:
         """Registered tasks not yet drained (diagnostics)."""
-        return len(self._registry)
+        return len(self._registry.tasks)
 
     # ------------------------------------------------------------ submit
 
@@ -307,8 +294,7 @@ class OmniPrefixCacheController(UpstreamSeams):
         self._registry.record_cause(task, error)
         return self._runner.run(self.ops.fail, task)
 
-    # The error to raise for a task failing at a stage (see write_errors).
-    write_error = staticmethod(write_error)
+    write_error = staticmethod(write_error)  # the error a task failing at a stage raises
 
     def failure_of(self, tid: Tid) -> OmniPrefixCacheWriteFailedError | None:
         """The recorded cause of a failed task (None if it failed without a
@@ -318,15 +304,14 @@ class OmniPrefixCacheController(UpstreamSeams):
     # ------------------------------------------------------------ device
 
     def is_device(self, t: torch.Tensor) -> bool:
-        """True if ``t`` is copied on the engine's device lanes (so it must be
-        frozen by a clone and a freeze event first)."""
+        """True if ``t`` is copied on the engine's device lanes (it must be
+        frozen first: a clone and a freeze event)."""
         return self.engine.is_device(t)
 
     def freeze(self, tensors: list[torch.Tensor]) -> Any:
-        """The freeze event for clones just taken on the compute stream:
-        blocking, recorded on each tensor device's current stream. None when
-        none is a device tensor. Record it after the clones, on the stream
-        the forward ran on (see docs/cuda.md)."""
+        """The blocking freeze event for clones just taken, recorded on each
+        tensor device's current stream (the one the forward ran on; see
+        docs/cuda.md); None when none is a device tensor."""
         return self.engine.freeze(tensors)
 
     # ------------------------------------------------------------ budget
@@ -342,9 +327,8 @@ class OmniPrefixCacheController(UpstreamSeams):
         self.ops.reserve.segments[0](nbytes)
 
     def refund_unpinned(self, tickets: list[BudgetTicket]) -> None:
-        """Uncharge reservations that no task ever pinned (``abandon_save``'s
-        refund; also a clone no request views). A pinned or already freed
-        ticket refunds nothing: its last task uncharges it."""
+        """``abandon_save``'s refund: uncharge reservations no task ever pinned
+        (a pinned or already freed ticket refunds nothing; its last task does)."""
         self.ops.refund.segments[-1](tickets)
 
     # ------------------------------------------------------------ lifecycle
@@ -354,8 +338,8 @@ class OmniPrefixCacheController(UpstreamSeams):
         high-priority queue. A claimed task is never re-queued: the committer
         claims under the same lock. Eager: ``eager_run`` for the tasks its
         entry admits, inline (outside the manager's state lock)."""
-        registry = self._registry
-        tasks = [t for tid in tids if (t := registry.get(tid)) is not None]
+        registered = self._registry.tasks
+        tasks = [t for tid in tids if (t := registered.get(tid)) is not None]
         if self.mode.eager:
             if tasks:
                 with torch.inference_mode():
@@ -401,7 +385,7 @@ class OmniPrefixCacheController(UpstreamSeams):
         return out
 
     def get_task(self, tid: Tid) -> WriteTask | None:
-        return self._registry.get(tid)
+        return self._registry.tasks.get(tid)
 
     def registered(self) -> list[WriteTask]:
         """Every registered task (not yet drained)."""

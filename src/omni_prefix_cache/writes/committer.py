@@ -86,11 +86,11 @@ class Committer:
         """``committer_claim``: pop the next entry (high first) and claim its
         copy in the critical section escalate uses; a stale entry is
         dropped. Returns the claimed tid, or None when the queues are empty."""
-        queues, registry = self._queues, self._registry
+        queues, registered = self._queues, self._registry.tasks
         segment = self._ops.claim.segments[0]
         with self._lock:
             while (tid := queues.head()) is not None:
-                task = registry.get(tid)
+                task = registered.get(tid)
                 if task is None:
                     raise ProtocolViolation(f"committer_claim: queued task {tid} is not registered")
                 claimed = len(queues.claimed)
@@ -114,8 +114,8 @@ class Committer:
         """``committer_copy`` of the claimed ``tids`` as one batch (their
         copy stages already taken off the claimed list); a failure fails
         only its own task."""
-        registry = self._registry
-        tasks = [task for tid in tids if (task := registry.get(tid)) is not None]
+        registered = self._registry.tasks
+        tasks = [task for tid in tids if (task := registered.get(tid)) is not None]
         if not tasks:
             return
         batch = self._runner.run_many(self._ops.copy, tasks)
@@ -127,13 +127,13 @@ class Committer:
         """``committer_write`` for every blocked task whose write the spec
         allows now; a failing pool write fails only its own task. Returns
         the tids tried."""
-        queues, registry, writer = self._queues, self._registry, self._writer
+        queues, registered, writer = self._queues, self._registry.tasks, self._writer
         # An eager controller writes what a test staged by hand the way its
         # dispatch would (operation eager_run's tail).
         op = self._ops.pool_write_op(self._mode.eager)
         pool_write = op.batch.segments[op.tail - 1]
         with self._lock:
-            ready = [t for tid in queues.blocked if (t := registry.get(tid)) is not None and self._ready(t)]
+            ready = [t for tid in queues.blocked if (t := registered.get(tid)) is not None and self._ready(t)]
             if ready:
                 taken = {t.tid for t in ready}
                 queues.blocked[:] = [tid for tid in queues.blocked if tid not in taken]
@@ -170,13 +170,13 @@ class Committer:
         an immediate write queued meanwhile must not wait for a batch of
         them). Returns how many entries it took off the queues (claimed,
         or dropped as stale)."""
-        queues, registry = self._queues, self._registry
+        queues, registered = self._queues, self._registry.tasks
         segment = self._ops.claim.batch.segments[0]
         with self._lock:
             tids = list(queues.high) if queues.high else list(queues.low)[:1]
             if not tids:
                 return 0
-            tasks = [registry.get(tid) for tid in tids]
+            tasks = [registered.get(tid) for tid in tids]
             missing = [tid for tid, task in zip(tids, tasks) if task is None]
             if missing:
                 raise ProtocolViolation(f"committer_claim: queued tasks {missing} are not registered")
@@ -252,7 +252,7 @@ class Committer:
         deadline = time.monotonic() + timeout
         raises = self._ops.join_raises
         for tid in tids:
-            task = registry.get(tid)
+            task = registry.tasks.get(tid)
             if task is None:
                 continue  # drained: already written
             if mode.committer == "on_demand" and not mode.eager:
@@ -260,7 +260,7 @@ class Committer:
             if not getattr(task, event).wait(max(0.0, deadline - time.monotonic())):
                 raise OmniPrefixCacheUnmatchError(
                     f"task {tid} ({task.schedule.value}) did not reach {event} within {timeout:g}s "
-                    f"(state={task.state.name}, in_flight_tasks={len(registry)})"
+                    f"(state={task.state.name}, in_flight_tasks={len(registry.tasks)})"
                 )
             if raises(task):
                 # The one-shot failure record may already be drained

@@ -22,6 +22,10 @@ from omni_prefix_cache.writes.task_registry import TaskRegistry
 from omni_prefix_cache.writes.write_task import WriteTask
 
 Join = Callable[[list[Tid]], None]
+Effects = dict[str, Callable[[Any], None]]
+Guards = dict[str, Callable[[Any], bool]]
+BatchEffects = dict[str, Callable[[Batch], None]]
+BatchGuards = dict[str, Callable[[list[Any]], list[bool]]]
 
 
 class WriteStages:
@@ -46,9 +50,9 @@ class WriteStages:
 
 
 class WriteHandlers:
-    """Effect and guard handlers over the controller's parts. ``flush``
-    escalates and joins through ``escalate`` / ``join`` (called each time,
-    so a probe shadowing the controller's methods sees the flush's joins);
+    """Effect and guard handlers over the controller's parts. The budget
+    flush escalates and joins through ``escalate`` / ``join`` (the
+    controller's operations, looked up at each flush);
     ``drain`` is the committer's ``drain_queues``; ``close_staging`` closes
     the staging pool. ``inline`` collects a dispatch's ``dispatch_inline``
     tasks; ``registering_queued`` is the ``queued`` flag of the registration
@@ -79,10 +83,14 @@ class WriteHandlers:
         self.inline: list[WriteTask] = []
         self.registering_queued = False
 
+    def tables(self) -> tuple[Effects, Guards, BatchEffects, BatchGuards]:
+        """Effects, guards, batch effects and batch guards (``compile_ops``' order)."""
+        return self.effects(), self.guards(), self.batch_effects(), self.batch_guards()
+
     def _flush_oldest(self, nbytes: int) -> None:
         self._budget.flush(nbytes, self._registry.unfinished, self._escalate, self._join)
 
-    def effects(self) -> dict[str, Callable[[Any], None]]:
+    def effects(self) -> Effects:
         budget, registry, stages = self._budget, self._registry, self.stages
         return {
             "register_task": lambda task: registry.register((task,), self.registering_queued),
@@ -101,7 +109,7 @@ class WriteHandlers:
             "drain_queues": lambda _: self._drain(),
         }
 
-    def batch_effects(self) -> dict[str, Callable[[Batch], None]]:
+    def batch_effects(self) -> BatchEffects:
         """Effects that run once for a whole batch (see specs.batch)."""
         budget, registry, stages = self._budget, self._registry, self.stages
         return {
@@ -114,7 +122,7 @@ class WriteHandlers:
             "dispatch_inline": lambda batch: self.inline.extend(batch.items),
         }
 
-    def guards(self) -> dict[str, Callable[[Any], bool]]:
+    def guards(self) -> Guards:
         budget, mode, registry = self._budget, self._mode, self._registry
         return {
             "immediate": lambda task: task.schedule is WriteSchedule.JOIN_NEXT_STEP,
@@ -127,7 +135,7 @@ class WriteHandlers:
             "eager": lambda _: mode.eager,
         }
 
-    def batch_guards(self) -> dict[str, Callable[[list[Any]], list[bool]]]:
+    def batch_guards(self) -> BatchGuards:
         """Guards answered for a whole batch at once (see specs.batch): the
         same answer per task as ``guards``, without a call per task."""
         immediate, mode = WriteSchedule.JOIN_NEXT_STEP, self._mode
