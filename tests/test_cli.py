@@ -14,6 +14,7 @@ import pytest
 
 from omni_prefix_cache.tools import cli
 from omni_prefix_cache.tools.cli import EXIT_ERROR, EXIT_NOTHING_CHECKED, EXIT_USAGE, build_parser, main
+from omni_prefix_cache.tools.commands.common import progress_enabled
 from omni_prefix_cache.tools.progress import StepProgress
 
 
@@ -169,4 +170,4 @@ def test_progress_line_draws_steps_elapsed_and_eta_only_when_enabled() -> None:
     off = io.StringIO()  # not a TTY: nothing, so piped and --json output stay clean
     StepProgress("step", stream=off).update(30, 120)
     assert off.getvalue() == ""
-    assert cli._progress_enabled(argparse.Namespace(json=True, quiet=False)) is False
+    assert progress_enabled(argparse.Namespace(json=True, quiet=False)) is False

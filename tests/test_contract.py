@@ -45,7 +45,7 @@ def manager_state(mgr: OmniPrefixCacheManager) -> dict[str, Any]:
             "live": set(mgr._live),
             "pending_sched": mgr._pending_sched,
             "pending_hits": dict(mgr._hits.pending),
-            "next_step_id": mgr._next_step_id,
+            "next_step_id": mgr._steps.next_id,
             "step_ctxs": dict(mgr._step_ctxs),
             "records": dict(mgr._ledger.records),
             "tasks": {r: dict(t) for r, t in rt.tasks.items()},

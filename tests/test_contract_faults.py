@@ -218,7 +218,7 @@ def test_long_run_tables_stay_bounded_by_the_live_working_set(eager: bool) -> No
         mgr.new_step_starts(SchedOut([], set(), {}))
         rt = mgr._ledger.requests
         assert not mgr._live and not rt.opened and not rt.tasks and not rt.deferred and not mgr._ledger.records
-        assert not ctrl.tasks and not mgr._reads.pending and not ctrl.registry.has_causes()
+        assert not ctrl.tasks and not mgr._reads.pending and not ctrl.failures
         print(f"{'eager' if eager else 'threaded'}: {model._next} requests over {steps} steps; peaks {dict(peak)}")
     finally:
         mgr.shutdown()

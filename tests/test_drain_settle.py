@@ -15,8 +15,9 @@ import torch
 
 from omni_prefix_cache.device.index_tensors import per_row
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, ReqId, TensorName, Tid, WriteSchedule
-from omni_prefix_cache.steps.occupancy import SlotOccupancy
-from omni_prefix_cache.steps.write_ledger import RequestTasks, TaskRecord, WriteLedger
+from omni_prefix_cache.steps.request_tasks import RequestTasks, TaskRecord
+from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
+from omni_prefix_cache.steps.write_ledger import WriteLedger
 from omni_prefix_cache.writes.chunks import ChunkRuns, StepRows, WriteChunk
 from omni_prefix_cache.writes.write_task import WriteTask
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from omni_prefix_cache.testing.explore.history import Op, check_history, linearizable, stress
-from omni_prefix_cache.testing.explore.runner import explore, replay
-from omni_prefix_cache.testing.explore.scenarios import SCENARIOS
+from omni_prefix_cache.testing.explore.runner import SCENARIOS, explore, replay
 from omni_prefix_cache.testing.explore.strategies import make_token, parse_token
 from omni_prefix_cache.tools.cli import EXPLORE_SCENARIOS
 

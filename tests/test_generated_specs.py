@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import omni_prefix_cache.reads.planned_read as planned_read_mod
-import omni_prefix_cache.steps.occupancy as occupancy_mod
+import omni_prefix_cache.steps.slot_occupancy as occupancy_mod
 import omni_prefix_cache.steps.step_context as step_context_mod
 import omni_prefix_cache.writes.copy_queues as copy_queues_mod
 import omni_prefix_cache.writes.staging as staging_mod

@@ -23,7 +23,7 @@ from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.interface import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig, WriteSchedule
 from omni_prefix_cache.reads.hit_planner import HitPlanner, PendingHit
 from omni_prefix_cache.reads.planned_read import HitReads, PlannedRead
-from omni_prefix_cache.steps.occupancy import SlotOccupancy, SlotState
+from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy, SlotState
 from omni_prefix_cache.writes.write_task import TaskState
 
 BS = 4

@@ -52,7 +52,7 @@ def step(
 
 class SeamLock:
     """The manager's reads lock, holding the prefetch thread's acquisition
-    in ``HitReads.ensure_not_reassigned`` (the version check) until
+    in ``HitReads.ensure_not_overwritten`` (the version check) until
     ``release_prefetch`` is set (``arrived`` says it got there)."""
 
     def __init__(self, real: Any) -> None:
@@ -63,7 +63,7 @@ class SeamLock:
 
     def _gate(self, caller: str) -> None:
         if (
-            caller == "ensure_not_reassigned"
+            caller == "ensure_not_overwritten"
             and not self._held_once
             and threading.current_thread().name.startswith(PREFETCH_THREAD_PREFIX)
         ):
@@ -95,7 +95,7 @@ def test_reuse_between_version_check_and_reads_lock_serves_preserved_rows(eager:
     """b's hit read of block 2 is at the version check (before the reads
     lock) when c reuses block 2: the reuse copies a's rows into b's read
     and bumps the versions. The read must then find those copies, not
-    raise "reassigned ... no preserved copy"."""
+    raise "overwritten ... no preserved copy"."""
     mgr = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=8, block_size=BS), BlockView(), eager=eager)
     managers.append(mgr)
     s = step(mgr, "a", [2], 0, 4, value=1.0)

@@ -30,7 +30,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initial
 from omni_prefix_cache.controller import TaskState
 from omni_prefix_cache.interface import HIDDEN_KEY, OmniPrefixCacheUnmatchError
 from omni_prefix_cache.manager import PREFETCH_THREAD_PREFIX
-from omni_prefix_cache.steps.occupancy import SlotState
+from omni_prefix_cache.steps.slot_occupancy import SlotState
 from omni_prefix_cache.testing.serving_model import RecentFirstAllocator, ServingModel, racing_manager
 from omni_prefix_cache.testing.write_fakes import install_failing_stages, probe_joins
 from omni_prefix_cache.tools.simulate.rows import rows_from_hashes
@@ -91,7 +91,7 @@ class SystemRace(RuleBasedStateMachine):
 
     def _install_fetch_seam(self) -> None:
         """Let a rule hold a prefetch at its version check, just before it
-        takes the reads lock (``HitReads.ensure_not_reassigned``): the one point of
+        takes the reads lock (``HitReads.ensure_not_overwritten``): the one point of
         a fetch where another thread's reuse of its slots can interleave."""
         real, race = self.mgr._reads.lock, self
         self.paused: threading.Thread | None = None
@@ -101,7 +101,7 @@ class SystemRace(RuleBasedStateMachine):
         class SeamLock:
             def __enter__(self) -> SeamLock:
                 caller = sys._getframe(1).f_code.co_name
-                if threading.current_thread() is race.paused and caller == "ensure_not_reassigned":
+                if threading.current_thread() is race.paused and caller == "ensure_not_overwritten":
                     race.at_seam.set()
                     assert race.go.wait(30), "a paused prefetch was never resumed"
                 real.acquire()

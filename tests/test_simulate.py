@@ -377,6 +377,7 @@ def test_bench_counts_the_engine_threads_page_faults_per_side(monkeypatch: pytes
     the delta across materialize (a fake counter that jumps inside each)."""
     from omni_prefix_cache.manager import OmniPrefixCacheManager
     from omni_prefix_cache.tools import bench
+    from omni_prefix_cache.tools.bench import measure
 
     faults = [0]
     real_save, real_mat = OmniPrefixCacheManager.save_outputs, OmniPrefixCacheManager.materialize
@@ -389,8 +390,8 @@ def test_bench_counts_the_engine_threads_page_faults_per_side(monkeypatch: pytes
         faults[0] += 3
         return real_mat(self, *a, **k)
 
-    monkeypatch.setattr(bench, "_RUSAGE_THREAD", 1)
-    monkeypatch.setattr(bench, "_thread_faults", lambda: faults[0])
+    monkeypatch.setattr(measure, "RUSAGE_THREAD", 1)
+    monkeypatch.setattr(measure, "thread_faults", lambda: faults[0])
     monkeypatch.setattr(OmniPrefixCacheManager, "save_outputs", save)
     monkeypatch.setattr(OmniPrefixCacheManager, "materialize", materialize)
     rep = bench.run_bench(["decode"], iters=3, warmup=1, sweep=False, modes=("eager",))
@@ -440,14 +441,15 @@ def test_bench_forward_is_slept_between_the_engine_calls_and_not_timed(monkeypat
     (a 60 ms forward against a decode step of a few ms)."""
     from omni_prefix_cache.manager import OmniPrefixCacheManager
     from omni_prefix_cache.tools import bench
+    from omni_prefix_cache.tools.bench import measure
 
     calls: list[str] = []
     real_sleep, real_new, real_save = (
-        bench.time.sleep,
+        measure.time.sleep,
         OmniPrefixCacheManager.new_step_starts,
         OmniPrefixCacheManager.save_outputs,
     )
-    monkeypatch.setattr(bench.time, "sleep", lambda s: (calls.append(f"sleep {s}"), real_sleep(s))[1])
+    monkeypatch.setattr(measure.time, "sleep", lambda s: (calls.append(f"sleep {s}"), real_sleep(s))[1])
     monkeypatch.setattr(
         OmniPrefixCacheManager, "new_step_starts", lambda self, *a: (calls.append("new"), real_new(self, *a))[1]
     )

@@ -20,7 +20,7 @@ import torch
 
 from omni_prefix_cache.interface import ModelCachePolicy, PrefixCacheConfig
 from omni_prefix_cache.manager import OmniPrefixCacheManager
-from omni_prefix_cache.steps.occupancy import SLOT_MACHINE, SlotState
+from omni_prefix_cache.steps.slot_occupancy import SLOT_MACHINE, SlotState
 from test_manager import BS, BlockView
 
 ABSENT = int(SlotState.ABSENT)

@@ -32,6 +32,7 @@ from omni_prefix_cache.specs.composition import load_protocol
 from omni_prefix_cache.specs.composition_diagrams import render_protocol
 from omni_prefix_cache.specs.diagrams import render_dot, stale_diagrams
 from omni_prefix_cache.specs.oracle import build_oracle, oracle_step
+from omni_prefix_cache.tools.package_map import render_package_map
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC_DIR = REPO / "spec"
@@ -317,8 +318,25 @@ def test_oracle_comparison_can_fail() -> None:
 
 
 def test_committed_diagrams_match_the_specs(repo_root: Path) -> None:
-    """`make diagrams` was rerun after the last spec edit."""
-    assert stale_diagrams(repo_root / "diagrams") == []
+    """`make diagrams` was rerun after the last spec edit (and the last new module)."""
+    assert stale_diagrams(repo_root / "diagrams", {"packages": render_package_map()}) == []
+
+
+def test_package_map_is_stale_after_an_import_changes(tmp_path: Path) -> None:
+    pkg = tmp_path / "omni_prefix_cache"
+    (pkg / "steps").mkdir(parents=True)
+    for path in (pkg / "__init__.py", pkg / "steps" / "__init__.py", pkg / "manager.py"):
+        path.write_text("")
+    (pkg / "steps" / "ledger.py").write_text("")
+    before = render_package_map(pkg)
+    assert '"manager" -> "steps"' not in before
+    (pkg / "manager.py").write_text("from omni_prefix_cache.steps import ledger\n")
+    after = render_package_map(pkg)
+    assert '"manager" -> "steps"' in after
+    out = tmp_path / "diagrams"
+    out.mkdir()
+    (out / "packages.dot").write_text(before)
+    assert "packages" in stale_diagrams(out, {"packages": after})
 
 
 def test_stale_diagrams_names_edited_and_missing_files(repo_root: Path, tmp_path: Path) -> None:

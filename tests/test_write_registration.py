@@ -15,9 +15,10 @@ import torch
 
 from omni_prefix_cache.device import sync
 from omni_prefix_cache.interface import ReqId, Tid, WriteSchedule
-from omni_prefix_cache.steps.occupancy import SlotOccupancy, SlotState
+from omni_prefix_cache.steps.request_tasks import RequestTasks
+from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy, SlotState
 from omni_prefix_cache.steps.step_layout import StepOutputs
-from omni_prefix_cache.steps.write_ledger import RequestTasks, WriteLedger
+from omni_prefix_cache.steps.write_ledger import WriteLedger
 from omni_prefix_cache.writes.chunks import StepRows, WriteChunk
 from omni_prefix_cache.writes.staging import StepD2HClaim
 from omni_prefix_cache.writes.write_task import TaskEvent, WriteTask

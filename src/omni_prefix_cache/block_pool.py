@@ -11,20 +11,116 @@ them, so pinning would only lock host memory (and torch's pinned allocator
 rounds each block up to a power of two). A slab is an anonymous mapping: the
 OS maps zero pages on first touch, so opening one costs neither a zeroing
 pass on the engine thread nor resident memory before the committer writes.
+
+Lazy is not free, though: the kernel charges a private writable mapping's
+whole size against its commit accounting when it is made, so a pool the
+host cannot hold fails at the first save that opens its slabs. The first
+save that fixes a key's width checks first (``check_fits``, from the save's
+validation, before it changes anything) and refuses with the invalid-argument
+error naming the bytes, the host's limit and the knobs. What the limit is
+depends on ``/proc/sys/vm/overcommit_memory`` (``host_commit_limit``):
+
+    0 (heuristic, the default)  the kernel refuses one mapping larger than
+        RAM + swap (MemTotal + SwapTotal) and grants any smaller one. The
+        check holds the whole pool to that bound: a pool above it could
+        never be resident, so it would fail at its mmap or, split over
+        keys, be OOM-killed as it fills.
+    1 (always)  the kernel grants every mapping; nothing is checked. The
+        operator chose overcommit: a pool larger than memory is OOM-killed
+        when it really fills, not refused here.
+    2 (strict)  the kernel refuses a mapping once Committed_AS plus its size
+        exceeds CommitLimit (swap + overcommit_ratio% of RAM). The check
+        holds the slabs about to open to CommitLimit - Committed_AS (the
+        slabs already open are in Committed_AS).
+
+A container's cgroup memory limit is not in ``/proc/meminfo``; it is not
+checked (it kills on fill, not at mapping time). Where ``/proc`` cannot be
+read (not Linux), nothing is checked. ``MAP_NORESERVE`` is deliberately not
+offered: it only defers the failure from a clear error at the first save to
+a SIGSEGV or an OOM kill deep inside a later pool write.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from omni_prefix_cache.device import sync
 from omni_prefix_cache.device.index_tensors import out_of_range
-from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, PrefixCacheConfig, TensorName
+from omni_prefix_cache.interface import (
+    OmniPrefixCacheInvalidArgumentError,
+    OmniPrefixCacheUnmatchError,
+    PrefixCacheConfig,
+    TensorName,
+)
 
 logger = logging.getLogger(__name__)
+
+# Where host_commit_limit reads the kernel's accounting (a module attribute
+# so another root can stand in for it).
+PROC_ROOT = Path("/proc")
+
+
+@dataclass(frozen=True)
+class HostCommitLimit:
+    """How many more bytes of private anonymous mappings the kernel grants
+    a pool (see the module docstring), and how that was worked out."""
+
+    overcommit_memory: int
+    bytes: int | None  # None: the kernel grants any mapping (mode 1)
+    whole_pool: bool  # True: the bound is on every slab together (mode 0); False: on the new ones (mode 2)
+    explained: str
+
+
+def _meminfo_bytes(text: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            out[name.strip()] = int(parts[0]) * (1024 if parts[1:2] == ["kB"] else 1)
+    return out
+
+
+def host_commit_limit(root: Path | None = None) -> HostCommitLimit | None:
+    """The kernel's limit on a new pool's slabs, from ``overcommit_memory``
+    and ``/proc/meminfo`` under ``root`` (default ``PROC_ROOT``). None when
+    they cannot be read or the mode is unknown: nothing to check against."""
+    proc = PROC_ROOT if root is None else root
+    try:
+        mode = int((proc / "sys/vm/overcommit_memory").read_text().strip())
+        info = _meminfo_bytes((proc / "meminfo").read_text())
+    except (OSError, ValueError):
+        return None
+    if mode == 1:
+        return HostCommitLimit(1, None, False, "overcommit_memory=1: the kernel grants every mapping")
+    if mode == 0 and "MemTotal" in info:
+        ram, swap = info["MemTotal"], info.get("SwapTotal", 0)
+        return HostCommitLimit(
+            0,
+            ram + swap,
+            True,
+            f"overcommit_memory=0: a mapping may not exceed RAM + swap = MemTotal {_size(ram)} "
+            f"+ SwapTotal {_size(swap)}, and a pool above it can never be resident",
+        )
+    if mode == 2 and "CommitLimit" in info and "Committed_AS" in info:
+        limit, committed = info["CommitLimit"], info["Committed_AS"]
+        return HostCommitLimit(
+            2,
+            max(0, limit - committed),
+            False,
+            f"overcommit_memory=2: CommitLimit {_size(limit)} - Committed_AS {_size(committed)}",
+        )
+    return None
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes:,} bytes ({nbytes / 2**30:.1f} GiB)"
 
 
 def _log_opened(key: TensorName, slab: torch.Tensor) -> None:
@@ -38,6 +134,10 @@ def _log_opened(key: TensorName, slab: torch.Tensor) -> None:
         slab.numel() * slab.element_size() / 2**20,
         ", pinned" if slab.is_pinned() else "",
     )
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def zeroed_host(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -71,6 +171,36 @@ class PrefixBlockPool:
         if int(width) <= 0:
             raise OmniPrefixCacheUnmatchError(f"prefix block pool: slab width must be positive, got {width}")
         return zeroed_host(self._num_slots, int(width), dtype)
+
+    def check_fits(self, layouts: Mapping[TensorName, tuple[torch.dtype, int]], *, what: str = "") -> None:
+        """Refuse to open slabs for ``layouts`` (key -> dtype, width; keys
+        that already have a slab are skipped) the host cannot hold (see the
+        module docstring). Any thread; reads ``/proc``. Raises the
+        invalid-argument error, prefixed by ``what`` (the call), naming the
+        bytes needed, the host's limit and the knobs."""
+        new = {key: layout for key, layout in layouts.items() if key not in self._slabs}
+        if not new:
+            return
+        limit = host_commit_limit()
+        if limit is None or limit.bytes is None:
+            return
+        needed = {key: self._num_slots * int(width) * _itemsize(dtype) for key, (dtype, width) in new.items()}
+        asked = sum(needed.values()) + (self.host_bytes() if limit.whole_pool else 0)
+        if asked <= limit.bytes:
+            return
+        config = self._config
+        per_key = ", ".join(
+            f"{key!r}: width {int(width)} x {str(dtype).removeprefix('torch.')} = {_size(needed[key])}"
+            for key, (dtype, width) in new.items()
+        )
+        opened = f"; the slabs already open hold {_size(self.host_bytes())}" if self._slabs and limit.whole_pool else ""
+        prefix = f"{what}: " if what else ""
+        raise OmniPrefixCacheInvalidArgumentError(
+            f"{prefix}prefix block pool: num_blocks {config.num_blocks} x block_size {config.block_size} = "
+            f"{self._num_slots} slots per key needs {_size(sum(needed.values()))} of host memory for "
+            f"{per_key}{opened}; the host allows {_size(limit.bytes)} ({limit.explained}). "
+            "Lower num_blocks, cache the key in a smaller dtype, or give the host more memory or swap"
+        )
 
     def ensure_key(self, key: TensorName, dtype: torch.dtype, width: int) -> torch.Tensor:
         """The slab for ``key``, allocated (zeroed) if missing.

@@ -53,7 +53,7 @@ from omni_prefix_cache.writes.operations import ControllerBinding, OpRunner, act
 from omni_prefix_cache.writes.pool_writer import PoolWriter
 from omni_prefix_cache.writes.staging import HolderTrigger, StagingBufferHolder, StagingBufferPool, StepD2HClaim
 from omni_prefix_cache.writes.task_registry import TaskRegistry
-from omni_prefix_cache.writes.write_errors import write_error
+from omni_prefix_cache.writes.write_errors import FailureRecord, write_error
 from omni_prefix_cache.writes.write_task import TaskEvent, TaskState, WriteTask
 
 __all__ = [
@@ -77,6 +77,9 @@ class OmniPrefixCacheController(UpstreamSeams):
     the task registry, the copy queues, the completion and failure records
     and the budget counter. Never held across a copy, a pool write, a join
     or a budget flush. Each task's own lock covers its state.
+
+    Failures: one record per failure cause (``failures``), not per failed
+    task; records and failed tasks stay until shutdown (failure is sticky).
     """
 
     def __init__(
@@ -222,10 +225,6 @@ class OmniPrefixCacheController(UpstreamSeams):
             )
         self._staging_pool.release(slot, holder, trigger)
 
-    def in_flight_tasks(self) -> int:
-        """Registered tasks not yet drained (diagnostics)."""
-        return len(self._registry.tasks)
-
     # ------------------------------------------------------------ submit
 
     def register(self, task: WriteTask, queued: bool = True) -> None:
@@ -297,9 +296,14 @@ class OmniPrefixCacheController(UpstreamSeams):
     write_error = staticmethod(write_error)  # the error a task failing at a stage raises
 
     def failure_of(self, tid: Tid) -> OmniPrefixCacheWriteFailedError | None:
-        """The recorded cause of a failed task (None if it failed without a
-        write-failed error: a shutdown, a save refused by a library error)."""
+        """The error of the failure record naming a failed task (see
+        ``TaskRegistry.failure_of``); None if it failed without one."""
         return self._registry.failure_of(tid)
+
+    @property
+    def failures(self) -> list[FailureRecord]:
+        """The failure records, one per failure cause (not per failed task)."""
+        return self._registry.failures()
 
     # ------------------------------------------------------------ device
 

@@ -2,7 +2,8 @@
 
 vLLM is never imported here: these describe, by name, the attributes of
 vLLM's scheduler output and input batch that the manager, the group view
-and the ``simulate --engine vllm`` driver read. ``tests_vllm`` checks every
+and the ``simulate --engine vllm`` driver read, and (``GroupViewLike``) what
+the manager reads from its group view. ``tests_vllm`` checks every
 member against vLLM's real classes, so an upgrade that renames a field fails
 a test instead of silently reading a default. Checked against vLLM 0.33.0.
 Members are read-only properties: the library only reads them, so frozen
@@ -12,7 +13,10 @@ dataclasses and narrower types (a ``dict`` for a ``Mapping``) satisfy them.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
 
 from omni_prefix_cache.interface import ReqId
 
@@ -70,7 +74,7 @@ class CpuTensorHolder(Protocol):
     """vLLM's ``CpuGpuBuffer``: its ``cpu`` tensor is the block table the view gathers from."""
 
     @property
-    def cpu(self) -> Any: ...  # torch.Tensor (int32, rows x max blocks per request)
+    def cpu(self) -> torch.Tensor | np.ndarray: ...  # int32, rows x max blocks per request
 
 
 @runtime_checkable
@@ -113,7 +117,7 @@ class InputBatchLike(Protocol):
     @property
     def req_id_to_index(self) -> Mapping[ReqId, int]: ...
     @property
-    def num_computed_tokens_cpu(self) -> Any: ...  # numpy int32 array, one entry per row
+    def num_computed_tokens_cpu(self) -> np.ndarray | torch.Tensor: ...  # int32, one entry per row
     @property
     def block_table(self) -> MultiGroupBlockTableLike: ...
 
@@ -124,3 +128,23 @@ class InputBatchLike(Protocol):
 # Attributes older vLLM had on BlockTable that 0.33 has not; tests_vllm pins their absence
 # so a vLLM that brings kernel-unit tables back fails a test rather than passing the view's checks.
 LEGACY_BLOCK_TABLE_ATTRS: tuple[str, ...] = ("blocks_per_kv_block", "use_hybrid_blocks", "kv_cache_block_size")
+
+
+@runtime_checkable
+class GroupViewLike(Protocol):
+    """The group view the manager is built with: request order and KV slot
+    ids of one step, read on the engine thread only (new_step_starts and
+    save_outputs). ``group_view.FullAttentionGroupView`` is the one over
+    vLLM's input batch; a driver without vLLM brings its own.
+
+    ``block_size`` must equal ``PrefixCacheConfig.block_size`` (the manager
+    refuses a mismatch). ``step_slots_cpu`` returns one int64 CPU slot id per
+    scheduled token, request after request in ``req_ids`` order.
+    """
+
+    @property
+    def block_size(self) -> int: ...
+
+    def batch_req_ids(self) -> Sequence[ReqId]: ...
+
+    def step_slots_cpu(self, req_ids: Sequence[ReqId], num_scheduled: Mapping[ReqId, int]) -> torch.Tensor: ...

@@ -173,6 +173,13 @@ class OmniPrefixCacheStagingTimeoutError(OmniPrefixCacheUnmatchError):
     """A save waited for a free staging page and timed out."""
 
 
+class OmniPrefixCacheJoinTimeoutError(OmniPrefixCacheUnmatchError):
+    """A join (the save barrier, a budget flush, a hit read of rows not yet
+    in the pool) waited ``staging_claim_timeout_s`` for a write that neither
+    finished nor failed. The message names the task, its state and the
+    writes in flight; nothing was registered by the call that joined."""
+
+
 @dataclass(frozen=True)
 class ModelCachePolicy:
     """What one model caches: hidden states or not, and its deferred mm keys."""

@@ -12,8 +12,9 @@ component per concern, each in its own module:
 
 - ``validation``: argument checks, before anything changes;
 - ``step_layout.StepLayout``: request spans and routing of a step's outputs;
+- ``step_context.StepTable``: open steps by id, each consumed exactly once;
 - ``write_ledger.WriteLedger``: writes per request until drained, the save
-  barrier, slot tenancy of a step and the sticky failure;
+  barrier, slot tenancy of a step and (``sticky_failure``) the first failure;
 - ``hit_planner.HitPlanner``: pending prefix hits and their planned reads;
 - ``planned_read.HitReads``: planned reads with copy on write (prefetch);
 - ``materializer.Materializer``: one consumed step's outputs per request.
@@ -34,6 +35,7 @@ state lock and can never stall the engine behind a gather.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -43,10 +45,10 @@ import torch
 
 from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.compat.manager_seams import UpstreamSeams
-from omni_prefix_cache.controller import OmniPrefixCacheController, StagingBufferHolder, StepD2HClaim, WriteTask
+from omni_prefix_cache.controller import OmniPrefixCacheController, StagingBufferHolder
 from omni_prefix_cache.device import sync
 from omni_prefix_cache.device.copy_engine import CopyEngine
-from omni_prefix_cache.engine_types import SchedulerOutputLike
+from omni_prefix_cache.engine_types import GroupViewLike, SchedulerOutputLike
 from omni_prefix_cache.interface import (
     ModelCachePolicy,
     OmniPrefixCacheInvalidArgumentError,
@@ -63,15 +65,14 @@ from omni_prefix_cache.ops.manager_stats import ManagerStats
 from omni_prefix_cache.reads.hit_planner import HitPlanner, PendingHit
 from omni_prefix_cache.reads.materializer import Materializer
 from omni_prefix_cache.reads.planned_read import HitReads
-from omni_prefix_cache.specs import CompiledMove
+from omni_prefix_cache.specs.types.step_context import StepContextTrigger
 from omni_prefix_cache.steps import validation as check
-from omni_prefix_cache.steps.occupancy import SlotOccupancy
-from omni_prefix_cache.steps.step_context import STEP_CONSUMED, STEP_INITIAL, StepContext, step_move
+from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
+from omni_prefix_cache.steps.step_context import StepContext, StepTable, step_move
 from omni_prefix_cache.steps.step_layout import SchedSnapshot, StepLayout
 from omni_prefix_cache.steps.step_layout import is_step_token_tensor as _is_step_token_tensor
 from omni_prefix_cache.steps.step_layout import snapshot_leftover_mm_cpu as _snapshot_leftover_mm_cpu
-from omni_prefix_cache.steps.write_ledger import WriteLedger
-from omni_prefix_cache.writes.chunks import BudgetTicket
+from omni_prefix_cache.steps.write_ledger import SaveProgress, WriteLedger
 
 __all__ = [
     "PREFETCH_THREAD_PREFIX",
@@ -101,15 +102,16 @@ class ManagerComponents:
     layout: StepLayout
     materializer: Materializer
     steps: dict[StepId, StepContext]
-    state_lock: Any
+    state_lock: threading.Lock
 
 
 class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
     """Full-prompt hidden states and token-major mm outputs for one stage.
 
-    ``view`` is the group view over vLLM's input batch (``block_size``,
-    ``batch_req_ids()``, ``step_slots_cpu(req_ids, num_scheduled)``); it is
-    read only on the engine thread (new_step_starts / save_outputs).
+    ``view`` is the group view (``GroupViewLike``: ``block_size``,
+    ``batch_req_ids()``, ``step_slots_cpu(req_ids, num_scheduled)``), over
+    vLLM's input batch in production; it is read only on the engine thread
+    (new_step_starts / save_outputs).
     ``eager``: None picks eager on machines without CUDA; False runs the
     threaded committer (CPU copy engine without CUDA). ``committer`` is
     passed to the controller: "thread" in production; "manual" and
@@ -119,7 +121,7 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
     def __init__(
         self,
         config: PrefixCacheConfig,
-        view: Any,
+        view: GroupViewLike,
         *,
         eager: bool | None = None,
         committer: Literal["thread", "manual", "on_demand"] = "thread",
@@ -133,18 +135,18 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
         self._view = view
         self._pool = PrefixBlockPool(config)
         # ``engine``: where rows leave the device (default: CUDA lanes when
-        # CUDA exists and eager is off, else host copies). A test seam.
+        # CUDA exists and eager is off, else host copies; a fake injects faults).
         self._controller = OmniPrefixCacheController(
             self._pool, config, eager=eager, committer=committer, engine=engine
         )
         self._policy = ModelCachePolicy()
         self._state_lock = sync.Lock()
-        self._step_ctxs: dict[StepId, StepContext] = {}
-        self._next_step_id = 1
         self._live: set[ReqId] = set()
         self._pending_sched: SchedSnapshot | None = None
         # Operator counters (state lock); see stats().
         self._counters: Counter[str] = Counter()
+        self._steps = StepTable(self._counters)
+        self._step_ctxs = self._steps.open
         self._closed = False
         # The components (see the module docstring). The occupancy's hooks
         # are installed once both sides exist.
@@ -152,7 +154,7 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
         self._layout = StepLayout(config, view, self._pool, self._controller)
         self._ledger = WriteLedger(self._controller, self._slot_status, self._state_lock, self._live, self._counters)
         self._reads = HitReads(self._pool, self._controller, self._slot_status, sync.Lock())  # leaf lock
-        self._slot_status.on_reassign = self._ledger.on_reassign
+        self._slot_status.on_takeover = self._ledger.on_takeover
         self._slot_status.on_reuse = self._reads.registry.preserve
         self._hits = HitPlanner(
             config,
@@ -235,11 +237,11 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
             self._controller.escalate(escalate)
         with self._state_lock:
             self._check_open("new_step_starts")
-            self._counters["query_requests"] += queried
-            self._counters["query_tokens"] += query_tokens
-            self._counters["hit_requests"] += len(new_hits)
-            self._counters["hit_tokens"] += sum(hit.num_computed for hit in new_hits)
-            self._commit_drained_writes()
+            hit_tokens = sum(hit.num_computed for hit in new_hits)
+            self._counters.update(
+                query_requests=queried, query_tokens=query_tokens, hit_requests=len(new_hits), hit_tokens=hit_tokens
+            )
+            self._ledger.commit_drained_locked()
             jobs = self._hits.plan_many(new_hits, at_save=False)
             # Started and their futures stored in the segment that planned
             # them: shutdown (same lock) then cancels or waits for each one,
@@ -281,7 +283,7 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
             self._check_open("save_outputs")
             # Engine thread only: nothing else takes a snapshot or a step id.
             sched = self._pending_sched
-            sid = self._next_step_id
+            sid = self._steps.next_id
         if sched is None:
             raise OmniPrefixCacheUnmatchError(f"save_outputs (step {sid}) without a new_step_starts before it")
         if padded < n:
@@ -293,23 +295,17 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
             self._check_open(f"save_outputs (step {sid})")
             self._pending_sched = None
             hits = self._hits.take_all()
-            self._next_step_id += 1
-        claimed: StepD2HClaim | None = None
-        reserved: list[BudgetTicket] = []
-        registered: list[WriteTask] = []
-        published = False
+            self._steps.next_id += 1
+        save = SaveProgress(sid)
         registering = False  # past this point a failed save cannot be retried
         ledger = self._ledger
         try:
             snapshot, mm_event = self._layout.leftover_snapshot(split, n)
             ledger.join_previous_step()
-            claimed = self._controller.stage_step_host(
+            claimed = save.claimed = self._controller.stage_step_host(
                 split.immediate, n, split.freeze_event, StagingBufferHolder.for_step(sid)
             )
-            ticket = split.deferred_ticket
-            if ticket is not None:
-                self._controller.reserve(ticket.nbytes)
-                reserved.append(ticket)
+            ledger.reserve_budget(split, save.reserved)
             new_slabs = self._layout.new_slabs(split)  # paid here, published under the lock
 
             with self._state_lock:
@@ -319,10 +315,10 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
                 registering = True
                 # First, before any table changes: a failure here leaves
                 # nothing registered.
-                self._commit_drained_writes()
+                ledger.commit_drained_locked()
                 self._layout.publish_keys(new_slabs, split, self._slot_status)
-                immediate = ledger.register_immediate_locked(split, claimed, req_order, spans, slots, registered)
-                deferred_tids = ledger.register_deferred_locked(split, registered)
+                immediate = ledger.register_immediate_locked(split, claimed, req_order, spans, slots, save.registered)
+                deferred_tids = ledger.register_deferred_locked(split, save.registered)
                 with self._reads.lock:
                     # Version bumps and preserved copies change together.
                     ledger.take_tenancy_locked(split, slots, req_order, spans, immediate, deferred_tids)
@@ -330,24 +326,19 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
                 ctx = self._layout.step_context(
                     sid, self._controller, claimed, split, n, req_order, spans, snapshot, mm_event, self._policy
                 )
-                ctx.state = step_move(sid, STEP_INITIAL, "save").dest
                 jobs = self._hits.attach_to_step(hits, ctx)
-                self._step_ctxs[sid] = ctx
+                self._steps.publish_locked(ctx)
                 ledger.previous_step_writes = [t.tid for t in immediate]
-                self._counters["steps_saved"] += 1
-                self._counters["tokens_saved"] += n
-                published = True
-            if reserved:
-                # A clone no task views (a step without scheduled requests)
-                # is uncharged now; a pinned ticket refunds nothing here.
-                self._controller.refund_unpinned(reserved)
+                self._counters.update(steps_saved=1, tokens_saved=n)
+                save.published = True
+            # A clone no task views (a step without scheduled requests) is
+            # uncharged now; a pinned ticket refunds nothing here.
+            ledger.refund_unpinned(save.reserved)
             # Eager: copy + pool write inline, outside the lock.
             self._controller.dispatch(immediate)
         except BaseException as exc:
-            error = ledger.save_error(sid, exc, registered, published)
-            self._abandon_save(
-                sid, claimed, reserved, registered, published, hits, error, None if registering else sched
-            )
+            error = ledger.save_error(save, exc)
+            self._abandon_save(save, hits, error, None if registering else sched)
             if error is exc:
                 raise
             raise error from exc
@@ -367,7 +358,7 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
         step's staging holder is released whatever happens. Raises
         OmniPrefixCacheUnmatchError for an unknown or consumed step id, ids
         outside the save snapshot, a sticky write failure, or a hit that
-        cannot be served (absent hidden rows, a reassigned delayed read, a
+        cannot be served (absent hidden rows, an overwritten delayed read, a
         failed pool read). A step id that is not an int or ``req_ids`` that
         is not a collection of str raise the invalid-type error without
         consuming the step; after shutdown, the shutdown error.
@@ -376,7 +367,8 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
         req_ids = check.as_req_ids(f"materialize(step {step_id}): req_ids", req_ids)
         self._check_open(f"materialize(step {step_id})")
         with self._state_lock:
-            ctx, move = self._consume_locked(step_id, "materialize")
+            self._check_open(f"materialize(step {step_id})")
+            ctx, move = self._steps.consume_locked(step_id, StepContextTrigger.MATERIALIZE)
         try:
             self._check_open(f"materialize(step {step_id})")
             self._ledger.raise_if_failed()
@@ -392,7 +384,8 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
         check.as_step_id("discard_step", step_id)
         self._check_open(f"discard_step(step {step_id})")
         with self._state_lock:
-            ctx, move = self._consume_locked(step_id, "discard")
+            self._check_open(f"discard_step(step {step_id})")
+            ctx, move = self._steps.consume_locked(step_id, StepContextTrigger.DISCARD)
         self._materializer.release(ctx, move)
 
     def shutdown(self) -> None:
@@ -405,15 +398,14 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
             if self._closed:
                 return
             self._closed = True
-            open_steps = list(self._step_ctxs.values())
-            self._step_ctxs.clear()
+            open_steps = self._steps.close_locked()
             self._hits.drop_all()
             self._pending_sched = None
         self._hits.prefetch.shutdown(wait=False, cancel_futures=True)
         for ctx in open_steps:
             # Cleanup must not raise: a refused release is logged, the rest go on.
             try:
-                self._materializer.release(ctx, step_move(ctx.step_id, ctx.state, "discard"))
+                self._materializer.release(ctx, step_move(ctx.step_id, ctx.state, StepContextTrigger.DISCARD))
             except Exception:
                 logger.exception("omni prefix cache: releasing step %s at shutdown failed", ctx.step_id)
         self._controller.shutdown()
@@ -421,15 +413,7 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
     # ============================================================ helpers
 
     def _abandon_save(
-        self,
-        sid: StepId,
-        claimed: StepD2HClaim | None,
-        reserved: list[BudgetTicket],
-        registered: list[WriteTask],
-        published: bool,
-        hits: dict[ReqId, PendingHit],
-        error: BaseException,
-        retry: SchedSnapshot | None,
+        self, save: SaveProgress, hits: dict[ReqId, PendingHit], error: BaseException, retry: SchedSnapshot | None
     ) -> None:
         """Undo a failed save: no step context, and (``WriteLedger.abandon_save``)
         no step holder, no budget no task pinned, no stranded write.
@@ -439,30 +423,13 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
         hits are put back, so the engine may call save_outputs again (under
         a new step id) and no row behind a published block hash is lost."""
         with self._state_lock:
-            if published:
-                self._step_ctxs.pop(sid, None)
+            if save.published:
+                self._step_ctxs.pop(save.sid, None)
             # After shutdown nothing is put back: the hits are dropped (shutdown did not see them).
-            if retry is not None and not self._closed and self._pending_sched is None and not self._hits.pending:
-                self._pending_sched, self._hits.pending = retry, hits
-            else:
-                for hit in hits.values():
-                    self._hits.drop(hit)
-        self._ledger.abandon_save(sid, claimed, reserved, registered, published, error)
-
-    def _consume_locked(self, step_id: StepId, trigger: str) -> tuple[StepContext, CompiledMove]:
-        """Pop the step's context and move it to CONSUMED (state lock held).
-        After shutdown (which released every open step) the shutdown error."""
-        self._check_open(f"{'materialize' if trigger == 'materialize' else 'discard_step'}(step {step_id})")
-        ctx = self._step_ctxs.get(step_id)
-        if ctx is None:
-            issued = isinstance(step_id, int) and 0 < step_id < self._next_step_id
-            step_move(step_id, STEP_CONSUMED if issued else STEP_INITIAL, trigger)
-            raise AssertionError("unreachable: step_move raises for a step without a context")
-        move = step_move(step_id, ctx.state, trigger)
-        del self._step_ctxs[step_id]
-        self._counters[f"steps_{trigger}d" if trigger.endswith("e") else f"steps_{trigger}ed"] += 1
-        ctx.state = move.dest
-        return ctx, move
+            can_retry = retry is not None and not self._closed and self._pending_sched is None
+            if self._hits.put_back(hits, can_retry):
+                self._pending_sched = retry
+        self._ledger.abandon_save(save, error)
 
     def _check_open(self, call: str) -> None:
         """Raise the shutdown error naming ``call`` once shutdown began. Read

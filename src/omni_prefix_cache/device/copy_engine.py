@@ -28,6 +28,16 @@ from omni_prefix_cache.device import sync
 Copies = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
+class DeviceEvent(Protocol):
+    """Completes queued device work: a ``torch.cuda.Event``, ``DeviceEvents``
+    (one per device) or a test runtime's fake. None stands for "already
+    complete" wherever an event is optional."""
+
+    def synchronize(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+
 class DeviceEvents:
     """One event per device (a step whose tensors span several GPUs).
 
@@ -35,7 +45,7 @@ class DeviceEvents:
     event: events recorded on one stream complete in order.
     """
 
-    def __init__(self, events: dict[int, Any]) -> None:
+    def __init__(self, events: dict[int, DeviceEvent]) -> None:
         self.events = dict(events)
 
     def synchronize(self) -> None:
@@ -46,7 +56,7 @@ class DeviceEvents:
         return all(event.query() for event in self.events.values())
 
     @staticmethod
-    def merged(older: Any, newer: Any) -> Any:
+    def merged(older: DeviceEvent | None, newer: DeviceEvent | None) -> DeviceEvent | None:
         """``newer`` plus the devices only ``older`` covers."""
         if older is None or newer is None:
             return newer if older is None else older
@@ -55,7 +65,7 @@ class DeviceEvents:
         return newer
 
 
-def events_of(event: Any) -> list[Any]:
+def events_of(event: DeviceEvent | None) -> list[DeviceEvent]:
     """The plain events inside ``event`` (None, one event or DeviceEvents)."""
     if event is None:
         return []
@@ -75,7 +85,7 @@ class CopyEngine(Protocol):
         """True if ``t`` lives where this engine's lanes copy from."""
         ...
 
-    def freeze(self, tensors: Iterable[torch.Tensor]) -> Any:
+    def freeze(self, tensors: Iterable[torch.Tensor]) -> DeviceEvent | None:
         """An event on the current (compute) stream of each device holding
         one of ``tensors``; None when none is a device tensor."""
         ...
@@ -84,13 +94,13 @@ class CopyEngine(Protocol):
         """Host memory a device copy will write (pinned on CUDA)."""
         ...
 
-    def launch(self, freeze_event: Any, copies: Copies) -> Any:
+    def launch(self, freeze_event: DeviceEvent | None, copies: Copies) -> DeviceEvent | None:
         """Copy each source into its host destination on the copy lane of
         the source's device, after ``freeze_event``; return an event whose
         ``synchronize()`` completes them, or None if already done."""
         ...
 
-    def read(self, freeze_event: Any, copies: Copies) -> None:
+    def read(self, freeze_event: DeviceEvent | None, copies: Copies) -> None:
         """As ``launch`` on the read lane, and wait for it: the
         destinations are safe to use on the host on return."""
         ...
@@ -113,7 +123,7 @@ class CpuCopyEngine:
     def is_device(self, t: torch.Tensor) -> bool:
         return t.device.type != "cpu"
 
-    def freeze(self, tensors: Iterable[torch.Tensor]) -> Any:
+    def freeze(self, tensors: Iterable[torch.Tensor]) -> DeviceEvent | None:
         devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
         if not devices:
             return None
@@ -122,14 +132,14 @@ class CpuCopyEngine:
     def host_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=dtype)
 
-    def launch(self, freeze_event: Any, copies: Copies) -> Any:
+    def launch(self, freeze_event: DeviceEvent | None, copies: Copies) -> DeviceEvent | None:
         for event in events_of(freeze_event):  # pragma: no cover - CUDA only
             event.synchronize()
         for dst, src in copies:
             self.copy_into(dst, src)
         return None
 
-    def read(self, freeze_event: Any, copies: Copies) -> None:
+    def read(self, freeze_event: DeviceEvent | None, copies: Copies) -> None:
         self.launch(freeze_event, copies)
 
     def copy_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -192,7 +202,7 @@ class CudaCopyEngine:
     name = "cuda"
     pin_memory = True
 
-    def __init__(self, runtime: Any = None) -> None:
+    def __init__(self, runtime: CudaRuntime | None = None) -> None:
         self._rt = runtime if runtime is not None else CudaRuntime()
         self._lanes: dict[tuple[int, str], Any] = {}
         self._lanes_lock = sync.Lock()
@@ -201,7 +211,7 @@ class CudaCopyEngine:
     def is_device(self, t: torch.Tensor) -> bool:
         return bool(self._rt.is_device(t))
 
-    def freeze(self, tensors: Iterable[torch.Tensor]) -> Any:
+    def freeze(self, tensors: Iterable[torch.Tensor]) -> DeviceEvent | None:
         devices = sorted({self._rt.device_of(t) for t in tensors if self._rt.is_device(t)})
         if not devices:
             return None
@@ -219,7 +229,7 @@ class CudaCopyEngine:
                 stream = self._lanes[(device, lane)] = self._rt.new_stream(device, lane)
             return stream
 
-    def _run(self, lane: str, freeze_event: Any, copies: Copies) -> Any:
+    def _run(self, lane: str, freeze_event: DeviceEvent | None, copies: Copies) -> DeviceEvent | None:
         by_device: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for dst, src in copies:
             if self._rt.is_device(src):
@@ -244,10 +254,10 @@ class CudaCopyEngine:
             done[device] = event
         return next(iter(done.values())) if len(done) == 1 else DeviceEvents(done)
 
-    def launch(self, freeze_event: Any, copies: Copies) -> Any:
+    def launch(self, freeze_event: DeviceEvent | None, copies: Copies) -> DeviceEvent | None:
         return self._run("copy", freeze_event, copies)
 
-    def read(self, freeze_event: Any, copies: Copies) -> None:
+    def read(self, freeze_event: DeviceEvent | None, copies: Copies) -> None:
         event = self._run("read", freeze_event, copies)
         if event is not None:
             event.synchronize()

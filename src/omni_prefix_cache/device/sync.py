@@ -30,11 +30,6 @@ Executor: Any = ThreadPoolExecutor
 _NAMES = ("Lock", "RLock", "Condition", "Event", "Thread", "Executor")
 
 
-def new_lock() -> Any:
-    """A lock from the current seam (for dataclass ``default_factory``)."""
-    return Lock()
-
-
 def new_rlock() -> Any:
     """A re-entrant lock from the current seam (for dataclass ``default_factory``)."""
     return RLock()

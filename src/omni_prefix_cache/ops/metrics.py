@@ -13,12 +13,19 @@ Each scrape takes one ``stats_snapshot()`` (the manager's locks, briefly).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Protocol, cast
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from omni_prefix_cache.ops.stats import FIELD_HELP, STAT_FIELDS, CacheStats
+
+
+class StatsSource(Protocol):
+    """What the collector scrapes: a manager, or anything with its ``stats_snapshot()``."""
+
+    def stats_snapshot(self) -> CacheStats: ...
+
 
 # Fields exported with one sample per mapping entry, and the label naming the entry.
 _LABELLED = {"pool_bytes": "key", "write_tasks_by_state": "state"}
@@ -34,13 +41,16 @@ class OmniPrefixCacheCollector(Collector):
 
     def __init__(
         self,
-        source: Any,
+        source: StatsSource | Callable[[], CacheStats],
         *,
         namespace: str = "omni_prefix_cache",
         labels: Mapping[str, str] | None = None,
     ) -> None:
         snapshot = getattr(source, "stats_snapshot", None)
-        self._snapshot: Callable[[], CacheStats] = snapshot if callable(snapshot) else source
+        # Without a stats_snapshot() the source is the snapshot callable itself.
+        self._snapshot: Callable[[], CacheStats] = (
+            snapshot if callable(snapshot) else cast("Callable[[], CacheStats]", source)
+        )
         self._namespace = namespace
         self._labels = dict(labels or {})
 

@@ -36,7 +36,8 @@ from omni_prefix_cache.interface import (
     TensorName,
 )
 from omni_prefix_cache.reads.planned_read import HitReads, PlannedRead
-from omni_prefix_cache.steps.occupancy import READ_BASELINE, SlotOccupancy, rows_tagged
+from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
+from omni_prefix_cache.steps.slot_tags import READ_BASELINE, rows_tagged
 from omni_prefix_cache.steps.step_context import KeyLayout, StepContext
 from omni_prefix_cache.steps.validation import as_int, listed
 
@@ -205,6 +206,18 @@ class HitPlanner:
         for hit in self.pending.values():
             self.drop(hit)
         self.pending.clear()
+
+    def put_back(self, hits: dict[ReqId, PendingHit], retry: bool) -> bool:
+        """A failed save hands back the hits it took (``take_all``). With
+        ``retry`` and no hit registered since, they are pending again and
+        True is returned (the save may be retried); otherwise each is
+        dropped. State lock held."""
+        if retry and not self.pending:
+            self.pending = hits
+            return True
+        for hit in hits.values():
+            self.drop(hit)
+        return False
 
     def drop(self, hit: PendingHit) -> None:
         """A hit that will never be served: cancel its prefetches and forget

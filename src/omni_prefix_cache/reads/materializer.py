@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from omni_prefix_cache.device.copy_engine import DeviceEvent
 from omni_prefix_cache.device.index_tensors import int64_tensor, per_row
 from omni_prefix_cache.interface import (
     OmniPrefixCacheShutdownError,
@@ -183,7 +184,7 @@ class Materializer:
             return rows
         return rows.reshape(int(rows.shape[0]), *layout.trailing)
 
-    def wait_device(self, ctx: StepContext, event: Any, what: str) -> None:
+    def wait_device(self, ctx: StepContext, event: DeviceEvent, what: str) -> None:
         """Host-wait a device event of ``ctx``'s step. A device fault (the
         CUDA context is gone) becomes the sticky failure, then raises."""
         try:

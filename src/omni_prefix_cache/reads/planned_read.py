@@ -24,12 +24,11 @@ import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from omni_prefix_cache.block_pool import PrefixBlockPool
-from omni_prefix_cache.controller import OmniPrefixCacheController
+from omni_prefix_cache.controller import OmniPrefixCacheController, WriteTask
 from omni_prefix_cache.device.index_tensors import SlotMarks
 from omni_prefix_cache.interface import (
     OmniPrefixCacheUnmatchError,
@@ -39,15 +38,11 @@ from omni_prefix_cache.interface import (
     WriteSchedule,
     is_hidden_key,
 )
-from omni_prefix_cache.specs import compile_machine, load_spec
+from omni_prefix_cache.specs import SpecState, compile_machine, load_spec
+from omni_prefix_cache.specs.types.planned_read import INITIAL, PlannedReadTrigger
 from omni_prefix_cache.specs.types.planned_read import ReadState as ReadState  # re-exported
-from omni_prefix_cache.steps.occupancy import (
-    READ_FROM_BASELINE,
-    READ_FROM_OWNER,
-    READ_SOURCE,
-    SlotOccupancy,
-    rows_tagged,
-)
+from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
+from omni_prefix_cache.steps.slot_tags import READ_FROM_BASELINE, READ_FROM_OWNER, READ_SOURCE, rows_tagged
 from omni_prefix_cache.steps.step_context import KeyLayout
 from omni_prefix_cache.steps.validation import listed
 from omni_prefix_cache.writes.operations import task_failed
@@ -61,7 +56,7 @@ _MAX_LISTED = 16
 class StagedRows:
     """Rows of a planned read served by a not-yet-written JOIN_ON_FINISH task."""
 
-    task: Any  # WriteTask
+    task: WriteTask
     positions: torch.Tensor  # int64 positions in the read
     slots: torch.Tensor  # the slots at those positions
 
@@ -84,12 +79,8 @@ class PlannedRead:
     join_tids: list[Tid] = field(default_factory=list)  # JOIN_NEXT_STEP owners: wait, then read the pool
     staged_list: list[StagedRows] = field(default_factory=list)  # JOIN_ON_FINISH owners: read the task
     preserved: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> row
-    state: Any = None  # ReadState; PLANNING when created
+    state: SpecState = INITIAL  # a ReadState
     _slot_set: set[int] | None = None
-
-    def __post_init__(self) -> None:
-        if self.state is None:
-            self.state = PLANNED_READ_MACHINE.initial
 
     @property
     def already_staged(self) -> bool:
@@ -131,7 +122,7 @@ def _copy_old_rows(reads: PlannedReads, ref: PlannedRead, reused: set[int] | Non
         rows = reads.pool.rows(ref.key, torch.tensor(need, dtype=torch.int64))
     except Exception:
         # The new tenant's write must go on. Left without its copy, this read
-        # raises "reassigned" when it is fetched: an error, not a wrong row.
+        # fails as overwritten when it is fetched: an error, not a wrong row.
         logger.exception("omni prefix cache: preserving %r rows for request %r failed", ref.key, ref.req_id)
         return
     for i, slot in enumerate(need):
@@ -164,7 +155,7 @@ class PlannedReads:
         self.by_key: dict[TensorName, set[PlannedRead]] = {}
         self._marks = SlotMarks()  # which live reads a reuse touches
 
-    def move(self, ref: PlannedRead, trigger: str, reused: set[int] | None = None) -> None:
+    def move(self, ref: PlannedRead, trigger: PlannedReadTrigger, reused: set[int] | None = None) -> None:
         """Fire ``trigger`` on ``ref`` and run the move's effects. Raises
         OmniPrefixCacheUnmatchError naming the read and its state when the
         spec declares no such move."""
@@ -191,7 +182,7 @@ class PlannedReads:
         if touched:
             reused = set(slots.tolist())
             for ref in touched:
-                self.move(ref, "preserve", reused)
+                self.move(ref, PlannedReadTrigger.PRESERVE, reused)
 
 
 class HitReads:
@@ -265,7 +256,7 @@ class HitReads:
                     out[i] = exc
         with self.lock:
             for ref, got in zip(refs, out):
-                self.registry.move(ref, "register" if got is ref else "refuse")
+                self.registry.move(ref, PlannedReadTrigger.REGISTER if got is ref else PlannedReadTrigger.REFUSE)
         return out
 
     def _plan_rows(self, ref: PlannedRead, tids: torch.Tensor, state: torch.Tensor) -> None:
@@ -330,11 +321,11 @@ class HitReads:
         prefetch thread or a test). Waits for JOIN_NEXT_STEP owners' pool
         writes, reads the pool, overlays rows of
         JOIN_ON_FINISH owners and preserved copies, and raises
-        ("reassigned") when a pool row changed version with no preserved
-        copy. The read is served or failed afterwards (spec planned_read),
+        (``ensure_not_overwritten``) when a pool row changed version with no
+        preserved copy. The read is served or failed afterwards (spec planned_read),
         no longer pending whatever happens."""
         with self.lock:
-            self.registry.move(src, "fetch")
+            self.registry.move(src, PlannedReadTrigger.FETCH)
         try:
             if src.join_tids:
                 # Once `done` is set the rows are in the pool. Publishing the
@@ -351,7 +342,7 @@ class HitReads:
                 if staged is None:
                     staged = torch.zeros(int(src.slots.numel()), dtype=torch.bool)
                 staged[part.positions] = True
-            for pos, row in self.ensure_not_reassigned(
+            for pos, row in self.ensure_not_overwritten(
                 src.slots,
                 src.key,
                 req_id=src.req_id,
@@ -362,13 +353,13 @@ class HitReads:
                 rows[pos] = row
         except BaseException:
             with self.lock:
-                self.registry.move(src, "fail")
+                self.registry.move(src, PlannedReadTrigger.FAIL)
             raise
         with self.lock:
-            self.registry.move(src, "serve")
+            self.registry.move(src, PlannedReadTrigger.SERVE)
         return rows
 
-    def ensure_not_reassigned(
+    def ensure_not_overwritten(
         self,
         slots: torch.Tensor,
         key: TensorName,
@@ -380,9 +371,9 @@ class HitReads:
     ) -> list[tuple[int, torch.Tensor]]:
         """Check a delayed pool read against the versions it was planned at
         (see below). Returns ``(position, row)`` overlays from
-        ``preserved``; raises OmniPrefixCacheUnmatchError ("reassigned")
+        ``preserved``; raises OmniPrefixCacheUnmatchError ("overwritten")
         naming the request, key and slots that changed version with no
-        preserved copy. ``skip`` masks positions not read from the pool.
+        preserved copy: a new tenant overwrote rows the read needs. ``skip`` masks positions not read from the pool.
         Any thread; takes the reads lock (versions and preserved copies
         change together under it). ``preserved`` is the read's own dict,
         looked at only under that lock: a reuse may fill it between this
@@ -401,7 +392,7 @@ class HitReads:
                 if lost:
                     raise OmniPrefixCacheUnmatchError(
                         f"delayed read for request {req_id!r}: {key!r} rows at slots {listed(lost)} were "
-                        "reassigned to a new tenant before the read (no preserved copy)"
+                        "overwritten before the read (slots reassigned to a new tenant, no preserved copy)"
                     )
             if not preserved:
                 return []
@@ -418,4 +409,4 @@ class HitReads:
         lock only. Raises OmniPrefixCacheUnmatchError when the read is no
         longer pending (spec planned_read)."""
         with self.lock:
-            self.registry.move(ref, "drop")
+            self.registry.move(ref, PlannedReadTrigger.DROP)

@@ -50,7 +50,7 @@ from omni_prefix_cache.specs.composition import (
     Step,
     When,
 )
-from omni_prefix_cache.specs.loader import SpecError
+from omni_prefix_cache.specs.loader import SpecError, TriggerName
 
 # attempt_many(items) -> per item: True (fired), False (not enabled) or the
 # exception its move raised (the item's own failure; the others go on).
@@ -124,7 +124,7 @@ class CompiledBatchOperation:
     admits_many: MaskMany
 
 
-def _per_item_attempt(binding: Binding, role: str, trigger: str) -> AttemptMany:
+def _per_item_attempt(binding: Binding, role: str, trigger: TriggerName) -> AttemptMany:
     try_move = getattr(binding, "try_move", None)
     if try_move is not None:
         attempt = try_move(role, trigger)
@@ -156,14 +156,14 @@ def attempt_each(attempt: Callable[[Any], bool]) -> AttemptMany:
     return attempt_many
 
 
-def _attempt_many(binding: Binding, role: str, trigger: str) -> AttemptMany:
+def _attempt_many(binding: Binding, role: str, trigger: TriggerName) -> AttemptMany:
     many = getattr(binding, "try_move_many", None)
     if many is not None:
         return many(role, trigger)  # type: ignore[no-any-return]
     return _per_item_attempt(binding, role, trigger)
 
 
-def _mask_many(binding: Binding, role: str, trigger: str) -> MaskMany:
+def _mask_many(binding: Binding, role: str, trigger: TriggerName) -> MaskMany:
     many = getattr(binding, "move_many", None)
     if many is not None:
         return many(role, trigger)[0]  # type: ignore[no-any-return]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, ClassVar, cast
 
-from omni_prefix_cache.specs.loader import MachineSpec, MoveSpec, SpecError
+from omni_prefix_cache.specs.loader import MachineSpec, MoveSpec, SpecError, TriggerName
 
 
 class SpecState(IntEnum):
@@ -33,7 +33,7 @@ class SpecState(IntEnum):
 class CompiledMove:
     """One (source, trigger) move with its handlers bound."""
 
-    trigger: str
+    trigger: TriggerName
     source: SpecState
     dest: SpecState
     guards: tuple[Callable[..., Any], ...]
@@ -61,7 +61,7 @@ class CompiledMachine:
         self.spec = spec
         self.State = state_enum
         n = len(spec.states)
-        by_trigger: list[dict[str, CompiledMove]] = [{} for _ in range(n)]
+        by_trigger: list[dict[TriggerName, CompiledMove]] = [{} for _ in range(n)]
         by_dest: list[list[Any]] = [[None] * n for _ in range(n)]
         for m in moves:
             by_trigger[m.source][m.trigger] = m
@@ -69,16 +69,16 @@ class CompiledMachine:
             by_dest[m.source][m.dest] = m if cell is None else _AMBIGUOUS
         self._by_trigger = tuple(by_trigger)
         self._by_dest = tuple(tuple(row) for row in by_dest)
-        self._by_state: dict[str, tuple[CompiledMove | None, ...]] = {}  # by_state's rows, built on first use
+        self._by_state: dict[TriggerName, tuple[CompiledMove | None, ...]] = {}  # by_state's rows, built on first use
         self.moves = tuple(moves)
         self.triggers = spec.triggers
         self.initial = state_enum[spec.initial]
         self.final: frozenset[SpecState] = frozenset(state_enum[s] for s in spec.final_states)
 
-    def move(self, state: int, trigger: str) -> CompiledMove | None:
+    def move(self, state: int, trigger: TriggerName) -> CompiledMove | None:
         return self._by_trigger[state].get(trigger)
 
-    def by_state(self, trigger: str) -> tuple[CompiledMove | None, ...]:
+    def by_state(self, trigger: TriggerName) -> tuple[CompiledMove | None, ...]:
         """``trigger``'s move from each state (None where the spec has none),
         indexed by state: a batched step looks a move up per item by index."""
         row = self._by_state.get(trigger)
@@ -99,7 +99,7 @@ class CompiledMachine:
             )
         return cast("CompiledMove | None", m)
 
-    def transition_matrix(self, trigger: str) -> tuple[int, ...]:
+    def transition_matrix(self, trigger: TriggerName) -> tuple[int, ...]:
         """Destination per source state for ``trigger``; -1 where illegal."""
         return tuple(
             int(m.dest) if (m := self._by_trigger[s].get(trigger)) is not None else -1 for s in range(len(self.State))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import textwrap
+from collections.abc import Mapping
 from pathlib import Path
 
 import graphviz
@@ -66,12 +67,13 @@ def _all_sources() -> dict[str, str]:
     return out
 
 
-def write_diagrams(out_dir: Path, *, svg: bool = True) -> list[Path]:
-    """Write ``<name>.dot`` (and ``.svg`` when graphviz's ``dot`` exists)."""
+def write_diagrams(out_dir: Path, *, svg: bool = True, extra: Mapping[str, str] | None = None) -> list[Path]:
+    """Write ``<name>.dot`` (and ``.svg`` when graphviz's ``dot`` exists);
+    ``extra``: more pictures (file stem -> DOT source) drawn beside the specs'."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     dot_bin = shutil.which("dot")
-    for name, source in _all_sources().items():
+    for name, source in {**_all_sources(), **(extra or {})}.items():
         dot_path = out_dir / f"{name}.dot"
         dot_path.write_text(source)
         written.append(dot_path)
@@ -84,10 +86,11 @@ def write_diagrams(out_dir: Path, *, svg: bool = True) -> list[Path]:
     return written
 
 
-def stale_diagrams(out_dir: Path) -> list[str]:
-    """Names whose committed ``.dot`` differs from a fresh render."""
+def stale_diagrams(out_dir: Path, extra: Mapping[str, str] | None = None) -> list[str]:
+    """Names whose committed ``.dot`` differs from a fresh render (``extra``
+    as for ``write_diagrams``)."""
     stale = []
-    sources = _all_sources()
+    sources = {**_all_sources(), **(extra or {})}
     for name, source in sources.items():
         path = out_dir / f"{name}.dot"
         if not path.is_file() or path.read_text() != source:

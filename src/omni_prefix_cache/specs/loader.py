@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import yaml
 
@@ -42,6 +42,13 @@ _TOP_KEYS = {"name", "enum", "description", "states", "transitions", "invariants
 _COUPLING_KEYS = {"name", "fires", "others", "meaning"}
 _STATE_KEYS = {"name", "meaning", "initial", "final", "tags"}
 _MOVE_KEYS = {"trigger", "source", "dest", "conditions", "after", "meaning", "deferrable"}
+
+
+# A trigger of the machine being compiled, as its spec spells it. The generic
+# loader and compiler serve every machine, so they cannot name one machine's
+# trigger enum; each runtime module types its own triggers with its spec's
+# generated ``<Spec>Trigger`` (specs/types/), a StrEnum and so a TriggerName too.
+TriggerName: TypeAlias = str
 
 
 class SpecError(OmniPrefixCacheUnmatchError):
@@ -59,7 +66,7 @@ class StateSpec:
 
 @dataclass(frozen=True, eq=False)
 class MoveSpec:
-    trigger: str
+    trigger: TriggerName
     source: tuple[str, ...]
     dest: str
     guards: tuple[str, ...]
@@ -90,8 +97,8 @@ class CouplingSpec:
     ``others`` on the rest the operation covers."""
 
     name: str
-    fires: str
-    others: str
+    fires: TriggerName
+    others: TriggerName
     meaning: str
 
 
@@ -122,7 +129,7 @@ class MachineSpec:
         return tuple(s.name for s in self.states if s.final)
 
     @property
-    def triggers(self) -> tuple[str, ...]:
+    def triggers(self) -> tuple[TriggerName, ...]:
         """Distinct triggers in declaration order."""
         return tuple(dict.fromkeys(m.trigger for m in self.moves))
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from transitions import Machine, MachineError
 
-from omni_prefix_cache.specs.loader import MachineSpec
+from omni_prefix_cache.specs.loader import MachineSpec, TriggerName
 
 
 @dataclass(eq=False)
@@ -53,7 +53,7 @@ def build_oracle(spec: MachineSpec, guard_values: Mapping[str, bool] | None = No
 
 
 def oracle_step(
-    machine: Machine, model: OracleModel, state: str, trigger: str
+    machine: Machine, model: OracleModel, state: str, trigger: TriggerName
 ) -> tuple[str, str | None, tuple[str, ...]]:
     """Fire ``trigger`` from ``state``. Returns ``(outcome, dest, effects)``
     with outcome ``illegal`` (no move declared), ``blocked`` (a guard said

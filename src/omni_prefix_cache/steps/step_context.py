@@ -5,18 +5,23 @@ The lifecycle is the ``step_context`` spec (spec/step_context.yaml):
 ``materialize`` / ``discard`` consumes it (SAVED -> CONSUMED) and releases
 the step's staging holder. Unknown ids read as UNSAVED, consumed (or
 abandoned) ids as CONSUMED, so a second consume is an illegal move.
+``StepTable`` holds one manager's open steps and runs those moves.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from omni_prefix_cache.controller import OmniPrefixCacheController
+from omni_prefix_cache.device.copy_engine import DeviceEvent
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, ReqId, StepId, TensorName
-from omni_prefix_cache.specs import CompiledMove, compile_machine, load_spec
+from omni_prefix_cache.specs import CompiledMove, SpecState, compile_machine, load_spec
+from omni_prefix_cache.specs.types.step_context import INITIAL, StepContextTrigger
 from omni_prefix_cache.specs.types.step_context import StepState as StepState  # re-exported
 from omni_prefix_cache.writes.staging import StagingBufferHolder, StepD2HClaim
 
@@ -38,8 +43,8 @@ class StepContext:
     its group view."""
 
     step_id: StepId
-    controller: Any  # the OmniPrefixCacheController that holds the staging page
-    state: Any = None  # StepState
+    controller: OmniPrefixCacheController  # holds the staging page
+    state: SpecState = INITIAL  # a StepState
     d2h: StepD2HClaim | None = None
     n: int = 0
     # req -> (first row in the step, rows this step), for every saved request.
@@ -51,7 +56,7 @@ class StepContext:
     deferred_keys: tuple[TensorName, ...] = ()  # rows in mm_cpu_snapshot
     layouts: dict[TensorName, KeyLayout] = field(default_factory=dict)
     mm_cpu_snapshot: dict[TensorName, Any] = field(default_factory=dict)
-    mm_event: Any = None  # completes the snapshot's device-to-host copies (None on CPU)
+    mm_event: DeviceEvent | None = None  # completes the snapshot's device-to-host copies (None on CPU)
     # req -> (num_computed_tokens, group-0 block ids of the hit prefix)
     hits: dict[ReqId, tuple[int, list[int]]] = field(default_factory=dict)
     # req -> key -> Future of the [prefix | empty tail] buffer
@@ -82,7 +87,7 @@ STEP_INITIAL = STEP_MACHINE.initial
 (STEP_CONSUMED,) = STEP_MACHINE.final
 
 
-def step_move(step_id: StepId, state: Any, trigger: str) -> CompiledMove:
+def step_move(step_id: StepId, state: SpecState, trigger: StepContextTrigger) -> CompiledMove:
     """The spec's move for ``trigger`` from ``state``; raises
     OmniPrefixCacheUnmatchError naming the step and its state when there is
     none (unknown id, or a second consume)."""
@@ -94,3 +99,52 @@ def step_move(step_id: StepId, state: Any, trigger: str) -> CompiledMove:
             "every step id is consumed exactly once by materialize or discard_step"
         )
     return move
+
+
+# The operator counter of each consuming trigger.
+_CONSUMED_COUNTERS = {
+    StepContextTrigger.MATERIALIZE: "steps_materialized",
+    StepContextTrigger.DISCARD: "steps_discarded",
+}
+
+
+class StepTable:
+    """One manager's open steps (``open``: saved, not yet consumed) and the
+    next step id to issue (``next_id``; ids count from 1, so an id below it
+    without a context was consumed or its save abandoned).
+
+    Every method runs under the manager's state lock; ``counters`` are the
+    facade's operator counters (``steps_materialized``, ``steps_discarded``).
+    """
+
+    def __init__(self, counters: Counter[str]) -> None:
+        self.open: dict[StepId, StepContext] = {}
+        self.next_id: StepId = 1
+        self._counters = counters
+
+    def publish_locked(self, ctx: StepContext) -> None:
+        """``save``: the step is SAVED and open until consumed."""
+        ctx.state = step_move(ctx.step_id, STEP_INITIAL, StepContextTrigger.SAVE).dest
+        self.open[ctx.step_id] = ctx
+
+    def consume_locked(self, step_id: StepId, trigger: StepContextTrigger) -> tuple[StepContext, CompiledMove]:
+        """``materialize`` or ``discard``: pop the step's context, move it to
+        CONSUMED and return it with the move (whose effects release its
+        staging holder). Raises OmniPrefixCacheUnmatchError naming the step
+        for an id never issued or already consumed."""
+        ctx = self.open.get(step_id)
+        if ctx is None:
+            issued = isinstance(step_id, int) and 0 < step_id < self.next_id
+            step_move(step_id, STEP_CONSUMED if issued else STEP_INITIAL, trigger)
+            raise AssertionError("unreachable: step_move raises for a step without a context")
+        move = step_move(step_id, ctx.state, trigger)
+        del self.open[step_id]
+        self._counters[_CONSUMED_COUNTERS[trigger]] += 1
+        ctx.state = move.dest
+        return ctx, move
+
+    def close_locked(self) -> list[StepContext]:
+        """Shutdown: every open step, no longer open (the caller releases each)."""
+        steps = list(self.open.values())
+        self.open.clear()
+        return steps

@@ -24,8 +24,9 @@ import torch
 
 from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.controller import OmniPrefixCacheController
-from omni_prefix_cache.device.copy_engine import CudaRuntime
+from omni_prefix_cache.device.copy_engine import CudaRuntime, DeviceEvent
 from omni_prefix_cache.device.index_tensors import out_of_range
+from omni_prefix_cache.engine_types import GroupViewLike
 from omni_prefix_cache.interface import (
     HIDDEN_KEY,
     ModelCachePolicy,
@@ -37,7 +38,7 @@ from omni_prefix_cache.interface import (
     TensorName,
     is_hidden_key,
 )
-from omni_prefix_cache.steps.occupancy import SlotOccupancy
+from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
 from omni_prefix_cache.steps.step_context import KeyLayout, StepContext
 from omni_prefix_cache.steps.validation import check_step_tensors, listed
 from omni_prefix_cache.writes.chunks import BudgetTicket, WriteChunk
@@ -62,7 +63,7 @@ class StepOutputs:
     # The GPU-byte budget charges only the deferred clone, on every engine
     # (the immediate clone is bounded by the staging pages; docs/cuda.md).
     deferred_ticket: BudgetTicket | None = None
-    freeze_event: Any = None
+    freeze_event: DeviceEvent | None = None
     layouts: dict[TensorName, KeyLayout] = field(default_factory=dict)
 
 
@@ -73,7 +74,9 @@ def is_step_token_tensor(value: Any, n: int, padded: int) -> bool:
     return isinstance(value, torch.Tensor) and value.ndim >= 2 and int(value.shape[0]) in (n, padded)
 
 
-def snapshot_leftover_mm_cpu(mm: Mapping[str, Any], skip_keys: set[str], n: int) -> tuple[dict[str, Any], Any]:
+def snapshot_leftover_mm_cpu(
+    mm: Mapping[str, Any], skip_keys: set[str], n: int
+) -> tuple[dict[str, Any], DeviceEvent | None]:
     """CPU copies of every mm entry not in ``skip_keys``, taken at save so
     materialize never reads buffers the next forward overwrites.
 
@@ -142,7 +145,11 @@ class StepLayout:
     """
 
     def __init__(
-        self, config: PrefixCacheConfig, view: Any, pool: PrefixBlockPool, controller: OmniPrefixCacheController
+        self,
+        config: PrefixCacheConfig,
+        view: GroupViewLike,
+        pool: PrefixBlockPool,
+        controller: OmniPrefixCacheController,
     ) -> None:
         self._config = config
         self._view = view
@@ -174,16 +181,18 @@ class StepLayout:
         sid: StepId,
         sched: SchedSnapshot,
         policy: ModelCachePolicy,
-        hidden: Any,
-        mm: Any,
+        hidden: torch.Tensor | None,
+        mm: Mapping[str, Any] | None,
         n: int,
         padded: int,
     ) -> tuple[list[ReqId], dict[ReqId, tuple[int, int]], torch.Tensor, StepOutputs]:
         """Check and route one save (engine thread, no lock): the outputs'
         types and devices, the request spans and slots (``request_spans``),
-        the split by how rows travel (``split``) and that the immediate rows
-        fit a staging page. Raises the invalid-type or invalid-argument
-        error naming the step; nothing is registered yet."""
+        the split by how rows travel (``split``), that the immediate rows
+        fit a staging page and that the host can hold the slabs of keys the
+        pool has not opened yet (``PrefixBlockPool.check_fits``). Raises the
+        invalid-type or invalid-argument error naming the step; nothing is
+        registered yet."""
         check_step_tensors(sid, hidden, mm)
         req_order, spans, slots = self.request_spans(sid, sched, n)
         # The scheduler's counts are the spans' row counts (request_spans built them from it).
@@ -196,6 +205,10 @@ class StepLayout:
                 f"step {sid} has {n} tokens; staging capacity is {capacity} "
                 "(size staging_capacity_tokens to max_num_batched_tokens)"
             )
+        # The first save of a key fixes its width, so its slab is sized now.
+        self._pool.check_fits(
+            {key: (lay.dtype, lay.width) for key, lay in split.layouts.items()}, what=f"save_outputs (step {sid})"
+        )
         return req_order, spans, slots, split
 
     def request_spans(
@@ -342,7 +355,7 @@ class StepLayout:
         req_order: list[ReqId],
         spans: dict[ReqId, tuple[int, int]],
         snapshot: dict[str, Any],
-        mm_event: Any,
+        mm_event: DeviceEvent | None,
         policy: ModelCachePolicy,
     ) -> StepContext:
         """What the step's materialize will read: its staging page, spans,
@@ -365,7 +378,7 @@ class StepLayout:
         )
 
     @staticmethod
-    def leftover_snapshot(split: StepOutputs, n: int) -> tuple[dict[str, Any], Any]:
+    def leftover_snapshot(split: StepOutputs, n: int) -> tuple[dict[str, Any], DeviceEvent | None]:
         """This step's own copy of everything materialize serves from the
         CPU: the leftover mm (``snapshot_leftover_mm_cpu``) and the deferred
         rows already cloned on the CPU, in their per-token shape. Returns the

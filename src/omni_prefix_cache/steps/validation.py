@@ -12,6 +12,7 @@ import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from omni_prefix_cache.interface import (
@@ -27,9 +28,9 @@ _STR: frozenset[type] = frozenset({str})
 _INT: frozenset[type] = frozenset({int})
 
 
-def listed(values: Sequence[Any] | torch.Tensor) -> str:
+def listed(values: Sequence[Any] | torch.Tensor | np.ndarray) -> str:
     """At most 16 values for an error message, then how many more."""
-    items = values.tolist() if isinstance(values, torch.Tensor) else list(values)
+    items = values.tolist() if isinstance(values, torch.Tensor | np.ndarray) else list(values)
     more = len(items) - _MAX_LISTED
     return f"{items[:_MAX_LISTED]}" + (f" (+{more} more)" if more > 0 else "")
 

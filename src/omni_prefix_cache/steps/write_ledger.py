@@ -5,10 +5,10 @@ JOIN_NEXT_STEP write per request viewing the staging page; deferred chunks
 appended to the request's open JOIN_ON_FINISH write or a new one), makes the
 step the tenant of its slots, and settles drained writes into the slot
 occupancy: written rows commit, failed rows drop and the first failure
-becomes sticky. It also keeps the save barrier: the previous step's
+becomes sticky (``sticky_failure.StickyFailure``). It also keeps the save barrier: the previous step's
 JOIN_NEXT_STEP writes, joined before a save may reuse their slots.
 
-Threading: methods named ``*_locked`` and the occupancy hook expect the
+Threading: methods named ``*_locked`` and the takeover hook expect the
 manager's state lock held (``take_tenancy_locked`` the reads lock too);
 ``raise_if_failed`` and ``record_fault`` take the state lock themselves;
 ``join_previous_step`` runs on the engine thread outside it (a join waits on
@@ -18,7 +18,6 @@ the committer, which may need the lock).
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -40,84 +39,14 @@ from omni_prefix_cache.interface import (
     WriteSchedule,
 )
 from omni_prefix_cache.specs.composition import compile_operation
-from omni_prefix_cache.specs.loader import SpecError
-from omni_prefix_cache.steps.occupancy import SlotOccupancy
+from omni_prefix_cache.specs.loader import SpecError, TriggerName
+from omni_prefix_cache.specs.types.slot_occupancy import SlotOccupancyTrigger
+from omni_prefix_cache.steps.request_tasks import RequestTasks, TaskRecord
+from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
 from omni_prefix_cache.steps.step_layout import StepOutputs
+from omni_prefix_cache.steps.sticky_failure import StickyFailure
 from omni_prefix_cache.writes.chunks import BudgetTicket, ChunkRuns, StepRows, WriteChunk
 from omni_prefix_cache.writes.operations import active_protocol
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class TaskRecord:
-    """What the ledger must remember about a write until it is drained:
-    the task, whose it is, and which (keys, slots) it maps."""
-
-    task: WriteTask
-    req_id: ReqId
-    parts: list[tuple[tuple[TensorName, ...], WriteChunk]]
-
-
-class RequestTasks:
-    """Per-request write bookkeeping (under the state lock).
-
-    ``tasks[req]``: tids of the request's undrained writes, in opening order.
-    ``deferred[req]``: its open JOIN_ON_FINISH write (chunks append to it).
-    ``opened[req]``: how many writes the request has opened (``write_n``).
-    An entry lives while the request is live or has undrained writes
-    (``drop_if_idle``), so every table is bounded by the working set, not
-    by the requests ever seen.
-    """
-
-    def __init__(self) -> None:
-        self.tasks: dict[ReqId, dict[Tid, None]] = {}
-        self.deferred: dict[ReqId, WriteTask] = {}
-        self.opened: dict[ReqId, int] = {}
-
-    def open(self, req_id: ReqId, tid: Tid) -> int:
-        """Record a new write of ``req_id``; returns its ``write_n``."""
-        return self.open_many([req_id], [tid])[0]
-
-    def open_many(self, req_ids: list[ReqId], tids: list[Tid]) -> list[int]:
-        """``open`` for each ``(req_ids[i], tids[i])`` in order (a step's
-        writes); returns their ``write_n``s."""
-        opened, tasks = self.opened, self.tasks
-        write_ns: list[int] = []
-        for rid, tid in zip(req_ids, tids, strict=True):
-            n = opened.get(rid, 0) + 1
-            opened[rid] = n
-            # Not setdefault: it would build a dict per call to throw away.
-            mine = tasks.get(rid)
-            if mine is None:
-                tasks[rid] = {tid: None}
-            else:
-                mine[tid] = None
-            write_ns.append(n)
-        return write_ns
-
-    def forget_drained(self, drained: list[TaskRecord], live: set[ReqId]) -> None:
-        """The writes were drained (written or failed): forget each, in
-        order, and drop its request once idle if it is not in ``live``."""
-        tasks, deferred = self.tasks, self.deferred
-        for rec in drained:
-            rid, task = rec.req_id, rec.task
-            tids = tasks.get(rid)
-            if tids is not None:
-                tids.pop(task.tid, None)
-                if not tids:
-                    del tasks[rid]
-            if deferred and deferred.get(rid) is task:
-                del deferred[rid]
-            if rid not in live:
-                self.drop_if_idle(rid)
-
-    def drop_if_idle(self, req_id: ReqId) -> None:
-        """Forget ``req_id`` (no longer live) once it has no undrained write;
-        a later request reusing the id counts its writes from 1 again."""
-        if req_id not in self.tasks:
-            self.opened.pop(req_id, None)
-            self.deferred.pop(req_id, None)
 
 
 @dataclass(eq=False)
@@ -127,12 +56,30 @@ class _Drained:
     completions: bool  # False: a failing save drains the failure record only
     failed: list[Tid] = field(default_factory=list)
     completed: list[Tid] = field(default_factory=list)
-    settled: dict[str, list[TaskRecord]] = field(default_factory=dict)
+    settled: dict[SlotOccupancyTrigger, list[TaskRecord]] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class SaveProgress:
+    """What one save_outputs has done so far, for its undo (``abandon_save``):
+    its staging claim, the budget it reserved, the writes it registered (each
+    appended as soon as the controller may know it) and whether its step was
+    published."""
+
+    sid: StepId
+    claimed: StepD2HClaim | None = None
+    reserved: list[BudgetTicket] = field(default_factory=list)
+    registered: list[WriteTask] = field(default_factory=list)
+    published: bool = False
+
+
+# The slot moves the drain operation may fire, and the drained records each settles.
+_DRAIN_SETTLES = {SlotOccupancyTrigger.DROP: "failed", SlotOccupancyTrigger.COMMIT: "completed"}
 
 
 class WriteLedger:
     """Undrained writes (``records`` by tid, ``requests`` per request), the
-    save barrier (``previous_step_writes``) and the sticky ``failure``.
+    save barrier (``previous_step_writes``) and the ``sticky`` failure.
 
     ``live`` is the facade's set of live requests (read only here);
     ``counters`` its operator counters (``rows_committed``, ``failed_writes``).
@@ -155,7 +102,7 @@ class WriteLedger:
         self.records: dict[Tid, TaskRecord] = {}
         self.requests = RequestTasks()
         self.previous_step_writes: list[Tid] = []
-        self.failure: OmniPrefixCacheWriteFailedError | None = None  # the first, sticky
+        self.sticky = StickyFailure(controller, state_lock, counters, self.drain_failures_locked)
         # Operation `drain`, compiled once against this ledger (its only executor).
         self._drain = compile_operation(
             active_protocol().ops["drain"],
@@ -188,6 +135,16 @@ class WriteLedger:
         if previous:
             self._controller.join(previous)
             self.previous_step_writes = []
+
+    def reserve_budget(self, split: StepOutputs, reserved: list[BudgetTicket]) -> None:
+        """Charge the step's deferred clone to the GPU-byte budget (engine
+        thread, outside the state lock: a reserve may flush deferred writes
+        and wait) and append its ticket to ``reserved`` once charged, for a
+        failed save to refund (``abandon_save``). Raises what the reserve raises."""
+        ticket = split.deferred_ticket
+        if ticket is not None:
+            self._controller.reserve(ticket.nbytes)
+            reserved.append(ticket)
 
     def register_immediate_locked(
         self,
@@ -298,8 +255,9 @@ class WriteLedger:
             writes.update(dict.fromkeys(split.deferred_clone, per_row_ids(deferred_tids, sizes)))
         self._occupancy.take_tenancy(slots, writes)
 
-    def on_reassign(self, tid: Tid, key: TensorName, slots: torch.Tensor) -> None:
-        """Occupancy hook (state lock held): a newer write took these rows."""
+    def on_takeover(self, tid: Tid, key: TensorName, slots: torch.Tensor) -> None:
+        """Occupancy hook (state lock held): a newer write took these rows
+        over from write ``tid``, whose pool write must now skip them."""
         rec = self.records.get(tid)
         if rec is not None:
             rec.task.add_taken_over(key, slots)
@@ -311,40 +269,36 @@ class WriteLedger:
         the write_task spec does not call final is stranded."""
         return [t for t in registered if not t.is_terminal]
 
-    def abandon_save(
-        self,
-        sid: StepId,
-        claimed: StepD2HClaim | None,
-        reserved: list[BudgetTicket],
-        registered: list[WriteTask],
-        published: bool,
-        error: BaseException,
-    ) -> None:
+    def refund_unpinned(self, reserved: list[BudgetTicket]) -> None:
+        """Uncharge exactly the tickets no task pinned (a ticket is released
+        once): a clone no task views is refunded as soon as its save
+        registered its writes, or when the save fails. No lock held."""
+        if reserved:
+            self._controller.refund_unpinned(reserved)
+
+    def abandon_save(self, save: SaveProgress, error: BaseException) -> None:
         """The write side of undoing a failed save (no lock held): tasks
         registered but never handed to the committer fail with ``error``
         (their rows will never land: the failure is sticky); budget no task
         pinned is refunded; the step's staging holder is released
         (``abandon``). An eager dispatch failure already failed its batch."""
-        if not published:
-            self._controller.fail_tasks(self.stranded(registered), error)
-        if reserved:
-            # Uncharges exactly the tickets no task pinned (release is once per ticket).
-            self._controller.refund_unpinned(reserved)
+        if not save.published:
+            self._controller.fail_tasks(self.stranded(save.registered), error)
+        self.refund_unpinned(save.reserved)
+        claimed = save.claimed
         if claimed is not None:
-            self._controller.staging_release(claimed.staging_slot, StagingBufferHolder.for_step(sid), "abandon")
+            self._controller.staging_release(claimed.staging_slot, StagingBufferHolder.for_step(save.sid), "abandon")
 
-    def save_error(
-        self, sid: StepId, exc: BaseException, registered: list[WriteTask], published: bool
-    ) -> BaseException:
+    def save_error(self, save: SaveProgress, exc: BaseException) -> BaseException:
         """What a failed save raises: a library error (or a non-Exception)
         as is; otherwise a write-failed error when the failure strands
         registered writes (sticky), else a contract error naming the step."""
         if isinstance(exc, OmniPrefixCacheUnmatchError) or not isinstance(exc, Exception):
             return exc
-        stranded = [] if published else self.stranded(registered)
+        stranded = [] if save.published else self.stranded(save.registered)
         if stranded:
             return self._controller.write_error(stranded[0], exc, "registration")
-        error = OmniPrefixCacheUnmatchError(f"save_outputs (step {sid}) failed: {exc!r}")
+        error = OmniPrefixCacheUnmatchError(f"save_outputs (step {save.sid}) failed: {exc!r}")
         error.__cause__ = exc
         return error
 
@@ -363,18 +317,19 @@ class WriteLedger:
         self._drain.run(_Drained(completions=False))
 
     # The drain operation's bindings: its context is a _Drained.
-    def move(self, role: str, trigger: str) -> tuple[Callable[[Any], bool], Callable[[Any], None]]:
+    def move(self, role: str, trigger: TriggerName) -> tuple[Callable[[Any], bool], Callable[[Any], None]]:
         """Binding of the drain operation: ``slot.drop?`` / ``slot.commit?``
         settle the drained tasks' rows where the occupancy move is enabled."""
-        if role != "slot" or trigger not in ("drop", "commit"):
+        if role != "slot" or trigger not in _DRAIN_SETTLES:
             raise SpecError(f"write ledger: drain cannot fire {role}.{trigger}")
-        field_name = "failed" if trigger == "drop" else "completed"
+        slot_trigger = SlotOccupancyTrigger(trigger)
+        field_name = _DRAIN_SETTLES[slot_trigger]
 
         def enabled(ctx: _Drained) -> bool:
             return bool(getattr(ctx, field_name))
 
         def fire(ctx: _Drained) -> None:
-            ctx.settled[trigger] = self.settle_locked(getattr(ctx, field_name), trigger)
+            ctx.settled[slot_trigger] = self.settle_locked(getattr(ctx, field_name), slot_trigger)
 
         return enabled, fire
 
@@ -387,9 +342,10 @@ class WriteLedger:
             ctx.completed = self._controller.drain_completed()
 
     def _sticky_failure(self, ctx: _Drained) -> None:
-        self._note_failures_locked(ctx.failed, ctx.settled.get("drop", []))
+        dropped = ctx.settled.get(SlotOccupancyTrigger.DROP, [])
+        self.sticky.note_locked(ctx.failed, {rec.task.tid: rec.req_id for rec in dropped})
 
-    def settle_locked(self, tids: list[Tid], trigger: str) -> list[TaskRecord]:
+    def settle_locked(self, tids: list[Tid], trigger: SlotOccupancyTrigger) -> list[TaskRecord]:
         """``commit`` or ``drop`` the rows of drained writes and forget them
         (state lock held). Rows are grouped by their key tuple (one per save
         and schedule), so a drain costs one occupancy move per key group,
@@ -410,49 +366,22 @@ class WriteLedger:
                 runs.add(chunk, tid)
         self.requests.forget_drained(settled, self._live)
         for keys, runs in groups.items():
-            if trigger == "commit":
+            if trigger == SlotOccupancyTrigger.COMMIT:
                 self._counters["rows_committed"] += sum(runs.counts) * len(keys)
             self._occupancy.settle_keys(trigger, keys, runs.slots(), per_row_ids(runs.owners, runs.counts))
         return settled
 
-    def _note_failures_locked(self, failed: list[Tid], dropped: list[TaskRecord]) -> None:
-        self._counters["failed_writes"] += len(failed)
-        settled = {rec.task.tid: rec for rec in dropped}
-        names = [f"task {tid} (req {settled[tid].req_id!r})" if tid in settled else f"task {tid}" for tid in failed]
-        causes = [c for tid in failed if (c := self._controller.failure_of(tid)) is not None]
-        first = causes[0] if causes else None
-        message = (
-            f"omni prefix cache write failed: {', '.join(names)}; rows behind published block hashes never "
-            "landed, so the cache can no longer serve hits" + (f" (first: {first})" if first is not None else "")
-        )
-        logger.error("%s", message)
-        if self.failure is None:
-            rec = settled.get(failed[0])
-            error = OmniPrefixCacheWriteFailedError(
-                message,
-                tid=first.tid if first is not None else failed[0],
-                req_id=first.req_id if first is not None else (rec.req_id if rec is not None else None),
-                keys=first.keys if first is not None else (),
-                slots=first.slots if first is not None else (),
-            )
-            error.__cause__ = first.__cause__ if first is not None else None
-            self.failure = error
-
     # ------------------------------------------------------------ sticky failure
 
+    @property
+    def failure(self) -> OmniPrefixCacheWriteFailedError | None:
+        """The first write failure, sticky (``StickyFailure.error``)."""
+        return self.sticky.error
+
     def raise_if_failed(self) -> None:
-        """Sticky failure check at every serving facade entry (takes the
-        state lock). Raises the first write failure again."""
-        with self._state_lock:
-            self.drain_failures_locked()
-            failure = self.failure
-        if failure is not None:
-            raise failure.again()
+        """``StickyFailure.raise_if_failed`` (takes the state lock)."""
+        self.sticky.raise_if_failed()
 
     def record_fault(self, error: OmniPrefixCacheWriteFailedError) -> None:
-        """A device fault lost every write in flight: sticky like a failed
-        pool write, unless a failure is already recorded (takes the state
-        lock)."""
-        with self._state_lock:
-            if self.failure is None:
-                self.failure = error
+        """``StickyFailure.record_fault`` (takes the state lock)."""
+        self.sticky.record_fault(error)

@@ -330,11 +330,12 @@ def _reused_block_hit_not_replanned(stack: contextlib.ExitStack) -> None:
 def _stale_tenant_keys_kept(stack: contextlib.ExitStack) -> None:
     # The bug before slot tenancy was declared: mapping a step touched only
     # the keys in that step, so the others stayed COMMITTED with old rows.
-    from omni_prefix_cache.steps.occupancy import SlotOccupancy
+    from omni_prefix_cache.specs.types import SlotOccupancyTrigger
+    from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
 
     def take_tenancy(self: SlotOccupancy, slots: Any, writes: Any) -> None:
         for key, owners in writes.items():
-            self.apply("map", key, slots, owners)
+            self.apply(SlotOccupancyTrigger.MAP, key, slots, owners)
 
     _set(stack, SlotOccupancy, "take_tenancy", take_tenancy)
 
@@ -346,12 +347,12 @@ def _cow_copy_missed_before_reads_lock(stack: contextlib.ExitStack) -> None:
     # read's own dict and bumped the versions.
     from omni_prefix_cache.reads.planned_read import HitReads
 
-    check = HitReads.ensure_not_reassigned
+    check = HitReads.ensure_not_overwritten
 
-    def ensure_not_reassigned(self: Any, slots: Any, key: Any, *, preserved: Any = None, **kw: Any) -> Any:
+    def ensure_not_overwritten(self: Any, slots: Any, key: Any, *, preserved: Any = None, **kw: Any) -> Any:
         return check(self, slots, key, preserved=preserved or {}, **kw)
 
-    _set(stack, HitReads, "ensure_not_reassigned", ensure_not_reassigned)
+    _set(stack, HitReads, "ensure_not_overwritten", ensure_not_overwritten)
 
 
 # ------------------------------------------------------------------ composition rules

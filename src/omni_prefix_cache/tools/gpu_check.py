@@ -43,7 +43,7 @@ import torch
 
 from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.controller import BudgetTicket, OmniPrefixCacheController, TaskState, WriteChunk, WriteTask
-from omni_prefix_cache.device.copy_engine import CopyEngine, CpuCopyEngine, CudaCopyEngine, CudaRuntime
+from omni_prefix_cache.device.copy_engine import CopyEngine
 from omni_prefix_cache.interface import (
     HIDDEN_KEY,
     ModelCachePolicy,
@@ -52,87 +52,10 @@ from omni_prefix_cache.interface import (
     WriteSchedule,
 )
 from omni_prefix_cache.manager import OmniPrefixCacheManager
+from omni_prefix_cache.tools.gpu_backends import Backend, cpu_backend, cuda_backend, fake_backend
 from omni_prefix_cache.tools.simulate.batch import SimGroupView
 from omni_prefix_cache.tools.simulate.engine import LEFTOVER_KEY, SimConfig, Simulation
 from omni_prefix_cache.tools.simulate.report import budget_flushes
-
-# ------------------------------------------------------------------ backends
-
-
-class LaggingCudaRuntime(CudaRuntime):  # pragma: no cover - CUDA only
-    """Sleeps on the lane right after each stream wait: copies land late."""
-
-    def __init__(self, cycles: int) -> None:
-        self.cycles = cycles
-
-    def wait(self, stream: Any, event: Any) -> None:
-        super().wait(stream, event)
-        torch.cuda._sleep(self.cycles)  # runs on `stream`: the caller is inside use_stream
-
-
-@dataclass
-class Backend:
-    """Where the harness runs: a device, an engine factory, a slow forward, a fault."""
-
-    name: str
-    device: torch.device
-    make_engine: Callable[[], CopyEngine]
-    slow_forward: Callable[[], None] = lambda: None
-    inject_fault: Callable[[CopyEngine], None] | None = None
-    lanes: bool = True  # the engine has copy/read lanes (not the CPU engine)
-
-    def memory(self) -> int | None:
-        if self.device.type == "cuda":  # pragma: no cover - CUDA only
-            torch.cuda.synchronize()
-            return int(torch.cuda.memory_allocated())
-        return None
-
-
-def _sleep_cycles_per_ms() -> float:  # pragma: no cover - CUDA only
-    """Calibrate ``torch.cuda._sleep`` (it counts clock cycles, not time)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(1000)
-    start.record()
-    torch.cuda._sleep(20_000_000)
-    end.record()
-    end.synchronize()
-    elapsed_ms: float = start.elapsed_time(end)
-    return 20_000_000 / max(elapsed_ms, 1e-3)
-
-
-def cuda_backend(lag_ms: float, forward_ms: float) -> Backend:  # pragma: no cover - CUDA only
-    per_ms = _sleep_cycles_per_ms()
-
-    def fault(engine: CopyEngine) -> None:
-        # An out-of-bounds gather: a device-side assert, raised asynchronously.
-        torch.zeros(4, device="cuda")[torch.tensor([1 << 20], device="cuda")]
-
-    return Backend(
-        name="cuda",
-        device=torch.device("cuda", torch.cuda.current_device()),
-        make_engine=lambda: CudaCopyEngine(LaggingCudaRuntime(int(per_ms * lag_ms))),
-        slow_forward=lambda: torch.cuda._sleep(int(per_ms * forward_ms)),
-        inject_fault=fault,
-    )
-
-
-def fake_backend(lag_ms: float) -> Backend:
-    from omni_prefix_cache.testing.fake_device import FakeDeviceEngine
-
-    def make() -> CopyEngine:
-        engine = FakeDeviceEngine()
-        engine.rt.wait_delay_s = lag_ms / 1000
-        return engine
-
-    def fault(engine: CopyEngine) -> None:
-        engine.rt.fault = "CUDA error: an illegal memory access was encountered (fake)"  # type: ignore[attr-defined]
-
-    return Backend(name="fake-lanes", device=torch.device("cpu"), make_engine=make, inject_fault=fault)
-
-
-def cpu_backend() -> Backend:
-    return Backend(name="cpu-engine", device=torch.device("cpu"), make_engine=CpuCopyEngine, lanes=False)
-
 
 # ------------------------------------------------------------------ serve
 

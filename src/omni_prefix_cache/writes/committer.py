@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import torch
 
-from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, Tid
+from omni_prefix_cache.interface import OmniPrefixCacheJoinTimeoutError, Tid
 from omni_prefix_cache.specs.batch import Batch
 from omni_prefix_cache.specs.composition import ProtocolViolation
 from omni_prefix_cache.writes.copy_queues import CopyQueues
@@ -80,6 +80,8 @@ class Committer:
         self._fail = fail
         self._timeout_s = timeout_s
         self._ready = binding.move("task", "written")[0]
+        # Enabled while a claimed task's copy stage has not finished.
+        self._copying = binding.move("position", "copied")[0]
         self.stopping = False  # set once by ``drain`` (shutdown), under ``wake``
 
     def claim(self) -> Tid | None:
@@ -112,13 +114,26 @@ class Committer:
 
     def _copy(self, tids: list[Tid]) -> None:
         """``committer_copy`` of the claimed ``tids`` as one batch (their
-        copy stages already taken off the claimed list); a failure fails
-        only its own task."""
+        copy stages already taken off the claimed list); an Exception fails
+        only its own task. A BaseException (KeyboardInterrupt, SystemExit)
+        stops the pass where it was: every task of it whose copy stage did
+        not finish fails with it, then it propagates (the thread's loop
+        logs it and serves on)."""
         registered = self._registry.tasks
         tasks = [task for tid in tids if (task := registered.get(tid)) is not None]
         if not tasks:
             return
-        batch = self._runner.run_many(self._ops.copy, tasks)
+        try:
+            batch = self._runner.run_many(self._ops.copy, tasks)
+        except BaseException as interrupt:
+            # Which task raised is unknown; a task left claimed is on no
+            # queue, so no committer would ever copy it, and its joiners
+            # would wait out the whole staging timeout.
+            with self._lock:
+                stranded = [task for task in tasks if self._copying(task)]
+            for task in stranded:
+                self._fail(task, write_error(task, interrupt, "copy"))
+            raise
         for task, exc in batch.errors:
             logger.error("omni prefix cache: copy failed for task %s (req %s)", task.tid, task.req_id, exc_info=exc)
             self._fail(task, write_error(task, exc, "copy"))
@@ -239,14 +254,15 @@ class Committer:
             try:
                 with torch.inference_mode():
                     self.step()
-            except BaseException:  # pragma: no cover - step already attributes failures
+            except BaseException:  # a stage that raises has already failed its tasks
                 logger.exception("omni prefix cache committer step failed")
 
     def wait(self, tids: list[Tid], event: Event) -> None:
         """Operation ``join``'s wait (``event`` of each task) and its raise
         (guard ``task_failed``): an on_demand joiner first runs committer
-        steps itself. Raises if a task failed or does not reach ``event``
-        within the staging timeout."""
+        steps itself. Raises the write-failed (or shutdown) error if a task
+        failed, ``OmniPrefixCacheJoinTimeoutError`` if one does not reach
+        ``event`` within the staging timeout."""
         registry, mode = self._registry, self._mode
         timeout = self._timeout_s
         deadline = time.monotonic() + timeout
@@ -258,7 +274,7 @@ class Committer:
             if mode.committer == "on_demand" and not mode.eager:
                 self.step_until(task, event, deadline)
             if not getattr(task, event).wait(max(0.0, deadline - time.monotonic())):
-                raise OmniPrefixCacheUnmatchError(
+                raise OmniPrefixCacheJoinTimeoutError(
                     f"task {tid} ({task.schedule.value}) did not reach {event} within {timeout:g}s "
                     f"(state={task.state.name}, in_flight_tasks={len(registry.tasks)})"
                 )

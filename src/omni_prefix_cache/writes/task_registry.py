@@ -1,7 +1,7 @@
 """The controller's registered writes and their records: the registry
 (effect ``register_task``), the completion and failure records (effects
 ``publish_completed`` / ``publish_failed``) the manager drains, and the
-cause each failed write is raised with."""
+failure records (one per failure cause) failed writes are raised with."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 
 from omni_prefix_cache.interface import OmniPrefixCacheWriteFailedError, Tid
 from omni_prefix_cache.specs.batch import Batch
+from omni_prefix_cache.writes.write_errors import FailureRecord, FailureRecords
 from omni_prefix_cache.writes.write_task import WriteTask
 
 
@@ -30,8 +31,9 @@ class TaskRegistry:
         self.tasks: dict[Tid, WriteTask] = {}
         self.completed: deque[Tid] = deque()  # pool-written, not yet drained by the manager
         self.failed: deque[Tid] = deque()  # failed; the manager raises from every later entry
-        # Why a task failed, for the error its joiners and the manager raise.
-        self._causes: dict[Tid, OmniPrefixCacheWriteFailedError] = {}
+        # Why tasks failed, for the error their joiners and the manager
+        # raise: one record per failure cause (not per task).
+        self._causes = FailureRecords()
 
     def __len__(self) -> int:
         return len(self.tasks)
@@ -82,19 +84,22 @@ class TaskRegistry:
     # ------------------------------------------------------------ causes
 
     def record_cause(self, task: WriteTask, error: BaseException | None) -> None:
-        """Keep ``error`` as the cause ``task`` fails with, where it is a
-        write-failed error and the task is not terminal yet (the first wins)."""
+        """Record that ``error`` fails ``task``, where it is a write-failed
+        error and the task is not terminal yet (a task keeps its first)."""
         if isinstance(error, OmniPrefixCacheWriteFailedError) and not task.is_terminal:
             with self.lock:
-                self._causes.setdefault(task.tid, error)
+                self._causes.add(task.tid, error)
 
     def failure_of(self, tid: Tid) -> OmniPrefixCacheWriteFailedError | None:
-        """The recorded cause of a failed task (None if it failed without a
-        write-failed error: a shutdown, a save refused by a library error)."""
+        """The error of the failure record naming a failed task: the first
+        write-failed error its cause made, which names the first task that
+        cause failed (None if the task failed without a write-failed error:
+        a shutdown, a save refused by a library error)."""
         with self.lock:
-            return self._causes.get(tid)
+            return self._causes.of(tid)
 
-    def has_causes(self) -> bool:
-        """True while any failure cause is kept (diagnostics)."""
+    def failures(self) -> list[FailureRecord]:
+        """The failure records (copies), one per failure cause, each naming
+        the tasks it failed; kept until shutdown."""
         with self.lock:
-            return bool(self._causes)
+            return self._causes.records()

@@ -3,6 +3,8 @@ failed, and to its joiners."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from omni_prefix_cache.interface import (
@@ -10,8 +12,53 @@ from omni_prefix_cache.interface import (
     OmniPrefixCacheUnmatchError,
     OmniPrefixCacheWriteFailedError,
     TensorName,
+    Tid,
 )
 from omni_prefix_cache.writes.write_task import WriteTask
+
+
+@dataclass(eq=False, slots=True)
+class FailureRecord:
+    """One failure cause: the first write-failed error it made (naming its
+    first task, the cause as ``__cause__``) and every task it failed."""
+
+    error: OmniPrefixCacheWriteFailedError
+    tids: set[Tid] = field(default_factory=set)
+
+
+class FailureRecords:
+    """Why failed tasks failed, one record per failure cause (the exception
+    underneath, ``error.__cause__``, else the error itself), not one per
+    task: a fault that fails a whole batch costs one record and a tid each.
+    Not thread-safe: the controller lock covers every call."""
+
+    def __init__(self) -> None:
+        # Keyed by the cause's id: the record's error keeps the cause alive.
+        self._by_cause: dict[int, FailureRecord] = {}
+
+    def add(self, tid: Tid, error: OmniPrefixCacheWriteFailedError) -> None:
+        """Record that ``error`` failed ``tid`` (a tid keeps its first record)."""
+        if self.of(tid) is not None:
+            return
+        cause = error.__cause__ if error.__cause__ is not None else error
+        record = self._by_cause.get(id(cause))
+        if record is None:
+            record = self._by_cause[id(cause)] = FailureRecord(error)
+        record.tids.add(tid)
+
+    def of(self, tid: Tid) -> OmniPrefixCacheWriteFailedError | None:
+        """The error of the record that names ``tid``, if any."""
+        for record in self._by_cause.values():
+            if tid in record.tids:
+                return record.error
+        return None
+
+    def records(self) -> list[FailureRecord]:
+        """A copy of every record, in the order their causes first failed a task."""
+        return [FailureRecord(r.error, set(r.tids)) for r in self._by_cause.values()]
+
+    def __len__(self) -> int:
+        return len(self._by_cause)
 
 
 def write_error(
@@ -27,14 +74,11 @@ def write_error(
     and slots, with ``cause`` as its ``__cause__``."""
     if isinstance(cause, OmniPrefixCacheWriteFailedError) or not isinstance(cause, Exception):
         return cause
+    keys, listed = _keys_and_slots(task)
     if key is not None:
-        keys: tuple[TensorName, ...] = (key,)
-    else:
-        keys = tuple(dict.fromkeys(k for c in task.chunks for k in (*c.host, *c.tensors)))
-    if slots is None:
-        parts = [c.slots_cpu for c in task.chunks]
-        slots = torch.cat(parts) if parts else torch.empty((0,), dtype=torch.int64)
-    listed = [int(x) for x in slots.tolist()]
+        keys = (key,)
+    if slots is not None:
+        listed = tuple(int(x) for x in slots.tolist())
     shown = f"{listed[:16]}" + (f" (+{len(listed) - 16} more)" if len(listed) > 16 else "")
     error = OmniPrefixCacheWriteFailedError(
         f"omni prefix cache write failed: {stage} of task {task.tid} (req {task.req_id!r}, "
@@ -42,10 +86,18 @@ def write_error(
         tid=task.tid,
         req_id=task.req_id,
         keys=keys,
-        slots=tuple(listed),
+        slots=listed,
     )
     error.__cause__ = cause
     return error
+
+
+def _keys_and_slots(task: WriteTask) -> tuple[tuple[TensorName, ...], tuple[int, ...]]:
+    """Every key and slot ``task`` writes, in chunk order."""
+    keys = tuple(dict.fromkeys(k for c in task.chunks for k in (*c.host, *c.tensors)))
+    parts = [c.slots_cpu for c in task.chunks]
+    slots = torch.cat(parts) if parts else torch.empty((0,), dtype=torch.int64)
+    return keys, tuple(int(x) for x in slots.tolist())
 
 
 def join_error(
@@ -53,18 +105,23 @@ def join_error(
 ) -> OmniPrefixCacheUnmatchError:
     """What a joiner of failed ``task`` raises: the shutdown error when the
     task failed with no cause while the cache was shut down, else a
-    write-failed error carrying the recorded cause's keys and slots."""
+    write-failed error carrying the recorded cause's keys and slots (the
+    task's own when the cause's record names another task it failed)."""
     if cause is None and shut_down:
         return OmniPrefixCacheShutdownError(
             f"task {task.tid} ({task.schedule.value}) failed before {event}: the cache was shut down"
         )
+    keys: tuple[TensorName, ...] = ()
+    slots: tuple[int, ...] = ()
+    if cause is not None:
+        keys, slots = (cause.keys, cause.slots) if cause.tid == task.tid else _keys_and_slots(task)
     error = OmniPrefixCacheWriteFailedError(
         f"task {task.tid} ({task.schedule.value}) write failed before {event}"
         + (f": {cause}" if cause is not None else ""),
         tid=task.tid,
         req_id=task.req_id,
-        keys=cause.keys if cause is not None else (),
-        slots=cause.slots if cause is not None else (),
+        keys=keys,
+        slots=slots,
     )
     error.__cause__ = cause.__cause__ if cause is not None else None
     return error

@@ -28,7 +28,7 @@ class ReadState(SpecState):
     SERVED = 3
     """its rows were returned (final)"""
     FAILED = 4
-    """not servable (hidden rows absent, owner gone or failed, reassigned without a copy, join failed) (final)"""
+    """not servable (hidden rows absent, owner gone or failed, overwritten without a copy, join failed) (final)"""
     DROPPED = 5
     """abandoned before its fetch began (hit dropped or re-planned, step consumed, prefetch not started) (final)"""
 

@@ -18,6 +18,7 @@ from omni_prefix_cache.interface import (
     OmniPrefixCacheUnmatchError,
 )
 from omni_prefix_cache.specs.loader import MachineSpec, SpecError, load_spec
+from omni_prefix_cache.specs.types import PlannedReadTrigger
 from omni_prefix_cache.testing.specfacts import states_after
 from omni_prefix_cache.testing.stateful import (
     Discrepancy,
@@ -104,7 +105,7 @@ class PlannedReadAdapter(SpecAdapter):
 
     def fire(self, system: _ReadSystem, handle: int, trigger: str, args: Mapping[str, Any], defer: bool) -> None:
         reused = {self._slot(handle)} if trigger == "preserve" else None
-        system.reads.move(system.refs[handle], trigger, reused)
+        system.reads.move(system.refs[handle], PlannedReadTrigger(trigger), reused)
 
     def read_state(self, system: _ReadSystem, handle: int) -> str:
         from omni_prefix_cache.reads.planned_read import ReadState

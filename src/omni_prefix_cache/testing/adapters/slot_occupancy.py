@@ -1,4 +1,4 @@
-"""``SlotOccupancyAdapter``: plays ``slot_occupancy`` on ``omni_prefix_cache.steps.occupancy.SlotOccupancy``.
+"""``SlotOccupancyAdapter``: plays ``slot_occupancy`` on ``omni_prefix_cache.steps.slot_occupancy.SlotOccupancy``.
 
 Maps each trigger to the runtime call(s) that fire it, reads the runtime's
 state and the observable trace of every declared effect, and implements the
@@ -18,6 +18,7 @@ from omni_prefix_cache.interface import (
     OmniPrefixCacheUnmatchError,
 )
 from omni_prefix_cache.specs.loader import MachineSpec, SpecError, load_spec
+from omni_prefix_cache.specs.types import SlotOccupancyTrigger
 from omni_prefix_cache.testing.stateful import (
     Discrepancy,
     EnvRule,
@@ -39,9 +40,9 @@ class _OccSystem:
     slot tenancy moves, with its manager hooks recorded per key."""
 
     def __init__(self, num_slots: int):
-        from omni_prefix_cache.steps.occupancy import SlotOccupancy
+        from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
 
-        self.occ = SlotOccupancy(num_slots, on_reassign=self._on_reassign, on_reuse=self._on_reuse)
+        self.occ = SlotOccupancy(num_slots, on_takeover=self._on_takeover, on_reuse=self._on_reuse)
         self.table = self.occ.add_key(HIDDEN_KEY)
         self.other = self.occ.add_key(_OTHER_KEY)
         self.reassigned: dict[int, frozenset[int]] = {}
@@ -49,7 +50,7 @@ class _OccSystem:
         self.reuses: dict[int, int] = {}
         self.seen_versions: dict[int, int] = {}
 
-    def _on_reassign(self, tid: int, key: str, slots: torch.Tensor) -> None:
+    def _on_takeover(self, tid: int, key: str, slots: torch.Tensor) -> None:
         book = self.reassigned if key == HIDDEN_KEY else self.other_reassigned
         book[tid] = book.get(tid, frozenset()) | frozenset(slots.tolist())
 
@@ -67,7 +68,7 @@ class SlotOccupancyAdapter(SpecAdapter):
     ``drop`` the writer (mostly the current owner). Observed effects:
     ``set_owner`` / ``clear_owner`` as the slot's tid, ``bump_version`` as
     its version, ``reassign_from_old_owner`` as the slots the manager's
-    on_reassign hook records per old owner, ``preserve_pending_reads`` as
+    on_takeover hook records per old owner, ``preserve_pending_reads`` as
     the on_reuse hook calls per slot. ``reset`` has no new owner (tid -1).
     An environment rule applies one trigger to several slots in one
     vectorised call (all or nothing when a row is illegal); another takes
@@ -94,12 +95,12 @@ class SlotOccupancyAdapter(SpecAdapter):
         pass  # every slot row exists from the start; the handle brings it under test
 
     def fire(self, system: _OccSystem, handle: int, trigger: str, args: Mapping[str, Any], defer: bool) -> None:
-        moved = system.occ.apply(trigger, HIDDEN_KEY, torch.tensor([handle]), args["tid"])
+        moved = system.occ.apply(SlotOccupancyTrigger(trigger), HIDDEN_KEY, torch.tensor([handle]), args["tid"])
         if moved != 1:
             raise Refused(f"{trigger}: {moved} rows moved")
 
     def read_state(self, system: _OccSystem, handle: int) -> str:
-        from omni_prefix_cache.steps.occupancy import SlotState
+        from omni_prefix_cache.steps.slot_occupancy import SlotState
 
         return SlotState(int(system.table.state[handle])).name
 
@@ -227,7 +228,7 @@ class SlotOccupancyAdapter(SpecAdapter):
                 m.system.seen_versions[h] = v
 
         def tenant_owns_all_keys(m: GeneratedMachine) -> None:
-            from omni_prefix_cache.steps.occupancy import SlotState
+            from omni_prefix_cache.steps.slot_occupancy import SlotState
 
             t = m.system.other
             for h, (state, owner) in m.model.env.get("other", {}).items():

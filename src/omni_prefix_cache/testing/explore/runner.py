@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_prefix_cache.device import sync
-from omni_prefix_cache.testing.explore.scenarios import SCENARIOS, Scenario
+from omni_prefix_cache.testing.explore.interrupt import INTERRUPT_SCENARIOS
+from omni_prefix_cache.testing.explore.scenarios import SCENARIOS as BASE_SCENARIOS
+from omni_prefix_cache.testing.explore.scenarios import Scenario
 from omni_prefix_cache.testing.explore.scheduler import Chooser, Failure, Scheduler
 from omni_prefix_cache.testing.explore.strategies import Bounded, Pct, Replay, make_token, parse_token
 
@@ -18,6 +20,9 @@ from omni_prefix_cache.testing.explore.strategies import Bounded, Pct, Replay, m
 # blocked on something the scheduler does not control).
 RUN_TIMEOUT_S = 60.0
 MAX_STEPS = 20_000
+
+# Every scenario the explorer runs, by name.
+SCENARIOS: dict[str, Scenario] = {**BASE_SCENARIOS, **INTERRUPT_SCENARIOS}
 
 
 @dataclass

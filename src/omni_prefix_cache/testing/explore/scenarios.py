@@ -12,7 +12,7 @@ also checked at every sync point (:class:`Watch`).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -29,7 +29,7 @@ from omni_prefix_cache.interface import (
     PrefixCacheConfig,
 )
 from omni_prefix_cache.manager import OmniPrefixCacheManager
-from omni_prefix_cache.steps.occupancy import SlotState
+from omni_prefix_cache.steps.slot_occupancy import SlotState
 from omni_prefix_cache.testing.explore.scheduler import Scheduler
 from omni_prefix_cache.testing.write_fakes import install_failing_stages, probe_joins
 from omni_prefix_cache.writes.staging import StagingBufferHolder, StagingBufferPool
@@ -76,7 +76,7 @@ class View:
     def slot_ids(self, req: str, lo: int, hi: int) -> list[int]:
         return [self.blocks[req][p // BS] * BS + p % BS for p in range(lo, hi)]
 
-    def step_slots_cpu(self, req_ids: Iterable[str], num_scheduled: dict[str, int]) -> torch.Tensor:
+    def step_slots_cpu(self, req_ids: Iterable[str], num_scheduled: Mapping[str, int]) -> torch.Tensor:
         out: list[int] = []
         for req in req_ids:
             k = int(num_scheduled.get(req, 0))

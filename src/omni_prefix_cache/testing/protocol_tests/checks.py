@@ -20,7 +20,7 @@ from omni_prefix_cache.interface import HIDDEN_KEY, OmniPrefixCacheUnmatchError,
 from omni_prefix_cache.manager import OmniPrefixCacheManager
 from omni_prefix_cache.specs.composition import ProtocolSpec
 from omni_prefix_cache.specs.types.copy_queue import QueuePosition
-from omni_prefix_cache.steps.occupancy import SlotState
+from omni_prefix_cache.steps.slot_occupancy import SlotState
 from omni_prefix_cache.testing.protocol_tests.workload import (
     BLOCK_SIZE,
     ENTRY_OF,

@@ -170,7 +170,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         class SeamLock:
             def __enter__(self) -> SeamLock:
                 caller = sys._getframe(1).f_code.co_name
-                if threading.current_thread() is race.paused and caller == "ensure_not_reassigned":
+                if threading.current_thread() is race.paused and caller == "ensure_not_overwritten":
                     race.at_seam.set()
                     race.go.wait(30)
                 real.acquire()

@@ -7,8 +7,15 @@ from collections.abc import Mapping
 from typing import Any
 
 
+def _components(mgr: Any) -> Any:
+    """The manager's components (``OmniPrefixCacheManager.components``), or
+    None for a manager without them (the reference manager, a test double)."""
+    return getattr(mgr, "components", None)
+
+
 def _controller(mgr: Any) -> Any:
-    return getattr(mgr, "_controller", None) or getattr(mgr, "controller", None)
+    components = _components(mgr)
+    return components.controller if components is not None else getattr(mgr, "controller", None)
 
 
 def manager_stats(mgr: Any) -> dict[str, Any] | None:
@@ -38,18 +45,19 @@ def probe_leaks(mgr: Any) -> dict[str, int | None]:
     """
     ctrl = _controller(mgr)
     out: dict[str, int | None] = {"holders": None, "staged_bytes": None, "tasks": None, "step_contexts": None}
-    pool = getattr(ctrl, "_staging_pool", None)
-    busy = getattr(pool, "_busy", None)
-    if busy is not None:
-        out["holders"] = sum(len(h) for h in list(busy))
-    if ctrl is not None and hasattr(ctrl, "_staged_bytes"):
-        out["staged_bytes"] = int(ctrl._staged_bytes)
-    tasks = getattr(ctrl, "_tasks", None)
+    pool = getattr(ctrl, "staging_pool", None)
+    if pool is not None:
+        # Lock-free reads: a probe after an error must not wait on a lock a stuck thread holds.
+        out["holders"] = sum(len(pool.page_holders(page)) for page in range(pool.depth))
+    budget = getattr(ctrl, "budget", None)
+    if budget is not None:
+        out["staged_bytes"] = int(budget.staged_bytes)
+    tasks = getattr(ctrl, "tasks", None)
     if tasks is not None:
         out["tasks"] = sum(1 for t in list(tasks.values()) if not _is_terminal(t))
-    ctxs = getattr(mgr, "_step_ctxs", None)
-    if ctxs is not None:
-        out["step_contexts"] = len(ctxs)
+    components = _components(mgr)
+    if components is not None:
+        out["step_contexts"] = len(components.steps)
     return out
 
 

@@ -1,7 +1,7 @@
 """Vectorised slot occupancy against the slot_occupancy spec.
 
 Every move is checked two ways: by hand for the cases the manager relies on
-(takeover records reassigned rows, reuse bumps the version and preserves
+(a takeover hands the taken rows to the old owner, reuse bumps the version and preserves
 pending reads, a stale writer's commit is refused) and by a generated
 comparison with the ``transitions`` oracle built from the same spec.
 """
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, WriteSchedule
 from omni_prefix_cache.specs import load_spec
 from omni_prefix_cache.specs.oracle import build_oracle, oracle_step
-from omni_prefix_cache.steps.occupancy import SLOT_MACHINE, SlotOccupancy, SlotState
+from omni_prefix_cache.steps.slot_occupancy import SLOT_MACHINE, SlotOccupancy, SlotState
 from omni_prefix_cache.writes.chunks import WriteChunk
 from omni_prefix_cache.writes.write_task import WriteTask
 
@@ -33,11 +33,11 @@ class Hooks:
     """Records what the occupancy asks its owner to do."""
 
     def __init__(self) -> None:
-        self.reassigned: list[tuple[int, str, list[int]]] = []
+        self.taken_over: list[tuple[int, str, list[int]]] = []
         self.reused: list[tuple[str, list[int]]] = []
 
-    def on_reassign(self, tid: int, key: str, rows: torch.Tensor) -> None:
-        self.reassigned.append((tid, key, rows.tolist()))
+    def on_takeover(self, tid: int, key: str, rows: torch.Tensor) -> None:
+        self.taken_over.append((tid, key, rows.tolist()))
 
     def on_reuse(self, key: str, rows: torch.Tensor) -> None:
         self.reused.append((key, sorted(rows.tolist())))
@@ -45,7 +45,7 @@ class Hooks:
 
 def make(num_slots: int = 16) -> tuple[SlotOccupancy, Hooks]:
     hooks = Hooks()
-    occ = SlotOccupancy(num_slots, on_reassign=hooks.on_reassign, on_reuse=hooks.on_reuse)
+    occ = SlotOccupancy(num_slots, on_takeover=hooks.on_takeover, on_reuse=hooks.on_reuse)
     occ.add_key(KEY)
     return occ, hooks
 
@@ -74,7 +74,7 @@ def test_map_commit_cycle_sets_and_clears_owner() -> None:
     assert occ.commit(KEY, slots(1, 2), 5) == 2
     assert states(occ, 1, 2, 3) == ["COMMITTED", "COMMITTED", "IN_TRANSIT"]
     assert occ.get_slot_status(KEY).tids[slots(1, 2, 3)].tolist() == [-1, -1, 6]
-    assert hooks.reassigned == [] and hooks.reused == []
+    assert hooks.taken_over == [] and hooks.reused == []
     occ.check_invariants(live_tids={6})
 
 
@@ -100,16 +100,16 @@ def test_illegal_move_raises_naming_key_and_slots_and_changes_nothing(trigger: s
     assert torch.equal(occ.state[KEY], before[0]) and torch.equal(occ.get_slot_status(KEY).tids, before[1])
 
 
-def test_takeover_records_reassigned_rows_on_the_old_owner_only() -> None:
+def test_takeover_hands_the_taken_rows_to_the_old_owner_only() -> None:
     occ, hooks = make()
     occ.map(KEY, slots(0, 1, 2, 3), torch.tensor([7, 7, 8, 8]))
     occ.map(KEY, slots(1, 2, 3, 9), 9)
-    assert sorted(hooks.reassigned) == [(7, KEY, [1]), (8, KEY, [2, 3])]
+    assert sorted(hooks.taken_over) == [(7, KEY, [1]), (8, KEY, [2, 3])]
     assert occ.get_slot_status(KEY).tids[slots(0, 1, 2, 3, 9)].tolist() == [7, 9, 9, 9, 9]
     # A write remapping its own in-transit slot (preempt and resume) loses nothing.
-    hooks.reassigned.clear()
+    hooks.taken_over.clear()
     occ.map(KEY, slots(1), 9)
-    assert hooks.reassigned == []
+    assert hooks.taken_over == []
 
 
 def test_takeover_feeds_the_old_tasks_scatter_skip() -> None:
@@ -121,7 +121,7 @@ def test_takeover_feeds_the_old_tasks_scatter_skip() -> None:
         schedule=WriteSchedule.JOIN_ON_FINISH,
         chunks=[WriteChunk(slots_cpu=slots(0, 1), tensors={}, host={KEY: torch.ones(2, 2)})],
     )
-    occ = SlotOccupancy(8, on_reassign=lambda tid, key, rows: old.add_taken_over(key, rows) if tid == 7 else None)
+    occ = SlotOccupancy(8, on_takeover=lambda tid, key, rows: old.add_taken_over(key, rows) if tid == 7 else None)
     occ.add_key(KEY)
     occ.map(KEY, slots(0, 1), 7)
     occ.map(KEY, slots(1), 8)
@@ -151,7 +151,7 @@ def test_mixed_source_map_runs_each_groups_effects_on_its_rows() -> None:
     occ.map(KEY, slots(0, 1, 2), torch.tensor([4, 5, 6]))
     assert states(occ, 0, 1, 2) == ["IN_TRANSIT"] * 3
     assert occ.get_slot_status(KEY).tids[slots(0, 1, 2)].tolist() == [4, 5, 6]
-    assert hooks.reassigned == [(1, KEY, [1])]
+    assert hooks.taken_over == [(1, KEY, [1])]
     assert hooks.reused == [(KEY, [2])]
     assert occ.get_slot_status(KEY).slot_version[slots(0, 1, 2)].tolist() == [0, 0, 1]
 
@@ -231,7 +231,7 @@ def test_vectorised_moves_match_the_spec_oracle(ops: list[tuple[str, list[int], 
         for s in rows:
             model.guard_values["owned_by_writer"] = ref_owner[s] == tid
             outcomes.append(oracle_step(machine, model, ref_state[s], trigger))
-        hooks.reassigned.clear()
+        hooks.taken_over.clear()
         hooks.reused.clear()
         if any(kind == "illegal" for kind, _, _ in outcomes):
             before = occ.state[KEY].clone()
@@ -241,13 +241,13 @@ def test_vectorised_moves_match_the_spec_oracle(ops: list[tuple[str, list[int], 
             continue
         moved = occ.apply(trigger, KEY, torch.tensor(rows), tid)
         assert moved == sum(kind == "moved" for kind, _, _ in outcomes)
-        want_reassigned: dict[int, list[int]] = {}
+        want_taken: dict[int, list[int]] = {}
         want_reused: list[int] = []
         for s, (kind, dest, effects) in zip(rows, outcomes):
             if kind != "moved":
                 continue
             if "reassign_from_old_owner" in effects and ref_owner[s] != tid:
-                want_reassigned.setdefault(ref_owner[s], []).append(s)
+                want_taken.setdefault(ref_owner[s], []).append(s)
             if "preserve_pending_reads" in effects:
                 want_reused.append(s)
             if "bump_version" in effects:
@@ -257,10 +257,10 @@ def test_vectorised_moves_match_the_spec_oracle(ops: list[tuple[str, list[int], 
             if "clear_owner" in effects:
                 ref_owner[s] = -1
             ref_state[s] = dest
-        got_reassigned: dict[int, list[int]] = {}
-        for old, _, taken in hooks.reassigned:
-            got_reassigned.setdefault(old, []).extend(taken)
-        assert {k: sorted(v) for k, v in got_reassigned.items()} == {k: sorted(v) for k, v in want_reassigned.items()}
+        got_taken: dict[int, list[int]] = {}
+        for old, _, taken in hooks.taken_over:
+            got_taken.setdefault(old, []).extend(taken)
+        assert {k: sorted(v) for k, v in got_taken.items()} == {k: sorted(v) for k, v in want_taken.items()}
         assert sorted(s for _, group in hooks.reused for s in group) == sorted(want_reused)
         table = occ.get_slot_status(KEY)
         assert [SlotState(int(x)).name for x in table.state] == ref_state

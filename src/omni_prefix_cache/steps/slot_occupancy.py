@@ -26,10 +26,11 @@ from omni_prefix_cache.device.index_tensors import int64_ids, out_of_range
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, TensorName, Tid
 from omni_prefix_cache.specs import CompiledMove, compile_machine, load_spec
 from omni_prefix_cache.specs.composition import load_protocol
+from omni_prefix_cache.specs.types.slot_occupancy import SlotOccupancyTrigger
 from omni_prefix_cache.specs.types.slot_occupancy import SlotState as SlotState  # re-exported
+from omni_prefix_cache.steps.slot_tags import OWNED, rows_tagged
+from omni_prefix_cache.steps.validation import listed
 
-# Slots listed in an error message before it summarises the rest.
-_MAX_LISTED = 16
 _NO_OWNER = -1
 
 
@@ -87,14 +88,15 @@ def _bump_version(occ: SlotOccupancy, group: SlotGroup) -> None:
     versions[group.slots] = versions[group.slots] + 1
 
 
-def _reassign_from_old_owner(occ: SlotOccupancy, group: SlotGroup) -> None:
-    # Runs before set_owner (spec order), so `tids` still names the old owner.
+def _record_takeover(occ: SlotOccupancy, group: SlotGroup) -> None:
+    # The spec's `reassign_from_old_owner`. Runs before set_owner (spec
+    # order), so `tids` still names the old owner.
     old = occ._arrays[group.key].tids[group.slots]
     taken = old != group.owners  # a task remapping its own slot loses nothing
     if not taken.any():
         return
     old, slots = old[taken], group.slots[taken]
-    hook = occ.on_reassign
+    hook = occ.on_takeover
     if hook is None:
         return
     for tid in dict.fromkeys(old.tolist()):  # usually one or two owners
@@ -112,7 +114,7 @@ SLOT_MACHINE = compile_machine(
     guards={"owned_by_writer": _owned_by_writer},
     effects={
         "set_owner": _set_owner,
-        "reassign_from_old_owner": _reassign_from_old_owner,
+        "reassign_from_old_owner": _record_takeover,
         "preserve_pending_reads": _preserve_pending_reads,
         "bump_version": _bump_version,
         "clear_owner": _clear_owner,
@@ -120,45 +122,17 @@ SLOT_MACHINE = compile_machine(
     state_enum=SlotState,
 )
 # The slot moves the protocol's drain operation fires (where enabled).
-_SETTLE_TRIGGERS = frozenset(t for role, t in load_protocol().ops["drain"].moves if role == "slot")
+_SETTLE_TRIGGERS = frozenset(
+    SlotOccupancyTrigger(t) for role, t in load_protocol().ops["drain"].moves if role == "slot"
+)
 INITIAL = int(SLOT_MACHINE.initial)
 
 
-def state_mask(tag: str) -> torch.Tensor:
-    """A bool lookup table over slot states: True for the states the spec
-    tags ``tag`` (index it with a state tensor: ``state_mask(t)[state.long()]``)."""
-    tagged = SLOT_MACHINE.tagged(tag)
-    if not tagged:
-        raise OmniPrefixCacheUnmatchError(f"{SLOT_MACHINE.spec.origin}: no state is tagged {tag!r}")
-    return torch.tensor([SlotState(s) in tagged for s in range(len(SlotState))], dtype=torch.bool)
-
-
-def rows_tagged(state: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """``table``'s entry for each row's state: with a ``state_mask``, which
-    rows are in a tagged state; with ``READ_SOURCE``, where each is read from."""
-    return table.index_select(0, state.to(torch.int64))
-
-
-_OWNED = state_mask("owned")
-# Where a planned read takes a row from, by its slot state's tag (read_pool: the pool).
-READ_BASELINE = state_mask("read_baseline")
-READ_OWNER = state_mask("read_owner")
-# Both at once, as bits per slot state (0: the row is read from the pool), so
-# a read whose rows are all committed is told apart with one lookup.
-READ_FROM_BASELINE, READ_FROM_OWNER = 1, 2
-READ_SOURCE = READ_BASELINE.to(torch.int8) * READ_FROM_BASELINE + READ_OWNER.to(torch.int8) * READ_FROM_OWNER
-
-# Hooks the manager installs. on_reassign(old_tid, key, slots): a newer write
-# took these in-transit rows from old_tid. on_reuse(key, slots): these
+# Hooks the manager installs. on_takeover(old_tid, key, slots): a newer write
+# took these in-transit rows over from old_tid. on_reuse(key, slots): these
 # committed rows are about to be overwritten by a new tenant.
-ReassignHook = Callable[[Tid, TensorName, torch.Tensor], None]
+TakeoverHook = Callable[[Tid, TensorName, torch.Tensor], None]
 ReuseHook = Callable[[TensorName, torch.Tensor], None]
-
-
-def _describe(slots: torch.Tensor | np.ndarray) -> str:
-    listed = slots[:_MAX_LISTED].tolist()
-    more = int(slots.size if isinstance(slots, np.ndarray) else slots.numel()) - len(listed)
-    return f"{listed}" + (f" (+{more} more)" if more > 0 else "")
 
 
 class SlotOccupancy:
@@ -172,13 +146,13 @@ class SlotOccupancy:
         self,
         num_slots: int,
         *,
-        on_reassign: ReassignHook | None = None,
+        on_takeover: TakeoverHook | None = None,
         on_reuse: ReuseHook | None = None,
     ) -> None:
         if int(num_slots) <= 0:
             raise OmniPrefixCacheUnmatchError(f"slot occupancy: num_slots must be positive, got {num_slots}")
         self.num_slots = int(num_slots)
-        self.on_reassign = on_reassign
+        self.on_takeover = on_takeover
         self.on_reuse = on_reuse
         self._keys: dict[TensorName, KeySlots] = {}
         self._arrays: dict[TensorName, _KeyArrays] = {}
@@ -189,12 +163,13 @@ class SlotOccupancy:
         tenancy = {c.name: c for c in SLOT_MACHINE.spec.couplings}.get("take_tenancy")
         if tenancy is None:
             raise OmniPrefixCacheUnmatchError(f"{SLOT_MACHINE.spec.origin}: no 'take_tenancy' coupling declared")
-        self._tenant_writes, self._tenant_others = tenancy.fires, tenancy.others
+        self._tenant_writes = SlotOccupancyTrigger(tenancy.fires)
+        self._tenant_others = SlotOccupancyTrigger(tenancy.others)
         # Per trigger: the move from each source state (None where the spec
         # declares none), and the source states that make it illegal.
-        self._moves: dict[str, tuple[CompiledMove | None, ...]] = {}
-        self._illegal: dict[str, tuple[int, ...]] = {}
-        for trigger in SLOT_MACHINE.triggers:
+        self._moves: dict[SlotOccupancyTrigger, tuple[CompiledMove | None, ...]] = {}
+        self._illegal: dict[SlotOccupancyTrigger, tuple[int, ...]] = {}
+        for trigger in map(SlotOccupancyTrigger, SLOT_MACHINE.triggers):
             row = tuple(SLOT_MACHINE.move(s, trigger) for s in range(n_states))
             self._moves[trigger] = row
             self._illegal[trigger] = tuple(s for s, m in enumerate(row) if m is None)
@@ -237,7 +212,7 @@ class SlotOccupancy:
 
     def apply(
         self,
-        trigger: str,
+        trigger: SlotOccupancyTrigger,
         key: TensorName,
         slots: torch.Tensor,
         owners: torch.Tensor | int,
@@ -257,7 +232,7 @@ class SlotOccupancy:
 
     def _apply(
         self,
-        trigger: str,
+        trigger: SlotOccupancyTrigger,
         key: TensorName,
         slots: np.ndarray,
         owners: torch.Tensor | np.ndarray | int,
@@ -294,7 +269,7 @@ class SlotOccupancy:
     def _groups(
         self,
         key: TensorName,
-        trigger: str,
+        trigger: SlotOccupancyTrigger,
         moves: tuple[CompiledMove | None, ...],
         src: np.ndarray,
         slots: np.ndarray,
@@ -329,18 +304,18 @@ class SlotOccupancy:
         ]
 
     @staticmethod
-    def _refuse(key: TensorName, trigger: str, state: int, slots: np.ndarray) -> None:
+    def _refuse(key: TensorName, trigger: SlotOccupancyTrigger, state: int, slots: np.ndarray) -> None:
         raise OmniPrefixCacheUnmatchError(
             f"slot occupancy {key!r}: {trigger} is illegal from {SlotState(state).name} "
-            f"for slots {_describe(slots)} (spec slot_occupancy)"
+            f"for slots {listed(slots)} (spec slot_occupancy)"
         )
 
     def map(self, key: TensorName, slots: torch.Tensor, owners: torch.Tensor | int) -> int:
         """A write maps ``slots`` (ABSENT/IN_TRANSIT/COMMITTED -> IN_TRANSIT,
-        owned by ``owners``). Takeover records reassigned rows on the old
-        owner; reuse of a committed slot preserves pending reads and bumps
+        owned by ``owners``). A takeover hands the rows it took to the old
+        owner (``on_takeover``); reuse of a committed slot preserves pending reads and bumps
         its version. Under the state lock."""
-        return self.apply("map", key, slots, owners)
+        return self.apply(SlotOccupancyTrigger.MAP, key, slots, owners)
 
     def take_tenancy(self, slots: torch.Tensor, writes: Mapping[TensorName, torch.Tensor | np.ndarray | int]) -> None:
         """A save's step takes ``slots`` for its writes (coupling
@@ -368,14 +343,16 @@ class SlotOccupancy:
     def commit(self, key: TensorName, slots: torch.Tensor, writers: torch.Tensor | int) -> int:
         """Strict ``commit``: every row must be IN_TRANSIT (else raises);
         rows now owned by another write stay. Under the state lock."""
-        return self.apply("commit", key, slots, writers)
+        return self.apply(SlotOccupancyTrigger.COMMIT, key, slots, writers)
 
     def drop(self, key: TensorName, slots: torch.Tensor, writers: torch.Tensor | int) -> int:
         """Strict ``drop`` (the writer failed): IN_TRANSIT -> ABSENT for rows
         it still owns. Under the state lock."""
-        return self.apply("drop", key, slots, writers)
+        return self.apply(SlotOccupancyTrigger.DROP, key, slots, writers)
 
-    def settle(self, trigger: str, key: TensorName, slots: torch.Tensor, writers: torch.Tensor | int) -> int:
+    def settle(
+        self, trigger: SlotOccupancyTrigger, key: TensorName, slots: torch.Tensor, writers: torch.Tensor | int
+    ) -> int:
         """The drain's ``slot.commit?`` / ``slot.drop?`` (spec/protocol.yaml,
         operation ``drain``) for a drained write's own rows.
 
@@ -390,7 +367,7 @@ class SlotOccupancy:
 
     def settle_keys(
         self,
-        trigger: str,
+        trigger: SlotOccupancyTrigger,
         keys: Sequence[TensorName],
         slots: torch.Tensor,
         writers: torch.Tensor | np.ndarray | int,
@@ -402,7 +379,7 @@ class SlotOccupancy:
         so errors are those of ``settle`` per key."""
         if trigger not in _SETTLE_TRIGGERS:
             raise OmniPrefixCacheUnmatchError(
-                f"slot occupancy: settle takes {sorted(_SETTLE_TRIGGERS)} (protocol drain), not {trigger!r}"
+                f"slot occupancy: settle takes {sorted(map(str, _SETTLE_TRIGGERS))} (protocol drain), not {trigger!r}"
             )
         if not keys:
             return 0
@@ -423,19 +400,19 @@ class SlotOccupancy:
         ``owner_is_live_task`` when ``live_tids`` is given. (Version
         monotonicity is a property of the moves; tests check it across them.)"""
         for key, table in self._keys.items():
-            in_transit = rows_tagged(table.state, _OWNED)
+            in_transit = rows_tagged(table.state, OWNED)
             owned = table.tids != _NO_OWNER
             bad = (in_transit != owned).nonzero().flatten()
             if bad.numel():
                 raise OmniPrefixCacheUnmatchError(
-                    f"slot occupancy {key!r}: owner_iff_in_transit broken at slots {_describe(bad)}"
+                    f"slot occupancy {key!r}: owner_iff_in_transit broken at slots {listed(bad)}"
                 )
             if live_tids is not None and bool(in_transit.any()):
                 owners = table.tids[in_transit]
                 dead = sorted(set(owners.tolist()) - set(live_tids))
                 if dead:
                     raise OmniPrefixCacheUnmatchError(
-                        f"slot occupancy {key!r}: owner_is_live_task broken: owners {dead[:_MAX_LISTED]} are not live"
+                        f"slot occupancy {key!r}: owner_is_live_task broken: owners {listed(dead)} are not live"
                     )
 
     # ------------------------------------------------------------ helpers
@@ -451,7 +428,7 @@ class SlotOccupancy:
         if out_of_range(rows, self.num_slots):
             bad = rows[(rows < 0) | (rows >= self.num_slots)]
             raise OmniPrefixCacheUnmatchError(
-                f"slot occupancy {key!r}: slots {_describe(bad)} outside [0, {self.num_slots})"
+                f"slot occupancy {key!r}: slots {listed(bad)} outside [0, {self.num_slots})"
             )
         return rows
 

@@ -1,0 +1,91 @@
+"""A failed pool write is sticky: the cache stops serving for good.
+
+Once a write behind a published block hash failed (its rows never reached
+the CPU block pool) or a device fault lost the writes in flight, a hit on
+those hashes would read rows that are not there. So the first such failure
+is kept, and every later serving facade entry (new_step_starts,
+save_outputs, materialize) raises it again; discard_step and shutdown still
+work. The drain operation's ``sticky_failure`` effect (spec/protocol.yaml)
+records it; nothing ever clears it.
+
+Threading: ``note_locked`` runs under the manager's state lock (inside the
+drain); ``raise_if_failed`` and ``record_fault`` take that lock themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Mapping
+
+from omni_prefix_cache.controller import OmniPrefixCacheController
+from omni_prefix_cache.interface import OmniPrefixCacheWriteFailedError, ReqId, Tid
+
+logger = logging.getLogger(__name__)
+
+
+class StickyFailure:
+    """The first write failure (``error``; None while every write landed).
+
+    ``drain_failures_locked`` drains the committer's failure record into
+    ``note_locked`` (the write ledger's drain of failures only), so a check
+    sees failures nobody drained yet. ``counters`` are the facade's operator
+    counters (``failed_writes``).
+    """
+
+    def __init__(
+        self,
+        controller: OmniPrefixCacheController,
+        state_lock: threading.Lock,
+        counters: Counter[str],
+        drain_failures_locked: Callable[[], None],
+    ) -> None:
+        self._controller = controller
+        self._state_lock = state_lock
+        self._counters = counters
+        self._drain_failures_locked = drain_failures_locked
+        self.error: OmniPrefixCacheWriteFailedError | None = None
+
+    def note_locked(self, failed: list[Tid], req_of: Mapping[Tid, ReqId]) -> None:
+        """The drain found ``failed`` writes (``req_of``: the request of
+        each one the ledger still knew). Logs them; the first failure ever
+        becomes ``error``, naming the first cause the controller recorded
+        (its task, request, keys and slots). State lock held."""
+        self._counters["failed_writes"] += len(failed)
+        names = [f"task {tid} (req {req_of[tid]!r})" if tid in req_of else f"task {tid}" for tid in failed]
+        causes = [c for tid in failed if (c := self._controller.failure_of(tid)) is not None]
+        first = causes[0] if causes else None
+        message = (
+            f"omni prefix cache write failed: {', '.join(names)}; rows behind published block hashes never "
+            "landed, so the cache can no longer serve hits" + (f" (first: {first})" if first is not None else "")
+        )
+        logger.error("%s", message)
+        if self.error is None:
+            error = OmniPrefixCacheWriteFailedError(
+                message,
+                tid=first.tid if first is not None else failed[0],
+                req_id=first.req_id if first is not None else req_of.get(failed[0]),
+                keys=first.keys if first is not None else (),
+                slots=first.slots if first is not None else (),
+            )
+            error.__cause__ = first.__cause__ if first is not None else None
+            self.error = error
+
+    def raise_if_failed(self) -> None:
+        """The check at every serving facade entry (takes the state lock):
+        drains the failure record, then raises the first write failure
+        again (``OmniPrefixCacheWriteFailedError.again``) if there is one."""
+        with self._state_lock:
+            self._drain_failures_locked()
+            error = self.error
+        if error is not None:
+            raise error.again()
+
+    def record_fault(self, error: OmniPrefixCacheWriteFailedError) -> None:
+        """A device fault lost every write in flight: sticky like a failed
+        pool write, unless a failure is already recorded (takes the state
+        lock)."""
+        with self._state_lock:
+            if self.error is None:
+                self.error = error

@@ -1,0 +1,115 @@
+"""Benchmarks: what the manager costs the engine thread and the output builder per step.
+
+Each scenario is scheduled ahead of time by the simulator's scheduler, so the
+timed loop runs only the manager calls (``new_step_starts`` + ``save_outputs``
+for the engine thread; ``materialize`` for the output builder). Next to every
+timed call the same loop times a memcpy floor: a torch clone of the same
+bytes (the step's saved rows for the engine; the rows materialize returned,
+as one contiguous tensor per key, for the builder). Targets are ratios to
+that floor, so they travel between machines.
+
+Scenarios:
+
+- ``decode``: 64 requests x 1 token per step, hidden 2048 bf16, one
+  token-major mm key.
+- ``prefill_hits``: 512-token prompts sharing a 256-token system prompt,
+  block size 16, 2048-token steps; later arrivals hit the system prompt.
+- ``deferred``: a deferred mm key; two-turn conversations whose second turn
+  hits the first turn's prompt and answer.
+- ``decode_256``: ``decode`` at 256 requests.
+- ``decode_mm4``: ``decode`` with four token-major mm keys.
+- ``sweep``: ``decode`` at 16, 64 and 256 requests (engine us per request).
+
+Every scenario runs in eager and threaded mode (``--mode``). Targets (issue
+"batched write path") are checked per (scenario, mode) and printed with
+their verdicts; with a baseline file (the previous release's report, kept as
+``docs/bench_baseline.json``) every row also shows its floor-normalised
+ratio to the baseline's.
+
+Each (scenario, mode) also reports the step total: engine plus materialize
+wall time of the same step (p50 of the per-step sums). In threaded mode the
+committer thread's pass for a step overlaps that step's materialize (the
+bench has no forward pass between steps to hide it behind), and the two
+threads share the GIL, so work moved off the engine thread can show up as
+materialize wall time; the step total is what the engine loop pays for both.
+It is compared with the baseline as raw wall time against the sum of the
+baseline's two medians (the baseline keeps medians, not per-step sums).
+Threaded rows also report the committer thread's CPU time inside each
+timed call (read from its thread CPU clock, where the platform has one).
+
+``--forward-us N`` (default 0) simulates the forward pass a real engine runs
+between ``new_step_starts`` and ``save_outputs``: the engine thread sleeps N
+us there (releasing the GIL, as a wait on the GPU does), outside the timed
+engine span. Without it the hit prefetches ``new_step_starts`` starts run
+inside ``save_outputs``, on a machine with fewer free cores than threads.
+
+Modules: ``scenarios`` (the traces, their targets and planning), ``floors``
+(the memcpy floors and the static buffers), ``measure`` (timing one
+scenario), ``results`` (rows, targets' verdicts, the report and the
+baseline), ``sweep`` (the batch sweep's spread and fit), ``report`` (the
+tables), ``profiling`` (``--profile``), ``runner`` (a whole run, the CLI entry).
+"""
+
+from __future__ import annotations
+
+from omni_prefix_cache.tools.bench.measure import run_scenario
+from omni_prefix_cache.tools.bench.profiling import profile_scenario
+from omni_prefix_cache.tools.bench.report import format_report
+from omni_prefix_cache.tools.bench.results import (
+    BASELINE_PATH,
+    BASELINE_SLACK,
+    STEP_SIDE,
+    BenchReport,
+    ScenarioResult,
+    Target,
+    TargetVerdict,
+    load_baseline,
+)
+from omni_prefix_cache.tools.bench.runner import main_bench, run_bench
+from omni_prefix_cache.tools.bench.scenarios import (
+    DECODE_TARGETS,
+    DEFERRED_KEY,
+    MM_KEY,
+    MODES,
+    PREFILL_TARGETS,
+    SCENARIOS,
+    Scenario,
+    StepInput,
+    decode_scenario,
+    deferred_scenario,
+    plan_steps,
+    prefill_hits_scenario,
+)
+from omni_prefix_cache.tools.bench.sweep import SWEEP_SIZES, SWEEP_TARGET, fixed_cost_allowed, linear_fit
+
+__all__ = [
+    "BASELINE_PATH",
+    "BASELINE_SLACK",
+    "DECODE_TARGETS",
+    "DEFERRED_KEY",
+    "MM_KEY",
+    "MODES",
+    "PREFILL_TARGETS",
+    "SCENARIOS",
+    "STEP_SIDE",
+    "SWEEP_SIZES",
+    "SWEEP_TARGET",
+    "BenchReport",
+    "Scenario",
+    "ScenarioResult",
+    "StepInput",
+    "Target",
+    "TargetVerdict",
+    "decode_scenario",
+    "deferred_scenario",
+    "fixed_cost_allowed",
+    "format_report",
+    "linear_fit",
+    "load_baseline",
+    "main_bench",
+    "plan_steps",
+    "prefill_hits_scenario",
+    "profile_scenario",
+    "run_bench",
+    "run_scenario",
+]

@@ -1,0 +1,238 @@
+"""What a bench run measured and what it is held to: the targets and their
+verdicts, one row per (scenario, mode), the whole report (``--json``) and
+its comparison with a baseline report (``docs/bench_baseline.json``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from omni_prefix_cache.tools.bench.sweep import SWEEP_TARGET, fixed_cost_allowed, linear_fit
+
+BASELINE_PATH = "docs/bench_baseline.json"
+# A scenario may not get slower than the baseline by more than this (floor-normalised).
+BASELINE_SLACK = 1.05
+STEP_SIDE = "engine+materialize"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A bench target: ``metric(result) <= limit(result)`` in ``modes``."""
+
+    name: str
+    metric: Callable[[ScenarioResult], float]
+    limit: Callable[[ScenarioResult], float]
+    describe: str
+    modes: tuple[str, ...] = ("eager", "threaded")
+    # Same-run context printed beside the verdict (e.g. the floor the
+    # target sits against), or None.
+    context: Callable[[ScenarioResult], str] | None = None
+
+
+@dataclass
+class TargetVerdict:
+    name: str
+    describe: str
+    value: float
+    limit: float
+    met: bool
+    context: str = ""  # same-run context (Target.context), "" when none
+
+
+@dataclass
+class ScenarioResult:
+    """Medians/p90s of one scenario in one mode, its floors and target verdicts."""
+
+    name: str
+    mode: str
+    steps: int
+    requests_per_step: float
+    tokens_per_step: float
+    engine_us_p50: float
+    engine_us_p90: float
+    materialize_us_p50: float
+    materialize_us_p90: float
+    engine_floor_us: float
+    materialize_floor_us: float
+    engine_ratio: float
+    materialize_ratio: float
+    tokens_per_s: float
+    engine_us_per_request: float
+    materialize_us_per_request: float = 0.0
+    # The data movement the engine must do, timed in the same loop: a copy of
+    # the step's rows into a staging buffer, then index_copy_ of those rows
+    # into a pool of the same shape at the step's slots.
+    staging_copy_us: float = 0.0
+    move_floor_us: float = 0.0
+    hit_rows_per_step: float = 0.0
+    # Thread CPU time of the calling thread (time another process or thread ran is not counted).
+    engine_cpu_us_p50: float = 0.0
+    materialize_cpu_us_p50: float = 0.0
+    engine_cpu_ratio: float = 0.0
+    materialize_cpu_ratio: float = 0.0
+    verdicts: list[TargetVerdict] = field(default_factory=list)
+    # Engine + materialize wall (and calling-thread CPU) of the same step: p50 of the per-step sums.
+    step_us_p50: float = 0.0
+    step_cpu_us_p50: float = 0.0
+    # The committer thread's CPU time inside the engine / materialize calls, p50 per step
+    # (None: no committer thread, or no per-thread CPU clock on this platform).
+    committer_cpu_engine_us_p50: float | None = None
+    committer_cpu_materialize_us_p50: float | None = None
+    # Floor-normalised ratio to the baseline report's same row (None: no baseline row).
+    engine_vs_baseline: float | None = None
+    materialize_vs_baseline: float | None = None
+    # Raw wall ratios to the baseline row's medians (the step total: to the sum of its two medians),
+    # and the baseline's materialize floor, so a floor that moved can be told from a slower call.
+    engine_wall_vs_baseline: float | None = None
+    materialize_wall_vs_baseline: float | None = None
+    step_vs_baseline: float | None = None
+    baseline_materialize_floor_us: float | None = None
+    # Simulated forward pass between new_step_starts and save_outputs (us, not timed; 0: none).
+    forward_us: float = 0.0
+    # Minor page faults the engine thread took per step (p50) inside the engine
+    # calls and inside materialize (None: no per-thread usage on this OS).
+    engine_faults_p50: float | None = None
+    materialize_faults_p50: float | None = None
+
+    def judge(self, targets: tuple[Target, ...]) -> None:
+        """Evaluate ``targets`` that apply to this result's mode."""
+        self.verdicts = []
+        for t in targets:
+            if self.mode in t.modes:
+                value, limit = t.metric(self), t.limit(self)
+                context = t.context(self) if t.context is not None else ""
+                self.verdicts.append(TargetVerdict(t.name, t.describe, value, limit, value <= limit, context))
+
+    @property
+    def met(self) -> bool | None:
+        """All of this row's targets met (None: it has none)."""
+        return None if not self.verdicts else all(v.met for v in self.verdicts)
+
+
+@dataclass
+class BenchReport:
+    """A whole run: its rows, the sweep's, and how they compare with the targets and the baseline."""
+
+    modes: tuple[str, ...]
+    torch_threads: int
+    results: list[ScenarioResult]
+    sweep: list[ScenarioResult]
+    sweep_spread: float | None = None  # max/min engine us per request across the sweep (wall p50)
+    sweep_cpu_spread: float | None = None  # the same from thread CPU time
+    sweep_target: float = SWEEP_TARGET
+    baseline: str | None = None  # where the baseline came from
+    baseline_slack: float = BASELINE_SLACK
+
+    @property
+    def mode(self) -> str:
+        return "+".join(self.modes)
+
+    @property
+    def sweep_met(self) -> bool | None:
+        return None if self.sweep_spread is None else self.sweep_spread <= self.sweep_target
+
+    @property
+    def sweep_fit(self) -> tuple[float, float] | None:
+        """``(fixed us per step, us per request)``: least squares of the
+        sweep's engine p50 against its requests per step (None with fewer
+        than two batch sizes). Splits what the spread target is about: the
+        fixed part is what small batches cannot amortize."""
+        return linear_fit([(r.requests_per_step, r.engine_us_p50) for r in self.sweep])
+
+    @property
+    def sweep_fixed_allowed_us(self) -> float | None:
+        """The largest fixed per-step cost that would meet the spread target
+        at the fitted per-request cost, across the sweep's smallest and
+        largest batch (None without a fit or with a non-positive
+        per-request cost)."""
+        fit = self.sweep_fit
+        if fit is None:
+            return None
+        sizes = [r.requests_per_step for r in self.sweep]
+        return fixed_cost_allowed(fit[1], min(sizes), max(sizes), self.sweep_target)
+
+    def baseline_verdicts(self) -> list[tuple[ScenarioResult, str, float, bool]]:
+        """(row, side, ratio to baseline, within slack) for every row the baseline has: engine and
+        materialize floor-normalised, the step total (``engine+materialize``) as raw wall time."""
+        out = []
+        for r in self.results:
+            sides = (
+                ("engine", r.engine_vs_baseline),
+                ("materialize", r.materialize_vs_baseline),
+                (STEP_SIDE, r.step_vs_baseline),
+            )
+            for side, ratio in sides:
+                if ratio is not None:
+                    out.append((r, side, ratio, ratio <= self.baseline_slack))
+        return out
+
+    @property
+    def all_met(self) -> bool:
+        verdicts = [r.met for r in self.results] + [self.sweep_met]
+        verdicts += [ok for *_, ok in self.baseline_verdicts()]
+        return all(v is not False for v in verdicts)
+
+    def to_dict(self) -> dict[str, Any]:
+        def one(r: ScenarioResult) -> dict[str, Any]:
+            d = asdict(r)
+            d["met"] = r.met
+            return d
+
+        return {
+            "mode": self.mode,
+            "modes": list(self.modes),
+            "torch_threads": self.torch_threads,
+            "results": [one(r) for r in self.results],
+            "sweep": [one(r) for r in self.sweep],
+            "sweep_spread": self.sweep_spread,
+            "sweep_cpu_spread": self.sweep_cpu_spread,
+            "sweep_target": self.sweep_target,
+            "sweep_met": self.sweep_met,
+            "sweep_fit": None if self.sweep_fit is None else list(self.sweep_fit),
+            "sweep_fixed_allowed_us": self.sweep_fixed_allowed_us,
+            "baseline": self.baseline,
+            "all_met": self.all_met,
+        }
+
+
+def load_baseline(path: str) -> dict[tuple[str, str], dict[str, float]]:
+    """(scenario, mode) -> the baseline row's ``engine_ratio`` / ``materialize_ratio``
+    (floor-normalised, so they compare across runs better than raw times) and
+    its raw medians and materialize floor (``*_us``). Raises ValueError naming
+    the file when it is not a bench ``--json`` report."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        rows = data["results"]
+        return {
+            (r["name"], r["mode"]): {
+                "engine": float(r["engine_ratio"]),
+                "materialize": float(r["materialize_ratio"]),
+                "engine_us": float(r["engine_us_p50"]),
+                "materialize_us": float(r["materialize_us_p50"]),
+                "materialize_floor_us": float(r["materialize_floor_us"]),
+            }
+            for r in rows
+        }
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"baseline {path}: not a bench --json report ({exc})") from exc
+
+
+def _over(value: float, base: float) -> float | None:
+    return value / base if base > 0 else None
+
+
+def apply_baseline(results: list[ScenarioResult], base: dict[tuple[str, str], dict[str, float]]) -> None:
+    """Set every row's ratios to the same (scenario, mode) row of ``base``
+    (``load_baseline``); a row the baseline lacks keeps None."""
+    for r in results:
+        row = base.get((r.name, r.mode))
+        if row is not None:
+            r.engine_vs_baseline = r.engine_ratio / row["engine"] if row["engine"] > 0 else None
+            r.materialize_vs_baseline = r.materialize_ratio / row["materialize"] if row["materialize"] > 0 else None
+            r.engine_wall_vs_baseline = _over(r.engine_us_p50, row["engine_us"])
+            r.materialize_wall_vs_baseline = _over(r.materialize_us_p50, row["materialize_us"])
+            r.step_vs_baseline = _over(r.step_us_p50, row["engine_us"] + row["materialize_us"])
+            r.baseline_materialize_floor_us = row["materialize_floor_us"]

@@ -1,0 +1,147 @@
+"""A whole bench run: the scenarios in each mode side by side, the decode
+sweep, the baseline comparison, and the ``omni-prefix-cache bench`` entry."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from omni_prefix_cache.tools.bench.measure import ManagerFactory, run_scenario
+from omni_prefix_cache.tools.bench.profiling import profile_scenario
+from omni_prefix_cache.tools.bench.report import format_report
+from omni_prefix_cache.tools.bench.results import (
+    BASELINE_PATH,
+    BenchReport,
+    ScenarioResult,
+    apply_baseline,
+    load_baseline,
+)
+from omni_prefix_cache.tools.bench.scenarios import MODES, SCENARIOS, Scenario, decode_scenario
+from omni_prefix_cache.tools.bench.sweep import SWEEP_SIZES, spread
+
+
+def _check_choices(names: list[str], modes: tuple[str, ...]) -> None:
+    """ValueError naming what is unknown among ``names`` and ``modes``."""
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        raise ValueError(f"unknown scenario(s) {unknown}; choose from {sorted(SCENARIOS)}")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"unknown mode(s) {bad}; choose from {list(MODES)}")
+
+
+def _step_counter(total: int, progress: Callable[[int, int], None] | None) -> Callable[[], None] | None:
+    """An ``on_step`` that reports ``(done, total)`` to ``progress`` (None without one)."""
+    if progress is None:
+        return None
+    done = 0
+
+    def step_done() -> None:
+        nonlocal done
+        done += 1
+        progress(done, total)
+
+    return step_done
+
+
+def run_bench(
+    names: list[str] | None = None,
+    *,
+    eager: bool | None = None,
+    modes: tuple[str, ...] | None = None,
+    iters: int | None = None,
+    warmup: int | None = None,
+    sweep: bool = True,
+    baseline: str | None = None,
+    manager_factory: ManagerFactory | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    forward_us: float = 0.0,
+) -> BenchReport:
+    """Run the named scenarios (default all) in each of ``modes`` (default
+    both; ``eager`` picks one, for old callers), then the decode sweep
+    (eager). ``baseline``: a bench ``--json`` report to compare with.
+    ``progress(done, total)`` is called after every step of every run.
+    ``forward_us``: a simulated forward pass per step (see ``run_scenario``).
+    Raises ValueError on an unknown scenario or mode, or a baseline that is
+    not a bench report."""
+    names = list(SCENARIOS) if not names else names
+    if modes is None:
+        modes = MODES if eager is None else ("eager" if eager else "threaded",)
+    _check_choices(names, modes)
+    base = load_baseline(baseline) if baseline else None
+    plan = [SCENARIOS[n]() for n in names]
+    sweep_plan = [decode_scenario(r, iters=100) for r in SWEEP_SIZES] if sweep else []
+
+    def steps_of(sc: Scenario) -> int:
+        return (sc.warmup if warmup is None else warmup) + (sc.iters if iters is None else iters)
+
+    total = sum(steps_of(sc) for sc in [*[p for p in plan for _ in modes], *sweep_plan])
+    kw: dict[str, Any] = {
+        "iters": iters,
+        "warmup": warmup,
+        "manager_factory": manager_factory,
+        "on_step": _step_counter(total, progress),
+        "forward_us": forward_us,
+    }
+    # Modes side by side per scenario, so their ratios share the machine's state.
+    results = [run_scenario(sc, eager=mode == "eager", **kw) for sc in plan for mode in modes]
+    if base is not None:
+        apply_baseline(results, base)
+    sweep_results: list[ScenarioResult] = []
+    sweep_spread = cpu_spread = None
+    if sweep:
+        sweep_results = [run_scenario(sc, eager=True, **kw) for sc in sweep_plan]
+        sweep_spread = spread([r.engine_us_per_request for r in sweep_results])
+        cpu_spread = spread([r.engine_cpu_us_p50 / r.requests_per_step for r in sweep_results])
+    return BenchReport(
+        modes=tuple(modes),
+        torch_threads=torch.get_num_threads(),
+        results=results,
+        sweep=sweep_results,
+        sweep_spread=sweep_spread,
+        sweep_cpu_spread=cpu_spread,
+        baseline=baseline,
+    )
+
+
+def main_bench(args: argparse.Namespace) -> int:
+    """Entry point of ``omni-prefix-cache bench`` (its arguments:
+    ``tools.commands.bench``); the exit status."""
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    if args.profile:
+        print(profile_scenario(args.profile, eager=args.mode != "threaded", top=args.top, iters=args.iters))
+        return 0
+    from omni_prefix_cache.tools.progress import StepProgress
+
+    line = StepProgress("step", enabled=False if args.json or args.quiet else None)
+    try:
+        baseline = args.baseline
+        if baseline is None and os.path.isfile(BASELINE_PATH):
+            baseline = BASELINE_PATH
+        rep = run_bench(
+            args.scenario,
+            modes=MODES if args.mode == "both" else (args.mode,),
+            baseline=baseline or None,
+            iters=args.iters,
+            warmup=args.warmup,
+            sweep=not args.no_sweep,
+            progress=line.update,
+            forward_us=getattr(args, "forward_us", 0.0),
+        )
+    finally:
+        line.close()
+    if args.save_baseline:
+        with open(args.save_baseline, "w") as f:
+            json.dump(rep.to_dict(), f, indent=2)
+            f.write("\n")
+    if args.json:
+        print(json.dumps(rep.to_dict(), indent=2))
+    else:
+        print(format_report(rep))
+    return 1 if args.strict and not rep.all_met else 0

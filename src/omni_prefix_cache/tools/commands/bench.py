@@ -1,0 +1,105 @@
+"""``omni-prefix-cache bench``: the engine and materialize cost per step
+against a memcpy floor, with targets (the bench itself: ``tools.bench``)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from omni_prefix_cache.tools.commands.common import HelpFormatter, describe, non_negative, positive
+
+# Scenario names of bench.SCENARIOS (bench imports torch; tests keep the two in step).
+BENCH_SCENARIOS = ("decode", "decode_256", "decode_mm4", "prefill_hits", "deferred")
+
+
+def bench_scenario(text: str) -> str:
+    """``--scenario``: one of ``BENCH_SCENARIOS``."""
+    if text in BENCH_SCENARIOS:
+        return text
+    raise argparse.ArgumentTypeError(f"unknown scenario {text!r}; choose from {', '.join(BENCH_SCENARIOS)}")
+
+
+def profile_scenario(text: str) -> str:
+    """``--profile``: a scenario name or ``decode_<requests>``."""
+    if text in BENCH_SCENARIOS:
+        return text
+    head, _, size = text.partition("_")
+    if head == "decode" and size.isdigit() and int(size) > 0:
+        return text
+    raise argparse.ArgumentTypeError(
+        f"unknown scenario {text!r}; choose from {', '.join(BENCH_SCENARIOS)} or decode_<requests>"
+    )
+
+
+def add_parser(sub: Any) -> None:
+    """Declare ``bench`` on the subparsers ``sub``."""
+    p = sub.add_parser(
+        "bench",
+        help="engine and materialize cost per step against a memcpy floor, with targets",
+        description=describe(
+            "Scenarios decode (64x1), decode_256, decode_mm4 (four mm keys), prefill_hits, deferred, each in "
+            "eager and threaded mode, and a decode batch sweep. Each row reports microseconds per step and per "
+            "request and the ratio to floors measured in the same run (a torch clone of the step's row bytes; "
+            "a staging copy plus a pool index_copy_ of them); the targets table says met or missed (a miss "
+            "fails the run only with --strict). With a baseline report (default docs/bench_baseline.json when "
+            "present) each row is compared with the baseline's, floor-normalised.",
+            "A progress line (steps, elapsed, ETA) is drawn on stderr when it is a terminal.",
+        ),
+        formatter_class=HelpFormatter,
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--mode", choices=("eager", "threaded", "both"), default="both", help="committer mode(s), side by side"
+    )
+    mode.add_argument("--eager", dest="mode", action="store_const", const="eager", help="short for --mode eager")
+    mode.add_argument(
+        "--threaded", dest="mode", action="store_const", const="threaded", help="short for --mode threaded"
+    )
+    p.add_argument(
+        "--baseline",
+        metavar="JSON",
+        default=None,
+        help="a bench --json report to compare with; when absent, docs/bench_baseline.json if it exists ('' for none)",
+    )
+    p.add_argument("--save-baseline", metavar="JSON", default=None, help="also write this run's --json report here")
+    p.add_argument(
+        "--scenario",
+        action="append",
+        type=bench_scenario,
+        metavar="{" + ",".join(BENCH_SCENARIOS) + "}",
+        help="run only this scenario (repeatable; all when absent)",
+    )
+    p.add_argument("--iters", type=positive, default=None, help="timed steps per scenario (per-scenario default)")
+    p.add_argument("--warmup", type=non_negative, default=None, help="untimed steps first (per-scenario default)")
+    p.add_argument("--no-sweep", action="store_true", help="skip the decode batch-size sweep")
+    p.add_argument(
+        "--forward-us",
+        type=non_negative,
+        default=0,
+        help="simulate a forward pass: the engine thread sleeps this long between new_step_starts and "
+        "save_outputs, not counted in engine time (0: none, as in the baseline)",
+    )
+    p.add_argument(
+        "--profile",
+        metavar="SCENARIO",
+        type=profile_scenario,
+        help="cProfile one scenario (a name above or decode_<requests>) and print the top functions",
+    )
+    p.add_argument("--top", type=positive, default=25, help="functions shown by --profile")
+    p.add_argument("--json", action="store_true", help="print the machine-readable report (no progress line)")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    p.add_argument(
+        "--torch-threads",
+        type=non_negative,
+        default=1,
+        help="torch intra-op threads for the run (1 is steadier on a shared or small machine; 0 keeps torch's own)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the bench (imports torch); the exit status."""
+    from omni_prefix_cache.tools.bench import main_bench
+
+    return main_bench(args)

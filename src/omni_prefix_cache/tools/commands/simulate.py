@@ -1,0 +1,166 @@
+"""``omni-prefix-cache simulate``: drive the manager through a synthetic
+vLLM-like serving trace (or vLLM's real scheduler) and check every row."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from omni_prefix_cache.tools.commands.common import (
+    EXIT_ERROR,
+    EXIT_FAILED,
+    EXIT_NOTHING_CHECKED,
+    EXIT_OK,
+    EXIT_USAGE,
+    HelpFormatter,
+    describe,
+    float_in,
+    non_negative,
+    positive,
+    probability,
+    progress_enabled,
+)
+
+
+def add_parser(sub: Any) -> None:
+    """Declare ``simulate`` on the subparsers ``sub``."""
+    p = sub.add_parser(
+        "simulate",
+        help="drive the manager through a synthetic vLLM-like serving trace and check every row",
+        description=describe(
+            "Synthetic engine loop (chunked prefill, decode, preemption, streaming, same-step hits, "
+            "aborts, a deferred key) against the real manager; an oracle checks every materialized row.",
+            "A progress line (steps, elapsed, ETA) is drawn on stderr when it is a terminal.",
+        ),
+        formatter_class=HelpFormatter,
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--threaded", dest="eager", action="store_false", help="real committer thread (the default)")
+    mode.add_argument("--eager", dest="eager", action="store_true", help="copies and pool writes inline at submit")
+    p.set_defaults(eager=False)
+    lag = p.add_mutually_exclusive_group()
+    lag.add_argument(
+        "--lag",
+        dest="lag",
+        action="store_true",
+        default=None,
+        help="materialize one step behind on a thread (the default when threaded)",
+    )
+    lag.add_argument(
+        "--no-lag", dest="lag", action="store_false", default=None, help="materialize inline after each save"
+    )
+    p.add_argument(
+        "--engine",
+        choices=["sim", "vllm"],
+        default="sim",
+        help="scheduler and input batch: the project's look-alikes or vLLM's real ones (needs vLLM: .ci/setup-vllm.sh)",
+    )
+    p.add_argument("--seed", type=non_negative, default=0, help="seed of the trace and the discard choices")
+    p.add_argument("--steps", type=positive, default=2000, help="step cap; requests still live there are aborted")
+    p.add_argument("--arrival-steps", type=positive, default=500, help="requests arrive during this many steps")
+    p.add_argument(
+        "--arrivals-per-step",
+        type=float_in(0.0, None, low_open=True),
+        default=0.45,
+        help="mean new requests per step while they arrive",
+    )
+    p.add_argument("--num-blocks", type=positive, default=96, help="KV blocks (small: preemption and recycling)")
+    p.add_argument("--block-size", type=positive, default=16, help="tokens per KV block")
+    p.add_argument("--token-budget", type=positive, default=256, help="max scheduled tokens per step")
+    p.add_argument("--max-seqs", type=positive, default=16, help="max running requests per step")
+    p.add_argument("--hidden", type=positive, default=64, help="hidden-state width")
+    p.add_argument("--no-hidden", action="store_true", help="the policy opts out of hidden states (mm keys only)")
+    p.add_argument("--staging-depth", type=positive, default=4, help="staging pages (unconsumed step ids)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="row dtype")
+    p.add_argument(
+        "--gpu-staging-bytes",
+        type=non_negative,
+        default=24 * 1024,
+        help="budget of deferred device clones in bytes (small: more budget flushes)",
+    )
+    p.add_argument(
+        "--discard-prob", type=probability, default=0.03, help="chance a step is discarded, not materialized"
+    )
+    p.add_argument("--json", action="store_true", help="print the machine-readable summary (no progress line)")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument(
+        "--torch-threads",
+        type=non_negative,
+        default=1,
+        help="torch intra-op threads (tiny tensor ops stall on a busy OpenMP pool; 0 keeps torch's own)",
+    )
+    p.add_argument("--verbose", action="store_true", help="print the manager's log warnings")
+    p.set_defaults(func=run, validate=lambda args: validate(p, args))
+
+
+def sim_config(args: argparse.Namespace) -> Any:
+    """The ``SimConfig`` the arguments describe."""
+    from omni_prefix_cache.tools.simulate import SimConfig, WorkloadConfig
+
+    return SimConfig(
+        seed=args.seed,
+        steps=args.steps,
+        workload=WorkloadConfig(arrival_steps=args.arrival_steps, arrivals_per_step=args.arrivals_per_step),
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        token_budget=args.token_budget,
+        max_num_seqs=args.max_seqs,
+        hidden_size=args.hidden,
+        cache_hidden=not args.no_hidden,
+        staging_depth=args.staging_depth,
+        dtype=args.dtype,
+        gpu_staging_bytes=args.gpu_staging_bytes,
+        discard_prob=args.discard_prob,
+        eager=args.eager,
+        lag=args.lag,
+    )
+
+
+def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The manager's own config check, run before the simulation starts, so a
+    bad combination is a usage error (argparse's exit) rather than "the manager raised"."""
+    from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError
+
+    try:
+        sim_config(args).prefix_cache_config()
+    except (ValueError, TypeError, OmniPrefixCacheUnmatchError) as exc:
+        parser.error(str(exc))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the simulation (``--engine``), print its table or JSON; the exit status."""
+    import json
+    import logging
+
+    import torch
+
+    from omni_prefix_cache.tools.simulate import run_simulation
+    from omni_prefix_cache.tools.simulate.report import ProgressLine, format_table, summary
+
+    cfg = sim_config(args)
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    if args.verbose:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    simulate = run_simulation
+    if args.engine == "vllm":
+        from omni_prefix_cache.tools.simulate.vllm_engine import run_vllm_simulation as simulate
+    progress = ProgressLine(enabled=progress_enabled(args))
+    progress.arrival_steps = args.arrival_steps
+    try:
+        res = simulate(cfg, progress=progress)
+    except ImportError as exc:
+        print(f"simulate --engine {args.engine}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    finally:
+        progress.close()
+    if args.json:
+        print(json.dumps(summary(res), indent=2, default=str))
+    else:
+        print(format_table(res))
+    if res.error is not None:
+        return EXIT_ERROR
+    if res.mismatches or res.leaked:
+        return EXIT_FAILED
+    return EXIT_NOTHING_CHECKED if res.checked_nothing else EXIT_OK

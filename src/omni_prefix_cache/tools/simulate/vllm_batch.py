@@ -1,0 +1,138 @@
+"""vLLM's real ``InputBatch`` kept current as its GPU model runner keeps it,
+and the project's group view over it (``simulate --engine vllm``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from omni_prefix_cache.tools.simulate.batch import SimGroupView
+from omni_prefix_cache.tools.simulate.engine import SimConfig
+from omni_prefix_cache.tools.simulate.vllm_setup import VllmOptions
+
+
+class RunnerBatch:
+    """A real ``InputBatch`` kept current as vLLM's GPU model runner does in ``_update_states``.
+
+    Only the parts that decide row order, block table rows and computed
+    token counts are mirrored; sampling metadata is left as ``add_request``
+    sets it.
+    """
+
+    def __init__(self, cfg: SimConfig, opts: VllmOptions, v: SimpleNamespace, max_model_len: int) -> None:
+        self.v, self.opts = v, opts
+        self.requests: dict[str, Any] = {}  # req id -> CachedRequestState
+        self.input_batch = v.InputBatch(
+            max_num_reqs=cfg.max_num_seqs,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=cfg.token_budget,
+            device=torch.device("cpu"),
+            vocab_size=opts.vocab,
+            block_sizes=[cfg.block_size],
+            max_num_blocks_per_req=[cfg.num_blocks],
+        )
+        self.reordered = 0
+
+    def _state(self, new: Any) -> Any:
+        return self.v.CachedRequestState(
+            req_id=new.req_id,
+            prompt_token_ids=new.prompt_token_ids,
+            mm_features=new.mm_features,
+            sampling_params=new.sampling_params,
+            generator=None,
+            block_ids=tuple(list(g) for g in new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            output_token_ids=[],
+            lora_request=new.lora_request,
+        )
+
+    def update_states(self, so: Any) -> list[str]:
+        """Apply one scheduler output; return the batch's request ids in row order."""
+        batch = self.input_batch
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+        # An id both finished and new is an aborted request resubmitted under the same id:
+        # two distinct requests (vLLM's NOTE in _update_states).
+        for rid in so.finished_req_ids:
+            batch.remove_request(rid)
+        cached = so.scheduled_cached_reqs
+        unscheduled = set(batch.req_id_to_index) - (set(so.num_scheduled_tokens) - set(cached.resumed_req_ids))
+        for rid in unscheduled:
+            batch.remove_request(rid)
+        to_add: list[Any] = []
+        for new in so.scheduled_new_reqs:
+            state = self.requests.get(new.req_id)
+            if state is not None:
+                # Streaming continuation, or (Model Runner V2) a resumed request: same id, new row.
+                batch.remove_request(new.req_id)
+                state.block_ids = tuple(list(g) for g in new.block_ids)
+                state.num_computed_tokens = new.num_computed_tokens
+            else:
+                state = self.requests[new.req_id] = self._state(new)
+            to_add.append(state)
+        for i, rid in enumerate(cached.req_ids):
+            state = self.requests[rid]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_blocks = cached.new_block_ids[i]
+            index = batch.req_id_to_index.get(rid)
+            if rid in cached.resumed_req_ids:
+                if index is not None or new_blocks is None:
+                    raise AssertionError(f"resumed request {rid!r}: row {index}, new blocks {new_blocks}")
+                state.block_ids = tuple(list(g) for g in new_blocks)
+            elif new_blocks is not None:
+                for ids, more in zip(state.block_ids, new_blocks):
+                    ids.extend(more)
+            if index is None:
+                to_add.append(state)
+                continue
+            batch.num_computed_tokens_cpu[index] = state.num_computed_tokens
+            if new_blocks is not None:
+                batch.block_table.append_row(new_blocks, index)
+        for state in to_add:
+            batch.add_request(state)
+        batch.condense()
+        if self.opts.reorder_threshold is not None and batch.req_ids:
+            self.reordered += bool(
+                self.v.reorder_batch_to_split_decodes_and_prefills(
+                    batch, so, decode_threshold=self.opts.reorder_threshold
+                )
+            )
+        batch.refresh_metadata()
+        return [r for r in batch.req_ids if r is not None]
+
+    def record_sampled(self, sampled: dict[str, int]) -> None:
+        """The runner's bookkeeping after sampling: append each token to its request and row."""
+        batch = self.input_batch
+        for rid, tok in sampled.items():
+            state = self.requests.get(rid)
+            if state is None:
+                continue
+            state.output_token_ids.append(tok)
+            index = batch.req_id_to_index.get(rid)
+            if index is not None:
+                end = int(batch.num_tokens_no_spec[index])
+                batch.token_ids_cpu[index, end] = tok
+                batch.is_token_ids[index, end] = True
+                batch.num_tokens_no_spec[index] = end + 1
+
+
+class VllmGroupView(SimGroupView):
+    """The project's group view over the real InputBatch, counting calls off the engine thread."""
+
+    def __init__(self, input_batch: Any, block_size: int) -> None:
+        import threading
+
+        from omni_prefix_cache.group_view import FullAttentionGroupView
+
+        self.block_size = block_size
+        self.input_batch = input_batch
+        self._inner = FullAttentionGroupView(input_batch, block_size)
+        self._engine_thread = threading.get_ident()
+        self.off_thread_calls = 0
+
+    def set_step(self, order: Any, blocks: Any, computed: Any) -> None:
+        import threading
+
+        self._engine_thread = threading.get_ident()  # the InputBatch itself is already current

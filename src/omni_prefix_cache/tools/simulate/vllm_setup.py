@@ -1,0 +1,202 @@
+"""Loading vLLM and building the real pieces the ``--engine vllm`` driver
+runs: its configs (a tiny model directory, no weights), the KV cache
+config, the v1 ``Scheduler`` and the request block hasher, set up the way
+``EngineCore`` sets them up; and what the driver counts in vLLM's block pool.
+
+vLLM is imported lazily (:func:`load_vllm`); it is never a dependency of
+the library. Tested against vLLM 0.33.0 (``.ci/setup-vllm.sh``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from omni_prefix_cache.tools.simulate.engine import SimConfig
+
+# Without VLLM_TARGET_DEVICE=cpu, VllmConfig cannot infer a device on a machine with no GPU.
+VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
+
+# A tiny model config: the scheduler and the input batch only need its sizes.
+MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 1,
+    "max_position_embeddings": 8192,
+    "torch_dtype": "float32",
+}
+
+
+# Where each vLLM name the driver (and tests_vllm) uses lives in vLLM 0.33.
+VLLM_NAMES: dict[str, tuple[str, ...]] = {
+    "vllm.config": ("CacheConfig", "ModelConfig", "SchedulerConfig", "VllmConfig"),
+    "vllm.sampling_params": ("SamplingParams",),
+    "vllm.utils.hashing": ("get_hash_fn_by_name",),
+    "vllm.v1.attention.backends.utils": ("reorder_batch_to_split_decodes_and_prefills",),
+    "vllm.v1.core.kv_cache_utils": ("get_request_block_hasher", "init_none_hash"),
+    "vllm.v1.core.sched.output": ("CachedRequestData", "NewRequestData", "SchedulerOutput"),
+    "vllm.v1.core.sched.scheduler": ("Scheduler",),
+    "vllm.v1.kv_cache_interface": ("FullAttentionSpec", "KVCacheConfig", "KVCacheGroupSpec"),
+    "vllm.v1.outputs": ("ModelRunnerOutput",),
+    "vllm.v1.request": ("Request", "RequestStatus"),
+    "vllm.v1.structured_output": ("StructuredOutputManager",),
+    "vllm.v1.worker.block_table": ("BlockTable", "MultiGroupBlockTable"),
+    "vllm.v1.worker.gpu_input_batch": ("CachedRequestState", "InputBatch"),
+}
+
+
+def load_vllm() -> SimpleNamespace:
+    """Import the vLLM names the driver uses (8-30 s the first time); ImportError without vLLM."""
+    for k, v in VLLM_ENV.items():
+        os.environ.setdefault(k, v)
+    try:
+        ns = SimpleNamespace(vllm=importlib.import_module("vllm"))
+    except ImportError as exc:
+        raise ImportError(
+            f"vLLM is not importable ({exc}); build its environment with `bash .ci/setup-vllm.sh` "
+            "and run .venv-vllm/bin/omni-prefix-cache"
+        ) from exc
+    for module, names in VLLM_NAMES.items():
+        mod = importlib.import_module(module)
+        for name in names:
+            setattr(ns, name, getattr(mod, name))
+    return ns
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """How the real vLLM pieces are set up (the workload and manager come from :class:`SimConfig`)."""
+
+    # Model Runner V2 reporting: a resumed (preempted) request comes back among the new
+    # requests instead of the cached ones with ``resumed_req_ids`` (the 0.33 default).
+    resumed_as_new: bool = False
+    # The decode-first batch reorder some attention backends ask for (``_may_reorder_batch``).
+    reorder_threshold: int | None = 1
+    vocab: int = 32000
+
+
+# ------------------------------------------------------------ builders
+
+
+def vllm_config(v: SimpleNamespace, cfg: SimConfig, opts: VllmOptions, model_dir: str) -> Any:
+    """A ``VllmConfig`` over a model directory holding only ``config.json``
+    (written here): prefix caching and chunked prefill on, ``cfg``'s sizes."""
+    path = os.path.join(model_dir, "config.json")
+    with open(path, "w") as f:
+        json.dump(MODEL_CONFIG | {"vocab_size": opts.vocab}, f)
+    max_len = cfg.num_blocks * cfg.block_size
+    model = v.ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=max_len)
+    cache = v.CacheConfig(block_size=cfg.block_size, enable_prefix_caching=True)
+    cache.num_gpu_blocks = cfg.num_blocks
+    sched = v.SchedulerConfig(
+        max_num_batched_tokens=cfg.token_budget,
+        max_num_seqs=cfg.max_num_seqs,
+        max_model_len=max_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        # Priority only to let a client's retry jump the queue (VllmScheduler's abort); all else is 0, FCFS.
+        policy="priority",
+    )
+    return v.VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched)
+
+
+def kv_cache_config(v: SimpleNamespace, cfg: SimConfig) -> Any:
+    """One full-attention KV cache group of ``cfg.num_blocks`` blocks (no tensors)."""
+    spec = v.FullAttentionSpec(block_size=cfg.block_size, num_kv_heads=4, head_size=16, dtype=torch.float32)
+    return v.KVCacheConfig(
+        num_blocks=cfg.num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[v.KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
+    )
+
+
+def scheduler(v: SimpleNamespace, cfg: SimConfig, opts: VllmOptions, config: Any, kv_config: Any) -> Any:
+    """vLLM's v1 ``Scheduler`` over ``config`` and ``kv_config``; the V2 model
+    runner's reporting with ``opts.resumed_as_new``."""
+    sched = v.Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_config,
+        structured_output_manager=v.StructuredOutputManager(config),
+        block_size=cfg.block_size,
+    )
+    if opts.resumed_as_new:
+        sched.use_v2_model_runner = True
+    return sched
+
+
+def block_hasher(v: SimpleNamespace, cfg: SimConfig, config: Any) -> Any:
+    """The request block hasher as ``EngineCore`` sets it up (sha256 by default)."""
+    hash_fn = v.get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    v.init_none_hash(hash_fn)
+    return v.get_request_block_hasher(cfg.block_size, hash_fn)
+
+
+# ------------------------------------------------------------ block pool counters
+
+
+@dataclass
+class KvBlockStats:
+    """vLLM block pool activity seen by the driver."""
+
+    fresh_blocks: int = 0  # blocks newly given to a request (not prefix hits)
+    recycled: int = 0  # fresh blocks that another request held before
+    evicted_hashes: int = 0  # cached blocks whose hash vLLM dropped to reuse them
+    null_block_in_table: int = 0  # block 0 (vLLM's null block) seen among a request's blocks
+
+
+class EvictionCounter:
+    """A metrics collector for vLLM's ``BlockPool`` that counts, in
+    ``stats.evicted_hashes``, the blocks a new allocation took from the
+    prefix cache (a cached hash dropped), and passes every call on to the
+    collector it replaces (None: vLLM's default, no metrics).
+
+    ``BlockPool`` calls ``on_block_evicted`` for every block it hands out,
+    just before it drops the block's hashes; the block is evicted when one
+    of them still maps to it (what ``BlockPool`` then removes).
+    """
+
+    def __init__(self, pool: Any, stats: KvBlockStats) -> None:
+        self.pool = pool
+        self.stats = stats
+        self.inner = pool.metrics_collector
+
+    def on_block_evicted(self, block: Any) -> None:
+        hashes = [] if block.block_hash is None else [block.block_hash]
+        hashes.extend(self.pool.cached_block_hashes_by_block.get(block.block_id, ()))
+        cached = self.pool.cached_block_hash_to_block
+        self.stats.evicted_hashes += any(cached.contain(h, block.block_id) for h in hashes)
+        if self.inner is not None:
+            self.inner.on_block_evicted(block)
+
+    def on_block_allocated(self, block: Any) -> None:
+        if self.inner is not None:
+            self.inner.on_block_allocated(block)
+
+    def on_block_accessed(self, block: Any) -> None:
+        if self.inner is not None:
+            self.inner.on_block_accessed(block)
+
+    def reset(self) -> None:
+        if self.inner is not None:
+            self.inner.reset()
+
+    @classmethod
+    def install(cls, sched: Any, stats: KvBlockStats) -> None:
+        """Count into ``stats`` the evictions of ``sched``'s block pool. A vLLM
+        whose pool has no metrics collector hook leaves the counter at 0."""
+        pool = sched.kv_cache_manager.block_pool
+        if all(
+            hasattr(pool, a)
+            for a in ("metrics_collector", "cached_block_hash_to_block", "cached_block_hashes_by_block")
+        ):
+            pool.metrics_collector = cls(pool, stats)

@@ -1,0 +1,40 @@
+"""The explorer's ``copy-interrupt`` scenario (issue 28, item 1): clean on
+the runtime, and it catches the stranding a copy stage that only handles
+Exception brings back."""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_prefix_cache.interface import Tid
+from omni_prefix_cache.testing.explore.runner import explore, replay
+from omni_prefix_cache.writes.committer import Committer
+
+
+def _copy_catching_exception_only(self: Committer, tids: list[Tid]) -> None:
+    """The copy stage before the fix: only an Exception of the batch is
+    handled, so a BaseException leaves its claimed tasks in COPYING."""
+    ctrl = self._ctrl
+    tasks = [task for tid in tids if (task := ctrl.get_task(tid)) is not None]
+    if not tasks:
+        return
+    batch = ctrl._runner.run_many(ctrl.ops.copy, tasks)
+    for task, exc in batch.errors:
+        ctrl.fail_task(task, ctrl.write_error(task, exc, "copy"))
+
+
+def test_copy_interrupt_is_clean_at_the_ci_bound() -> None:
+    report = explore("copy-interrupt", bound=1, budget=10**6)
+    assert report.exhausted and not report.found, [f.describe() for f in report.found]
+    assert report.schedules > 10 and report.states > report.schedules
+
+
+def test_copy_interrupt_catches_a_copy_stage_that_strands_its_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Committer, "_copy", _copy_catching_exception_only)
+    report = explore("copy-interrupt", bound=1, budget=50)
+    assert report.found, report.line()
+    found = report.found[0]
+    assert found.failure.reason == "invariant joins_terminate", found.failure
+    assert "state=COPYING" in found.failure.message
+    sched, diverged = replay(found.token)
+    assert not diverged and sched.failure is not None and sched.failure.reason == found.failure.reason
