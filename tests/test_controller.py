@@ -12,15 +12,17 @@ import torch
 
 from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.controller import (
+    BudgetTicket,
     OmniPrefixCacheController,
     StagingBufferHolder,
     TaskState,
+    WriteChunk,
     WriteTask,
-    _BudgetTicket,
-    _WriteChunk,
 )
 from omni_prefix_cache.device.copy_engine import CpuCopyEngine
 from omni_prefix_cache.interface import HIDDEN_KEY, OmniPrefixCacheUnmatchError, PrefixCacheConfig, WriteSchedule
+from omni_prefix_cache.specs.batch import guarded_each
+from omni_prefix_cache.writes.committer import Committer
 
 NUM_BLOCKS, BLOCK_SIZE, WIDTH = 16, 4, 3
 NUM_SLOTS = NUM_BLOCKS * BLOCK_SIZE
@@ -75,9 +77,9 @@ def rows_for(slots: list[int], salt: float = 0.0) -> torch.Tensor:
 def deferred_task(ctrl, tid, slots, salt=0.0, ticket=None):
     """A JOIN_ON_FINISH task whose 'device clone' is a CPU tensor."""
     clone = rows_for(slots, salt)
-    ticket = ticket or _BudgetTicket(nbytes=clone.numel() * clone.element_size())
+    ticket = ticket or BudgetTicket(nbytes=clone.numel() * clone.element_size())
     ctrl.reserve(ticket.nbytes)
-    chunk = _WriteChunk(slots_cpu=torch.tensor(slots), tensors={HIDDEN_KEY: clone}, budget=ticket)
+    chunk = WriteChunk(slots_cpu=torch.tensor(slots), tensors={HIDDEN_KEY: clone}, budget=ticket)
     task = WriteTask(tid=tid, req_id=f"r{tid}", write_n=1, schedule=WriteSchedule.JOIN_ON_FINISH, chunks=[chunk])
     ctrl.pin_budget(ticket, tid)
     return task
@@ -86,7 +88,7 @@ def deferred_task(ctrl, tid, slots, salt=0.0, ticket=None):
 def staged_task(ctrl, tid, slots, page, salt=0.0):
     """A JOIN_NEXT_STEP task viewing rows already landed on a staging page."""
     host = rows_for(slots, salt)
-    chunk = _WriteChunk(slots_cpu=torch.tensor(slots), tensors={}, host={HIDDEN_KEY: host})
+    chunk = WriteChunk(slots_cpu=torch.tensor(slots), tensors={}, host={HIDDEN_KEY: host})
     task = WriteTask(
         tid=tid, req_id=f"r{tid}", write_n=1, schedule=WriteSchedule.JOIN_NEXT_STEP, chunks=[chunk], staging_slot=page
     )
@@ -149,7 +151,7 @@ def test_threaded_committer_writes_everything_while_another_thread_escalates_and
         for slots in plan:
             got = pool.rows(HIDDEN_KEY, torch.tensor(slots))
             assert torch.equal(got, rows_for(slots, 0.5)), f"seed={seed} slots={slots}"
-        assert ctrl._staged_bytes == 0, f"seed={seed}"
+        assert ctrl.budget.staged_bytes == 0, f"seed={seed}"
         assert sorted(ctrl.drain_completed()) == sorted(submitted), f"seed={seed}"
     finally:
         ctrl.shutdown()
@@ -170,7 +172,7 @@ def test_failing_copy_fails_only_its_task_and_committer_keeps_serving():
         ctrl.join([2])
         assert bad.state is TaskState.FAILED and good.state is TaskState.WRITTEN
         assert ctrl.drain_failed() == [1]
-        assert ctrl._staged_bytes == 0
+        assert ctrl.budget.staged_bytes == 0
         later = deferred_task(ctrl, 3, [8])
         ctrl.submit(later)
         ctrl.join([3])
@@ -195,9 +197,9 @@ def test_failing_pool_write_fails_only_its_task_and_releases_its_staging_hold():
         ctrl.join([2])
         assert bad.state is TaskState.FAILED and good.state is TaskState.WRITTEN
         # Both task holds are gone (written / failed); only the step still holds the page.
-        assert ctrl._staging_pool._busy[claim.staging_slot] == {step}
+        assert ctrl.staging_pool.page_holders(claim.staging_slot) == {step}
         ctrl.staging_release(claim.staging_slot, step)
-        assert not any(ctrl._staging_pool._busy)
+        assert not ctrl.staging_pool.holders()
         pool.poison = set()
         page = ctrl.stage_step_host({}, 0, None, StagingBufferHolder.for_step(2)).staging_slot
         again = staged_task(ctrl, 3, [3], page)
@@ -221,12 +223,11 @@ def test_shutdown_with_queued_work_writes_it_and_does_not_hang():
     ctrl.shutdown()
     assert [t.state for t in tasks] == [TaskState.WRITTEN] * 3 + [TaskState.FAILED] * 2
     assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([1, 2, 3])), rows_for([1, 2, 3]))
-    assert ctrl._staged_bytes == 0
+    assert ctrl.budget.staged_bytes == 0
     assert all(t.done.is_set() for t in tasks)
 
 
 def test_threaded_shutdown_drains_queue_before_exit():
-    ctrl, pool = make()
     gate = threading.Event()
 
     class SlowEngine(CpuCopyEngine):
@@ -234,7 +235,7 @@ def test_threaded_shutdown_drains_queue_before_exit():
             gate.wait(5)
             super().copy_into(dst, src)
 
-    ctrl._engine = SlowEngine()
+    ctrl, pool = make(engine=SlowEngine())
     tasks = [deferred_task(ctrl, tid, [tid]) for tid in range(1, 4)]
     for task in tasks:
         ctrl.submit(task)
@@ -254,7 +255,7 @@ def test_manual_committer_escalate_between_claim_and_copy_does_not_requeue():
     assert ctrl.committer_claim() == 1
     assert task.state is TaskState.COPYING
     ctrl.escalate([1])
-    assert not ctrl._queue_hi and not ctrl._queue_lo
+    assert not ctrl.queues.high and not ctrl.queues.low
     assert ctrl.committer_copy() == 1 and task.state is TaskState.HOST_READY
     assert ctrl.committer_write() == [1]
     assert task.state is TaskState.WRITTEN
@@ -279,9 +280,9 @@ def test_fail_while_claimed_is_not_resurrected_by_the_copy_stage():
     task = deferred_task(ctrl, 1, [0])
     ctrl.submit(task)
     ctrl.committer_claim()
-    ctrl._fail_task(1)
+    ctrl.fail_task(task, None)
     assert ctrl.committer_copy() is None  # the failure dropped its claim
-    assert task.state is TaskState.FAILED and ctrl._staged_bytes == 0
+    assert task.state is TaskState.FAILED and ctrl.budget.staged_bytes == 0
     ctrl.shutdown()
 
 
@@ -295,7 +296,7 @@ def test_eager_dispatch_writes_pool_once_per_key_for_a_batch():
     ctrl.dispatch(tasks)
     assert len(pool.writes) == 1 and sorted(pool.writes[0][1]) == list(range(2, 10))
     assert all(t.state is TaskState.WRITTEN for t in tasks)
-    assert ctrl._staging_pool._busy[claim.staging_slot] == {step}
+    assert ctrl.staging_pool.page_holders(claim.staging_slot) == {step}
     assert torch.equal(pool.rows(HIDDEN_KEY, torch.arange(2, 10)), rows_for(list(range(2, 10))))
 
 
@@ -337,32 +338,45 @@ def test_eager_dispatch_mixing_staged_and_deferred_tasks_copies_the_deferred_row
     assert [t.state for t in (first, deferred, last)] == [TaskState.WRITTEN] * 3
     expected = torch.cat([rows_for([1]), rows_for([2], 0.5), rows_for([3])])
     assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([1, 2, 3])), expected)
-    assert ctrl._staged_bytes == 0
+    assert ctrl.budget.staged_bytes == 0
 
 
-def test_eager_dispatch_goes_through_wrapped_copy_and_write_seams_for_every_task():
-    # The batched copy_to_host / pool_write effects skip the per-task seams
-    # only while they are the controller's own: a wrapper sees every task.
+class RecordingStages:
+    """A copy stage and a pool-write stage that record each task they see,
+    then run the controller's own stages."""
+
+    def __init__(self, ctrl):
+        self.copy_inner, self.write_inner = ctrl.stages.copy, ctrl.stages.pool_write
+        self.copied: list[int] = []
+        self.written: list[int] = []
+
+    def copy_task(self, task):
+        self.copied.append(task.tid)
+        self.copy_inner.copy_task(task)
+
+    def copy_batch(self, batch):
+        guarded_each(batch, self.copy_task)
+
+    def write(self, task):
+        self.written.append(task.tid)
+        self.write_inner.write(task)
+
+    def write_batch(self, batch):
+        guarded_each(batch, self.write)
+
+
+def test_eager_dispatch_goes_through_installed_copy_and_pool_write_stages_for_every_task():
+    # The batched copy_to_host / pool_write effects hand every task of the
+    # dispatch to the installed stages (a harness's fakes see them all).
     ctrl, pool = make(eager=True)
     claim = ctrl.stage_step_host({}, 0, None, StagingBufferHolder.for_step(1))
     tasks = [staged_task(ctrl, tid, [tid], claim.staging_slot) for tid in range(1, 4)]
     for task in tasks:
         ctrl.register(task)
-    copied: list[int] = []
-    scattered: list[int] = []
-    real_copy, real_scatter = ctrl._copy_task, ctrl._scatter
-
-    def copy_task(task):
-        copied.append(task.tid)
-        real_copy(task)
-
-    def scatter(task):
-        scattered.append(task.tid)
-        real_scatter(task)
-
-    ctrl._copy_task, ctrl._scatter = copy_task, scatter
+    stages = RecordingStages(ctrl)
+    ctrl.stages.use(copy=stages, pool_write=stages)
     ctrl.dispatch(tasks)
-    assert copied == scattered == [1, 2, 3]
+    assert stages.copied == stages.written == [1, 2, 3]
     assert all(t.state is TaskState.WRITTEN for t in tasks)
     assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([1, 2, 3])), rows_for([1, 2, 3]))
 
@@ -404,7 +418,7 @@ def test_cuda_engine_stages_and_copies_after_freeze_event():  # pragma: no cover
     pool.ensure_key(HIDDEN_KEY, torch.float32, WIDTH)
     ctrl = OmniPrefixCacheController(pool, cfg, eager=False)
     try:
-        assert ctrl._engine.name == "cuda" and ctrl._staging_pool.pin_memory
+        assert ctrl.engine.name == "cuda" and ctrl.staging_pool.pin_memory
         src = rows_for([0, 1, 2, 3]).cuda()
         freeze = torch.cuda.Event()
         freeze.record()
@@ -414,10 +428,10 @@ def test_cuda_engine_stages_and_copies_after_freeze_event():  # pragma: no cover
         claim.event.synchronize()
         assert claim.views[HIDDEN_KEY].is_pinned()
         assert torch.equal(claim.views[HIDDEN_KEY], src.cpu())
-        ticket = _BudgetTicket(nbytes=src.numel() * 4)
+        ticket = BudgetTicket(nbytes=src.numel() * 4)
         ctrl.reserve(ticket.nbytes)
         clone = src.clone()
-        chunk = _WriteChunk(slots_cpu=torch.tensor([8, 9, 10, 11]), tensors={HIDDEN_KEY: clone}, budget=ticket)
+        chunk = WriteChunk(slots_cpu=torch.tensor([8, 9, 10, 11]), tensors={HIDDEN_KEY: clone}, budget=ticket)
         task = WriteTask(tid=1, req_id="r", write_n=1, schedule=WriteSchedule.JOIN_ON_FINISH, chunks=[chunk])
         task.freeze_event = torch.cuda.Event()
         task.freeze_event.record()
@@ -428,7 +442,7 @@ def test_cuda_engine_stages_and_copies_after_freeze_event():  # pragma: no cover
         ctrl.escalate([1])
         ctrl.join([1])
         assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([8, 9, 10, 11])), src.cpu())
-        assert ctrl._staged_bytes == 0
+        assert ctrl.budget.staged_bytes == 0
         ctrl.staging_release(claim.staging_slot, step)
     finally:
         ctrl.shutdown()
@@ -464,7 +478,24 @@ def test_committer_step_finishes_a_claimed_copy_before_anything_else():
     ctrl.shutdown()
 
 
-def test_on_demand_join_writes_a_task_another_joiner_copied_while_it_looked():
+class PausingCopyStage:
+    """The controller's copy stage, then a pause (the task is copied, not yet
+    moved on) until ``let_go``."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.in_copy, self.let_go = threading.Event(), threading.Event()
+
+    def copy_task(self, task):
+        self.inner.copy_task(task)  # copied, not yet HOST_READY nor queued for its pool write
+        self.in_copy.set()
+        assert self.let_go.wait(10), "joiner B never ran"
+
+    def copy_batch(self, batch):
+        guarded_each(batch, self.copy_task)
+
+
+def test_on_demand_join_writes_a_task_another_joiner_copied_while_it_looked(monkeypatch):
     # Found in the full suite (a device-engine simulation whose prefetch
     # thread joins too): joiner B found no committer work because joiner A
     # had claimed the task and was inside its copy; A then queued the write
@@ -472,19 +503,12 @@ def test_on_demand_join_writes_a_task_another_joiner_copied_while_it_looked():
     ctrl, pool = make(committer="on_demand", timeout=10.0)
     task = deferred_task(ctrl, 1, [0])
     ctrl.submit(task)
-    in_copy, let_go = threading.Event(), threading.Event()
-    real_copy = ctrl._copy_task
-
-    def paused_copy(t):
-        real_copy(t)  # HOST_READY, not yet queued for its pool write
-        in_copy.set()
-        assert let_go.wait(10), "joiner B never ran"
-
-    ctrl._copy_task = paused_copy
+    paused = PausingCopyStage(ctrl.stages.copy)
+    ctrl.stages.use(copy=paused)
     joiner_a = threading.Thread(target=ctrl.committer_step)
     joiner_a.start()
     try:
-        assert in_copy.wait(10)
+        assert paused.in_copy.wait(10)
         errors: list[BaseException] = []
 
         def joiner_b() -> None:
@@ -494,33 +518,33 @@ def test_on_demand_join_writes_a_task_another_joiner_copied_while_it_looked():
                 errors.append(exc)
 
         b_idle = threading.Event()
-        real_step = ctrl.committer_step
+        real_step = Committer.step
 
-        def watched_step():
-            out = real_step()
+        def watched_step(committer):
+            out = real_step(committer)
             if out is None and threading.current_thread() is b:
                 b_idle.set()
             return out
 
-        ctrl.committer_step = watched_step
+        monkeypatch.setattr(Committer, "step", watched_step)
         b = threading.Thread(target=joiner_b)
         b.start()
         # B's first look finds nothing to do: the copy is still A's.
         assert b_idle.wait(10)
-        let_go.set()
+        paused.let_go.set()
         joiner_a.join(10)
         b.join(10)
         assert not b.is_alive() and not errors, errors
         assert task.state is TaskState.WRITTEN
         assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([0])), rows_for([0]))
     finally:
-        let_go.set()
+        paused.let_go.set()
         ctrl.shutdown()
 
 
 def test_released_holder_is_released_not_unheld_and_cannot_hold_again():
     ctrl, _ = make(eager=True)
-    pool = ctrl._staging_pool
+    pool = ctrl.staging_pool
     step = StagingBufferHolder.for_step(4)
     assert pool.holder_state(step).name == "UNHELD"
     claim = ctrl.stage_step_host({}, 0, None, step)
@@ -532,7 +556,7 @@ def test_released_holder_is_released_not_unheld_and_cannot_hold_again():
     # An id below one that already held a page had its turn too.
     with pytest.raises(OmniPrefixCacheUnmatchError, match="step 2 cannot claim from RELEASED"):
         ctrl.stage_step_host({}, 0, None, StagingBufferHolder.for_step(2))
-    assert not any(pool._busy)
+    assert not pool.holders()
 
 
 def test_set_host_tensor_on_an_illegal_move_installs_nothing():
@@ -541,7 +565,7 @@ def test_set_host_tensor_on_an_illegal_move_installs_nothing():
         req_id="r",
         write_n=1,
         schedule=WriteSchedule.JOIN_ON_FINISH,
-        chunks=[_WriteChunk(slots_cpu=torch.tensor([0]), tensors={HIDDEN_KEY: rows_for([0])})],
+        chunks=[WriteChunk(slots_cpu=torch.tensor([0]), tensors={HIDDEN_KEY: rows_for([0])})],
     )
     with pytest.raises(OmniPrefixCacheUnmatchError, match="task 9: illegal transition PENDING -> HOST_READY"):
         task.set_host_tensor([(task.chunks[0], HIDDEN_KEY, rows_for([0]))])
@@ -549,16 +573,16 @@ def test_set_host_tensor_on_an_illegal_move_installs_nothing():
 
 
 def test_joined_views_of_one_buffer_share_it_and_others_are_copied():
-    from omni_prefix_cache.controller import _joined
+    from omni_prefix_cache.writes.pool_writer import joined
 
     page = torch.arange(24, dtype=torch.float32).reshape(8, 3)
     parts = list(torch.split(page[1:7], [2, 1, 3]))
-    merged = _joined(parts)
+    merged = joined(parts)
     assert torch.equal(merged, page[1:7]) and merged.data_ptr() == page[1].data_ptr()
     gapped = [page[0:2], page[3:5]]
-    assert torch.equal(_joined(gapped), torch.cat(gapped)) and _joined(gapped).data_ptr() != page.data_ptr()
+    assert torch.equal(joined(gapped), torch.cat(gapped)) and joined(gapped).data_ptr() != page.data_ptr()
     other = [page[0:2], page.clone()[2:4]]
-    assert torch.equal(_joined(other), page[0:4])
+    assert torch.equal(joined(other), page[0:4])
 
 
 def test_a_committer_pass_takes_the_high_queue_whole_and_deferred_writes_one_at_a_time():

@@ -20,12 +20,12 @@ import torch
 
 from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.controller import (
+    BudgetTicket,
     OmniPrefixCacheController,
     StagingBufferHolder,
     TaskState,
+    WriteChunk,
     WriteTask,
-    _BudgetTicket,
-    _WriteChunk,
 )
 from omni_prefix_cache.device.copy_engine import CpuCopyEngine, CudaCopyEngine, CudaRuntime, DeviceEvents
 from omni_prefix_cache.interface import (
@@ -55,10 +55,10 @@ class LoggedPool(PrefixBlockPool):
 
     def __init__(self, cfg: PrefixCacheConfig, engine: FakeDeviceEngine) -> None:
         super().__init__(cfg)
-        self._engine = engine
+        self.fake_engine = engine
 
     def write(self, key: str, slots: torch.Tensor, host: torch.Tensor) -> None:
-        self._engine.rt.log(Call("pool_write", ptr=storage_ptr(host)))
+        self.fake_engine.rt.log(Call("pool_write", ptr=storage_ptr(host)))
         super().write(key, slots, host)
 
 
@@ -92,9 +92,9 @@ def deferred_task(ctrl: OmniPrefixCacheController, engine: FakeDeviceEngine, tid
     for slots in parts:
         clone = rows_for(slots, salt=0.5)
         clones.append(clone)
-        ticket = _BudgetTicket(nbytes=clone.numel() * clone.element_size())
+        ticket = BudgetTicket(nbytes=clone.numel() * clone.element_size())
         ctrl.reserve(ticket.nbytes)
-        chunk = _WriteChunk(slots_cpu=torch.tensor(slots), tensors={HIDDEN_KEY: clone}, budget=ticket)
+        chunk = WriteChunk(slots_cpu=torch.tensor(slots), tensors={HIDDEN_KEY: clone}, budget=ticket)
         freeze = ctrl.freeze([clone])
         if task is None:
             task = WriteTask(
@@ -187,7 +187,7 @@ def test_staging_copy_waits_the_freeze_records_the_clone_and_lands_before_the_po
         write_n=1,
         schedule=WriteSchedule.JOIN_NEXT_STEP,
         chunks=[
-            _WriteChunk(
+            WriteChunk(
                 slots_cpu=torch.tensor([4, 5, 6]), tensors={HIDDEN_KEY: src}, host={HIDDEN_KEY: claim.views[HIDDEN_KEY]}
             )
         ],
@@ -453,7 +453,7 @@ def test_device_fault_in_materialize_raises_then_sticks() -> None:
             mgr.new_step_starts(SimpleNamespace(scheduled_new_reqs=[], finished_req_ids={"a"}))
     finally:
         mgr.shutdown()
-    assert all(t.is_terminal for t in mgr._controller._tasks.values())
+    assert all(t.is_terminal for t in mgr._controller.tasks.values())
 
 
 # ================================================================ CUDA only

@@ -18,14 +18,15 @@ from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, ReqId, Tens
 from omni_prefix_cache.steps.request_tasks import RequestTasks, TaskRecord
 from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
 from omni_prefix_cache.steps.write_ledger import WriteLedger
-from omni_prefix_cache.writes.write_task import ChunkRuns, StepRows, WriteTask, _WriteChunk
+from omni_prefix_cache.writes.chunks import ChunkRuns, StepRows, WriteChunk
+from omni_prefix_cache.writes.write_task import WriteTask
 
 NUM_SLOTS = 64
 KEY_GROUPS: list[tuple[TensorName, ...]] = [("h", "mm"), ("mm2",), ("h",)]
 SEEDS = range(150)
 
 
-def _random_chunks(rng: random.Random) -> list[_WriteChunk]:
+def _random_chunks(rng: random.Random) -> list[WriteChunk]:
     """Chunks in drain order: runs of windows of a few steps (mostly back to back, sometimes
     with a gap or out of order), standalone chunks between them, some empty."""
     steps = [
@@ -33,17 +34,17 @@ def _random_chunks(rng: random.Random) -> list[_WriteChunk]:
         for _ in range(rng.randint(1, 3))
     ]
     cursor = {id(s): 0 for s in steps}
-    chunks: list[_WriteChunk] = []
+    chunks: list[WriteChunk] = []
     for _ in range(rng.randint(1, 14)):
         if rng.random() < 0.3:
             rows = [rng.randrange(NUM_SLOTS) for _ in range(rng.randint(0, 4))]
-            chunk = _WriteChunk(slots_cpu=torch.tensor(rows, dtype=torch.int64))
+            chunk = WriteChunk(slots_cpu=torch.tensor(rows, dtype=torch.int64))
         else:
             step = rng.choice(steps)
             start = cursor[id(step)] if rng.random() < 0.8 else rng.randrange(20)
             end = min(24, start + rng.randint(0, 4))
             cursor[id(step)] = end
-            chunk = _WriteChunk.of_step(step, start, end)
+            chunk = WriteChunk.of_step(step, start, end)
             if rng.random() < 0.2:
                 _ = chunk.slots_cpu  # its window already cut: same rows
         chunks.append(chunk)
@@ -68,7 +69,7 @@ def test_chunk_runs_takes_back_to_back_windows_as_one_slice() -> None:
     step = StepRows(slots=torch.arange(10, 30), host={}, tensors={})
     runs = ChunkRuns()
     for tid, start in enumerate(range(2, 12, 2), start=1):
-        runs.add(_WriteChunk.of_step(step, start, start + 2), tid)
+        runs.add(WriteChunk.of_step(step, start, start + 2), tid)
     slots = runs.slots()
     assert slots.tolist() == list(range(12, 22))
     assert slots.untyped_storage().data_ptr() == step.slots.untyped_storage().data_ptr()  # a view, not a copy
@@ -81,7 +82,7 @@ def test_chunk_runs_takes_back_to_back_windows_as_one_slice() -> None:
 def _reference_settle(ledger: WriteLedger, tids: list[Tid], trigger: str) -> list[TaskRecord]:
     """The drain before it was one pass: per record forget, then per key group the chunks'
     slots concatenated and one ``settle`` per key."""
-    groups: dict[tuple[TensorName, ...], tuple[list[_WriteChunk], list[Tid]]] = {}
+    groups: dict[tuple[TensorName, ...], tuple[list[WriteChunk], list[Tid]]] = {}
     settled: list[TaskRecord] = []
     requests = ledger.requests
     for tid in tids:

@@ -44,7 +44,7 @@ def test_one_fault_failing_several_writes_leaves_one_record_naming_them_all(eage
     pool.write = real_write  # type: ignore[method-assign]
     failed = {tid for tid, t in ctrl.tasks.items() if t.state.name == "FAILED"}
     assert {ctrl.tasks[tid].req_id for tid in failed} == set(reqs)
-    assert len(ctrl._causes) == 1, "one fault, one record"
+    assert len(ctrl.failures) == 1, "one fault, one record"
     records = ctrl.failures
     assert len(records) == 1
     (record,) = records

@@ -159,15 +159,15 @@ def make(eager: bool, policy: ModelCachePolicy | None = None, **cfg: Any) -> tup
 def quiesce(mgr: OmniPrefixCacheManager) -> None:
     """Wait for every queued write (not pending deferred ones) to finish."""
     ctrl = mgr._controller
-    busy = [t.tid for t in list(ctrl._tasks.values()) if t.state.name not in ("PENDING", "WRITTEN", "FAILED")]
+    busy = [t.tid for t in list(ctrl.tasks.values()) if t.state.name not in ("PENDING", "WRITTEN", "FAILED")]
     ctrl.join(busy)
 
 
 def assert_nothing_held(mgr: OmniPrefixCacheManager, *, staged_bytes: int = 0) -> None:
     quiesce(mgr)
     assert not mgr._step_ctxs
-    assert all(not holders for holders in mgr._controller._staging_pool._busy), mgr._controller._staging_pool._busy
-    assert mgr._controller._staged_bytes == staged_bytes
+    assert not mgr._controller.staging_pool.holders(), mgr._controller.staging_pool.holders()
+    assert mgr._controller.budget.staged_bytes == staged_bytes
 
 
 # ============================================================ end to end, both committers
@@ -288,7 +288,7 @@ def test_budget_pressure_closes_the_deferred_write_and_opens_another(eager: bool
     now = mgr._ledger.requests.deferred["a"]
     assert now is not first and now.write_n > first.write_n and len(now.chunks) == 2
     assert first.state.name == "WRITTEN" and len(first.chunks) == 3
-    assert mgr._controller._staged_bytes == 2 * 2 * 4
+    assert mgr._controller.budget.staged_bytes == 2 * 2 * 4
     sid, want = drv.run({"z": Req([9], 0, 1)}, finished=["a"])
     drv.check(sid, want)
     assert_nothing_held(mgr, staged_bytes=2 * 4)  # only z's pending one-row chunk is still charged
@@ -426,7 +426,7 @@ def test_failed_pool_write_is_sticky(eager: bool, managers: list) -> None:
         mgr.discard_step(sid)
         # Threaded: b's write runs on the committer; wait for it to fail
         # before the pool is repaired, or it may simply succeed later.
-        b_writes = [t.tid for t in list(mgr._controller._tasks.values()) if t.req_id == "b"]
+        b_writes = [t.tid for t in list(mgr._controller.tasks.values()) if t.req_id == "b"]
         with pytest.raises(OmniPrefixCacheUnmatchError, match="write failed before done"):
             mgr._controller.join(b_writes)
     mgr._pool.write = real_write
@@ -623,7 +623,7 @@ def test_discard_releases_the_step_and_its_task_holders(eager: bool, managers: l
     managers.append(mgr)
     for i in range(3):
         sid, _ = drv.run({"a": Req([0, 1], i, 1)}, new=["a"] if i == 0 else [])
-        busy = mgr._controller._staging_pool._busy[0]
+        busy = mgr._controller.staging_pool.page_holders(0)
         assert StagingBufferHolder.for_step(sid) in busy
         mgr.discard_step(sid)
     assert_nothing_held(mgr)

@@ -14,8 +14,8 @@ from omni_prefix_cache.controller import (
     OmniPrefixCacheController,
     StagingBufferHolder,
     TaskState,
+    WriteChunk,
     WriteTask,
-    _WriteChunk,
 )
 from omni_prefix_cache.interface import HIDDEN_KEY, PrefixCacheConfig, WriteSchedule
 from omni_prefix_cache.specs.composition import ProtocolViolation, load_protocol
@@ -33,7 +33,7 @@ def _controller(**kw: Any) -> OmniPrefixCacheController:
 
 
 def _deferred(tid: int) -> WriteTask:
-    chunk = _WriteChunk(slots_cpu=torch.tensor([tid]), tensors={HIDDEN_KEY: torch.full((1, 2), float(tid))})
+    chunk = WriteChunk(slots_cpu=torch.tensor([tid]), tensors={HIDDEN_KEY: torch.full((1, 2), float(tid))})
     return WriteTask(tid=tid, req_id=f"r{tid}", write_n=1, schedule=WriteSchedule.JOIN_ON_FINISH, chunks=[chunk])
 
 
@@ -75,7 +75,7 @@ def test_a_listed_move_that_is_not_enabled_raises_a_protocol_violation() -> None
 
 def test_an_immediate_write_on_a_free_page_cannot_register() -> None:
     ctrl = _controller(eager=True)
-    chunk = _WriteChunk(slots_cpu=torch.tensor([0]), tensors={}, host={HIDDEN_KEY: torch.zeros(1, 2)})
+    chunk = WriteChunk(slots_cpu=torch.tensor([0]), tensors={}, host={HIDDEN_KEY: torch.zeros(1, 2)})
     task = WriteTask(
         tid=1, req_id="r", write_n=1, schedule=WriteSchedule.JOIN_NEXT_STEP, chunks=[chunk], staging_slot=0
     )

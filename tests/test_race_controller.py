@@ -22,12 +22,12 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.controller import (
+    BudgetTicket,
     OmniPrefixCacheController,
     StagingBufferHolder,
     TaskState,
+    WriteChunk,
     WriteTask,
-    _BudgetTicket,
-    _WriteChunk,
 )
 from omni_prefix_cache.device.copy_engine import CpuCopyEngine
 from omni_prefix_cache.interface import (
@@ -106,7 +106,7 @@ class MTask:
     rows: dict[int, float]  # slot -> value; a later chunk overwrites
     page: int | None = None
     ticket: int | None = None
-    reassigned: set[int] = field(default_factory=set)
+    taken_over: set[int] = field(default_factory=set)
     chunks: int = 1
 
 
@@ -167,11 +167,11 @@ class ControllerModel:
     def write_fails(self, t: MTask) -> bool:
         """An injected pool-write failure fires only if the task still has
         rows to write (rows all taken over by newer writes write nothing)."""
-        return t.tid in self.poison_write and any(s not in t.reassigned for s in t.rows)
+        return t.tid in self.poison_write and any(s not in t.taken_over for s in t.rows)
 
     def write_rows(self, t: MTask) -> None:
         for slot, v in t.rows.items():
-            if slot not in t.reassigned:
+            if slot not in t.taken_over:
                 self.pool[slot] = v
 
     def complete(self, t: MTask) -> None:
@@ -315,7 +315,7 @@ class ControllerRace(RuleBasedStateMachine):
         self.next_tid = 1
         self.next_step = 1
         self.step_pages: dict[int, int] = {}
-        self.last_ticket: tuple[_BudgetTicket, int] | None = None
+        self.last_ticket: tuple[BudgetTicket, int] | None = None
         self.violations: list[str] = []
         self.escaped: list[str] = []  # exceptions that left a committer stage
 
@@ -336,9 +336,9 @@ class ControllerRace(RuleBasedStateMachine):
             original = event.set
 
             def checked() -> None:
-                if task.state is TaskState.FAILED and tid not in ctrl._failed:
+                if task.state is TaskState.FAILED and tid not in ctrl.failed:
                     self.violations.append(f"task {tid}: {name} fired before its failure record")
-                if task.state is TaskState.WRITTEN and tid not in ctrl._completed:
+                if task.state is TaskState.WRITTEN and tid not in ctrl.completed:
                     self.violations.append(f"task {tid}: {name} fired before its completion record")
                 original()
 
@@ -391,7 +391,7 @@ class ControllerRace(RuleBasedStateMachine):
         for tid, slots in zip(tids, layout):
             view = claim.views[HIDDEN_KEY][start : start + len(slots)]
             start += len(slots)
-            chunk = _WriteChunk(slots_cpu=torch.tensor(slots), tensors={}, host={HIDDEN_KEY: view})
+            chunk = WriteChunk(slots_cpu=torch.tensor(slots), tensors={}, host={HIDDEN_KEY: view})
             task = WriteTask(
                 tid=tid,
                 req_id=f"r{tid}",
@@ -444,7 +444,7 @@ class ControllerRace(RuleBasedStateMachine):
         if share and ticket_live:
             ticket, key = self.last_ticket
         else:
-            ticket = _BudgetTicket(nbytes=clone.numel() * 4)
+            ticket = BudgetTicket(nbytes=clone.numel() * 4)
             key = id(ticket)
             must_raise = self.model.reserve(ticket.nbytes)
             self._expect_raise(must_raise, self.ctrl.reserve, ticket.nbytes)
@@ -452,7 +452,7 @@ class ControllerRace(RuleBasedStateMachine):
                 return multiple()
             self.model.tickets[key] = (ticket.nbytes, set(), False)
             self.last_ticket = (ticket, key)
-        chunk = _WriteChunk(slots_cpu=torch.tensor(slots), tensors={HIDDEN_KEY: clone}, budget=ticket)
+        chunk = WriteChunk(slots_cpu=torch.tensor(slots), tensors={HIDDEN_KEY: clone}, budget=ticket)
         task = WriteTask(tid=tid, req_id=f"r{tid}", write_n=1, schedule=WriteSchedule.JOIN_ON_FINISH, chunks=[chunk])
         self._probe(task)
         self.ctrl.pin_budget(ticket, tid)
@@ -473,7 +473,7 @@ class ControllerRace(RuleBasedStateMachine):
         task = self.ctrl.get_task(tid)
         if m is None or m.schedule is not WriteSchedule.JOIN_ON_FINISH or m.chunks >= 9:
             return
-        chunk = _WriteChunk(slots_cpu=torch.tensor(slots), tensors={HIDDEN_KEY: rows(tid, slots, m.chunks)})
+        chunk = WriteChunk(slots_cpu=torch.tensor(slots), tensors={HIDDEN_KEY: rows(tid, slots, m.chunks)})
         closed = self.ctrl.append_chunk(task, chunk)
         if m.state in (TaskState.PENDING, TaskState.QUEUED):
             assert closed is None
@@ -488,8 +488,8 @@ class ControllerRace(RuleBasedStateMachine):
         m = self.model.live(tid)
         if m is None or m.state.is_terminal:
             return
-        self.ctrl.get_task(tid).add_reassigned(HIDDEN_KEY, torch.tensor([slot]))
-        m.reassigned.add(slot)
+        self.ctrl.get_task(tid).add_taken_over(HIDDEN_KEY, torch.tensor([slot]))
+        m.taken_over.add(slot)
 
     @rule(tids=st.lists(tasks, min_size=1, max_size=3))
     def escalate(self, tids):
@@ -504,7 +504,9 @@ class ControllerRace(RuleBasedStateMachine):
     def fail(self, tid):
         """A failure from outside the committer (e.g. shutdown)."""
         self.model.fail(tid)
-        self.ctrl._fail_task(tid)
+        task = self.ctrl.get_task(tid)
+        if task is not None:
+            self.ctrl.fail_task(task, None)
 
     @rule(tid=tasks, which=st.sampled_from(["done", "host_ready"]))
     def join(self, tid, which):
@@ -612,34 +614,35 @@ class ControllerRace(RuleBasedStateMachine):
 
     @invariant()
     def queues_match_model(self):
-        assert list(self.ctrl._queue_hi) == self.model.hi
-        assert list(self.ctrl._queue_lo) == self.model.lo
-        assert list(self.ctrl._claimed) == self.model.claimed
-        assert self.ctrl._blocked == self.model.blocked
+        assert list(self.ctrl.queues.high) == self.model.hi
+        assert list(self.ctrl.queues.low) == self.model.lo
+        assert list(self.ctrl.queues.claimed) == self.model.claimed
+        assert self.ctrl.queues.blocked == self.model.blocked
 
     @invariant()
     def position_matches_task(self):
         """Composition invariant: a task's queue position and its state form
         a pair spec/protocol.yaml lists (``pairs``)."""
         pairs = load_protocol().pairs
-        for tid, task in self.ctrl._tasks.items():
+        for tid, task in self.ctrl.tasks.items():
             position = QueuePosition(int(task.position)).name
             assert task.state.name in pairs[position], f"task {tid}: {task.state.name} at queue position {position}"
 
     @invariant()
     def one_queue_entry(self):
         """Composition invariant: a task is on at most one queue or list, once."""
-        entries = [*self.ctrl._queue_hi, *self.ctrl._queue_lo, *self.ctrl._claimed, *self.ctrl._blocked]
+        entries = [*self.ctrl.queues.high, *self.ctrl.queues.low, *self.ctrl.queues.claimed, *self.ctrl.queues.blocked]
         twice = sorted(tid for tid, n in Counter(entries).items() if n > 1)
         assert not twice, f"tasks {twice} are on the copy queues more than once: {entries}"
 
     @invariant()
     def holders_match_live_steps_and_unwritten_tasks(self):
-        assert self.ctrl._staging_pool._busy == self.model.pages
+        pool = self.ctrl.staging_pool
+        assert [pool.page_holders(p) for p in range(pool.depth)] == self.model.pages
 
     @invariant()
     def staged_bytes_equal_live_tickets(self):
-        assert self.ctrl._staged_bytes == self.model.staged
+        assert self.ctrl.budget.staged_bytes == self.model.staged
         live = sum(n for n, tids, freed in self.model.tickets.values() if not freed)
         assert self.model.staged == live
 

@@ -31,7 +31,8 @@ from omni_prefix_cache.controller import TaskState
 from omni_prefix_cache.interface import HIDDEN_KEY, OmniPrefixCacheUnmatchError
 from omni_prefix_cache.manager import PREFETCH_THREAD_PREFIX
 from omni_prefix_cache.steps.slot_occupancy import SlotState
-from omni_prefix_cache.testing.serving_model import RecentFirstAllocator, ServingModel, failing_seams, racing_manager
+from omni_prefix_cache.testing.serving_model import RecentFirstAllocator, ServingModel, racing_manager
+from omni_prefix_cache.testing.write_fakes import install_failing_stages, probe_joins
 from omni_prefix_cache.tools.simulate.rows import rows_from_hashes
 
 NUM_BLOCKS, BLOCK_SIZE, CAPACITY, DEPTH = 8, 2, 12, 3
@@ -73,19 +74,20 @@ class SystemRace(RuleBasedStateMachine):
         self.checked = 0
 
     def _wrap_failure_points(self) -> None:
-        for name, seam in failing_seams(self.ctrl, self.poison).items():
-            setattr(self.ctrl, name, seam)
+        poison = self.poison
+        install_failing_stages(
+            self.ctrl, copy=lambda task: task.tid in poison["copy"], write=lambda task: task.tid in poison["write"]
+        )
 
     def _probe_lock_discipline(self) -> None:
         """Record any join that runs while the manager's state lock is held."""
-        wait, mgr = self.ctrl._wait_tasks, self.mgr
+        mgr = self.mgr
 
         def probed(tids, event):
             if mgr._state_lock.locked():
                 self.violations.append(f"join({event}) of tasks {list(tids)} under the state lock")
-            return wait(tids, event)
 
-        self.ctrl._wait_tasks = probed
+        probe_joins(self.ctrl, probed)
 
     def _install_fetch_seam(self) -> None:
         """Let a rule hold a prefetch at its version check, just before it
@@ -142,7 +144,7 @@ class SystemRace(RuleBasedStateMachine):
     # ------------------------------------------------------------ helpers
 
     def _any_failed(self) -> bool:
-        return any(t.state is TaskState.FAILED for t in list(self.ctrl._tasks.values()))
+        return any(t.state is TaskState.FAILED for t in list(self.ctrl.tasks.values()))
 
     def _facade(self, fn, *args):
         """Call a facade entry; after a failed write it must raise."""
@@ -298,7 +300,7 @@ class SystemRace(RuleBasedStateMachine):
         """One racing action between engine calls: a committer stage,
         escalate, join, a prefetch, or an injected failure."""
         ctrl = self.ctrl
-        tids = sorted(ctrl._tasks)
+        tids = sorted(ctrl.tasks)
         if action in ("claim", "copy", "write"):
             if not self.EAGER:
                 {"claim": ctrl.committer_claim, "copy": ctrl.committer_copy, "write": ctrl.committer_write}[action]()
@@ -310,7 +312,7 @@ class SystemRace(RuleBasedStateMachine):
             except RuntimeError:
                 assert self.EAGER and self._any_failed()
         elif action == "join":
-            joinable = [t for t in tids if ctrl._tasks[t].state is not TaskState.PENDING]
+            joinable = [t for t in tids if ctrl.tasks[t].state is not TaskState.PENDING]
             if joinable:
                 tid = data.draw(st.sampled_from(joinable), label="join")
                 try:
@@ -318,7 +320,7 @@ class SystemRace(RuleBasedStateMachine):
                 except OmniPrefixCacheUnmatchError:
                     assert ctrl.get_task(tid).state is TaskState.FAILED
         elif action.startswith("fail") and not self.dead:
-            alive = [t for t in tids if not ctrl._tasks[t].is_terminal]
+            alive = [t for t in tids if not ctrl.tasks[t].is_terminal]
             if alive:
                 self.poison[action.split()[1]].add(data.draw(st.sampled_from(alive), label=action))
 
@@ -375,7 +377,7 @@ class SystemRace(RuleBasedStateMachine):
     def holders_match_live_steps_and_unwritten_tasks(self):
         if self.dead:
             return
-        held = {h for page in self.ctrl._staging_pool._busy for h in page}
+        held = set(self.ctrl.staging_pool.holders())
         steps = {h.owner_id for h in held if h.kind == "step"}
         assert steps == set(self.mgr._step_ctxs), (steps, set(self.mgr._step_ctxs))
         for h in held:
@@ -387,8 +389,8 @@ class SystemRace(RuleBasedStateMachine):
     def staged_bytes_equal_live_tickets(self):
         if self.dead:
             return
-        tickets = {id(c.budget): c.budget for t in self.ctrl._tasks.values() for c in t.chunks if c.budget}
-        assert self.ctrl._staged_bytes == sum(t.nbytes for t in tickets.values() if not t._freed)
+        tickets = {id(c.budget): c.budget for t in self.ctrl.tasks.values() for c in t.chunks if c.budget}
+        assert self.ctrl.budget.staged_bytes == sum(t.nbytes for t in tickets.values() if not t.freed)
 
     @invariant()
     def occupancy_matches_tasks(self):
@@ -425,10 +427,10 @@ class SystemRace(RuleBasedStateMachine):
             self.dead = True
         if self.dead:
             self.mgr.shutdown()
-        left = {t: task.state.name for t, task in self.ctrl._tasks.items() if not task.is_terminal}
+        left = {t: task.state.name for t, task in self.ctrl.tasks.items() if not task.is_terminal}
         assert not left, f"unfinished tasks after quiescing: {left}"
-        assert not any(self.ctrl._staging_pool._busy), self.ctrl._staging_pool._busy
-        assert self.ctrl._staged_bytes == 0
+        assert not self.ctrl.staging_pool.holders(), self.ctrl.staging_pool.holders()
+        assert self.ctrl.budget.staged_bytes == 0
         assert not self.mgr._step_ctxs
         if not self.dead:
             self._check_cached_blocks_hold_their_rows()

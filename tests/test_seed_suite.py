@@ -785,7 +785,8 @@ def test_tenant_succession_mm_key():
 
 
 def test_scatter_rows_coalesces_per_key_last_chunk_wins_and_skips_reassigned():
-    from omni_prefix_cache.controller import WriteSchedule, WriteTask, _BudgetTicket, _WriteChunk
+    from omni_prefix_cache.compat.controller_seams import _BudgetTicket, _WriteChunk
+    from omni_prefix_cache.controller import WriteSchedule, WriteTask
 
     t1, t2 = _BudgetTicket(nbytes=8), _BudgetTicket(nbytes=8)
 
@@ -1046,7 +1047,8 @@ def test_failed_write_fails_fast_at_next_facade_entry():
     mgr, view = make_manager()
     sid = run_step(mgr, view, {"a": ([0], 0, 4)})
     mgr.materialize(sid, ["a"])
-    from omni_prefix_cache.controller import WriteTask, _WriteChunk
+    from omni_prefix_cache.compat.controller_seams import _WriteChunk
+    from omni_prefix_cache.controller import WriteTask
 
     task = WriteTask(
         tid=999,
@@ -1537,7 +1539,8 @@ def test_save_releases_staging_if_commit_drained_writes_fails():
 def test_fetch_host_maps_slots_across_layouts():
     """Identity, prefix, gapped, and a two-`_WriteChunk` gather."""
     from omni_prefix_cache.block_pool import PrefixBlockPool
-    from omni_prefix_cache.controller import OmniPrefixCacheController, WriteTask, _WriteChunk
+    from omni_prefix_cache.compat.controller_seams import _WriteChunk
+    from omni_prefix_cache.controller import OmniPrefixCacheController, WriteTask
 
     cfg = PrefixCacheConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     pool = PrefixBlockPool(cfg)
@@ -1579,7 +1582,8 @@ def test_fetch_host_waits_staging_step_d2h_event():
     step_d2h_event before slicing. Production JOIN_NEXT_STEP hits wait for
     the pool write instead; this is the unit-level wait contract for that branch."""
     from omni_prefix_cache.block_pool import PrefixBlockPool
-    from omni_prefix_cache.controller import OmniPrefixCacheController, WriteTask, _WriteChunk
+    from omni_prefix_cache.compat.controller_seams import _WriteChunk
+    from omni_prefix_cache.controller import OmniPrefixCacheController, WriteTask
 
     cfg = PrefixCacheConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     pool = PrefixBlockPool(cfg)
@@ -1625,7 +1629,8 @@ def _bare_controller(eager=True):
 
 
 def _bare_task(tid=7, schedule=WriteSchedule.JOIN_NEXT_STEP, host=None, tensors=None, budget=None, queued=False):
-    from omni_prefix_cache.controller import TaskState, WriteTask, _WriteChunk
+    from omni_prefix_cache.compat.controller_seams import _WriteChunk
+    from omni_prefix_cache.controller import TaskState, WriteTask
 
     slots = torch.tensor([0, 1], dtype=torch.int64)
     chunk = _WriteChunk(slots_cpu=slots, tensors=tensors or {}, budget=budget)
@@ -1661,7 +1666,8 @@ def test_task_state_is_a_strict_chain():
 
 
 def test_task_failed_sets_both_events_and_closes_append():
-    from omni_prefix_cache.controller import TaskState, _WriteChunk
+    from omni_prefix_cache.compat.controller_seams import _WriteChunk
+    from omni_prefix_cache.controller import TaskState
 
     task, slots = _bare_task()
     assert task.mark_failed()
@@ -1727,7 +1733,7 @@ def test_scatter_host_ready_writes_only_staged_tasks():
 
 
 def test_budget_ticket_uncharges_once_per_clone():
-    from omni_prefix_cache.controller import _BudgetTicket
+    from omni_prefix_cache.compat.controller_seams import _BudgetTicket
 
     ctrl, _ = _bare_controller()
     ticket = _BudgetTicket(nbytes=100)
@@ -1747,7 +1753,8 @@ def test_budget_ticket_uncharges_once_per_clone():
 
 
 def test_fail_task_after_copy_does_not_uncharge_twice():
-    from omni_prefix_cache.controller import TaskState, _BudgetTicket
+    from omni_prefix_cache.compat.controller_seams import _BudgetTicket
+    from omni_prefix_cache.controller import TaskState
 
     ctrl, _ = _bare_controller()
     ticket = _BudgetTicket(nbytes=64)

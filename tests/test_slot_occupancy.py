@@ -17,7 +17,8 @@ from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, WriteSchedu
 from omni_prefix_cache.specs import load_spec
 from omni_prefix_cache.specs.oracle import build_oracle, oracle_step
 from omni_prefix_cache.steps.slot_occupancy import SLOT_MACHINE, SlotOccupancy, SlotState
-from omni_prefix_cache.writes.write_task import WriteTask, _WriteChunk
+from omni_prefix_cache.writes.chunks import WriteChunk
+from omni_prefix_cache.writes.write_task import WriteTask
 
 ABSENT, IN_TRANSIT, COMMITTED = int(SlotState.ABSENT), int(SlotState.IN_TRANSIT), int(SlotState.COMMITTED)
 
@@ -118,13 +119,13 @@ def test_takeover_feeds_the_old_tasks_scatter_skip() -> None:
         req_id="a",
         write_n=1,
         schedule=WriteSchedule.JOIN_ON_FINISH,
-        chunks=[_WriteChunk(slots_cpu=slots(0, 1), tensors={}, host={KEY: torch.ones(2, 2)})],
+        chunks=[WriteChunk(slots_cpu=slots(0, 1), tensors={}, host={KEY: torch.ones(2, 2)})],
     )
-    occ = SlotOccupancy(8, on_takeover=lambda tid, key, rows: old.add_reassigned(key, rows) if tid == 7 else None)
+    occ = SlotOccupancy(8, on_takeover=lambda tid, key, rows: old.add_taken_over(key, rows) if tid == 7 else None)
     occ.add_key(KEY)
     occ.map(KEY, slots(0, 1), 7)
     occ.map(KEY, slots(1), 8)
-    assert old.reassigned[KEY].tolist() == [1]
+    assert old.taken_over[KEY].tolist() == [1]
     ((key, kept, _),) = old.scatter_rows()
     assert key == KEY and kept.tolist() == [0]
 

@@ -19,15 +19,16 @@ from omni_prefix_cache.steps.request_tasks import RequestTasks
 from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy, SlotState
 from omni_prefix_cache.steps.step_layout import StepOutputs
 from omni_prefix_cache.steps.write_ledger import WriteLedger
+from omni_prefix_cache.writes.chunks import StepRows, WriteChunk
 from omni_prefix_cache.writes.staging import StepD2HClaim
-from omni_prefix_cache.writes.write_task import StepRows, TaskEvent, WriteTask, _WriteChunk
+from omni_prefix_cache.writes.write_task import TaskEvent, WriteTask
 
 # Fields the constructor fills from a factory: fresh objects of the same type, never shared.
 FACTORY_FIELDS = {f.name for f in dataclasses.fields(WriteTask) if f.default_factory is not dataclasses.MISSING}
 
 
 def test_step_write_builds_what_the_constructor_builds() -> None:
-    chunk = _WriteChunk.of_step(StepRows(slots=torch.arange(4), host={}, tensors={}), 1, 3)
+    chunk = WriteChunk.of_step(StepRows(slots=torch.arange(4), host={}, tensors={}), 1, 3)
     event = object()
     fast = WriteTask.step_write(7, "r", 2, chunk, "freeze", 3, event)
     other = WriteTask.step_write(1, "q", 1, chunk, None, 0, None)
@@ -55,14 +56,14 @@ def test_step_write_builds_what_the_constructor_builds() -> None:
     assert len({id(v) for v in fresh}) == len(fresh)  # no two fields share one object
     assert fast.chunks is not slow.chunks and fast.chunks == [chunk]
     assert fast.enqueued_time <= slow.enqueued_time
-    assert not fast.host_ready.is_set() and not fast.done.is_set() and fast.reassigned == {}
+    assert not fast.host_ready.is_set() and not fast.done.is_set() and fast.taken_over == {}
 
 
 def test_step_write_takes_its_lock_from_the_sync_seam() -> None:
     class SeamRLock:
         pass
 
-    chunk = _WriteChunk.of_step(StepRows(slots=torch.arange(1), host={}, tensors={}), 0, 1)
+    chunk = WriteChunk.of_step(StepRows(slots=torch.arange(1), host={}, tensors={}), 0, 1)
     with sync.installed(RLock=SeamRLock):
         task = WriteTask.step_write(1, "r", 1, chunk, None, 0, None)
     assert isinstance(task.lock, SeamRLock)

@@ -147,10 +147,6 @@ class CpuCopyEngine:
     def copy_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
-    def to_host(self, src: torch.Tensor) -> torch.Tensor:
-        """A host copy of ``src`` owned by the caller."""
-        return src.detach().to("cpu", copy=True)
-
 
 class CudaRuntime:
     """The torch.cuda primitives ``CudaCopyEngine`` uses, and nothing else.
@@ -292,14 +288,6 @@ class CudaCopyEngine:
 
     def copy_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
-
-    def to_host(self, src: torch.Tensor) -> torch.Tensor:
-        """A host copy of ``src`` (non-blocking; valid once the lane's event completes)."""
-        if not self._rt.is_device(src):
-            return src.clone()
-        dst = self.host_empty(src.shape, src.dtype)
-        self.copy_into(dst, src)
-        return dst
 
 
 @functools.cache

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from omni_prefix_cache.controller import WriteTask
 from omni_prefix_cache.interface import ReqId, TensorName, Tid
-from omni_prefix_cache.writes.write_task import _WriteChunk
+from omni_prefix_cache.writes.chunks import WriteChunk
 
 
 @dataclass(eq=False)
@@ -26,7 +26,7 @@ class TaskRecord:
 
     task: WriteTask
     req_id: ReqId
-    parts: list[tuple[tuple[TensorName, ...], _WriteChunk]]
+    parts: list[tuple[tuple[TensorName, ...], WriteChunk]]
 
 
 class RequestTasks:

@@ -41,8 +41,8 @@ from omni_prefix_cache.interface import (
 from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
 from omni_prefix_cache.steps.step_context import KeyLayout, StepContext
 from omni_prefix_cache.steps.validation import check_step_tensors, listed
+from omni_prefix_cache.writes.chunks import BudgetTicket, WriteChunk
 from omni_prefix_cache.writes.staging import StepD2HClaim
-from omni_prefix_cache.writes.write_task import _BudgetTicket, _WriteChunk
 
 
 @dataclass(eq=False)
@@ -58,11 +58,11 @@ class StepOutputs:
 
     immediate: dict[TensorName, torch.Tensor]  # 2-D rows [0:n): staging copy, JOIN_NEXT_STEP
     leftover: dict[TensorName, Any]  # everything copied to CPU for this step's materialize
-    deferred_chunks: list[tuple[ReqId, _WriteChunk]]  # one per request, viewing the deferred clone
+    deferred_chunks: list[tuple[ReqId, WriteChunk]]  # one per request, viewing the deferred clone
     deferred_clone: dict[TensorName, torch.Tensor] = field(default_factory=dict)  # 2-D clone [0:n)
     # The GPU-byte budget charges only the deferred clone, on every engine
     # (the immediate clone is bounded by the staging pages; docs/cuda.md).
-    deferred_ticket: _BudgetTicket | None = None
+    deferred_ticket: BudgetTicket | None = None
     freeze_event: DeviceEvent | None = None
     layouts: dict[TensorName, KeyLayout] = field(default_factory=dict)
 
@@ -328,13 +328,13 @@ class StepLayout:
         if deferred_src:
             clone = {k: t.clone() for k, t in deferred_src.items()}
             out.deferred_clone = clone
-            out.deferred_ticket = _BudgetTicket(nbytes=sum(t.numel() * t.element_size() for t in clone.values()))
+            out.deferred_ticket = BudgetTicket(nbytes=sum(t.numel() * t.element_size() for t in clone.values()))
             if req_order:
                 sizes = [int(num_sched[r]) for r in req_order]
                 slot_parts = torch.split(slots_cpu, sizes)
                 row_parts = {k: torch.split(t, sizes) for k, t in clone.items()}
                 for i, rid in enumerate(req_order):
-                    chunk = _WriteChunk(
+                    chunk = WriteChunk(
                         slots_cpu=slot_parts[i],
                         tensors={k: parts[i] for k, parts in row_parts.items()},
                         budget=out.deferred_ticket,

@@ -46,8 +46,8 @@ from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
 from omni_prefix_cache.steps.step_layout import StepOutputs
 from omni_prefix_cache.steps.sticky_failure import StickyFailure
 from omni_prefix_cache.telemetry.registry import TELEMETRY
+from omni_prefix_cache.writes.chunks import BudgetTicket, ChunkRuns, StepRows, WriteChunk
 from omni_prefix_cache.writes.operations import active_protocol
-from omni_prefix_cache.writes.write_task import ChunkRuns, StepRows, _BudgetTicket, _WriteChunk
 
 
 @dataclass(eq=False)
@@ -69,7 +69,7 @@ class SaveProgress:
 
     sid: StepId
     claimed: StepD2HClaim | None = None
-    reserved: list[_BudgetTicket] = field(default_factory=list)
+    reserved: list[BudgetTicket] = field(default_factory=list)
     registered: list[WriteTask] = field(default_factory=list)
     published: bool = False
 
@@ -141,7 +141,7 @@ class WriteLedger:
                 dp.waited("save_barrier", start, TELEMETRY.clock())
             self.previous_step_writes = []
 
-    def reserve_budget(self, split: StepOutputs, reserved: list[_BudgetTicket]) -> None:
+    def reserve_budget(self, split: StepOutputs, reserved: list[BudgetTicket]) -> None:
         """Charge the step's deferred clone to the GPU-byte budget (engine
         thread, outside the state lock: a reserve may flush deferred writes
         and wait) and append its ticket to ``reserved`` once charged, for a
@@ -175,7 +175,7 @@ class WriteLedger:
         page = claimed.staging_slot
         tasks: list[WriteTask] = []
         records = self.records
-        of_step, step_write = _WriteChunk.of_step, WriteTask.step_write
+        of_step, step_write = WriteChunk.of_step, WriteTask.step_write
         freeze_event, d2h_event = split.freeze_event, claimed.event
         tids = list(itertools.islice(self._tids, len(req_order)))
         write_ns = self.requests.open_many(req_order, tids)
@@ -207,7 +207,7 @@ class WriteLedger:
         for rid, chunk in split.deferred_chunks:
             task = self.requests.deferred.get(rid)
             if task is not None and (
-                task.reassigned_intersects(chunk) or ctrl.append_chunk(task, chunk, split.freeze_event) is not None
+                task.taken_over_intersects(chunk) or ctrl.append_chunk(task, chunk, split.freeze_event) is not None
             ):
                 task = None
             if task is None:
@@ -265,7 +265,7 @@ class WriteLedger:
         over from write ``tid``, whose pool write must now skip them."""
         rec = self.records.get(tid)
         if rec is not None:
-            rec.task.add_reassigned(key, slots)
+            rec.task.add_taken_over(key, slots)
 
     @staticmethod
     def stranded(registered: list[WriteTask]) -> list[WriteTask]:
@@ -274,7 +274,7 @@ class WriteLedger:
         the write_task spec does not call final is stranded."""
         return [t for t in registered if not t.is_terminal]
 
-    def refund_unpinned(self, reserved: list[_BudgetTicket]) -> None:
+    def refund_unpinned(self, reserved: list[BudgetTicket]) -> None:
         """Uncharge exactly the tickets no task pinned (a ticket is released
         once): a clone no task views is refunded as soon as its save
         registered its writes, or when the save fails. No lock held."""

@@ -13,7 +13,7 @@ with metrics off the recorder is None and that check is all it costs.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from omni_prefix_cache.telemetry.histogram import Histogram, HistogramSummary
@@ -40,12 +40,12 @@ class MoveRecorder:
         self.timed = dict(timed)
         self._clock = clock
         self._counts = [0] * len(self.labels)
-        self._entered: dict[Hashable, int] = {}
+        self._entered: dict[object, int] = {}
         self.time_in_state = {name: Histogram() for name in self.timed.values()}
         self._by_state = {state: self.time_in_state[name] for state, name in self.timed.items()}
         self._lock = threading.Lock()
 
-    def moved(self, move: Any, key: Hashable) -> None:
+    def moved(self, move: Any, key: object) -> None:
         """``move`` (a ``CompiledMove``) was applied to the instance ``key``.
         Ends the instance's timed stay in the move's source (a self-loop
         keeps it) and starts one in its dest."""
@@ -64,7 +64,7 @@ class MoveRecorder:
         with self._lock:
             self._counts[move.index] += 1
 
-    def moved_batch(self, keys: Sequence[Hashable], moves: Sequence[Any]) -> None:
+    def moved_batch(self, keys: Sequence[object], moves: Sequence[Any]) -> None:
         """``moved`` for each (key, move) pair; a None move (the item had
         no such move, so nothing moved) is skipped."""
         for key, move in zip(keys, moves):
@@ -77,7 +77,7 @@ class MoveRecorder:
         with self._lock:
             self._counts[move.index] += n
 
-    def forget(self, key: Hashable) -> None:
+    def forget(self, key: object) -> None:
         """Drop ``key``'s open stay (an instance discarded without a move)."""
         self._entered.pop(key, None)
 

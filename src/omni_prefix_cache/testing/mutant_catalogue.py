@@ -14,7 +14,6 @@ state-machine tests.)
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -83,7 +82,7 @@ def _escalate_requeues_claimed(stack: contextlib.ExitStack) -> None:
     def escalate(self: OmniPrefixCacheController, tids: list[int]) -> None:
         with self.lock:
             for tid in tids:
-                task = self._tasks.get(tid)
+                task = self.get_task(tid)
                 if task is not None and task.state is TaskState.COPYING:
                     with task.lock:
                         task.state = TaskState.QUEUED  # the old bug: no claim check
@@ -122,13 +121,13 @@ def _failure_wake_before_record(stack: contextlib.ExitStack) -> None:
 
 @_register("budget_uncharged_twice", "a budget ticket uncharges again when a task releases it twice")
 def _budget_uncharged_twice(stack: contextlib.ExitStack) -> None:
-    from omni_prefix_cache.writes.write_task import _BudgetTicket
+    from omni_prefix_cache.writes.chunks import BudgetTicket
 
-    def release(self: _BudgetTicket, tid: int) -> int:
+    def release(self: BudgetTicket, tid: int) -> int:
         self.tids.discard(tid)
         return 0 if self.tids else self.nbytes
 
-    _set(stack, _BudgetTicket, "release", release)
+    _set(stack, BudgetTicket, "release", release)
 
 
 @_register("committer_dies_on_exception", "a copy failure escapes the committer instead of failing its task")
@@ -136,9 +135,8 @@ def _committer_dies(stack: contextlib.ExitStack) -> None:
     from omni_prefix_cache.writes.committer import Committer
 
     def copy(self: Committer, tids: list[int]) -> None:
-        ctrl = self._ctrl
-        tasks = [t for tid in tids if (t := ctrl.get_task(tid)) is not None]
-        batch = ctrl._runner.run_many(ctrl.ops.copy, tasks)
+        tasks = [t for tid in tids if (t := self._registry.get(tid)) is not None]
+        batch = self._runner.run_many(self._ops.copy, tasks)
         if batch.errors:
             raise batch.errors[0][1]
 
@@ -150,19 +148,19 @@ def _pool_write_failure_wrong_task(stack: contextlib.ExitStack) -> None:
     from omni_prefix_cache.writes.committer import Committer
 
     def write(self: Committer) -> list[int]:
-        ctrl = self._ctrl
-        op = ctrl.ops.eager if ctrl.eager else ctrl.ops.write
-        with ctrl.lock:
-            ready = [t for tid in self._queues.blocked if (t := ctrl.get_task(tid)) is not None and self._ready(t)]
+        registry = self._registry
+        op = self._ops.pool_write_op(self._mode.eager)
+        with self._lock:
+            ready = [t for tid in self._queues.blocked if (t := registry.get(tid)) is not None and self._ready(t)]
             for task in ready:
                 self._queues.blocked.remove(task.tid)
         for task in ready:
             try:
                 op.segments[op.tail - 1](task)
             except BaseException:
-                others = [t for t in ctrl.tasks.values() if t is not task and not t.is_terminal]
+                others = [t for t in registry.tasks.values() if t is not task and not t.is_terminal]
                 if others:
-                    ctrl.fail_task(min(others, key=lambda t: t.tid), None)
+                    self._fail(min(others, key=lambda t: t.tid), None)
         return [t.tid for t in ready]
 
     _set(stack, Committer, "write", write)
@@ -173,12 +171,13 @@ def _eager_failure_leaves_later(stack: contextlib.ExitStack) -> None:
     from omni_prefix_cache.writes.eager import EagerDispatch
 
     def dispatch(self: EagerDispatch, tasks: list[Any]) -> None:
-        batch = self.open(self._ctrl.ops.eager)
+        writer = self._writer
+        batch = writer.open(self._op)
         try:
-            self._ctrl._run_eager(list(tasks))
+            self._run(list(tasks))
         finally:
-            self.close(batch)
-            self._flush(batch, reraise=False)
+            writer.close(batch)
+            writer.land(batch)
         if batch.errors:
             raise batch.errors[0][1]  # the failing task's error, and nobody failed
 
@@ -199,9 +198,9 @@ def _holder_released_at_drain(stack: contextlib.ExitStack) -> None:
     original_drain = OmniPrefixCacheController.drain_completed
 
     def drain_completed(self: OmniPrefixCacheController) -> list[int]:
-        tasks = [self._tasks.get(tid) for tid in list(self._completed)]
+        tasks = [self.get_task(tid) for tid in list(self.completed)]
         out = original_drain(self)
-        pool = self._staging_pool
+        pool = self.staging_pool
         for task in tasks:
             if task is not None and task.staging_slot is not None:
                 holder = StagingBufferHolder.for_task(task.tid)
@@ -263,7 +262,7 @@ def _queued_deferred_pushed_high(stack: contextlib.ExitStack) -> None:
 def _tombstone_drops_fresh_rows(stack: contextlib.ExitStack) -> None:
     from omni_prefix_cache.writes.write_task import WriteTask
 
-    _set(stack, WriteTask, "reassigned_intersects", lambda self, chunk: False)
+    _set(stack, WriteTask, "taken_over_intersects", lambda self, chunk: False)
 
 
 @_register("leftover_sliced_by_ge", "leftover mm sliced whenever shape[0] >= n, not only when == n")
@@ -287,27 +286,16 @@ def _leftover_sliced_by_ge(stack: contextlib.ExitStack) -> None:
 
 @_register("state_lock_across_join", "the manager's state lock is held across a join")
 def _state_lock_across_join(stack: contextlib.ExitStack) -> None:
-    from omni_prefix_cache.controller import OmniPrefixCacheController
-    from omni_prefix_cache.manager import OmniPrefixCacheManager
+    # The save barrier joins the previous step's writes with the state lock held.
+    from omni_prefix_cache.steps.write_ledger import WriteLedger
 
-    init, join = OmniPrefixCacheManager.__init__, OmniPrefixCacheController.join
+    join_previous_step = WriteLedger.join_previous_step
 
-    # Each controller's manager state lock, kept here (the runtime has no slot for it).
-    state_locks: weakref.WeakKeyDictionary[OmniPrefixCacheController, Any] = weakref.WeakKeyDictionary()
+    def locked_join_previous_step(self: WriteLedger) -> None:
+        with self._state_lock:
+            join_previous_step(self)
 
-    def manager_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        state_locks[self._controller] = self._state_lock
-
-    def locked_join(self: OmniPrefixCacheController, tids: list[int]) -> None:
-        lock = state_locks.get(self)
-        if lock is None or lock.locked():
-            return join(self, tids)
-        with lock:
-            return join(self, tids)
-
-    _set(stack, OmniPrefixCacheManager, "__init__", manager_init)
-    _set(stack, OmniPrefixCacheController, "join", locked_join)
+    _set(stack, WriteLedger, "join_previous_step", locked_join_previous_step)
 
 
 @_register("save_skips_previous_write_barrier", "save does not wait for the previous step's pool writes")
@@ -389,7 +377,7 @@ def _escalate_pushes_high_queued_twice(stack: contextlib.ExitStack) -> None:
         if not self.eager:
             with self.lock:
                 for tid in tids:
-                    task = self._tasks.get(tid)
+                    task = self.get_task(tid)
                     if task is not None and task.position == QueuePosition.HIGH:
                         self.queues.high.appendleft(tid)
         original(self, tids)

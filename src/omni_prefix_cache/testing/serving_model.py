@@ -369,22 +369,3 @@ def racing_manager(
     prefetch = LazyExecutor()
     hits.prefetch = prefetch  # type: ignore[assignment]
     return mgr, prefetch
-
-
-def failing_seams(ctrl: Any, poison: dict[str, set[int]]) -> dict[str, Callable[[Any], Any]]:
-    """Wrappers of the controller's copy and pool-write seams that raise for
-    the tids in ``poison["copy"]`` / ``poison["write"]``; install them as
-    instance attributes (``_copy_task``, ``_scatter``)."""
-    copy_task, scatter = ctrl._copy_task, ctrl._scatter
-
-    def failing_copy(task: Any) -> Any:
-        if task.tid in poison["copy"]:
-            raise RuntimeError(f"injected copy failure (task {task.tid})")
-        return copy_task(task)
-
-    def failing_scatter(task: Any) -> Any:
-        if task.tid in poison["write"]:
-            raise RuntimeError(f"injected pool write failure (task {task.tid})")
-        return scatter(task)
-
-    return {"_copy_task": failing_copy, "_scatter": failing_scatter}

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from omni_prefix_cache.block_pool import PrefixBlockPool
-from omni_prefix_cache.controller import OmniPrefixCacheController, TaskState, WriteTask, _BudgetTicket, _WriteChunk
+from omni_prefix_cache.controller import BudgetTicket, OmniPrefixCacheController, TaskState, WriteChunk, WriteTask
 from omni_prefix_cache.device.copy_engine import CopyEngine
 from omni_prefix_cache.interface import (
     HIDDEN_KEY,
@@ -198,9 +198,9 @@ def check_copy_failure(backend: Backend) -> Check:
     raised = ""
     try:
         clone = torch.arange(32.0, device=backend.device).reshape(4, 8).clone()
-        ticket = _BudgetTicket(nbytes=clone.numel() * clone.element_size())
+        ticket = BudgetTicket(nbytes=clone.numel() * clone.element_size())
         ctrl.reserve(ticket.nbytes)
-        chunk = _WriteChunk(slots_cpu=torch.tensor([0, 1, 2, 3]), tensors={HIDDEN_KEY: clone}, budget=ticket)
+        chunk = WriteChunk(slots_cpu=torch.tensor([0, 1, 2, 3]), tensors={HIDDEN_KEY: clone}, budget=ticket)
         task = WriteTask(
             tid=1,
             req_id="r",

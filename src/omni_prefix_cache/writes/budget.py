@@ -2,7 +2,7 @@
 ``charge_budget``, ``flush_oldest``, ``refund_unpinned``, ``unpin_budget``;
 guard ``over_budget``).
 
-A ``_BudgetTicket`` is one clone's charge; the writes viewing the clone pin
+A ``BudgetTicket`` is one clone's charge; the writes viewing the clone pin
 it, and it uncharges once, when its last write leaves (or, never pinned, at
 its refund).
 """
@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from omni_prefix_cache.interface import Tid
-from omni_prefix_cache.writes.write_task import WriteTask, _BudgetTicket
+from omni_prefix_cache.writes.chunks import BudgetTicket
+from omni_prefix_cache.writes.write_task import WriteTask
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ class GpuBudget:
         self.staged_bytes = 0
         self.flushes = 0
 
-    def pin(self, ticket: _BudgetTicket, tid: Tid) -> None:
+    def pin(self, ticket: BudgetTicket, tid: Tid) -> None:
         """Record that ``tid`` views the clone ``ticket`` charges."""
         with self._lock:
             ticket.tids.add(tid)
@@ -70,7 +71,7 @@ class GpuBudget:
         with self._lock:
             self.staged_bytes += nbytes
 
-    def refund_unpinned(self, tickets: Iterable[_BudgetTicket]) -> None:
+    def refund_unpinned(self, tickets: Iterable[BudgetTicket]) -> None:
         """Uncharge reservations that no task ever pinned (a save that
         failed, or a clone no request views). A pinned or already freed
         ticket refunds nothing: its last task uncharges it."""

@@ -13,18 +13,25 @@ call ``fire``, under the controller lock.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from omni_prefix_cache.interface import Tid
 from omni_prefix_cache.specs import SpecError, compile_machine, load_spec
 from omni_prefix_cache.specs.composition import ProtocolViolation
-from omni_prefix_cache.specs.types.copy_queue import QueuePosition
+from omni_prefix_cache.specs.types.copy_queue import CopyQueueTrigger, QueuePosition
 
 COPY_QUEUE_MACHINE = compile_machine(load_spec("copy_queue"), state_enum=QueuePosition)
 
 
-def _discard(box: Any, tid: Tid) -> None:
+class QueueEntry(Protocol):
+    """What the copy queues read and move of a task: its tid and position."""
+
+    tid: Tid
+    position: QueuePosition
+
+
+def _discard(box: deque[Tid] | list[Tid], tid: Tid) -> None:
     # A committer that took the work already removed the entry.
     if tid in box:
         box.remove(tid)
@@ -41,17 +48,17 @@ class CopyQueues:
         self.claimed: deque[Tid] = deque()  # claimed, copy stage not taken yet
         self.blocked: list[Tid] = []  # host rows ready, pool write not taken yet
         # None: the move changes the position only (no structure holds the task).
-        self._effects: dict[str, Callable[[Tid], None] | None] = {
-            "push": self.high.append,
-            "push_low": self.low.append,
-            "push_head": self.high.appendleft,
-            "promote": self._promote,
-            "claim": self._claim,
-            "copied": self._copied,
-            "written": lambda tid: _discard(self.blocked, tid),
-            "skip": self._unqueue,
-            "inline": None,
-            "fail": self._failed,  # a queue entry stays (STALE) until its pop
+        self._effects: dict[CopyQueueTrigger, Callable[[Tid], None] | None] = {
+            CopyQueueTrigger.PUSH: self.high.append,
+            CopyQueueTrigger.PUSH_LOW: self.low.append,
+            CopyQueueTrigger.PUSH_HEAD: self.high.appendleft,
+            CopyQueueTrigger.PROMOTE: self._promote,
+            CopyQueueTrigger.CLAIM: self._claim,
+            CopyQueueTrigger.COPIED: self._copied,
+            CopyQueueTrigger.WRITTEN: lambda tid: _discard(self.blocked, tid),
+            CopyQueueTrigger.SKIP: self._unqueue,
+            CopyQueueTrigger.INLINE: None,
+            CopyQueueTrigger.FAIL: self._failed,  # a queue entry stays (STALE) until its pop
         }
         missing = sorted(set(COPY_QUEUE_MACHINE.triggers) - set(self._effects))
         if missing:
@@ -59,30 +66,30 @@ class CopyQueues:
 
     # ------------------------------------------------------------ moves
 
-    def enabled(self, task: Any, trigger: str) -> bool:
+    def enabled(self, task: QueueEntry, trigger: CopyQueueTrigger) -> bool:
         return COPY_QUEUE_MACHINE.move(task.position, trigger) is not None
 
-    def enabled_many(self, tasks: list[Any], trigger: str) -> list[bool]:
+    def enabled_many(self, tasks: Sequence[QueueEntry], trigger: CopyQueueTrigger) -> list[bool]:
         """``enabled`` for each task (one table lookup per task)."""
         moves = COPY_QUEUE_MACHINE.by_state(trigger)
         return [moves[task.position] is not None for task in tasks]
 
-    def fire(self, task: Any, trigger: str) -> None:
+    def fire(self, task: QueueEntry, trigger: CopyQueueTrigger) -> None:
         """Move ``task``'s position by ``trigger`` and its entry with it."""
         move = COPY_QUEUE_MACHINE.move(task.position, trigger)
         if move is None:
             raise ProtocolViolation(
-                f"task {task.tid}: copy queue position {QueuePosition(task.position).name} has no move {trigger!r}"
+                f"task {task.tid}: copy queue position {QueuePosition(task.position).name} has no move {str(trigger)!r}"
             )
         effect = self._effects[trigger]
         if effect is not None:
             effect(task.tid)
-        task.position = move.dest
+        task.position = move.dest  # type: ignore[assignment]  # the table's states are QueuePosition
         recorder = COPY_QUEUE_MACHINE.recorder
         if recorder is not None:
             recorder.moved(move, task)
 
-    def try_fire(self, task: Any, trigger: str) -> bool:
+    def try_fire(self, task: QueueEntry, trigger: CopyQueueTrigger) -> bool:
         """``fire`` if the position has the move; False (nothing moved) otherwise."""
         move = COPY_QUEUE_MACHINE.move(task.position, trigger)
         if move is None:
@@ -90,13 +97,13 @@ class CopyQueues:
         effect = self._effects[trigger]
         if effect is not None:
             effect(task.tid)
-        task.position = move.dest
+        task.position = move.dest  # type: ignore[assignment]  # the table's states are QueuePosition
         recorder = COPY_QUEUE_MACHINE.recorder
         if recorder is not None:
             recorder.moved(move, task)
         return True
 
-    def try_fire_many(self, tasks: list[Any], trigger: str) -> list[bool | BaseException]:
+    def try_fire_many(self, tasks: Sequence[QueueEntry], trigger: CopyQueueTrigger) -> list[bool | BaseException]:
         """``try_fire`` for each task in order (a batched step); per task
         True if its position moved, False if it has no such move."""
         moves = COPY_QUEUE_MACHINE.by_state(trigger)
@@ -110,12 +117,12 @@ class CopyQueues:
             if move is None:
                 out[i] = False
                 continue
-            task.position = move.dest
+            task.position = move.dest  # type: ignore[assignment]
         if not all(out):
             moved = [task for task, ok in zip(tasks, out) if ok]
         effect = self._effects[trigger]
         if moved and effect is not None:
-            if trigger == "written" and len(moved) > 1:
+            if trigger == CopyQueueTrigger.WRITTEN and len(moved) > 1:
                 # One pass over the blocked list for the whole batch.
                 gone = {task.tid for task in moved}
                 self.blocked[:] = [tid for tid in self.blocked if tid not in gone]

@@ -3,12 +3,29 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from omni_prefix_cache.device.copy_engine import CopyEngine
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, PrefixCacheConfig, TensorName, WriteSchedule
+from omni_prefix_cache.specs.batch import Batch, guarded_each
 from omni_prefix_cache.telemetry.registry import TELEMETRY
-from omni_prefix_cache.writes.write_task import HostRow, WriteTask, _WriteChunk
+from omni_prefix_cache.writes.chunks import HostRow, WriteChunk
+from omni_prefix_cache.writes.write_task import WriteTask
+
+
+class CopyStage(Protocol):
+    """What effect ``copy_to_host`` calls: ``HostRows``, or a stage wrapping
+    it (a harness's fault-injecting or probing fake)."""
+
+    def copy_task(self, task: WriteTask) -> None:
+        """Effect ``copy_to_host`` for one task: set ``task.copied_rows``."""
+        ...
+
+    def copy_batch(self, batch: Batch) -> None:
+        """Effect ``copy_to_host`` for a batch; an item that raises leaves it."""
+        ...
 
 
 class HostRows:
@@ -18,6 +35,18 @@ class HostRows:
     def __init__(self, engine: CopyEngine, config: PrefixCacheConfig):
         self.engine = engine
         self._piece_bytes = config.copy_chunk_bytes
+
+    def copy_task(self, task: WriteTask) -> None:
+        """Effect ``copy_to_host``: the rows the task's host_ready move installs."""
+        task.copied_rows = self.copy(task)
+
+    def copy_batch(self, batch: Batch) -> None:
+        """Effect ``copy_to_host`` for a batch: ``copy_task`` per task, an
+        item that raises leaving the batch. A batch of staging views makes
+        no rows (they were copied at save): nothing is called for it."""
+        if self.copies_nothing(batch.items):
+            return
+        guarded_each(batch, self.copy_task)
 
     @staticmethod
     def copies_nothing(tasks: list[WriteTask]) -> bool:
@@ -39,7 +68,7 @@ class HostRows:
         """
         if self.copies_nothing([task]):
             return []
-        by_key: dict[TensorName, list[_WriteChunk]] = {}
+        by_key: dict[TensorName, list[WriteChunk]] = {}
         for chunk in task.chunks:
             for key in chunk.tensors:
                 by_key.setdefault(key, []).append(chunk)

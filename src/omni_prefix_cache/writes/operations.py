@@ -24,8 +24,9 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError
 from omni_prefix_cache.specs.batch import (
     AttemptMany,
     Batch,
@@ -43,6 +44,9 @@ from omni_prefix_cache.specs.composition import (
     load_protocol,
 )
 from omni_prefix_cache.specs.loader import SpecError
+from omni_prefix_cache.specs.types.copy_queue import CopyQueueTrigger
+from omni_prefix_cache.specs.types.staging_holder import StagingHolderTrigger
+from omni_prefix_cache.specs.types.write_task import WriteTaskTrigger
 from omni_prefix_cache.writes.copy_queues import CopyQueues
 from omni_prefix_cache.writes.staging import StagingBufferHolder, StagingBufferPool
 from omni_prefix_cache.writes.write_task import WRITE_TASK_MACHINE, WriteTask
@@ -51,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 Pred = Callable[[Any], bool]
 Run = Callable[[Any], None]
+Trigger = TypeVar("Trigger", WriteTaskTrigger, CopyQueueTrigger, StagingHolderTrigger)
 
 # The roles whose moves the controller fires, and the effects it performs.
 CONTROLLER_ROLES = frozenset({"task", "position", "task_holder"})
@@ -77,7 +82,15 @@ _override: list[ProtocolSpec] = []
 _FAILURE = WRITE_TASK_MACHINE.tagged("failure")
 
 
-def task_failed(task: Any) -> bool:
+def _trigger(kind: type[Trigger], role: str, trigger: str) -> Trigger:
+    """``trigger`` as ``kind`` (the role's generated trigger enum)."""
+    try:
+        return kind(trigger)
+    except ValueError:
+        raise SpecError(f"protocol.yaml: {role} has no trigger {trigger!r}") from None
+
+
+def task_failed(task: WriteTask) -> bool:
     """Guard ``task_failed``: the task is in a state the write_task spec tags ``failure``."""
     return task.state in _FAILURE
 
@@ -109,38 +122,39 @@ class ControllerBinding:
 
     def move(self, role: str, trigger: str) -> tuple[Pred, Run]:
         if role == "task":
-            return self._task_move(trigger)
+            return self._task_move(_trigger(WriteTaskTrigger, role, trigger))
         if role == "position":
-            queues = self._queues
-            return (lambda task: queues.enabled(task, trigger)), (lambda task: queues.fire(task, trigger))
+            queues, position = self._queues, _trigger(CopyQueueTrigger, role, trigger)
+            return (lambda task: queues.enabled(task, position)), (lambda task: queues.fire(task, position))
         if role == "task_holder":
-            return self._holder_move(trigger)
+            return self._holder_move(_trigger(StagingHolderTrigger, role, trigger))
         raise SpecError(f"protocol.yaml: the controller fires no {role}.{trigger} (roles {sorted(CONTROLLER_ROLES)})")
 
     def try_move(self, role: str, trigger: str) -> Pred:
         """``attempt(task)``: fire the move if it is enabled, atomically
         (under the task's, the queues' or the pool's own lock)."""
         if role == "task":
-            if trigger == "host_ready":
+            move = _trigger(WriteTaskTrigger, role, trigger)
+            if move is WriteTaskTrigger.HOST_READY:
                 many = _host_ready_many()
 
-                def attempt_host_ready(task: Any) -> bool:
+                def attempt_host_ready(task: WriteTask) -> bool:
                     result = many([task])[0]
                     if isinstance(result, BaseException):
                         raise result
                     return result
 
                 return attempt_host_ready
-            defer = trigger == "fail"  # operation fail runs the wakes once its record is public
-            return lambda task: bool(task.try_fire(trigger, defer=defer))
+            defer = move is WriteTaskTrigger.FAIL  # operation fail runs the wakes once its record is public
+            return lambda task: task.try_fire(move, defer=defer)
         if role == "position":
-            queues = self._queues
-            return lambda task: queues.try_fire(task, trigger)
+            queues, position = self._queues, _trigger(CopyQueueTrigger, role, trigger)
+            return lambda task: queues.try_fire(task, position)
         if role == "task_holder":
-            staging = self._staging
+            staging, holder_move = self._staging, _trigger(StagingHolderTrigger, role, trigger)
             for_task = StagingBufferHolder.for_task
             return lambda task: (
-                task.staging_slot is not None and staging.try_fire(trigger, task.staging_slot, for_task(task.tid))
+                task.staging_slot is not None and staging.try_fire(holder_move, task.staging_slot, for_task(task.tid))
             )
         return self.move(role, trigger)[0]  # raises: not the controller's role
 
@@ -153,16 +167,17 @@ class ControllerBinding:
 
     def try_move_many(self, role: str, trigger: str) -> AttemptMany:
         if role == "position":
-            queues = self._queues
-            return lambda tasks: queues.try_fire_many(tasks, trigger)
+            queues, position = self._queues, _trigger(CopyQueueTrigger, role, trigger)
+            return lambda tasks: queues.try_fire_many(tasks, position)
         if role == "task_holder":
-            staging = self._staging
-            return lambda tasks: staging.try_fire_tasks(trigger, tasks)
+            staging, holder_move = self._staging, _trigger(StagingHolderTrigger, role, trigger)
+            return lambda tasks: staging.try_fire_tasks(holder_move, tasks)
         if role == "task":
-            if trigger == "host_ready":
+            move = _trigger(WriteTaskTrigger, role, trigger)
+            if move is WriteTaskTrigger.HOST_READY:
                 return _host_ready_many()
-            defer = trigger == "fail"  # as in try_move
-            return lambda tasks: WriteTask.try_fire_many(tasks, trigger, defer=defer)
+            defer = move is WriteTaskTrigger.FAIL  # as in try_move
+            return lambda tasks: WriteTask.try_fire_many(tasks, move, defer=defer)
         # Raises for a role not the controller's.
         return attempt_each(self.try_move(role, trigger))
 
@@ -175,48 +190,51 @@ class ControllerBinding:
 
         # A batched operation's entry check: one table lookup per task.
         if role == "position":
-            queues = self._queues
-            return (lambda tasks: queues.enabled_many(tasks, trigger)), fire_many
+            queues, position = self._queues, CopyQueueTrigger(trigger)
+            return (lambda tasks: queues.enabled_many(tasks, position)), fire_many
         if role == "task":
-            moves = WRITE_TASK_MACHINE.by_state(trigger)
+            moves = WRITE_TASK_MACHINE.by_state(WriteTaskTrigger(trigger))
             return (lambda tasks: [moves[t.state] is not None for t in tasks]), fire_many
         return (lambda tasks: [bool(enabled(t)) for t in tasks]), fire_many
 
     @staticmethod
-    def _task_move(trigger: str) -> tuple[Pred, Run]:
-        def enabled(task: Any) -> bool:
-            return bool(task.can(trigger))
+    def _task_move(trigger: WriteTaskTrigger) -> tuple[Pred, Run]:
+        def enabled(task: WriteTask) -> bool:
+            return task.can(trigger)
 
-        if trigger == "host_ready":
+        if trigger is WriteTaskTrigger.HOST_READY:
             return enabled, _fire_host_ready
 
-        if trigger == "fail":
+        if trigger is WriteTaskTrigger.FAIL:
             # Wakes are deferred: operation fail runs them (wake_failed) once
             # its failure record is public.
-            def fire(task: Any) -> None:
+            def fire(task: WriteTask) -> None:
                 task.fire(trigger, defer=True)
 
         else:
 
-            def fire(task: Any) -> None:
+            def fire(task: WriteTask) -> None:
                 task.fire(trigger)
 
         return enabled, fire
 
-    def _holder_move(self, trigger: str) -> tuple[Pred, Run]:
+    def _holder_move(self, trigger: StagingHolderTrigger) -> tuple[Pred, Run]:
         staging = self._staging
 
-        def enabled(task: Any) -> bool:
+        def enabled(task: WriteTask) -> bool:
             page = task.staging_slot
             return page is not None and staging.enabled(trigger, page, StagingBufferHolder.for_task(task.tid))
 
-        def fire(task: Any) -> None:
-            staging.fire(trigger, task.staging_slot, StagingBufferHolder.for_task(task.tid))
+        def fire(task: WriteTask) -> None:
+            page = task.staging_slot
+            if page is None:
+                raise OmniPrefixCacheUnmatchError(f"staging: task {task.tid} holds no page, so it cannot {trigger}")
+            staging.fire(trigger, page, StagingBufferHolder.for_task(task.tid))
 
         return enabled, fire
 
 
-def _fire_host_ready(task: Any) -> None:
+def _fire_host_ready(task: WriteTask) -> None:
     """Move ``task.host_ready``: it installs the rows the copy stage made
     (copy_to_host); staging views have none: the move waits the step's
     copy event."""
@@ -229,11 +247,11 @@ def _fire_host_ready(task: Any) -> None:
 
 def _host_ready_many() -> AttemptMany:
     """``attempt_many`` of ``task.host_ready``: per task one table lookup,
-    then the move through its seams (``_fire_host_ready``), which re-check
-    under the task's lock. Only the copy's claimant moves a COPYING task on."""
-    moves = WRITE_TASK_MACHINE.by_state("host_ready")
+    then the move itself (``_fire_host_ready``), which re-checks under the
+    task's lock. Only the copy's claimant moves a COPYING task on."""
+    moves = WRITE_TASK_MACHINE.by_state(WriteTaskTrigger.HOST_READY)
 
-    def attempt_many(tasks: list[Any]) -> list[bool | BaseException]:
+    def attempt_many(tasks: list[WriteTask]) -> list[bool | BaseException]:
         out: list[bool | BaseException] = [True] * len(tasks)
         for i, task in enumerate(tasks):
             if moves[task.state] is None:
@@ -299,7 +317,13 @@ class OpRunner:
         return True
 
     def run_many(
-        self, op: RuntimeOp, tasks: list[Any], *, start: int = 0, stop: int | None = None, truncate: bool = False
+        self,
+        op: RuntimeOp,
+        tasks: list[WriteTask],
+        *,
+        start: int = 0,
+        stop: int | None = None,
+        truncate: bool = False,
     ) -> Batch:
         """Segments ``[start, stop)`` of ``op`` for a batch of tasks, each
         segment once for the whole batch under the lock it declares (a
@@ -326,7 +350,7 @@ class OpRunner:
                 break
         return batch
 
-    def finish(self, tasks: list[Any], op: RuntimeOp, on_violation: Callable[[Any], object]) -> None:
+    def finish(self, tasks: list[WriteTask], op: RuntimeOp, on_violation: Callable[[WriteTask], object]) -> None:
         """The segments of ``op`` after its pool write, for tasks whose rows
         are in the pool, batched (``run_many``). A task whose move the state
         no longer allows (it failed meanwhile) goes to ``on_violation`` and
@@ -358,6 +382,12 @@ class ControllerOps:
     # The event a join waits for and the guard that makes it raise.
     join_event: str
     join_raises: Pred
+
+    def pool_write_op(self, eager: bool) -> RuntimeOp:
+        """The operation whose pool write (and tail) writes a task outside
+        an open pool-write batch: ``eager_run`` on an eager controller,
+        else ``committer_write``."""
+        return self.eager if eager else self.write
 
 
 def compile_ops(

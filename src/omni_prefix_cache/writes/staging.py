@@ -13,20 +13,34 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
 from omni_prefix_cache.device import sync
+from omni_prefix_cache.device.copy_engine import CopyEngine
 from omni_prefix_cache.interface import (
     OmniPrefixCacheShutdownError,
     OmniPrefixCacheStagingTimeoutError,
     OmniPrefixCacheUnmatchError,
     TensorName,
+    Tid,
 )
-from omni_prefix_cache.specs import compile_machine, load_spec
+from omni_prefix_cache.specs import CompiledMove, compile_machine, load_spec
 from omni_prefix_cache.specs.types.staging_holder import HolderState as HolderState  # re-exported
+from omni_prefix_cache.specs.types.staging_holder import StagingHolderTrigger, StagingHolderTriggerName
 from omni_prefix_cache.telemetry.registry import TELEMETRY
+
+# A staging_holder trigger, by its generated enum or by name.
+HolderTrigger = StagingHolderTrigger | StagingHolderTriggerName
+
+
+class PageViewer(Protocol):
+    """What the pool reads of a write whose holder it moves: its tid and
+    the page it views (None: it views none)."""
+
+    tid: Tid
+    staging_slot: int | None
 
 
 class StagingBufferHolder(NamedTuple):
@@ -121,7 +135,7 @@ class StagingBufferPool:
 
     # ----------------------------------------------------------- holder moves
 
-    def holder_state(self, holder: StagingBufferHolder) -> Any:
+    def holder_state(self, holder: StagingBufferHolder) -> HolderState:
         """HELD while the holder holds a page; RELEASED once it has let go;
         UNHELD before it ever held one.
 
@@ -136,7 +150,14 @@ class StagingBufferPool:
             return HolderState.RELEASED
         return HolderState.UNHELD
 
-    def _apply(self, trigger: str, page: int, holder: StagingBufferHolder, move: Any = None, state: Any = None) -> bool:
+    def _apply(
+        self,
+        trigger: HolderTrigger,
+        page: int,
+        holder: StagingBufferHolder,
+        move: CompiledMove | None = None,
+        state: HolderState | None = None,
+    ) -> bool:
         """Fire ``trigger`` for ``holder`` on ``page`` under the condition
         (``move``, ``state``: its compiled move and the holder's state, when
         the caller looked them up already). Raises if the spec has no such
@@ -171,13 +192,13 @@ class StagingBufferPool:
             effect(self, page, holder)
         return True
 
-    def try_fire(self, trigger: str, page: int, holder: StagingBufferHolder) -> bool:
+    def try_fire(self, trigger: HolderTrigger, page: int, holder: StagingBufferHolder) -> bool:
         """Fire ``trigger`` for ``holder`` on ``page`` if the spec lets it
         now (see ``enabled``); False, with nothing moved, otherwise."""
         with self._page_freed:
             return self._try_locked(trigger, page, holder)
 
-    def try_fire_tasks(self, trigger: str, tasks: list[Any]) -> list[bool | BaseException]:
+    def try_fire_tasks(self, trigger: HolderTrigger, tasks: Sequence[PageViewer]) -> list[bool | BaseException]:
         """``try_fire`` of each task's holder on its ``staging_slot``, under
         one acquisition (a batched step); False for a task with no page,
         the exception for a holder whose move raised."""
@@ -195,7 +216,11 @@ class StagingBufferPool:
         return out
 
     def _try_locked(
-        self, trigger: str, page: int, holder: StagingBufferHolder, moves: Sequence[Any] | None = None
+        self,
+        trigger: HolderTrigger,
+        page: int,
+        holder: StagingBufferHolder,
+        moves: Sequence[CompiledMove | None] | None = None,
     ) -> bool:
         """``try_fire`` under the condition (``moves``: the trigger's
         ``by_state`` row, when the caller looked it up once for a batch)."""
@@ -205,7 +230,7 @@ class StagingBufferPool:
             return False
         return self._apply(trigger, page, holder, move, state)
 
-    def enabled(self, trigger: str, page: int, holder: StagingBufferHolder) -> bool:
+    def enabled(self, trigger: HolderTrigger, page: int, holder: StagingBufferHolder) -> bool:
         """True if the spec lets ``holder`` fire ``trigger`` on ``page`` now
         (its move exists and its guards pass; a release names its own page)."""
         with self._page_freed:
@@ -214,7 +239,7 @@ class StagingBufferPool:
                 return False
             return move.dest in _HOLDS_PAGE or self._page_of.get(holder) == page
 
-    def fire(self, trigger: str, page: int, holder: StagingBufferHolder) -> None:
+    def fire(self, trigger: HolderTrigger, page: int, holder: StagingBufferHolder) -> None:
         """Fire ``trigger`` for ``holder`` on ``page``; raises naming the
         holder when the spec or a guard refuses it."""
         with self._page_freed:
@@ -231,7 +256,7 @@ class StagingBufferPool:
                 if self._closed:
                     raise OmniPrefixCacheShutdownError(f"staging pool shut down while {holder} waited for a page")
                 for page in range(self.depth):
-                    if self._apply("claim", page, holder):
+                    if self._apply(StagingHolderTrigger.CLAIM, page, holder):
                         return page
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -247,12 +272,14 @@ class StagingBufferPool:
     def bind(self, page: int, holder: StagingBufferHolder) -> None:
         """A task holder joins the (busy) page its step holds."""
         with self._page_freed:
-            if not self._apply("bind", page, holder):
+            if not self._apply(StagingHolderTrigger.BIND, page, holder):
                 raise OmniPrefixCacheUnmatchError(
                     f"staging page {page}: task {holder.owner_id} cannot bind to a page no step holds"
                 )
 
-    def release(self, page: int, holder: StagingBufferHolder, trigger: str = "consume") -> None:
+    def release(
+        self, page: int, holder: StagingBufferHolder, trigger: HolderTrigger = StagingHolderTrigger.CONSUME
+    ) -> None:
         """Release ``holder`` from ``page`` by ``trigger`` (consume, abandon,
         written, fail). Raises if the holder does not hold that page."""
         with self._page_freed:
@@ -265,7 +292,7 @@ class StagingBufferPool:
                     f"staging page {page}: {trigger} does not release a {holder.kind} holder"
                 )
 
-    def _apply_many(self, trigger: str, items: list[tuple[int, StagingBufferHolder]]) -> None:
+    def _apply_many(self, trigger: HolderTrigger, items: list[tuple[int, StagingBufferHolder]]) -> None:
         """``_apply`` for many holders under one lock (caller holds it); a
         holder the spec or a guard refuses raises before later ones move."""
         for page, holder in items:
@@ -273,16 +300,6 @@ class StagingBufferPool:
                 raise OmniPrefixCacheUnmatchError(
                     f"staging page {page}: {holder.kind} {holder.owner_id} cannot {trigger} here"
                 )
-
-    def bind_many(self, page: int, holders: list[StagingBufferHolder]) -> None:
-        """``bind`` for a step's task holders, under one lock."""
-        with self._page_freed:
-            self._apply_many("bind", [(page, h) for h in holders])
-
-    def release_many(self, items: list[tuple[int, StagingBufferHolder]], trigger: str) -> None:
-        """``release`` for several (page, holder) pairs under one lock."""
-        with self._page_freed:
-            self._apply_many(trigger, items)
 
     def holds(self, holder: StagingBufferHolder) -> bool:
         with self._page_freed:
@@ -314,7 +331,7 @@ class StagingBufferPool:
         n: int,
         freeze_event: Any,
         step_holder: StagingBufferHolder,
-        engine: Any,
+        engine: CopyEngine,
         timeout: float,
     ) -> StepD2HClaim:
         """Claim a page for ``step_holder`` and launch one whole-step
@@ -355,7 +372,7 @@ class StagingBufferPool:
                 dp.add("d2h_bytes_total", "step", sum(dst.nbytes for dst, _ in copies))
             return StepD2HClaim(staging_slot=page, views=views, event=event)
         except BaseException as exc:
-            self.release(page, step_holder, "abandon")
+            self.release(page, step_holder, StagingHolderTrigger.ABANDON)
             if isinstance(exc, OmniPrefixCacheUnmatchError) or not isinstance(exc, Exception):
                 raise
             # Nothing was registered yet, so nothing is lost but this step.

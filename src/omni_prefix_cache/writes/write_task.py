@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from omni_prefix_cache.compat.write_task_seams import UpstreamTaskSeams
 from omni_prefix_cache.device import sync
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, ReqId, TensorName, Tid, WriteSchedule
-from omni_prefix_cache.specs import compile_machine, load_spec
+from omni_prefix_cache.specs import CompiledMove, compile_machine, load_spec
 from omni_prefix_cache.specs.types.copy_queue import QueuePosition
 from omni_prefix_cache.specs.types.write_task import TaskState as TaskState  # re-exported
+from omni_prefix_cache.specs.types.write_task import WriteTaskTrigger
+from omni_prefix_cache.writes.chunks import BudgetTicket, HostRow, WriteChunk
 
 # Guards the one-time creation of a TaskEvent's condition (see TaskEvent.wait).
 _EVENT_COND_INIT = threading.Lock()
@@ -64,196 +67,6 @@ class TaskEvent:
             return cond.wait_for(lambda: self._flag, timeout)
 
 
-@dataclass(eq=False)
-class _BudgetTicket:
-    """The GPU-byte charge of one device clone shared by several writes.
-
-    Charged once by ``reserve``; uncharged once, when the last task pinned
-    on it releases. Holds no tensors.
-    """
-
-    nbytes: int
-    tids: set[Tid] = field(default_factory=set)
-    _freed: bool = False
-
-    def release(self, tid: Tid) -> int:
-        """Unpin ``tid``; return the bytes to uncharge: ``nbytes`` exactly
-        once (when the last holder leaves), else 0. Idempotent per tid."""
-        self.tids.discard(tid)
-        if self.tids or self._freed:
-            return 0
-        self._freed = True
-        return self.nbytes
-
-
-@dataclass(eq=False, slots=True)
-class StepRows:
-    """One save's immediate rows as a struct of arrays: the step's slot
-    mapping, its staging views and (device) clones per key, ``n`` rows
-    each. Every immediate write of the step views rows ``[start, end)`` of
-    it (its ``_WriteChunk``), so the step is registered, written to the
-    pool and settled without a per-request copy or split, and a pool write
-    of a whole step is one ``index_copy_`` per key."""
-
-    slots: torch.Tensor
-    host: dict[TensorName, torch.Tensor]
-    tensors: dict[TensorName, torch.Tensor]
-    _unique: bool | None = None
-
-    def unique_slots(self) -> bool:
-        """True if no slot repeats within the step (then its rows may be
-        written in one scatter; computed once)."""
-        if self._unique is None:
-            values = self.slots.tolist()
-            self._unique = len(set(values)) == len(values)
-        return self._unique
-
-
-class _WriteChunk:
-    """One save's slots and tensors appended onto a WriteTask.
-
-    ``slots_cpu``: int64 KV slot ids, in token order; ``tensors``: the
-    frozen clone (device, or CPU); ``host``: host rows ``[0:n)``;
-    ``budget``: the charge of the clone ``tensors`` views. An immediate
-    write's chunk is a window ``[start, end)`` of its step's ``StepRows``
-    (``of_step``): its slot, host and clone views are cut only when read.
-    """
-
-    __slots__ = ("_slots", "_tensors", "_host", "budget", "step", "start", "end")
-
-    def __init__(
-        self,
-        slots_cpu: torch.Tensor | None = None,
-        tensors: dict[TensorName, torch.Tensor] | None = None,
-        host: dict[TensorName, torch.Tensor] | None = None,
-        budget: _BudgetTicket | None = None,
-    ) -> None:
-        self._slots: torch.Tensor | None = slots_cpu
-        self._tensors: dict[TensorName, torch.Tensor] | None = tensors
-        self._host: dict[TensorName, torch.Tensor] | None = {} if host is None else host
-        self.budget = budget
-        self.step: StepRows | None = None
-        self.start = 0
-        self.end = 0 if slots_cpu is None else int(slots_cpu.shape[0])
-
-    @classmethod
-    def of_step(cls, step: StepRows, start: int, end: int) -> _WriteChunk:
-        """Rows ``[start, end)`` of ``step``, viewed lazily."""
-        chunk = cls.__new__(cls)
-        chunk._slots = chunk._tensors = chunk._host = None
-        chunk.budget = None
-        chunk.step, chunk.start, chunk.end = step, start, end
-        return chunk
-
-    @property
-    def slots_cpu(self) -> torch.Tensor:
-        if self._slots is None:
-            assert self.step is not None
-            self._slots = self.step.slots[self.start : self.end]
-        return self._slots
-
-    @slots_cpu.setter
-    def slots_cpu(self, value: torch.Tensor) -> None:
-        self._slots = value
-        self.end = self.start + int(value.shape[0])
-
-    def _window(self, arrays: dict[TensorName, torch.Tensor]) -> dict[TensorName, torch.Tensor]:
-        """This chunk's rows of a step's per-key arrays, as views."""
-        return {k: v[self.start : self.end] for k, v in arrays.items()}
-
-    @property
-    def tensors(self) -> dict[TensorName, torch.Tensor]:
-        if self._tensors is None:
-            self._tensors = {} if self.step is None else self._window(self.step.tensors)
-        return self._tensors
-
-    @tensors.setter
-    def tensors(self, value: dict[TensorName, torch.Tensor]) -> None:
-        self._tensors = value
-
-    @property
-    def host(self) -> dict[TensorName, torch.Tensor]:
-        if self._host is None:
-            self._host = {} if self.step is None else self._window(self.step.host)
-        return self._host
-
-    @host.setter
-    def host(self, value: dict[TensorName, torch.Tensor]) -> None:
-        self._host = value
-
-    @property
-    def rows(self) -> int:
-        return self.end - self.start
-
-    def whole_step_view(self) -> bool:
-        """True while the chunk is still an untouched window of its step
-        (its rows can be written with the step's other windows at once)."""
-        return self.step is not None and self._host is None
-
-
-def step_runs(chunks: Sequence[_WriteChunk]) -> list[tuple[StepRows | None, int, int, _WriteChunk]]:
-    """``chunks`` in order as runs: back-to-back windows of one step merge
-    into one ``(step, start, end, first chunk)``; any other chunk is
-    ``(None, 0, rows, chunk)``."""
-    runs: list[tuple[StepRows | None, int, int, _WriteChunk]] = []
-    for c in chunks:
-        step = c.step
-        if step is not None and runs:
-            last_step, last_start, last_end, first = runs[-1]
-            if last_step is step and last_end == c.start:
-                runs[-1] = (step, last_start, c.end, first)
-                continue
-        runs.append((step, c.start, c.end, c) if step is not None else (None, 0, c.rows, c))
-    return runs
-
-
-class ChunkRuns:
-    """The slots of chunks added one by one (in order), with the write
-    owning each chunk and its row count, gathered in the caller's own pass
-    over the chunks: back-to-back windows of one step are one slice of its
-    slot mapping, not a concatenation (as ``step_runs`` merges them)."""
-
-    __slots__ = ("_parts", "_step", "_start", "_end", "owners", "counts")
-
-    def __init__(self) -> None:
-        self._parts: list[torch.Tensor] = []
-        self._step: StepRows | None = None  # the open run of windows: rows [_start, _end) of _step
-        self._start = 0
-        self._end = 0
-        self.owners: list[Tid] = []
-        self.counts: list[int] = []  # rows per chunk
-
-    def add(self, chunk: _WriteChunk, owner: Tid) -> None:
-        step, start, end = chunk.step, chunk.start, chunk.end
-        self.owners.append(owner)
-        self.counts.append(end - start)
-        if step is not None and step is self._step and start == self._end:
-            self._end = end
-            return
-        self._close_run()
-        if step is not None:
-            self._step, self._start, self._end = step, start, end
-        else:
-            self._parts.append(chunk.slots_cpu)
-
-    def _close_run(self) -> None:
-        if self._step is not None:
-            self._parts.append(self._step.slots[self._start : self._end])
-            self._step = None
-
-    def slots(self) -> torch.Tensor:
-        """The added chunks' slots in order (at least one chunk added)."""
-        self._close_run()
-        parts = self._parts
-        if len(parts) > 1:
-            self._parts = parts = [torch.cat(parts)]
-        return parts[0]
-
-
-# (chunk, key, host rows): one key's rows of one chunk, as a copy stage made them.
-HostRow = tuple[_WriteChunk, TensorName, torch.Tensor]
-
-
 # --------------------------------------------------------------- spec effects
 # Each runs under the task's lock, as part of the move that declares it.
 
@@ -286,18 +99,20 @@ WRITE_TASK_MACHINE = compile_machine(
     state_enum=TaskState,
 )
 # The host_ready move from each state (mark_host_ready runs once per write).
-_HOST_READY = WRITE_TASK_MACHINE.by_state("host_ready")
+_HOST_READY = WRITE_TASK_MACHINE.by_state(WriteTaskTrigger.HOST_READY)
 # States in which a task still accepts chunks (the spec's accepts_chunks tag).
 _ACCEPTS_CHUNKS = WRITE_TASK_MACHINE.tagged("accepts_chunks")
 
 
-def illegal_move(task: WriteTask, to: Any) -> OmniPrefixCacheUnmatchError:
-    name = to.name if hasattr(to, "name") else str(to)
+def illegal_move(task: WriteTask, to: TaskState | WriteTaskTrigger) -> OmniPrefixCacheUnmatchError:
+    """The error for a move the spec does not declare from the task's state
+    (``to``: the target state, or the trigger fired)."""
+    name = to.name if isinstance(to, TaskState) else str(to)
     return OmniPrefixCacheUnmatchError(f"task {task.tid}: illegal transition {task.state.name} -> {name}")
 
 
 @dataclass(eq=False, repr=False)
-class WriteTask:
+class WriteTask(UpstreamTaskSeams):
     """One write of (slot, key) rows for one request (``req_id``'s
     ``write_n``-th write). May cover several keys and, for deferred writes,
     several chunks (one per save).
@@ -305,7 +120,7 @@ class WriteTask:
     ``state`` is the single source of truth; it moves only through the
     compiled ``write_task`` spec. ``lock`` (reentrant: an operation's
     ``task`` segment holds it while its moves take it again) covers
-    ``state``, ``reassigned``, chunk appends, host/clone swaps and
+    ``state``, ``taken_over``, chunk appends, host/clone swaps and
     ``slot_to_row``. ``position`` is the task's ``copy_queue`` state, moved
     only by the controller's compiled operations under the controller lock.
     """
@@ -314,18 +129,18 @@ class WriteTask:
     req_id: ReqId
     write_n: int
     schedule: WriteSchedule
-    chunks: list[_WriteChunk]
+    chunks: list[WriteChunk]
     # Compute-stream event after the on-device clone; copy and read lanes
     # wait it before touching chunk tensors (a later CUDA-graph replay
     # overwrites the static buffers the clone was taken from).
     freeze_event: Any = None
-    state: Any = TaskState.PENDING
+    state: TaskState = TaskState.PENDING
     # Rows of this write taken over by a newer write; skipped at pool write.
-    reassigned: dict[TensorName, torch.Tensor] = field(default_factory=dict)
+    taken_over: dict[TensorName, torch.Tensor] = field(default_factory=dict)
     host_ready: TaskEvent = field(default_factory=TaskEvent)
     done: TaskEvent = field(default_factory=TaskEvent)
     lock: Any = field(default_factory=sync.new_rlock)
-    position: Any = QueuePosition.UNQUEUED
+    position: QueuePosition = QueuePosition.UNQUEUED
     # A deferred write registered queued (its dispatch pushes it to the low queue).
     queued_at_submit: bool = False
     # Host rows a copy stage made, installed by its host_ready move.
@@ -338,7 +153,7 @@ class WriteTask:
     step_d2h_event: Any = None
     _slot_to_row: dict[int, tuple[int, int]] | None = None
     # Effects a deferred ``fail`` still owes (run by wake_failed_waiters).
-    _owed_wakes: tuple[Any, ...] = ()
+    _owed_wakes: tuple[Callable[[WriteTask], None], ...] = ()
 
     @classmethod
     def step_write(
@@ -346,7 +161,7 @@ class WriteTask:
         tid: Tid,
         req_id: ReqId,
         write_n: int,
-        chunk: _WriteChunk,
+        chunk: WriteChunk,
         freeze_event: Any,
         staging_slot: int,
         step_d2h_event: Any,
@@ -363,7 +178,7 @@ class WriteTask:
         task.chunks = [chunk]
         task.freeze_event = freeze_event
         task.state = TaskState.PENDING
-        task.reassigned = {}
+        task.taken_over = {}
         task.host_ready = TaskEvent()
         task.done = TaskEvent()
         task.lock = sync.new_rlock()
@@ -385,16 +200,17 @@ class WriteTask:
 
     # ------------------------------------------------------------ lifecycle
 
-    def _move_locked(self, to: Any, *, defer: bool = False) -> None:
+    def _move_locked(self, to: TaskState) -> None:
         move = WRITE_TASK_MACHINE.move_to(self.state, to)
         if move is None:
             raise illegal_move(self, to)
-        self._apply_locked(move, defer)
+        self._apply_locked(move, False)
 
-    def _apply_locked(self, move: Any, defer: bool) -> None:
+    def _apply_locked(self, move: CompiledMove, defer: bool) -> None:
         """Enter ``move.dest`` and run its effects (task lock held); with
         ``defer`` the deferrable ones are owed until ``wake_failed_waiters``."""
-        self.state = move.dest
+        # The machine was compiled with state_enum=TaskState: every dest is one.
+        self.state = move.dest  # type: ignore[assignment]
         recorder = WRITE_TASK_MACHINE.recorder
         if recorder is not None:
             recorder.moved(move, self)
@@ -406,17 +222,17 @@ class WriteTask:
             for effect in move.effects:
                 effect(self)
 
-    def transition(self, to: Any) -> None:
+    def transition(self, to: TaskState) -> None:
         """Move to ``to``; raises OmniPrefixCacheUnmatchError unless the spec
         declares the move from the current state. Any thread."""
         with self.lock:
             self._move_locked(to)
 
-    def can(self, trigger: str) -> bool:
+    def can(self, trigger: WriteTaskTrigger) -> bool:
         """True if the spec has a ``trigger`` move from the current state."""
         return WRITE_TASK_MACHINE.move(self.state, trigger) is not None
 
-    def try_fire(self, trigger: str, *, defer: bool = False) -> bool:
+    def try_fire(self, trigger: WriteTaskTrigger, *, defer: bool = False) -> bool:
         """``fire`` if the spec has the move from the current state, atomically;
         False (nothing moved) otherwise."""
         with self.lock:
@@ -426,11 +242,12 @@ class WriteTask:
             self._apply_locked(move, defer)
             return True
 
-    def fire(self, trigger: str, *, defer: bool = False, rows: Sequence[HostRow] = ()) -> None:
+    def fire(self, trigger: WriteTaskTrigger, *, defer: bool = False, rows: Sequence[HostRow] = ()) -> None:
         """Fire ``trigger``; raises OmniPrefixCacheUnmatchError unless the
         spec declares it from the current state. ``rows``: host rows the
         move installs (a copy stage's output), before its effects run;
-        ``defer``: as ``mark_failed(defer_wake=True)``."""
+        ``defer``: run only the undeferrable effects now, the rest once the
+        caller published its failure record (``wake_failed_waiters``)."""
         with self.lock:
             move = WRITE_TASK_MACHINE.move(self.state, trigger)
             if move is None:
@@ -440,7 +257,9 @@ class WriteTask:
             self._apply_locked(move, defer)
 
     @staticmethod
-    def try_fire_many(tasks: Sequence[WriteTask], trigger: str, *, defer: bool = False) -> list[bool | BaseException]:
+    def try_fire_many(
+        tasks: Sequence[WriteTask], trigger: WriteTaskTrigger, *, defer: bool = False
+    ) -> list[bool | BaseException]:
         """``try_fire`` for each task (a batched step): per task True if it
         moved, False if the spec has no such move from its state, or the
         exception one of its move's effects raised."""
@@ -458,7 +277,7 @@ class WriteTask:
                     out[i] = exc
         return out
 
-    def try_transition(self, to: Any) -> bool:
+    def try_transition(self, to: TaskState) -> bool:
         """Move to ``to`` if the spec allows it from the current state."""
         with self.lock:
             if WRITE_TASK_MACHINE.move_to(self.state, to) is None:
@@ -466,15 +285,11 @@ class WriteTask:
             self._move_locked(to)
             return True
 
-    def claim_copy(self) -> bool:
-        """QUEUED -> COPYING. Of racing callers exactly one gets True."""
-        return self.try_transition(TaskState.COPYING)
-
     @property
     def is_terminal(self) -> bool:
         return self.state in WRITE_TASK_MACHINE.final
 
-    def append_chunk(self, chunk: _WriteChunk, freeze_event: Any = None) -> Any:
+    def append_chunk(self, chunk: WriteChunk, freeze_event: Any = None) -> TaskState | None:
         """Grow the write by one save's rows. Returns None if appended, else
         the state that closed the task (the caller opens a new task).
 
@@ -490,7 +305,7 @@ class WriteTask:
                 self.freeze_event = freeze_event
             return None
 
-    def set_host_tensor(self, rows: list[tuple[_WriteChunk, TensorName, torch.Tensor]]) -> None:
+    def set_host_tensor(self, rows: Sequence[HostRow]) -> None:
         """COPYING -> HOST_READY after installing the copied host rows. An
         illegal call raises before touching any chunk."""
         with self.lock:
@@ -511,18 +326,6 @@ class WriteTask:
                 raise illegal_move(self, TaskState.HOST_READY)
             self._apply_locked(move, False)
 
-    def mark_failed(self, *, defer_wake: bool = False) -> bool:
-        """Any non-terminal state -> FAILED. False if already terminal.
-
-        ``defer_wake``: run only the undeferrable effects now; the caller
-        publishes its failure record, then calls ``wake_failed_waiters``.
-        """
-        with self.lock:
-            if self.is_terminal:
-                return False
-            self._move_locked(TaskState.FAILED, defer=defer_wake)
-            return True
-
     def wake_failed_waiters(self) -> None:
         """Run the wake effects a deferred ``fail`` still owes."""
         with self.lock:
@@ -530,32 +333,23 @@ class WriteTask:
             for effect in owed:
                 effect(self)
 
-    def mark_done(self) -> None:
-        """HOST_READY -> WRITTEN (the completion record is already public)."""
-        self.transition(TaskState.WRITTEN)
+    # ------------------------------------------------------------ takeover
 
-    def clear_tensors(self) -> None:
-        """Drop the device clone without a move (host rows untouched)."""
-        with self.lock:
-            _drop_device_clone(self)
-
-    # ------------------------------------------------------------ ownership
-
-    def add_reassigned(self, key: TensorName, slots: torch.Tensor) -> None:
+    def add_taken_over(self, key: TensorName, slots: torch.Tensor) -> None:
         """Record that a newer write took these (slot, key) rows over."""
         with self.lock:
-            prev = self.reassigned.get(key)
-            self.reassigned[key] = slots.clone() if prev is None else torch.cat([prev, slots])
+            prev = self.taken_over.get(key)
+            self.taken_over[key] = slots.clone() if prev is None else torch.cat([prev, slots])
 
-    def reassigned_intersects(self, chunk: _WriteChunk) -> bool:
+    def taken_over_intersects(self, chunk: WriteChunk) -> bool:
         """True if the chunk would re-add a (key, slot) this write already
         lost; the caller opens a fresh write instead of appending."""
         with self.lock:
-            if not self.reassigned:
+            if not self.taken_over:
                 return False
             new = set(chunk.slots_cpu.tolist())
             for key in chunk.tensors:
-                taken = self.reassigned.get(key)
+                taken = self.taken_over.get(key)
                 if taken is not None and not new.isdisjoint(taken.tolist()):
                     return True
             return False
@@ -584,11 +378,11 @@ class WriteTask:
     def scatter_rows(self) -> list[tuple[TensorName, torch.Tensor, torch.Tensor]]:
         """``(key, slots, host_rows)`` to write, one entry per key.
 
-        Slots in ``reassigned`` are left out; a slot written by two chunks
+        Slots in ``taken_over`` are left out; a slot written by two chunks
         (preempt and resume onto the same block) keeps the later chunk's row.
         """
         with self.lock:
-            reassigned = dict(self.reassigned)
+            taken_over = dict(self.taken_over)
         per_key: dict[TensorName, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for chunk in self.chunks:
             for key, host in chunk.host.items():
@@ -601,7 +395,7 @@ class WriteTask:
                 slots = torch.cat([p[0] for p in parts])
                 host = torch.cat([p[1] for p in parts], dim=0)
                 slots, host = _keep_last_write(slots, host)
-            taken = reassigned.get(key)
+            taken = taken_over.get(key)
             if taken is not None and taken.numel():
                 gone = set(taken.tolist())
                 keep = [i for i, s in enumerate(slots.tolist()) if s not in gone]
@@ -613,12 +407,12 @@ class WriteTask:
             out.append((key, slots, host))
         return out
 
-    def budget_tickets(self) -> list[_BudgetTicket]:
+    def budget_tickets(self) -> list[BudgetTicket]:
         """The distinct tickets across this task's chunks (by identity)."""
         if len(self.chunks) == 1:  # the usual write (a step's staging view pins none)
             budget = self.chunks[0].budget
             return [] if budget is None else [budget]
-        seen: dict[int, _BudgetTicket] = {}
+        seen: dict[int, BudgetTicket] = {}
         for chunk in self.chunks:
             if chunk.budget is not None:
                 seen.setdefault(id(chunk.budget), chunk.budget)

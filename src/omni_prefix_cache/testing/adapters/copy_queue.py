@@ -13,6 +13,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from omni_prefix_cache.specs.loader import MachineSpec, SpecError, load_spec
+from omni_prefix_cache.specs.types.copy_queue import CopyQueueTrigger
 from omni_prefix_cache.testing.stateful import (
     Discrepancy,
     EnvRule,
@@ -80,7 +81,7 @@ class CopyQueueAdapter(SpecAdapter):
         system.entries[handle] = _QueueEntry(handle)
 
     def fire(self, system: _QueueSystem, handle: int, trigger: str, args: Mapping[str, Any], defer: bool) -> None:
-        system.queues.fire(system.entries[handle], trigger)
+        system.queues.fire(system.entries[handle], CopyQueueTrigger(trigger))
 
     def read_state(self, system: _QueueSystem, handle: int) -> str:
         from omni_prefix_cache.specs.types.copy_queue import QueuePosition

@@ -19,6 +19,7 @@ from omni_prefix_cache.interface import (
 )
 from omni_prefix_cache.specs.compiled import CompiledMove
 from omni_prefix_cache.specs.loader import MachineSpec, load_spec
+from omni_prefix_cache.specs.types.staging_holder import StagingHolderTrigger
 from omni_prefix_cache.testing.stateful import (
     Discrepancy,
     GeneratedMachine,
@@ -112,7 +113,7 @@ class StagingHolderAdapter(SpecAdapter):
             system.pool.bind(args["page"], holder)
             system.issued(handle, holder)
         else:
-            system.pool.release(args["page"], holder, trigger)
+            system.pool.release(args["page"], holder, StagingHolderTrigger(trigger))
 
     def read_state(self, system: _PoolSystem, handle: int) -> str:
         if handle not in system.holders:

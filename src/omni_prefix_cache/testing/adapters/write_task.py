@@ -21,6 +21,7 @@ from omni_prefix_cache.interface import (
     WriteSchedule,
 )
 from omni_prefix_cache.specs.loader import MachineSpec, SpecError, load_spec
+from omni_prefix_cache.specs.types.write_task import WriteTaskTrigger
 from omni_prefix_cache.testing.specfacts import states_after
 from omni_prefix_cache.testing.stateful import (
     Discrepancy,
@@ -36,14 +37,14 @@ from omni_prefix_cache.testing.stateful import (
 
 # Runtime calls that fire each write_task trigger.
 _TASK_APIS: dict[str, tuple[str, ...]] = {
-    "enqueue": ("transition", "try_transition"),
-    "claim_copy": ("claim_copy", "transition"),
+    "enqueue": ("transition", "try_transition", "fire"),
+    "claim_copy": ("try_fire", "transition"),
     "host_ready": ("mark_host_ready", "set_host_tensor", "transition"),
-    "written": ("mark_done", "transition"),
-    "fail": ("mark_failed", "transition"),
+    "written": ("fire", "transition"),
+    "fail": ("try_fire", "transition"),
 }
 # Calls that report a refusal by returning False instead of raising.
-_TASK_SOFT_APIS = frozenset({"try_transition", "claim_copy", "mark_failed"})
+_TASK_SOFT_APIS = frozenset({"try_transition", "try_fire"})
 # Effect name -> the task event it sets.
 _EVENT_OF = {"set_host_ready": "host_ready", "set_done": "done"}
 
@@ -95,10 +96,10 @@ class WriteTaskAdapter(SpecAdapter):
 
     @staticmethod
     def _chunk(handle: int, n: int) -> Any:
-        from omni_prefix_cache.writes.write_task import _WriteChunk
+        from omni_prefix_cache.writes.chunks import WriteChunk
 
         slots = torch.arange(2 * handle, 2 * handle + 2, dtype=torch.int64) + 100 * n
-        return _WriteChunk(slots_cpu=slots, tensors={HIDDEN_KEY: torch.full((2, 4), float(handle))})
+        return WriteChunk(slots_cpu=slots, tensors={HIDDEN_KEY: torch.full((2, 4), float(handle))})
 
     def create(self, system: _TaskSystem, handle: int, args: Mapping[str, Any]) -> None:
         from omni_prefix_cache.writes.write_task import WriteTask
@@ -111,26 +112,24 @@ class WriteTaskAdapter(SpecAdapter):
 
     def fire(self, system: _TaskSystem, handle: int, trigger: str, args: Mapping[str, Any], defer: bool) -> None:
         task = system.tasks[handle]
-        api = "mark_failed" if defer else args["api"]
+        api = "try_fire" if defer else args["api"]
         dest = self.TaskState[self.dest_of[trigger]]
         if api == "transition":
             task.transition(dest)
             ok = True
         elif api == "try_transition":
             ok = task.try_transition(dest)
-        elif api == "claim_copy":
-            ok = task.claim_copy()
+        elif api == "try_fire":
+            ok = task.try_fire(WriteTaskTrigger(trigger), defer=defer)
+        elif api == "fire":
+            task.fire(WriteTaskTrigger(trigger))
+            ok = True
         elif api == "mark_host_ready":
             task.mark_host_ready()
             ok = True
         elif api == "set_host_tensor":
             task.set_host_tensor([(c, k, t.clone()) for c in task.chunks for k, t in c.tensors.items()])
             ok = True
-        elif api == "mark_done":
-            task.mark_done()
-            ok = True
-        elif api == "mark_failed":
-            ok = task.mark_failed(defer_wake=defer)
         else:  # pragma: no cover - _TASK_APIS lists every api
             raise AssertionError(api)
         if not ok:
@@ -216,7 +215,7 @@ class WriteTaskAdapter(SpecAdapter):
 
             def claim() -> None:
                 barrier.wait()
-                won.append(task.claim_copy())
+                won.append(task.try_fire(WriteTaskTrigger.CLAIM_COPY))
 
             threads = [threading.Thread(target=claim) for _ in range(racers)]
             for t in threads:

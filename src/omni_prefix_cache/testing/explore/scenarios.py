@@ -31,6 +31,7 @@ from omni_prefix_cache.interface import (
 from omni_prefix_cache.manager import OmniPrefixCacheManager
 from omni_prefix_cache.steps.slot_occupancy import SlotState
 from omni_prefix_cache.testing.explore.scheduler import Scheduler
+from omni_prefix_cache.testing.write_fakes import install_failing_stages, probe_joins
 from omni_prefix_cache.writes.staging import StagingBufferHolder, StagingBufferPool
 
 BS = 2
@@ -187,45 +188,27 @@ class Watch:
         self.sched, self.mgr = sched, mgr
         ctrl = self.ctrl = mgr.components.controller
         self.ever_failed: set[int] = set()
-        self.copying: set[int] = set()
         self.poison: dict[str, Callable[[Any], bool]] = {}
         self.violations: list[str] = []
-        drain_failed, wait_tasks, copy_task, scatter = (
-            ctrl.drain_failed,
-            ctrl._wait_tasks,
-            ctrl._copy_task,
-            ctrl._scatter,
-        )
+        drain_failed = ctrl.drain_failed
 
         def drained() -> list[int]:
             out = drain_failed()
             self.ever_failed.update(out)
             return out
 
-        def waited(tids: list[int], event: Any) -> None:
+        def joining(tids: list[int], event: Any) -> None:
             # Recorded, not raised: the manager would wrap an error raised inside its call.
             if getattr(mgr.components.state_lock, "owner", None) is sched.current():
                 self.violations.append(f"join({event}) of tasks {list(tids)} under the state lock")
-            wait_tasks(tids, event)
 
-        def copied(task: Any) -> Any:
-            if "copy" in self.poison and self.poison["copy"](task):
-                raise RuntimeError(f"injected copy failure (task {task.tid})")
-            self.copying.add(task.tid)
-            try:
-                return copy_task(task)
-            finally:
-                self.copying.discard(task.tid)
-
-        def scattered(task: Any) -> Any:
-            if "write" in self.poison and self.poison["write"](task):
-                raise RuntimeError(f"injected pool write failure (task {task.tid})")
-            return scatter(task)
+        def poisoned(stage: str) -> Callable[[Any], bool]:
+            return lambda task: stage in self.poison and self.poison[stage](task)
 
         ctrl.drain_failed = drained  # type: ignore[method-assign]
-        ctrl._wait_tasks = waited  # type: ignore[method-assign]
-        ctrl._copy_task = copied  # type: ignore[method-assign]
-        ctrl._scatter = scattered  # type: ignore[method-assign]
+        probe_joins(ctrl, joining)
+        copy_stage, _ = install_failing_stages(ctrl, copy=poisoned("copy"), write=poisoned("write"))
+        self.copying = copy_stage.copying
         sched.check = self.check
         sched.fingerprint = self.fingerprint
 
@@ -288,7 +271,7 @@ class Watch:
             if steps != set(mgr.components.steps):
                 raise _fail("holders_match_live_steps_and_unwritten_tasks", f"{steps} != {set(mgr.components.steps)}")
             tickets = {id(c.budget): c.budget for t in ctrl.tasks.values() for c in t.chunks if c.budget}
-            if ctrl.budget.staged_bytes != sum(t.nbytes for t in tickets.values() if not t._freed):
+            if ctrl.budget.staged_bytes != sum(t.nbytes for t in tickets.values() if not t.freed):
                 raise _fail("staged_bytes_equal_live_tickets", f"staged {ctrl.budget.staged_bytes}")
             for key in list(mgr.components.occupancy.state):
                 status = mgr.components.occupancy.get_slot_status(key)

@@ -96,7 +96,7 @@ class ProtocolChecks:
 
     def staged_bytes(self) -> None:
         tickets = {id(c.budget): c.budget for t in list(self.m.ctrl.tasks.values()) for c in t.chunks if c.budget}
-        live = sum(t.nbytes for t in tickets.values() if not t._freed)
+        live = sum(t.nbytes for t in tickets.values() if not t.freed)
         assert self.m.ctrl.budget.staged_bytes == live, (
             f"budget counter {self.m.ctrl.budget.staged_bytes} != live clone bytes {live}"
         )

@@ -21,7 +21,7 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize
 
-from omni_prefix_cache.controller import TaskState, WriteTask, _WriteChunk
+from omni_prefix_cache.controller import TaskState, WriteChunk, WriteTask
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, WriteSchedule
 from omni_prefix_cache.manager import PREFETCH_THREAD_PREFIX
 from omni_prefix_cache.specs.composition import ProtocolSpec
@@ -49,9 +49,9 @@ from omni_prefix_cache.testing.serving_model import (
     PlannedStep,
     RecentFirstAllocator,
     ServingModel,
-    failing_seams,
     racing_manager,
 )
+from omni_prefix_cache.testing.write_fakes import install_failing_stages, probe_joins
 from omni_prefix_cache.writes.staging import StagingBufferHolder
 
 
@@ -106,7 +106,7 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     def _instrument(self) -> None:
         ctrl, mgr, race = self.ctrl, self.mgr, self
-        wait, register_many, escalate = ctrl._wait_tasks, ctrl.register_many, ctrl.escalate
+        register_many, escalate = ctrl.register_many, ctrl.escalate
 
         def joining(tids: list[int], event_name: Any) -> None:
             # The join operation: never under the state lock; the joiner
@@ -119,7 +119,6 @@ class ProtocolMachine(RuleBasedStateMachine):
                     for _ in range(64):
                         if task is None or getattr(task, event_name).is_set() or not race._committer_unit():
                             break
-            wait(tids, event_name)
 
         def registering(tasks: list[Any], queued: bool = True) -> None:
             for task in tasks:
@@ -134,14 +133,14 @@ class ProtocolMachine(RuleBasedStateMachine):
             escalate(tids)
 
         # Instance attributes shadow the methods; mutants patch the class.
-        seams = {
-            **failing_seams(ctrl, self.poison),
-            "_wait_tasks": joining,
-            "register_many": registering,
-            "escalate": escalating,
-        }
+        seams = {"register_many": registering, "escalate": escalating}
         for name, seam in seams.items():
             setattr(ctrl, name, seam)
+        probe_joins(ctrl, joining)
+        poison = self.poison
+        install_failing_stages(
+            ctrl, copy=lambda task: task.tid in poison["copy"], write=lambda task: task.tid in poison["write"]
+        )
         self._install_fetch_seam()
 
     def _probe_done(self, task: Any) -> None:
@@ -463,7 +462,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         pool key the row oracle does not read."""
         tid = next(self.side_tids)
         self.side_submitted = True
-        chunk = _WriteChunk(slots_cpu=torch.tensor([slot]), tensors={SIDE_KEY: torch.full((1, 1), float(tid))})
+        chunk = WriteChunk(slots_cpu=torch.tensor([slot]), tensors={SIDE_KEY: torch.full((1, 1), float(tid))})
         task = WriteTask(
             tid=tid, req_id=f"side{-tid}", write_n=1, schedule=WriteSchedule.JOIN_ON_FINISH, chunks=[chunk]
         )

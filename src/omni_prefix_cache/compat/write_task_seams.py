@@ -1,0 +1,44 @@
+"""WriteTask's upstream spellings that the seed suite (tests/test_seed_suite.py)
+still calls: the write takeover's old word "reassigned", and the direct
+moves ``claim_copy`` / ``mark_done`` / ``mark_failed`` that the runtime no
+longer makes (its moves run through the compiled operations)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from omni_prefix_cache.interface import TensorName
+from omni_prefix_cache.specs.types.write_task import TaskState, WriteTaskTrigger
+
+
+class UpstreamTaskSeams:
+    """Mixin of WriteTask: upstream's names over its ``taken_over`` rows and moves."""
+
+    taken_over: dict[TensorName, torch.Tensor]
+    add_taken_over: Callable[[TensorName, torch.Tensor], None]
+    try_fire: Callable[..., bool]
+    try_transition: Callable[[TaskState], bool]
+    transition: Callable[[TaskState], None]
+
+    @property
+    def reassigned(self) -> dict[TensorName, torch.Tensor]:
+        """The rows a newer write took over (``taken_over``)."""
+        return self.taken_over
+
+    def add_reassigned(self, key: TensorName, slots: torch.Tensor) -> None:
+        self.add_taken_over(key, slots)
+
+    def claim_copy(self) -> bool:
+        """QUEUED -> COPYING. Of racing callers exactly one gets True."""
+        return self.try_transition(TaskState.COPYING)
+
+    def mark_done(self) -> None:
+        """HOST_READY -> WRITTEN."""
+        self.transition(TaskState.WRITTEN)
+
+    def mark_failed(self, *, defer_wake: bool = False) -> bool:
+        """Any non-terminal state -> FAILED; False if the spec has no such
+        move (already terminal). ``defer_wake``: as ``fire(defer=True)``."""
+        return self.try_fire(WriteTaskTrigger.FAIL, defer=defer_wake)
