@@ -165,20 +165,24 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as exc:
             print(str(exc), file=sys.stderr)
             return EXIT_USAGE
+    was_recording = TELEMETRY.enabled
     TELEMETRY.enable()
     TELEMETRY.reset()  # this run's series only
     sampler = StepSampler(progress)
     try:
         res = simulate(cfg, progress=sampler)
+        metrics = TELEMETRY.summary()
+        if args.metrics_out is not None:
+            write_report(args.metrics_out, sampler)
     except ImportError as exc:
         print(f"simulate --engine {args.engine}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     finally:
         progress.close()
-    if args.metrics_out is not None:
-        write_report(args.metrics_out, sampler)
+        if not was_recording:
+            TELEMETRY.disable()  # an in-process caller (a test) gets its switch back
     if args.json:
-        print(json.dumps({**summary(res), "metrics": TELEMETRY.summary()}, indent=2, default=str))
+        print(json.dumps({**summary(res), "metrics": metrics}, indent=2, default=str))
     else:
         print(format_table(res))
     if res.error is not None:
