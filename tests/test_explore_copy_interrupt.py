@@ -9,18 +9,26 @@ import pytest
 from omni_prefix_cache.interface import Tid
 from omni_prefix_cache.testing.explore.runner import explore, replay
 from omni_prefix_cache.writes.committer import Committer
+from omni_prefix_cache.writes.write_errors import write_error
+
+# Interrupted passes the stand-in below saw (a stand-in that breaks before
+# the copy would strand the tasks by itself, whatever the interrupt does).
+_interrupted: list[list[Tid]] = []
 
 
 def _copy_catching_exception_only(self: Committer, tids: list[Tid]) -> None:
     """The copy stage before the fix: only an Exception of the batch is
     handled, so a BaseException leaves its claimed tasks in COPYING."""
-    ctrl = self._ctrl
-    tasks = [task for tid in tids if (task := ctrl.get_task(tid)) is not None]
+    tasks = [task for tid in tids if (task := self._registry.tasks.get(tid)) is not None]
     if not tasks:
         return
-    batch = ctrl._runner.run_many(ctrl.ops.copy, tasks)
+    try:
+        batch = self._runner.run_many(self._ops.copy, tasks)
+    except KeyboardInterrupt:
+        _interrupted.append(list(tids))
+        raise
     for task, exc in batch.errors:
-        ctrl.fail_task(task, ctrl.write_error(task, exc, "copy"))
+        self._fail(task, write_error(task, exc, "copy"))
 
 
 def test_copy_interrupt_is_clean_at_the_ci_bound() -> None:
@@ -31,8 +39,10 @@ def test_copy_interrupt_is_clean_at_the_ci_bound() -> None:
 
 def test_copy_interrupt_catches_a_copy_stage_that_strands_its_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Committer, "_copy", _copy_catching_exception_only)
+    _interrupted.clear()
     report = explore("copy-interrupt", bound=1, budget=50)
     assert report.found, report.line()
+    assert _interrupted, "the KeyboardInterrupt never went through the copy stage under test"
     found = report.found[0]
     assert found.failure.reason == "invariant joins_terminate", found.failure
     assert "state=COPYING" in found.failure.message
