@@ -43,7 +43,7 @@ from omni_prefix_cache.specs.composition import (
     compile_operation,
     load_protocol,
 )
-from omni_prefix_cache.specs.loader import SpecError
+from omni_prefix_cache.specs.loader import SpecError, TriggerName
 from omni_prefix_cache.specs.types.copy_queue import CopyQueueTrigger
 from omni_prefix_cache.specs.types.staging_holder import StagingHolderTrigger
 from omni_prefix_cache.specs.types.write_task import WriteTaskTrigger
@@ -82,7 +82,7 @@ _override: list[ProtocolSpec] = []
 _FAILURE = WRITE_TASK_MACHINE.tagged("failure")
 
 
-def _trigger(kind: type[Trigger], role: str, trigger: str) -> Trigger:
+def _trigger(kind: type[Trigger], role: str, trigger: TriggerName) -> Trigger:
     """``trigger`` as ``kind`` (the role's generated trigger enum)."""
     try:
         return kind(trigger)
@@ -120,7 +120,7 @@ class ControllerBinding:
         self._queues = queues
         self._staging = staging
 
-    def move(self, role: str, trigger: str) -> tuple[Pred, Run]:
+    def move(self, role: str, trigger: TriggerName) -> tuple[Pred, Run]:
         if role == "task":
             return self._task_move(_trigger(WriteTaskTrigger, role, trigger))
         if role == "position":
@@ -130,7 +130,7 @@ class ControllerBinding:
             return self._holder_move(_trigger(StagingHolderTrigger, role, trigger))
         raise SpecError(f"protocol.yaml: the controller fires no {role}.{trigger} (roles {sorted(CONTROLLER_ROLES)})")
 
-    def try_move(self, role: str, trigger: str) -> Pred:
+    def try_move(self, role: str, trigger: TriggerName) -> Pred:
         """``attempt(task)``: fire the move if it is enabled, atomically
         (under the task's, the queues' or the pool's own lock)."""
         if role == "task":
@@ -165,7 +165,7 @@ class ControllerBinding:
     # tasks, each task's move atomic under its own, the queues' or the
     # pool's lock as in ``try_move``; a move that raises is that task's.
 
-    def try_move_many(self, role: str, trigger: str) -> AttemptMany:
+    def try_move_many(self, role: str, trigger: TriggerName) -> AttemptMany:
         if role == "position":
             queues, position = self._queues, _trigger(CopyQueueTrigger, role, trigger)
             return lambda tasks: queues.try_fire_many(tasks, position)
@@ -181,7 +181,7 @@ class ControllerBinding:
         # Raises for a role not the controller's.
         return attempt_each(self.try_move(role, trigger))
 
-    def move_many(self, role: str, trigger: str) -> tuple[MaskMany, RunMany]:
+    def move_many(self, role: str, trigger: TriggerName) -> tuple[MaskMany, RunMany]:
         enabled, fire = self.move(role, trigger)
 
         def fire_many(tasks: list[Any]) -> None:
