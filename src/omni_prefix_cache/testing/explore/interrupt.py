@@ -123,7 +123,9 @@ def copy_interrupted_mid_batch(sched: Scheduler) -> None:
     if len(deferred) != 2:
         raise AssertionError(f"explore scenario: expected two deferred writes, got {deferred}")
     copies.arm(2)  # one copy per deferred write: the pass's second task raises
-    mgr.new_step_starts(SimpleNamespace(scheduled_new_reqs=[], finished_req_ids={"a", "b"}, num_scheduled_tokens={}))
+    # A list: the manager escalates (so queues, claims and fails) in this order, and a
+    # set of str would iterate in PYTHONHASHSEED's order, a different schedule space per run.
+    mgr.new_step_starts(SimpleNamespace(scheduled_new_reqs=[], finished_req_ids=["a", "b"], num_scheduled_tokens={}))
     engine.live.clear()
     _join_each(mgr, deferred)
     if not copies.raised:

@@ -130,7 +130,9 @@ class Engine:
                 SimpleNamespace(req_id=rid, num_computed_tokens=reqs[rid].hit, block_ids=(list(reqs[rid].blocks),))
                 for rid in new_ids
             ],
-            finished_req_ids=set(finished),
+            # In the caller's order, not a set's: the manager escalates finished requests in
+            # this order, and a set of str iterates in PYTHONHASHSEED's order.
+            finished_req_ids=list(finished),
             num_scheduled_tokens={rid: r.count for rid, r in reqs.items()},
         )
         self.mgr.new_step_starts(sched)
@@ -367,7 +369,9 @@ def _quiesce(engine: Engine, watch: Watch, *, dead: bool) -> None:
     """End every request, let the committer finish, drain, check, shut down."""
     mgr, ctrl = engine.mgr, watch.ctrl
     if not dead:
-        finished = SimpleNamespace(scheduled_new_reqs=[], finished_req_ids=set(engine.live), num_scheduled_tokens={})
+        # Sorted: escalation follows this order (see Engine.run), a set's is PYTHONHASHSEED's.
+        ended = sorted(engine.live)
+        finished = SimpleNamespace(scheduled_new_reqs=[], finished_req_ids=ended, num_scheduled_tokens={})
         mgr.new_step_starts(finished)
         engine.live.clear()
         ctrl.join([tid for tid, t in list(ctrl.tasks.items()) if not t.is_terminal])
