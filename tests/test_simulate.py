@@ -489,3 +489,143 @@ def test_bench_runs_both_modes_and_compares_with_a_baseline(tmp_path: Any) -> No
     path.write_text("{}")
     with pytest.raises(ValueError, match="not a bench --json report"):
         run_bench(["decode_mm4"], iters=1, warmup=0, sweep=False, baseline=str(path))
+
+
+def _side_rows(report: str) -> list[list[str]]:
+    """The rows of the ``--metrics both`` table (split on whitespace)."""
+    lines = report.splitlines()
+    start = next(i for i, x in enumerate(lines) if x.startswith("metrics off vs on")) + 3
+    rows = []
+    for line in lines[start:]:
+        fields = line.split()
+        if len(fields) != 11:  # scenario, mode, 3 + 3 engine and materialize, 2 ratios, first
+            break
+        rows.append(fields)
+    return rows
+
+
+def _check_printed_ratios(rows: list[list[str]]) -> None:
+    """Each printed on/off equals on / off of the two p50s printed beside it."""
+    for name, mode, eng_off, eng_on, eng_x, mat_off, mat_on, mat_x, *_ in rows:
+        for off, on, x in ((eng_off, eng_on, eng_x), (mat_off, mat_on, mat_x)):
+            assert x.endswith("x"), (name, mode, x)
+            # The p50s are printed to 0.1 us, the ratio to 0.01.
+            assert float(x[:-1]) == pytest.approx(float(on) / float(off), abs=0.006), (name, mode, off, on, x)
+
+
+def test_bench_metrics_both_table_prints_on_over_off_of_its_rows() -> None:
+    """The side-by-side table: one row per pair, off and on p50s as measured,
+    each ratio on / off of them (not off / on, not of another row)."""
+    from omni_prefix_cache.tools.bench import BenchReport, MetricsPair, ScenarioResult, format_report
+
+    def row(name: str, mode: str, engine: float, mat: float) -> ScenarioResult:
+        return ScenarioResult(
+            name=name, mode=mode, steps=4, requests_per_step=64.0, tokens_per_step=64.0,
+            engine_us_p50=engine, engine_us_p90=engine, materialize_us_p50=mat, materialize_us_p90=mat,
+            engine_floor_us=10.0, materialize_floor_us=10.0, engine_ratio=engine / 10, materialize_ratio=mat / 10,
+            tokens_per_s=1.0, engine_us_per_request=engine / 64, step_us_p50=engine + mat,
+            engine_cpu_us_p50=engine * 0.9,
+        )  # fmt: skip
+
+    pairs = [
+        MetricsPair(row("decode", "eager", 900.0, 200.0), row("decode", "eager", 1350.0, 230.0), ("off", "on")),
+        MetricsPair(row("decode", "threaded", 800.0, 460.0), row("decode", "threaded", 880.0, 690.0), ("on", "off")),
+    ]
+    rep = BenchReport(
+        ("eager", "threaded"), 1, [p.off for p in pairs], [], metrics_sides=("off", "on"), metrics_pairs=pairs
+    )
+    report = format_report(rep)
+    rows = _side_rows(report)
+    assert [r[:2] for r in rows] == [["decode", "eager"], ["decode", "threaded"]]
+    assert [r[2:8] for r in rows] == [
+        ["900.0", "1350.0", "1.50x", "200.0", "230.0", "1.15x"],
+        ["800.0", "880.0", "1.10x", "460.0", "690.0", "1.50x"],
+    ]
+    assert [r[8] for r in rows] == ["1.44x", "1.25x"]  # step total: 1580 / 1100, 1570 / 1260
+    assert [r[-1] for r in rows] == ["off", "on"]  # which side ran first
+    _check_printed_ratios(rows)
+    side = rep.to_dict()["metrics_side_by_side"]
+    assert side[1]["ratios"]["engine_us_p50"] == pytest.approx(1.1)
+    assert side[1]["ratios"]["materialize_us_p50"] == pytest.approx(1.5)
+    assert side[1]["order"] == ["on", "off"]
+    assert side[0]["off"]["engine_us_p50"] == 900.0 and side[0]["on"]["engine_us_p50"] == 1350.0
+
+
+@needs_manager
+def test_bench_metrics_both_runs_every_scenario_and_mode_off_and_on_back_to_back() -> None:
+    """``metrics="both"``: each (scenario, mode) is run off then on (the
+    next pair on then off), the off side's managers built with the process
+    switch off, the on side's with ``metrics=True``; the report's results are
+    the off side, both sides ran the same steps, the on run recorded spec
+    moves, and the switch is off again after."""
+    from omni_prefix_cache.manager import OmniPrefixCacheManager
+    from omni_prefix_cache.telemetry.registry import TELEMETRY
+    from omni_prefix_cache.tools.bench import format_report, run_bench
+
+    assert not TELEMETRY.enabled
+    built: list[tuple[bool, bool, bool]] = []
+
+    def factory(cfg: Any, view: Any, eager: bool) -> Any:
+        built.append((cfg.metrics, TELEMETRY.enabled, eager))
+        return OmniPrefixCacheManager(cfg, view, eager=eager)
+
+    rep = run_bench(["decode"], iters=3, warmup=1, sweep=False, manager_factory=factory, metrics="both")
+    assert built == [(False, False, True), (True, False, True), (True, False, False), (False, False, False)]
+    assert not TELEMETRY.enabled
+    assert [(p.name, p.mode, p.order) for p in rep.metrics_pairs] == [
+        ("decode", "eager", ("off", "on")),
+        ("decode", "threaded", ("on", "off")),
+    ]
+    assert rep.results == [p.off for p in rep.metrics_pairs]
+    for p in rep.metrics_pairs:
+        assert (p.on.name, p.on.mode, p.on.steps, p.on.requests_per_step) == (
+            p.off.name,
+            p.off.mode,
+            p.off.steps,
+            p.off.requests_per_step,
+        )
+        assert p.on_metrics["enabled"] and sum(m["count"] for m in p.on_metrics["moves"]) > 0
+    d = rep.to_dict()
+    assert d["metrics_sides"] == ["off", "on"] and [r["mode"] for r in d["results"]] == ["eager", "threaded"]
+    assert [s["ratios"]["engine_us_p50"] for s in d["metrics_side_by_side"]] == pytest.approx(
+        [p.on.engine_us_p50 / p.off.engine_us_p50 for p in rep.metrics_pairs]
+    )
+    report = format_report(rep)
+    rows = _side_rows(report)
+    assert [r[:2] for r in rows] == [["decode", "eager"], ["decode", "threaded"]]
+    _check_printed_ratios(rows)
+    # The main table shows the off side only: one engine row per mode.
+    table = [x.split() for x in report[: report.index("metrics off vs on")].splitlines() if x.startswith("decode ")]
+    assert [(f[1], f[3]) for f in table if f[2] == "engine"] == [
+        (p.mode, f"{p.off.engine_us_p50:.1f}") for p in rep.metrics_pairs
+    ]
+
+
+@needs_manager
+def test_bench_cli_json_keeps_its_keys_and_adds_the_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench --json``: the default (``--metrics both``) keeps every key of a
+    one-sided run, its results and ``metrics`` being the off side's, and adds
+    the pairs; ``--metrics off`` has no pairs; ``on`` carries the summary."""
+    from omni_prefix_cache.telemetry.registry import TELEMETRY
+    from omni_prefix_cache.tools.cli import main
+
+    args = ["bench", "--scenario", "decode", "--mode", "eager", "--no-sweep", "--iters", "2", "--warmup", "1"]
+    args += ["--json", "--baseline", ""]
+    outs = {}
+    for metrics in ("both", "off", "on"):
+        assert main(args if metrics == "both" else [*args, "--metrics", metrics]) == 0
+        outs[metrics] = json.loads(capsys.readouterr().out)
+    TELEMETRY.disable()  # --metrics on leaves the process switch on, as a manager built with metrics does
+    both, off, on = outs["both"], outs["off"], outs["on"]
+    assert set(off) <= set(both) and set(off) == set(on)
+    assert both["metrics_sides"] == ["off", "on"] and off["metrics_sides"] == ["off"] and on["metrics_sides"] == ["on"]
+    assert off["metrics_side_by_side"] == [] and on["metrics_side_by_side"] == []
+    assert off["metrics"] == {"enabled": False} and both["metrics"] == {"enabled": False}
+    assert on["metrics"]["enabled"] and on["metrics"]["moves"]
+    (pair,) = both["metrics_side_by_side"]
+    assert (pair["name"], pair["mode"]) == ("decode", "eager")
+    assert pair["off"] == both["results"][0]
+    assert pair["on"]["steps"] == pair["off"]["steps"] == 2
+    assert pair["ratios"]["materialize_us_p50"] == pytest.approx(
+        pair["on"]["materialize_us_p50"] / pair["off"]["materialize_us_p50"]
+    )

@@ -37,6 +37,13 @@ baseline's two medians (the baseline keeps medians, not per-step sums).
 Threaded rows also report the committer thread's CPU time inside each
 timed call (read from its thread CPU clock, where the platform has one).
 
+``--metrics both`` (the command's default) runs every (scenario, mode)
+twice, back to back, with the runtime metrics (``PrefixCacheConfig.metrics``)
+off and on, the first side alternating from pair to pair; the tables are
+the off side's (what the targets and the baseline judge) and a last table
+gives on / off of the engine, materialize and step p50s. ``--metrics off``
+or ``on`` runs one side. The sweep runs with metrics off in both.
+
 ``--forward-us N`` (default 0) simulates the forward pass a real engine runs
 between ``new_step_starts`` and ``save_outputs``: the engine thread sleeps N
 us there (releasing the GIL, as a wait on the GPU does), outside the timed
@@ -60,6 +67,7 @@ from omni_prefix_cache.tools.bench.results import (
     BASELINE_SLACK,
     STEP_SIDE,
     BenchReport,
+    MetricsPair,
     ScenarioResult,
     Target,
     TargetVerdict,
@@ -80,6 +88,7 @@ from omni_prefix_cache.tools.bench.scenarios import (
     plan_steps,
     prefill_hits_scenario,
 )
+from omni_prefix_cache.tools.bench.sides import METRICS_CHOICES, run_pair, with_metrics
 from omni_prefix_cache.tools.bench.sweep import SWEEP_SIZES, SWEEP_TARGET, fixed_cost_allowed, linear_fit
 
 __all__ = [
@@ -87,6 +96,7 @@ __all__ = [
     "BASELINE_SLACK",
     "DECODE_TARGETS",
     "DEFERRED_KEY",
+    "METRICS_CHOICES",
     "MM_KEY",
     "MODES",
     "PREFILL_TARGETS",
@@ -95,6 +105,7 @@ __all__ = [
     "SWEEP_SIZES",
     "SWEEP_TARGET",
     "BenchReport",
+    "MetricsPair",
     "Scenario",
     "ScenarioResult",
     "StepInput",
@@ -111,5 +122,7 @@ __all__ = [
     "prefill_hits_scenario",
     "profile_scenario",
     "run_bench",
+    "run_pair",
     "run_scenario",
+    "with_metrics",
 ]

@@ -5,6 +5,7 @@ with the baseline."""
 from __future__ import annotations
 
 from omni_prefix_cache.tools.bench.results import STEP_SIDE, BenchReport, ScenarioResult
+from omni_prefix_cache.tools.bench.sides import side_by_side_lines
 
 
 def _verdict(met: bool | None) -> str:
@@ -44,6 +45,10 @@ def format_report(rep: BenchReport) -> str:
     per request; ``vs base`` the ratio divided by the baseline report's.
     """
     lines = [f"modes: {', '.join(rep.modes)} (torch threads: {rep.torch_threads})"]
+    if rep.metrics_pairs:
+        lines.append("metrics: off in the tables below; off vs on after them")
+    elif rep.metrics_sides != ("off",):
+        lines.append(f"metrics: {', '.join(rep.metrics_sides)}")
     forward = {r.forward_us for r in [*rep.results, *rep.sweep]}
     if forward != {0.0} and forward:
         lines.append(
@@ -54,6 +59,8 @@ def format_report(rep: BenchReport) -> str:
     for r in rep.results:
         lines += _result_lines(r)
     lines += _target_lines(rep)
+    if rep.metrics_pairs:
+        lines += side_by_side_lines(rep.metrics_pairs)
     if rep.sweep:
         lines += _sweep_lines(rep)
     if rep.baseline:

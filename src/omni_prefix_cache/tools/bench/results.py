@@ -15,6 +15,8 @@ BASELINE_PATH = "docs/bench_baseline.json"
 # A scenario may not get slower than the baseline by more than this (floor-normalised).
 BASELINE_SLACK = 1.05
 STEP_SIDE = "engine+materialize"
+# The ScenarioResult fields a ``--metrics both`` pair reports on / off of.
+COMPARED = ("engine_us_p50", "materialize_us_p50", "step_us_p50", "engine_cpu_us_p50")
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,50 @@ class ScenarioResult:
         """All of this row's targets met (None: it has none)."""
         return None if not self.verdicts else all(v.met for v in self.verdicts)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The row's fields and ``met`` (a row of ``bench --json``)."""
+        d = asdict(self)
+        d["met"] = self.met
+        return d
+
+
+def ratio(on: float, off: float) -> float | None:
+    """``on / off``; None when ``off`` is not positive."""
+    return on / off if off > 0 else None
+
+
+@dataclass
+class MetricsPair:
+    """One (scenario, mode) measured with metrics off and on, back to back."""
+
+    off: ScenarioResult
+    on: ScenarioResult
+    order: tuple[str, str]  # ("off", "on") or ("on", "off"): which side ran first
+    on_metrics: dict[str, Any] = field(default_factory=dict)  # TELEMETRY.summary() right after the on run
+
+    @property
+    def name(self) -> str:
+        return self.off.name
+
+    @property
+    def mode(self) -> str:
+        return self.off.mode
+
+    def ratio(self, metric: str) -> float | None:
+        """on / off of the ScenarioResult field ``metric`` (e.g. ``engine_us_p50``)."""
+        return ratio(float(getattr(self.on, metric)), float(getattr(self.off, metric)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "mode": self.mode,
+            "order": list(self.order),
+            "ratios": {metric: self.ratio(metric) for metric in COMPARED},
+            "off": self.off.to_dict(),
+            "on": self.on.to_dict(),
+            "on_metrics": self.on_metrics,
+        }
+
 
 @dataclass
 class BenchReport:
@@ -124,6 +170,10 @@ class BenchReport:
     sweep_target: float = SWEEP_TARGET
     baseline: str | None = None  # where the baseline came from
     baseline_slack: float = BASELINE_SLACK
+    # Which metrics switch ``results`` ran with: ("off",), ("on",), or ("off", "on") for
+    # ``--metrics both``, where ``results`` are the off side and ``metrics_pairs`` both.
+    metrics_sides: tuple[str, ...] = ("off",)
+    metrics_pairs: list[MetricsPair] = field(default_factory=list)
 
     @property
     def mode(self) -> str:
@@ -175,17 +225,12 @@ class BenchReport:
         return all(v is not False for v in verdicts)
 
     def to_dict(self) -> dict[str, Any]:
-        def one(r: ScenarioResult) -> dict[str, Any]:
-            d = asdict(r)
-            d["met"] = r.met
-            return d
-
         return {
             "mode": self.mode,
             "modes": list(self.modes),
             "torch_threads": self.torch_threads,
-            "results": [one(r) for r in self.results],
-            "sweep": [one(r) for r in self.sweep],
+            "results": [r.to_dict() for r in self.results],
+            "sweep": [r.to_dict() for r in self.sweep],
             "sweep_spread": self.sweep_spread,
             "sweep_cpu_spread": self.sweep_cpu_spread,
             "sweep_target": self.sweep_target,
@@ -194,6 +239,8 @@ class BenchReport:
             "sweep_fixed_allowed_us": self.sweep_fixed_allowed_us,
             "baseline": self.baseline,
             "all_met": self.all_met,
+            "metrics_sides": list(self.metrics_sides),
+            "metrics_side_by_side": [p.to_dict() for p in self.metrics_pairs],
         }
 
 

@@ -4,7 +4,6 @@ sweep, the baseline comparison, and the ``omni-prefix-cache bench`` entry."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -12,7 +11,6 @@ from typing import Any
 
 import torch
 
-from omni_prefix_cache.interface import PrefixCacheConfig
 from omni_prefix_cache.telemetry.registry import TELEMETRY
 from omni_prefix_cache.tools.bench.measure import ManagerFactory, run_scenario
 from omni_prefix_cache.tools.bench.profiling import profile_scenario
@@ -20,16 +18,20 @@ from omni_prefix_cache.tools.bench.report import format_report
 from omni_prefix_cache.tools.bench.results import (
     BASELINE_PATH,
     BenchReport,
+    MetricsPair,
     ScenarioResult,
     apply_baseline,
     load_baseline,
 )
 from omni_prefix_cache.tools.bench.scenarios import MODES, SCENARIOS, Scenario, decode_scenario
+from omni_prefix_cache.tools.bench.sides import METRICS_CHOICES, run_pair, with_metrics
 from omni_prefix_cache.tools.bench.sweep import SWEEP_SIZES, spread
 
 
-def _check_choices(names: list[str], modes: tuple[str, ...]) -> None:
-    """ValueError naming what is unknown among ``names`` and ``modes``."""
+def _check_choices(names: list[str], modes: tuple[str, ...], metrics: str) -> None:
+    """ValueError naming what is unknown among ``names``, ``modes`` and ``metrics``."""
+    if metrics not in METRICS_CHOICES:
+        raise ValueError(f"unknown metrics {metrics!r}; choose from {list(METRICS_CHOICES)}")
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         raise ValueError(f"unknown scenario(s) {unknown}; choose from {sorted(SCENARIOS)}")
@@ -52,6 +54,15 @@ def _step_counter(total: int, progress: Callable[[int, int], None] | None) -> Ca
     return step_done
 
 
+def _one_run(sc: Scenario, mode: str, kw: dict[str, Any]) -> Callable[[ManagerFactory | None], ScenarioResult]:
+    """``sc`` in ``mode`` as one side of a ``--metrics both`` pair: run with the factory it is handed."""
+
+    def run(factory: ManagerFactory | None) -> ScenarioResult:
+        return run_scenario(sc, eager=mode == "eager", manager_factory=factory, **kw)
+
+    return run
+
+
 def run_bench(
     names: list[str] | None = None,
     *,
@@ -64,43 +75,65 @@ def run_bench(
     manager_factory: ManagerFactory | None = None,
     progress: Callable[[int, int], None] | None = None,
     forward_us: float = 0.0,
+    metrics: str = "off",
 ) -> BenchReport:
     """Run the named scenarios (default all) in each of ``modes`` (default
     both; ``eager`` picks one, for old callers), then the decode sweep
     (eager). ``baseline``: a bench ``--json`` report to compare with.
     ``progress(done, total)`` is called after every step of every run.
     ``forward_us``: a simulated forward pass per step (see ``run_scenario``).
-    Raises ValueError on an unknown scenario or mode, or a baseline that is
-    not a bench report."""
+    ``metrics``: ``off`` (managers as ``manager_factory`` builds them; the
+    process's metrics switch is left alone), ``on`` (built with
+    ``PrefixCacheConfig.metrics``), or ``both``: every (scenario, mode) off
+    and on back to back (``sides``), the report's ``results`` being the off
+    side and ``metrics_pairs`` both; the sweep runs off; the switch is
+    restored after. Raises ValueError on an unknown scenario, mode or
+    metrics choice, or a baseline that is not a bench report."""
     names = list(SCENARIOS) if not names else names
     if modes is None:
         modes = MODES if eager is None else ("eager" if eager else "threaded",)
-    _check_choices(names, modes)
+    _check_choices(names, modes, metrics)
     base = load_baseline(baseline) if baseline else None
     plan = [SCENARIOS[n]() for n in names]
     sweep_plan = [decode_scenario(r, iters=100) for r in SWEEP_SIZES] if sweep else []
+    sides = 2 if metrics == "both" else 1
 
     def steps_of(sc: Scenario) -> int:
         return (sc.warmup if warmup is None else warmup) + (sc.iters if iters is None else iters)
 
-    total = sum(steps_of(sc) for sc in [*[p for p in plan for _ in modes], *sweep_plan])
+    total = sum(steps_of(sc) for sc in [*[p for p in plan for _ in modes for _ in range(sides)], *sweep_plan])
     kw: dict[str, Any] = {
         "iters": iters,
         "warmup": warmup,
-        "manager_factory": manager_factory,
         "on_step": _step_counter(total, progress),
         "forward_us": forward_us,
     }
-    # Modes side by side per scenario, so their ratios share the machine's state.
-    results = [run_scenario(sc, eager=mode == "eager", **kw) for sc in plan for mode in modes]
-    if base is not None:
-        apply_baseline(results, base)
-    sweep_results: list[ScenarioResult] = []
-    sweep_spread = cpu_spread = None
-    if sweep:
-        sweep_results = [run_scenario(sc, eager=True, **kw) for sc in sweep_plan]
-        sweep_spread = spread([r.engine_us_per_request for r in sweep_results])
-        cpu_spread = spread([r.engine_cpu_us_p50 / r.requests_per_step for r in sweep_results])
+    factory = with_metrics(manager_factory) if metrics == "on" else manager_factory
+    was_recording = TELEMETRY.enabled
+    pairs: list[MetricsPair] = []
+    try:
+        # Modes side by side per scenario, so their ratios share the machine's state.
+        if metrics == "both":
+            runs = [(sc, mode) for sc in plan for mode in modes]
+            pairs = [run_pair(_one_run(sc, mode, kw), i, manager_factory) for i, (sc, mode) in enumerate(runs)]
+            results = [p.off for p in pairs]
+        else:
+            results = [
+                run_scenario(sc, eager=mode == "eager", manager_factory=factory, **kw) for sc in plan for mode in modes
+            ]
+        if base is not None:
+            apply_baseline(results, base)
+        sweep_results: list[ScenarioResult] = []
+        sweep_spread = cpu_spread = None
+        if sweep:
+            sweep_results = [run_scenario(sc, eager=True, manager_factory=factory, **kw) for sc in sweep_plan]
+            sweep_spread = spread([r.engine_us_per_request for r in sweep_results])
+            cpu_spread = spread([r.engine_cpu_us_p50 / r.requests_per_step for r in sweep_results])
+    finally:
+        if metrics == "both":
+            TELEMETRY.disable()  # fresh series when it was on: the pairs' runs replaced them
+            if was_recording:
+                TELEMETRY.enable()
     return BenchReport(
         modes=tuple(modes),
         torch_threads=torch.get_num_threads(),
@@ -109,14 +142,9 @@ def run_bench(
         sweep_spread=sweep_spread,
         sweep_cpu_spread=cpu_spread,
         baseline=baseline,
+        metrics_sides=("off", "on") if metrics == "both" else (metrics,),
+        metrics_pairs=pairs,
     )
-
-
-def _with_metrics(cfg: PrefixCacheConfig, view: Any, eager: bool) -> Any:
-    """A bench manager built with ``metrics=True`` (``bench --metrics on``)."""
-    from omni_prefix_cache.manager import OmniPrefixCacheManager
-
-    return OmniPrefixCacheManager(dataclasses.replace(cfg, metrics=True), view, eager=eager)
 
 
 def main_bench(args: argparse.Namespace) -> int:
@@ -143,7 +171,7 @@ def main_bench(args: argparse.Namespace) -> int:
             sweep=not args.no_sweep,
             progress=line.update,
             forward_us=getattr(args, "forward_us", 0.0),
-            manager_factory=_with_metrics if getattr(args, "metrics", "off") == "on" else None,
+            metrics=getattr(args, "metrics", "off"),
         )
     finally:
         line.close()

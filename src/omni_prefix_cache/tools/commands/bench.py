@@ -89,9 +89,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the machine-readable report (no progress line)")
     p.add_argument(
         "--metrics",
-        choices=["on", "off"],
-        default="off",
-        help="runtime metrics (PrefixCacheConfig.metrics, default off); run both to see their cost side by side",
+        choices=["off", "on", "both"],
+        default="both",
+        help="runtime metrics (PrefixCacheConfig.metrics, off by default in the library) in the bench's "
+        "managers: off, on, or both: every scenario and mode with them off and on back to back, the first "
+        "side alternating, the tables of the off side and the on/off ratios after them (twice the run time)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
