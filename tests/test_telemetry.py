@@ -260,6 +260,39 @@ def test_simulate_metrics_out_draws_the_report(tmp_path: Any) -> None:
     out = tmp_path / "report.png"
     assert main(["simulate", "--steps", "40", "--quiet", "--metrics-out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    with Image.open(out) as img:
+        assert img.mode == "P"  # drawn as a palette PNG, the size the docs can keep
+
+
+def test_metrics_report_throughput_is_bytes_over_the_measured_copy_time(clock: Clock) -> None:
+    """The report's throughput: per step, the bytes the step moved over the
+    seconds its copies and pool writes were measured to take (thread CPU
+    time here; the copy lane's CUDA events once any were timed); a window
+    sums both over its steps; a step that moved nothing has none."""
+    from omni_prefix_cache.tools.simulate.metrics_report import StepSampler, throughput
+
+    dp = TELEMETRY.datapath
+    assert dp is not None
+    sampler = StepSampler()
+    # (D2H bytes, D2H ns, pool bytes, pool ns) per step; step 2 moves nothing.
+    steps = [(4_000_000, 2_000_000, 1_000_000, 4_000_000), (0, 0, 0, 0), (3_000_000, 1_000_000, 2_000_000, 1_000_000)]
+    for i, (d_bytes, d_ns, p_bytes, p_ns) in enumerate(steps, 1):
+        if d_bytes:
+            dp.copied("step", d_bytes, 0, d_ns)
+            dp.pool_written("committer", p_bytes, 10, 10 + p_ns)
+        sampler(i, len(steps), None, None)
+    d2h_s, name = sampler.d2h_clock()
+    assert name == "thread CPU time" and d2h_s == pytest.approx([0.002, 0.002, 0.003])
+    assert throughput(sampler.d2h, d2h_s) == [pytest.approx(2000.0), None, pytest.approx(3000.0)]  # MB/s
+    assert throughput(sampler.pool, sampler.pool_s) == [pytest.approx(250.0), None, pytest.approx(2000.0)]
+    assert throughput(sampler.d2h, d2h_s, window=2)[2] == pytest.approx(3000.0)  # steps 2-3
+    assert throughput(sampler.pool, sampler.pool_s, window=3)[2] == pytest.approx(3_000_000 / 0.005 / 1e6)
+    dp.observe("device_copy_seconds", "copy", 0.0005)  # a CUDA copy timed by events
+    sampler(4, 4, None, None)
+    d2h_s, name = sampler.d2h_clock()
+    assert name == "CUDA events" and d2h_s[-1] == pytest.approx(0.0005)
 
 
 def test_simulate_metrics_out_without_matplotlib_says_so(
