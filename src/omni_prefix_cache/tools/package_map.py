@@ -29,6 +29,7 @@ LAYER_NOTES = {
     "writes": "tasks, queues, staging, committer",
     "specs": "spec loading, compiling, generated types",
     "device": "copy engine, sync, index tensors",
+    "telemetry": "spec-generated metrics, data-path figures",
     "interface": "config, policy, ids, errors",
     "tools": "cli, bench, simulate, gpu_check",
     "testing": "generated tests, model check, explorer",
