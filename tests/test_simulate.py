@@ -629,3 +629,163 @@ def test_bench_cli_json_keeps_its_keys_and_adds_the_side_by_side(capsys: pytest.
     assert pair["ratios"]["materialize_us_p50"] == pytest.approx(
         pair["on"]["materialize_us_p50"] / pair["off"]["materialize_us_p50"]
     )
+
+
+# ------------------------------------------------------------ bench --scrape
+
+
+def _scrape_rows(report: str) -> list[list[str]]:
+    """The rows of the ``--scrape`` table (split on whitespace)."""
+    lines = report.splitlines()
+    start = next(i for i, x in enumerate(lines) if x.startswith("scraping the collector at")) + 3
+    rows = []
+    for line in lines[start:]:
+        fields = line.split()
+        if len(fields) != 12:  # scenario, mode, 3 engine, 3 step, scrapes, of, scrape us, first
+            break
+        rows.append(fields)
+    return rows
+
+
+def _check_scrape_ratios(rows: list[list[str]]) -> None:
+    """Each printed with/without equals with / without of the p50s printed beside it."""
+    for name, mode, eng_wo, eng_w, eng_x, step_wo, step_w, step_x, *_ in rows:
+        for without, scraped, x in ((eng_wo, eng_w, eng_x), (step_wo, step_w, step_x)):
+            assert x.endswith("x"), (name, mode, x)
+            assert float(x[:-1]) == pytest.approx(float(scraped) / float(without), abs=0.006), (name, mode, x)
+
+
+def test_bench_scrape_table_prints_with_over_without_and_the_scrapes() -> None:
+    """The scrape table: one row per pair, the p50s without and with as
+    measured, each ratio with / without of them, the scrapes done out of the
+    schedule's slots, their p50, and which side ran first; ``--json`` carries
+    the pairs under ``scrape_side_by_side``."""
+    from omni_prefix_cache.tools.bench import BenchReport, ScenarioResult, ScrapePair, ScrapeStats, format_report
+
+    def row(mode: str, engine: float, step: float) -> ScenarioResult:
+        return ScenarioResult(
+            name="decode", mode=mode, steps=4, requests_per_step=64.0, tokens_per_step=64.0,
+            engine_us_p50=engine, engine_us_p90=engine, materialize_us_p50=step - engine,
+            materialize_us_p90=step - engine, engine_floor_us=10.0, materialize_floor_us=10.0,
+            engine_ratio=engine / 10, materialize_ratio=1.0, tokens_per_s=1.0, engine_us_per_request=engine / 64,
+            step_us_p50=step,
+        )  # fmt: skip
+
+    pairs = [
+        ScrapePair(row("eager", 900.0, 1100.0), row("eager", 990.0, 1320.0), ("without", "with"),
+                   ScrapeStats(hz=10.0, scrapes=4, window_s=0.45, us_p50=2104.4, us_max=2900.0)),
+        ScrapePair(row("threaded", 800.0, 1250.0), row("threaded", 760.0, 1500.0), ("with", "without"),
+                   ScrapeStats(hz=10.0, scrapes=0, window_s=0.05, us_p50=None, us_max=None)),
+    ]  # fmt: skip
+    rep = BenchReport(("eager", "threaded"), 1, [p.without for p in pairs], [], scrape_pairs=pairs)
+    report = format_report(rep)
+    assert "scraping the collector at 10 Hz" in report
+    rows = _scrape_rows(report)
+    assert [r[:8] for r in rows] == [
+        ["decode", "eager", "900.0", "990.0", "1.10x", "1100.0", "1320.0", "1.20x"],
+        ["decode", "threaded", "800.0", "760.0", "0.95x", "1250.0", "1500.0", "1.20x"],
+    ]
+    assert [r[8:] for r in rows] == [["4", "5", "2104", "without"], ["0", "1", "-", "with"]]
+    _check_scrape_ratios(rows)
+    side = rep.to_dict()["scrape_side_by_side"]
+    assert side[0]["ratios"]["engine_us_p50"] == pytest.approx(1.1)
+    assert side[1]["ratios"]["engine_us_p50"] == pytest.approx(0.95)
+    assert side[1]["order"] == ["with", "without"]
+    assert side[0]["scrape"] == {
+        "hz": 10.0, "scrapes": 4, "window_s": 0.45, "us_p50": 2104.4, "us_max": 2900.0, "scheduled": 5
+    }  # fmt: skip
+    assert side[0]["without"]["engine_us_p50"] == 900.0 and side[0]["with"]["engine_us_p50"] == 990.0
+    assert "scraping the collector" not in format_report(replace(rep, scrape_pairs=[]))
+
+
+@needs_manager
+def test_bench_scrape_runs_the_collector_at_its_rate_across_the_timed_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``scrape_hz``: after the main runs, each (scenario, mode) without and
+    with scraping, the first side alternating, every manager of those pairs
+    built with metrics on; the scraped side's thread called the real
+    collector's ``collect()`` as many times as it reports, about ``hz`` times
+    a second of its window (never more than the schedule's slots: it does not
+    scrape back to back), and the window spans the timed steps."""
+    from omni_prefix_cache.manager import OmniPrefixCacheManager
+    from omni_prefix_cache.ops.metrics import OmniPrefixCacheCollector
+    from omni_prefix_cache.telemetry.registry import TELEMETRY
+    from omni_prefix_cache.tools.bench import format_report, run_bench
+
+    collected: list[bool] = []
+    real_collect = OmniPrefixCacheCollector.collect
+
+    def counting_collect(self: OmniPrefixCacheCollector) -> Any:
+        collected.append(TELEMETRY.enabled)
+        return real_collect(self)
+
+    monkeypatch.setattr(OmniPrefixCacheCollector, "collect", counting_collect)
+    built: list[tuple[bool, bool]] = []
+
+    def factory(cfg: Any, view: Any, eager: bool) -> Any:
+        built.append((cfg.metrics, eager))
+        return OmniPrefixCacheManager(cfg, view, eager=eager)
+
+    hz, iters, forward_us = 50.0, 8, 30_000  # the forward sleeps make a window of >= 0.24 s
+    assert not TELEMETRY.enabled
+    rep = run_bench(
+        ["decode"], iters=iters, warmup=1, sweep=False, manager_factory=factory, forward_us=forward_us, scrape_hz=hz
+    )
+    assert not TELEMETRY.enabled
+    # Main runs (metrics off, as asked), then the two scrape pairs, metrics on in all four.
+    assert built == [(False, True), (False, False), (True, True), (True, True), (True, False), (True, False)]
+    assert [(p.name, p.mode, p.order) for p in rep.scrape_pairs] == [
+        ("decode", "eager", ("without", "with")),
+        ("decode", "threaded", ("with", "without")),
+    ]
+    assert len(collected) == sum(p.stats.scrapes for p in rep.scrape_pairs) and all(collected)
+    for p in rep.scrape_pairs:
+        st = p.stats
+        assert st.hz == hz and st.window_s >= iters * forward_us / 1e6, (p.mode, st)
+        assert hz * st.window_s / 2 - 1 <= st.scrapes <= st.scheduled == int(hz * st.window_s) + 1, (p.mode, st)
+        assert st.us_p50 is not None and st.us_max is not None and 0 < st.us_p50 <= st.us_max
+        assert p.without.steps == p.scraped.steps == iters
+    rows = _scrape_rows(format_report(rep))
+    assert [(r[1], int(r[8]), r[-1]) for r in rows] == [
+        ("eager", rep.scrape_pairs[0].stats.scrapes, "without"),
+        ("threaded", rep.scrape_pairs[1].stats.scrapes, "with"),
+    ]
+    _check_scrape_ratios(rows)
+
+
+@pytest.mark.parametrize("value", ["-1", "-0.5", "x", "nan", "inf"])
+def test_bench_scrape_rate_must_be_a_non_negative_number(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from omni_prefix_cache.tools.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--scrape", value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --scrape" in err and "Traceback" not in err
+
+
+def test_bench_scrape_rate_is_checked_before_anything_runs() -> None:
+    from omni_prefix_cache.tools.bench import run_bench
+
+    for hz in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="scrape rate must be a finite number of Hz >= 0"):
+            run_bench(["decode"], iters=1, warmup=0, sweep=False, scrape_hz=hz)
+
+
+@needs_manager
+def test_bench_cli_json_carries_the_scrape_pairs_only_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench --json``: no ``--scrape`` (the default) runs no scrape pair;
+    ``--scrape 20`` adds one per (scenario, mode) and leaves the rest alone."""
+    from omni_prefix_cache.tools.cli import main
+
+    args = ["bench", "--scenario", "decode", "--mode", "eager", "--no-sweep", "--iters", "2", "--warmup", "1"]
+    args += ["--json", "--baseline", "", "--metrics", "off"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*args, "--scrape", "20"]) == 0
+    scraped = json.loads(capsys.readouterr().out)
+    assert plain["scrape_side_by_side"] == [] and set(plain) == set(scraped)
+    (pair,) = scraped["scrape_side_by_side"]
+    assert (pair["name"], pair["mode"], pair["order"]) == ("decode", "eager", ["without", "with"])
+    assert pair["scrape"]["hz"] == 20.0 and 0 <= pair["scrape"]["scrapes"] <= pair["scrape"]["scheduled"]
+    assert pair["with"]["steps"] == pair["without"]["steps"] == 2
+    assert scraped["metrics"] == {"enabled": False} and scraped["metrics_sides"] == ["off"]

@@ -44,6 +44,15 @@ the off side's (what the targets and the baseline judge) and a last table
 gives on / off of the engine, materialize and step p50s. ``--metrics off``
 or ``on`` runs one side. The sweep runs with metrics off in both.
 
+``--scrape HZ`` (default 0: none) adds, after those runs, every (scenario,
+mode) twice more, back to back, the first side alternating: without and
+with a thread that scrapes the Prometheus collector over the run's manager
+(``generate_latest``, as a Prometheus server would) HZ times a second on a
+schedule while the timed steps run. Both sides run with metrics on whatever
+``--metrics`` says (a scrape without them reads only the snapshot), so the
+with / without ratio is the scrape's cost alone; a last table gives the
+engine and step p50 of both, their ratios, the scrapes done and their p50.
+
 ``--forward-us N`` (default 0) simulates the forward pass a real engine runs
 between ``new_step_starts`` and ``save_outputs``: the engine thread sleeps N
 us there (releasing the GIL, as a wait on the GPU does), outside the timed
@@ -53,8 +62,10 @@ inside ``save_outputs``, on a machine with fewer free cores than threads.
 Modules: ``scenarios`` (the traces, their targets and planning), ``floors``
 (the memcpy floors and the static buffers), ``measure`` (timing one
 scenario), ``results`` (rows, targets' verdicts, the report and the
-baseline), ``sweep`` (the batch sweep's spread and fit), ``report`` (the
-tables), ``profiling`` (``--profile``), ``runner`` (a whole run, the CLI entry).
+baseline), ``sweep`` (the batch sweep's spread and fit), ``sides`` (the
+``--metrics both`` and ``--scrape`` pairs and their tables), ``scrape``
+(the scrape thread), ``report`` (the tables), ``profiling``
+(``--profile``), ``runner`` (a whole run, the CLI entry).
 """
 
 from __future__ import annotations
@@ -69,6 +80,8 @@ from omni_prefix_cache.tools.bench.results import (
     BenchReport,
     MetricsPair,
     ScenarioResult,
+    ScrapePair,
+    ScrapeStats,
     Target,
     TargetVerdict,
     load_baseline,
@@ -88,7 +101,8 @@ from omni_prefix_cache.tools.bench.scenarios import (
     plan_steps,
     prefill_hits_scenario,
 )
-from omni_prefix_cache.tools.bench.sides import METRICS_CHOICES, run_pair, with_metrics
+from omni_prefix_cache.tools.bench.scrape import Scraper, ScrapeRun, collector_scrape
+from omni_prefix_cache.tools.bench.sides import METRICS_CHOICES, run_pair, run_scrape_pair, with_metrics
 from omni_prefix_cache.tools.bench.sweep import SWEEP_SIZES, SWEEP_TARGET, fixed_cost_allowed, linear_fit
 
 __all__ = [
@@ -108,9 +122,14 @@ __all__ = [
     "MetricsPair",
     "Scenario",
     "ScenarioResult",
+    "ScrapePair",
+    "ScrapeRun",
+    "ScrapeStats",
+    "Scraper",
     "StepInput",
     "Target",
     "TargetVerdict",
+    "collector_scrape",
     "decode_scenario",
     "deferred_scenario",
     "fixed_cost_allowed",
@@ -124,5 +143,6 @@ __all__ = [
     "run_bench",
     "run_pair",
     "run_scenario",
+    "run_scrape_pair",
     "with_metrics",
 ]

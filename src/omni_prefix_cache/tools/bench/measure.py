@@ -9,12 +9,14 @@ outside each timed span; the garbage collector is off while it runs.
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import gc
 import resource
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +30,9 @@ from omni_prefix_cache.tools.simulate.batch import SimGroupView
 
 ManagerFactory = Callable[[PrefixCacheConfig, Any, bool], Any]
 Clock = Callable[[], int]
+# Entered with the run's manager just before its first timed step, left after
+# its last (e.g. ``bench --scrape``'s scrape thread).
+TimedHook = Callable[[Any], AbstractContextManager[object]]
 
 # Minor page faults of the calling thread (Linux); None where the OS has no
 # per-thread usage.
@@ -233,11 +238,14 @@ def run_scenario(
     manager_factory: ManagerFactory | None = None,
     on_step: Callable[[], None] | None = None,
     forward_us: float = 0.0,
+    during_timed: TimedHook | None = None,
 ) -> ScenarioResult:
     """Replay ``sc`` against a fresh manager; time the facade calls and the memcpy floors.
     ``on_step`` is called after every step (warmup included), outside the timed spans.
     ``forward_us``: the engine thread sleeps that long between ``new_step_starts`` and
-    ``save_outputs`` (a forward pass), not counted in the engine time."""
+    ``save_outputs`` (a forward pass), not counted in the engine time.
+    ``during_timed(manager)``: a context entered before the first timed step
+    and left after the last (also on an error), before the manager shuts down."""
     iters = sc.iters if iters is None else iters
     warmup = sc.warmup if warmup is None else warmup
     steps = plan_steps(sc, warmup + iters, seed)
@@ -249,11 +257,14 @@ def run_scenario(
     gc.collect()
     gc_was = gc.isenabled()
     gc.disable()
+    hook = contextlib.ExitStack()
     try:
         for i, st in enumerate(steps):
             view.set_step(st.order, st.blocks, st.computed)
             mm = rig.mm_outputs(st.n)
             timed = i >= warmup
+            if i == warmup and during_timed is not None:
+                hook.enter_context(during_timed(mgr))
             timing, outs = time_step(mgr, st, rig.hidden, mm, committer_cpu, forward_us, profiler if timed else None)
             if on_step is not None:
                 on_step()
@@ -261,9 +272,12 @@ def run_scenario(
                 returned = returned_rows(outs)
                 samples.add(timing, rig.floors(st.n, mm, returned), st, returned)
     finally:
-        if gc_was:
-            gc.enable()
-        mgr.shutdown()
+        try:
+            hook.close()
+        finally:
+            if gc_was:
+                gc.enable()
+            mgr.shutdown()
     mode = "eager" if eager else "threaded"
     result = samples.result(sc.name, mode, committer_clocked=committer_cpu is not None, forward_us=forward_us)
     result.judge(sc.targets)

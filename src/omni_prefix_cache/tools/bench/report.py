@@ -5,7 +5,7 @@ with the baseline."""
 from __future__ import annotations
 
 from omni_prefix_cache.tools.bench.results import STEP_SIDE, BenchReport, ScenarioResult
-from omni_prefix_cache.tools.bench.sides import side_by_side_lines
+from omni_prefix_cache.tools.bench.sides import scrape_lines, side_by_side_lines
 
 
 def _verdict(met: bool | None) -> str:
@@ -61,6 +61,8 @@ def format_report(rep: BenchReport) -> str:
     lines += _target_lines(rep)
     if rep.metrics_pairs:
         lines += side_by_side_lines(rep.metrics_pairs)
+    if rep.scrape_pairs:
+        lines += scrape_lines(rep.scrape_pairs)
     if rep.sweep:
         lines += _sweep_lines(rep)
     if rep.baseline:

@@ -157,6 +157,60 @@ class MetricsPair:
         }
 
 
+@dataclass(frozen=True)
+class ScrapeStats:
+    """What a scrape thread did across one run's timed steps: ``scrapes``
+    done at ``hz`` over ``window_s`` seconds, and their duration (us)."""
+
+    hz: float
+    scrapes: int
+    window_s: float
+    us_p50: float | None  # None: no scrape was done
+    us_max: float | None
+
+    @property
+    def scheduled(self) -> int:
+        """The slots of the schedule (``start + k / hz``) inside the window: the most it can do."""
+        return int(self.window_s * self.hz) + 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "scheduled": self.scheduled}
+
+
+@dataclass
+class ScrapePair:
+    """One (scenario, mode) measured without and with a thread scraping the
+    collector, back to back, metrics on in both (``bench --scrape``)."""
+
+    without: ScenarioResult
+    scraped: ScenarioResult
+    order: tuple[str, str]  # ("without", "with") or ("with", "without"): which side ran first
+    stats: ScrapeStats  # the scraped side's scrape thread
+
+    @property
+    def name(self) -> str:
+        return self.without.name
+
+    @property
+    def mode(self) -> str:
+        return self.without.mode
+
+    def ratio(self, metric: str) -> float | None:
+        """with / without of the ScenarioResult field ``metric``."""
+        return ratio(float(getattr(self.scraped, metric)), float(getattr(self.without, metric)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "mode": self.mode,
+            "order": list(self.order),
+            "ratios": {metric: self.ratio(metric) for metric in COMPARED},
+            "scrape": self.stats.to_dict(),
+            "without": self.without.to_dict(),
+            "with": self.scraped.to_dict(),
+        }
+
+
 @dataclass
 class BenchReport:
     """A whole run: its rows, the sweep's, and how they compare with the targets and the baseline."""
@@ -174,6 +228,8 @@ class BenchReport:
     # ``--metrics both``, where ``results`` are the off side and ``metrics_pairs`` both.
     metrics_sides: tuple[str, ...] = ("off",)
     metrics_pairs: list[MetricsPair] = field(default_factory=list)
+    # ``--scrape HZ``: every (scenario, mode) without and with scraping (empty: not asked).
+    scrape_pairs: list[ScrapePair] = field(default_factory=list)
 
     @property
     def mode(self) -> str:
@@ -241,6 +297,7 @@ class BenchReport:
             "all_met": self.all_met,
             "metrics_sides": list(self.metrics_sides),
             "metrics_side_by_side": [p.to_dict() for p in self.metrics_pairs],
+            "scrape_side_by_side": [p.to_dict() for p in self.scrape_pairs],
         }
 
 

@@ -4,7 +4,9 @@ sweep, the baseline comparison, and the ``omni-prefix-cache bench`` entry."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -12,7 +14,7 @@ from typing import Any
 import torch
 
 from omni_prefix_cache.telemetry.registry import TELEMETRY
-from omni_prefix_cache.tools.bench.measure import ManagerFactory, run_scenario
+from omni_prefix_cache.tools.bench.measure import ManagerFactory, TimedHook, run_scenario
 from omni_prefix_cache.tools.bench.profiling import profile_scenario
 from omni_prefix_cache.tools.bench.report import format_report
 from omni_prefix_cache.tools.bench.results import (
@@ -20,16 +22,22 @@ from omni_prefix_cache.tools.bench.results import (
     BenchReport,
     MetricsPair,
     ScenarioResult,
+    ScrapePair,
     apply_baseline,
     load_baseline,
 )
 from omni_prefix_cache.tools.bench.scenarios import MODES, SCENARIOS, Scenario, decode_scenario
-from omni_prefix_cache.tools.bench.sides import METRICS_CHOICES, run_pair, with_metrics
+from omni_prefix_cache.tools.bench.sides import METRICS_CHOICES, run_pair, run_scrape_pair, with_metrics
 from omni_prefix_cache.tools.bench.sweep import SWEEP_SIZES, spread
 
 
-def _check_choices(names: list[str], modes: tuple[str, ...], metrics: str) -> None:
-    """ValueError naming what is unknown among ``names``, ``modes`` and ``metrics``."""
+def _check_choices(names: list[str], modes: tuple[str, ...], metrics: str, scrape_hz: float) -> None:
+    """ValueError naming what is unknown among ``names``, ``modes`` and
+    ``metrics``, or a ``scrape_hz`` that is not a finite number >= 0."""
+    if not 0 <= scrape_hz < math.inf:
+        raise ValueError(f"scrape rate must be a finite number of Hz >= 0, got {scrape_hz}")
+    if scrape_hz > 0 and importlib.util.find_spec("prometheus_client") is None:
+        raise ValueError("scraping needs prometheus_client: pip install 'omni-prefix-cache[metrics]'")
     if metrics not in METRICS_CHOICES:
         raise ValueError(f"unknown metrics {metrics!r}; choose from {list(METRICS_CHOICES)}")
     unknown = [n for n in names if n not in SCENARIOS]
@@ -54,11 +62,14 @@ def _step_counter(total: int, progress: Callable[[int, int], None] | None) -> Ca
     return step_done
 
 
-def _one_run(sc: Scenario, mode: str, kw: dict[str, Any]) -> Callable[[ManagerFactory | None], ScenarioResult]:
-    """``sc`` in ``mode`` as one side of a ``--metrics both`` pair: run with the factory it is handed."""
+def _one_run(
+    sc: Scenario, mode: str, kw: dict[str, Any]
+) -> Callable[[ManagerFactory | None, TimedHook | None], ScenarioResult]:
+    """``sc`` in ``mode`` as one side of a ``--metrics both`` or ``--scrape``
+    pair: run with the factory and the timed-steps hook it is handed."""
 
-    def run(factory: ManagerFactory | None) -> ScenarioResult:
-        return run_scenario(sc, eager=mode == "eager", manager_factory=factory, **kw)
+    def run(factory: ManagerFactory | None, hook: TimedHook | None) -> ScenarioResult:
+        return run_scenario(sc, eager=mode == "eager", manager_factory=factory, during_timed=hook, **kw)
 
     return run
 
@@ -76,6 +87,7 @@ def run_bench(
     progress: Callable[[int, int], None] | None = None,
     forward_us: float = 0.0,
     metrics: str = "off",
+    scrape_hz: float = 0.0,
 ) -> BenchReport:
     """Run the named scenarios (default all) in each of ``modes`` (default
     both; ``eager`` picks one, for old callers), then the decode sweep
@@ -88,15 +100,22 @@ def run_bench(
     and on back to back (``sides``), the report's ``results`` being the off
     side and ``metrics_pairs`` both; the sweep runs off; the switch is
     restored after. Raises ValueError on an unknown scenario, mode or
-    metrics choice, or a baseline that is not a bench report."""
+    ``scrape_hz`` > 0: after those runs, every (scenario, mode) again
+    without and with a thread scraping the collector ``scrape_hz`` times a
+    second across its timed steps (``sides.run_scrape_pair``; both sides with
+    metrics on, whatever ``metrics`` says), in ``scrape_pairs``; the switch
+    is restored after. Raises ValueError on an unknown scenario, mode or
+    metrics choice, a negative or non-finite ``scrape_hz`` (or a positive
+    one without ``prometheus_client``), or a baseline that is not a bench
+    report."""
     names = list(SCENARIOS) if not names else names
     if modes is None:
         modes = MODES if eager is None else ("eager" if eager else "threaded",)
-    _check_choices(names, modes, metrics)
+    _check_choices(names, modes, metrics, scrape_hz)
     base = load_baseline(baseline) if baseline else None
     plan = [SCENARIOS[n]() for n in names]
     sweep_plan = [decode_scenario(r, iters=100) for r in SWEEP_SIZES] if sweep else []
-    sides = 2 if metrics == "both" else 1
+    sides = (2 if metrics == "both" else 1) + (2 if scrape_hz > 0 else 0)
 
     def steps_of(sc: Scenario) -> int:
         return (sc.warmup if warmup is None else warmup) + (sc.iters if iters is None else iters)
@@ -111,10 +130,11 @@ def run_bench(
     factory = with_metrics(manager_factory) if metrics == "on" else manager_factory
     was_recording = TELEMETRY.enabled
     pairs: list[MetricsPair] = []
+    scrape_pairs: list[ScrapePair] = []
+    runs = [(sc, mode) for sc in plan for mode in modes]
     try:
         # Modes side by side per scenario, so their ratios share the machine's state.
         if metrics == "both":
-            runs = [(sc, mode) for sc in plan for mode in modes]
             pairs = [run_pair(_one_run(sc, mode, kw), i, manager_factory) for i, (sc, mode) in enumerate(runs)]
             results = [p.off for p in pairs]
         else:
@@ -123,6 +143,11 @@ def run_bench(
             ]
         if base is not None:
             apply_baseline(results, base)
+        if scrape_hz > 0:
+            scrape_pairs = [
+                run_scrape_pair(_one_run(sc, mode, kw), i, manager_factory, scrape_hz)
+                for i, (sc, mode) in enumerate(runs)
+            ]
         sweep_results: list[ScenarioResult] = []
         sweep_spread = cpu_spread = None
         if sweep:
@@ -130,7 +155,7 @@ def run_bench(
             sweep_spread = spread([r.engine_us_per_request for r in sweep_results])
             cpu_spread = spread([r.engine_cpu_us_p50 / r.requests_per_step for r in sweep_results])
     finally:
-        if metrics == "both":
+        if metrics == "both" or scrape_hz > 0:
             TELEMETRY.disable()  # fresh series when it was on: the pairs' runs replaced them
             if was_recording:
                 TELEMETRY.enable()
@@ -144,6 +169,7 @@ def run_bench(
         baseline=baseline,
         metrics_sides=("off", "on") if metrics == "both" else (metrics,),
         metrics_pairs=pairs,
+        scrape_pairs=scrape_pairs,
     )
 
 
@@ -172,6 +198,7 @@ def main_bench(args: argparse.Namespace) -> int:
             progress=line.update,
             forward_us=getattr(args, "forward_us", 0.0),
             metrics=getattr(args, "metrics", "off"),
+            scrape_hz=getattr(args, "scrape", 0.0),
         )
     finally:
         line.close()

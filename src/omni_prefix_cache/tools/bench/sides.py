@@ -1,5 +1,7 @@
 """``bench --metrics both``: every (scenario, mode) run with the runtime
-metrics off and on in the same invocation, and the on/off ratios.
+metrics off and on in the same invocation, and the on/off ratios; and
+``bench --scrape HZ``: every (scenario, mode) run without and with a thread
+scraping the collector (metrics on in both), and the with/without ratios.
 
 The two sides of a pair run back to back and the order alternates from pair
 to pair (off then on, on then off, ...), so a machine that drifts during the
@@ -21,8 +23,9 @@ from typing import Any
 
 from omni_prefix_cache.interface import PrefixCacheConfig
 from omni_prefix_cache.telemetry.registry import TELEMETRY
-from omni_prefix_cache.tools.bench.measure import ManagerFactory
-from omni_prefix_cache.tools.bench.results import MetricsPair, ScenarioResult
+from omni_prefix_cache.tools.bench.measure import ManagerFactory, TimedHook
+from omni_prefix_cache.tools.bench.results import MetricsPair, ScenarioResult, ScrapePair
+from omni_prefix_cache.tools.bench.scrape import ScrapeOf, ScrapeRun
 
 METRICS_CHOICES = ("off", "on", "both")
 
@@ -45,25 +48,62 @@ def with_metrics(factory: ManagerFactory | None = None) -> ManagerFactory:
     return build
 
 
-RunOne = Callable[[ManagerFactory | None], ScenarioResult]
+# One (scenario, mode) run: built with the factory handed (None: the bench's
+# default), with the ``run_scenario(during_timed=...)`` hook handed.
+RunOne = Callable[[ManagerFactory | None, TimedHook | None], ScenarioResult]
+
+
+def pair_order(index: int, first: str, second: str) -> tuple[str, str]:
+    """Which side of pair ``index`` runs first: ``first`` on even pairs,
+    ``second`` on odd ones, so a steady drift cancels over two pairs."""
+    return (first, second) if index % 2 == 0 else (second, first)
+
+
+def run_sides(order: tuple[str, str], run_side: Callable[[str], ScenarioResult]) -> dict[str, ScenarioResult]:
+    """``run_side(side)`` for the two sides in ``order``, back to back, the
+    metrics switch off before each (a run built with metrics switches it
+    on afresh) and after the last."""
+    got: dict[str, ScenarioResult] = {}
+    for side in order:
+        TELEMETRY.disable()
+        got[side] = run_side(side)
+    TELEMETRY.disable()
+    return got
 
 
 def run_pair(run: RunOne, index: int, factory: ManagerFactory | None) -> MetricsPair:
-    """Run one (scenario, mode) off and on via ``run(factory)``; pair
+    """Run one (scenario, mode) off and on via ``run(factory, None)``; pair
     ``index`` picks the order (even: off first). ``factory``: the off side's
     (None: the bench's default); the on side's is ``with_metrics(factory)``."""
-    order: tuple[str, str] = ("off", "on") if index % 2 == 0 else ("on", "off")
-    got: dict[str, ScenarioResult] = {}
     summary: dict[str, Any] = {}
-    for side in order:
-        TELEMETRY.disable()
-        if side == "on":
-            got[side] = run(with_metrics(factory))
-            summary = TELEMETRY.summary()
-        else:
-            got[side] = run(factory)
-    TELEMETRY.disable()
+
+    def side(name: str) -> ScenarioResult:
+        nonlocal summary
+        if name == "off":
+            return run(factory, None)
+        result = run(with_metrics(factory), None)
+        summary = TELEMETRY.summary()
+        return result
+
+    order = pair_order(index, "off", "on")
+    got = run_sides(order, side)
     return MetricsPair(off=got["off"], on=got["on"], order=order, on_metrics=summary)
+
+
+def run_scrape_pair(
+    run: RunOne, index: int, factory: ManagerFactory | None, hz: float, scrape_of: ScrapeOf | None = None
+) -> ScrapePair:
+    """Run one (scenario, mode) without and with a thread scraping the
+    collector at ``hz`` across the timed steps (``scrape.ScrapeRun``); pair
+    ``index`` picks the order (even: without first). Both sides are built
+    by ``with_metrics(factory)``: a scrape of a manager without metrics
+    reads only its snapshot, and with metrics on in both the ratio is the
+    scrape's alone."""
+    hook = ScrapeRun(hz, scrape_of)
+    order = pair_order(index, "without", "with")
+    got = run_sides(order, lambda name: run(with_metrics(factory), hook if name == "with" else None))
+    assert hook.stats is not None  # set when the scraped run's timed steps ended
+    return ScrapePair(without=got["without"], scraped=got["with"], order=order, stats=hook.stats)
 
 
 def _x(value: float | None) -> str:
@@ -91,5 +131,38 @@ def side_by_side_lines(pairs: list[MetricsPair]) -> list[str]:
             f"{_x(p.ratio('engine_us_p50')):>7} {p.off.materialize_us_p50:>9.1f} {p.on.materialize_us_p50:>9.1f} "
             f"{_x(p.ratio('materialize_us_p50')):>7} {_x(p.ratio('step_us_p50')):>11} "
             f"{_x(p.ratio('engine_cpu_us_p50')):>10} {p.order[0]:>5}"
+        )
+    return lines
+
+
+def _opt_us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+SCRAPE_HEAD = (
+    f"{'scenario':<13} {'mode':<8} {'engine w/o':>10} {'with':>9} {'w/w/o':>7} "
+    f"{'step w/o':>9} {'with':>9} {'w/w/o':>7} {'scrapes':>7} {'of':>5} {'scrape us':>9} {'first':>7}"
+)
+
+
+def scrape_lines(pairs: list[ScrapePair]) -> list[str]:
+    """The scrape table: engine and step p50 (us) without and with the
+    scrape thread, with / without, the scrapes done (of the schedule's
+    slots in the window) and their p50 duration (us)."""
+    hz = ", ".join(sorted({f"{p.stats.hz:g}" for p in pairs}))
+    lines = [
+        "",
+        f"scraping the collector at {hz} Hz (generate_latest over the manager, metrics on in both sides; p50 us; "
+        "each pair back to back, first side alternating):",
+        SCRAPE_HEAD,
+        "-" * len(SCRAPE_HEAD),
+    ]
+    for p in pairs:
+        w, s, st = p.without, p.scraped, p.stats
+        lines.append(
+            f"{p.name:<13} {p.mode:<8} {w.engine_us_p50:>10.1f} {s.engine_us_p50:>9.1f} "
+            f"{_x(p.ratio('engine_us_p50')):>7} {w.step_us_p50:>9.1f} {s.step_us_p50:>9.1f} "
+            f"{_x(p.ratio('step_us_p50')):>7} {st.scrapes:>7} {st.scheduled:>5} {_opt_us(st.us_p50):>9} "
+            f"{p.order[0]:>7}"
         )
     return lines

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from omni_prefix_cache.tools.commands.common import HelpFormatter, describe, non_negative, positive
+from omni_prefix_cache.tools.commands.common import HelpFormatter, describe, float_in, non_negative, positive
 
 # Scenario names of bench.SCENARIOS (bench imports torch; tests keep the two in step).
 BENCH_SCENARIOS = ("decode", "decode_256", "decode_mm4", "prefill_hits", "deferred")
@@ -94,6 +94,17 @@ def add_parser(sub: Any) -> None:
         help="runtime metrics (PrefixCacheConfig.metrics, off by default in the library) in the bench's "
         "managers: off, on, or both: every scenario and mode with them off and on back to back, the first "
         "side alternating, the tables of the off side and the on/off ratios after them (twice the run time)",
+    )
+    p.add_argument(
+        "--scrape",
+        metavar="HZ",
+        type=float_in(0.0, 1000.0),
+        default=0.0,
+        help="also run every scenario and mode without and with a thread scraping the Prometheus collector "
+        "(generate_latest over the manager) HZ times a second during the timed steps, back to back, the first "
+        "side alternating; both sides with metrics on whatever --metrics says, so the ratio is the scrape's; "
+        "a last table gives engine and step p50 of both, the scrapes done and their p50 (0: none; needs the "
+        "metrics extra)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
