@@ -124,8 +124,40 @@ def ratio(on: float, off: float) -> float | None:
     return on / off if off > 0 else None
 
 
+class SidePair:
+    """One (scenario, mode) measured two ways back to back: ``sides()`` is
+    (the reference side, the other), and each ratio is other / reference."""
+
+    order: tuple[str, str]  # which side ran first
+
+    def sides(self) -> tuple[ScenarioResult, ScenarioResult]:
+        raise NotImplementedError
+
+    @property
+    def name(self) -> str:
+        return self.sides()[0].name
+
+    @property
+    def mode(self) -> str:
+        return self.sides()[0].mode
+
+    def ratio(self, metric: str) -> float | None:
+        """other / reference of the ScenarioResult field ``metric`` (e.g. ``engine_us_p50``)."""
+        base, other = self.sides()
+        return ratio(float(getattr(other, metric)), float(getattr(base, metric)))
+
+    def common_dict(self) -> dict[str, Any]:
+        """The keys every pair's ``to_dict`` starts with."""
+        return {
+            "name": self.name,
+            "mode": self.mode,
+            "order": list(self.order),
+            "ratios": {metric: self.ratio(metric) for metric in COMPARED},
+        }
+
+
 @dataclass
-class MetricsPair:
+class MetricsPair(SidePair):
     """One (scenario, mode) measured with metrics off and on, back to back."""
 
     off: ScenarioResult
@@ -133,24 +165,12 @@ class MetricsPair:
     order: tuple[str, str]  # ("off", "on") or ("on", "off"): which side ran first
     on_metrics: dict[str, Any] = field(default_factory=dict)  # TELEMETRY.summary() right after the on run
 
-    @property
-    def name(self) -> str:
-        return self.off.name
-
-    @property
-    def mode(self) -> str:
-        return self.off.mode
-
-    def ratio(self, metric: str) -> float | None:
-        """on / off of the ScenarioResult field ``metric`` (e.g. ``engine_us_p50``)."""
-        return ratio(float(getattr(self.on, metric)), float(getattr(self.off, metric)))
+    def sides(self) -> tuple[ScenarioResult, ScenarioResult]:
+        return self.off, self.on
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name,
-            "mode": self.mode,
-            "order": list(self.order),
-            "ratios": {metric: self.ratio(metric) for metric in COMPARED},
+            **self.common_dict(),
             "off": self.off.to_dict(),
             "on": self.on.to_dict(),
             "on_metrics": self.on_metrics,
@@ -178,7 +198,7 @@ class ScrapeStats:
 
 
 @dataclass
-class ScrapePair:
+class ScrapePair(SidePair):
     """One (scenario, mode) measured without and with a thread scraping the
     collector, back to back, metrics on in both (``bench --scrape``)."""
 
@@ -187,24 +207,12 @@ class ScrapePair:
     order: tuple[str, str]  # ("without", "with") or ("with", "without"): which side ran first
     stats: ScrapeStats  # the scraped side's scrape thread
 
-    @property
-    def name(self) -> str:
-        return self.without.name
-
-    @property
-    def mode(self) -> str:
-        return self.without.mode
-
-    def ratio(self, metric: str) -> float | None:
-        """with / without of the ScenarioResult field ``metric``."""
-        return ratio(float(getattr(self.scraped, metric)), float(getattr(self.without, metric)))
+    def sides(self) -> tuple[ScenarioResult, ScenarioResult]:
+        return self.without, self.scraped
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name,
-            "mode": self.mode,
-            "order": list(self.order),
-            "ratios": {metric: self.ratio(metric) for metric in COMPARED},
+            **self.common_dict(),
             "scrape": self.stats.to_dict(),
             "without": self.without.to_dict(),
             "with": self.scraped.to_dict(),
