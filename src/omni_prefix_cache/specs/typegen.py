@@ -51,7 +51,10 @@ def render_module(spec: MachineSpec) -> str:
     """The generated module's text for ``spec``."""
     enum, trig = spec.enum_name, trigger_enum_name(spec)
     out = [_HEADER.format(name=spec.name)]
-    out.append(f'"""Typed names of the ``{spec.name}`` spec: the ``{enum}`` states and the ``{trig}`` triggers."""\n\n')
+    doc = f"Typed names of the ``{spec.name}`` spec: the ``{enum}`` states and the ``{trig}`` triggers."
+    if len(doc) > 110:  # ruff's line length, with the quotes
+        doc = f"Typed names of the ``{spec.name}`` spec:\nthe ``{enum}`` states and the ``{trig}`` triggers.\n"
+    out.append(f'"""{doc}"""\n\n')
     out.append("from __future__ import annotations\n\n")
     out.append("from enum import StrEnum\n")
     out.append("from typing import Literal, TypeAlias\n\n")
