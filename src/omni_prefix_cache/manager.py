@@ -428,10 +428,11 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, UpstreamSeams):
         self, save: SaveProgress, hits: dict[ReqId, PendingHit], error: BaseException, retry: SchedSnapshot | None
     ) -> None:
         """Undo a failed save: no step context, and (``WriteLedger.abandon_save``)
-        no step holder, no budget no task pinned, no stranded write. ``retry``: the save failed before registering anything (a staging
-        timeout, a failed staging copy, a join): its scheduler snapshot and
-        hits are put back, so the engine may call save_outputs again (under
-        a new step id) and no row behind a published block hash is lost."""
+        no step holder, no budget no task pinned, no stranded write. ``retry``:
+        the save failed before registering anything (a staging timeout, a
+        failed staging copy, a join): its scheduler snapshot and hits are put
+        back, so the engine may call save_outputs again (under a new step id)
+        and no row behind a published block hash is lost."""
         with self._state_lock:
             if save.published:
                 self._step_ctxs.pop(save.sid, None)
