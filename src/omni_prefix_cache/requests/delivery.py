@@ -118,6 +118,7 @@ class DeliveryDesk:
             )
         items = [self._item(outputs, rid, consumer, "delivery_view") for rid in req_ids]
         with self._lock:
+            self._table.consumers.add(consumer)
             for item in items:
                 self._view.run(item)
         ranges = {item.req_id: item.result for item in items}

@@ -114,6 +114,9 @@ class RequestTable:
         self._lookups: list[Lookup] = []
         self._detached: list[Tid] = []
         self.ignored = 0
+        # Every consumer that took a delivery view: a recovered hit counts
+        # one that never received a tenure's rows at 0 (DeliveryDesk adds).
+        self.consumers: set[str] = set()
         ops = load_protocol().ops
         binding = RequestBinding()
         self._retire_delivery = compile_operation(ops["retire_delivery"], binding, {}, {})
@@ -284,11 +287,12 @@ class RequestTable:
 
     def install_lookup(self, tenure: Tenure, event: PrefixCacheRequestEvent) -> None:
         """Effect ``install_lookup``: the event's hit recovers every position
-        the slowest consumer has not received, ``[lowest watermark, hit_end)``."""
+        the slowest consumer has not received, ``[lowest watermark, hit_end)``
+        (a known consumer this tenure never delivered to counts at 0)."""
         end = int(event.hit_end)
         tenure.lookup = (end, event.block_ids)
         tenure.computed_upto = end
-        start = tenure.lowest_watermark()
+        start = tenure.lowest_watermark(self.consumers)
         if end > start:
             self._lookups = [lk for lk in self._lookups if lk.req_id != tenure.req_id]
             self._lookups.append(Lookup(tenure.req_id, start, end, event.block_ids, tenure))

@@ -82,9 +82,15 @@ class Tenure(PrefixCacheRequestProgress):
     def watermark(self, consumer: str) -> int:
         return self.delivered_upto.get(consumer, 0)
 
-    def lowest_watermark(self) -> int:
-        """Where a recovered hit starts: the least any consumer received."""
-        return min(self.delivered_upto.values(), default=0)
+    def lowest_watermark(self, consumers: set[str]) -> int:
+        """Where a recovered hit starts: the least any consumer received,
+        counting each of ``consumers`` (every consumer the manager has seen)
+        that this tenure never delivered to at 0."""
+        delivered = self.delivered_upto
+        low = min(delivered.values(), default=0)
+        if low and any(c not in delivered for c in consumers):
+            return 0
+        return low
 
     def __repr__(self) -> str:
         return (
