@@ -208,8 +208,8 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, UpstreamSeams):
         if is_event_form(step):
             given = events_step(step, num_scheduled_tokens)  # type: ignore[arg-type]
         else:
-            with self._state_lock:
-                given = seed_step(step, self._live)
+            # ``_live`` changes only on this (the engine) thread: read unlocked.
+            given = seed_step(step, self._live)
         with self._state_lock:
             # Checked in every segment: a shutdown between two of them drops
             # this call's hits and steps, so the call must not go on.
