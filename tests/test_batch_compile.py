@@ -23,7 +23,9 @@ OPS: dict[str, OperationSpec] = {
     "register": SPEC.ops["save"].projected(CONTROLLER_ROLES, CONTROLLER_EFFECTS),
     "abandon_refund": SPEC.ops["abandon_save"].projected(CONTROLLER_ROLES, CONTROLLER_EFFECTS),
     **{name: SPEC.ops[name] for name in ("escalate", "committer_claim", "committer_copy", "committer_write")},
-    **{name: SPEC.ops[name] for name in ("eager_run", "fail", "shutdown")},
+    **{name: SPEC.ops[name] for name in ("eager_run", "fail")},
+    # The controller's part of shutdown (the manager runs its state segment).
+    "shutdown": SPEC.ops["shutdown"].projected(CONTROLLER_ROLES, CONTROLLER_EFFECTS),
 }
 
 

@@ -53,6 +53,7 @@ from omni_prefix_cache.interface import (
     StepId,
     Tid,
 )
+from omni_prefix_cache.manager_ops import AbandonCall, FacadeOps, NewStepCall, SaveCall, StepCall
 from omni_prefix_cache.ops.components import ManagerComponents
 from omni_prefix_cache.ops.manager_stats import ManagerStats
 from omni_prefix_cache.reads.hit_planner import HitPlanner, PendingHit
@@ -62,10 +63,9 @@ from omni_prefix_cache.requests.delivery import DeliveryDesk
 from omni_prefix_cache.requests.facade import DeliveryFacade
 from omni_prefix_cache.requests.lifecycle import RequestTable
 from omni_prefix_cache.requests.step_input import events_step, is_event_form, seed_step
-from omni_prefix_cache.specs.types.step_context import StepContextTrigger
 from omni_prefix_cache.steps import validation as check
 from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
-from omni_prefix_cache.steps.step_context import StepTable, step_move
+from omni_prefix_cache.steps.step_context import StepTable
 from omni_prefix_cache.steps.step_layout import SchedSnapshot, StepLayout
 from omni_prefix_cache.steps.step_layout import is_step_token_tensor as _is_step_token_tensor
 from omni_prefix_cache.steps.step_layout import snapshot_leftover_mm_cpu as _snapshot_leftover_mm_cpu
@@ -87,7 +87,7 @@ logger = logging.getLogger(__name__)
 PREFETCH_THREAD_PREFIX = "omni-prefix-cache-prefetch"
 
 
-class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, UpstreamSeams):
+class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, UpstreamSeams):
     """Full-prompt hidden states and token-major mm outputs for one stage.
 
     ``view``: the group view (``GroupViewLike``) save_outputs reads spans and
@@ -151,6 +151,8 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, UpstreamSeams):
         self._materializer = Materializer(self._ledger, self._reads, self._state_lock)
         self._requests = RequestTable(self._detach_request_locked, self._hits.hit_blocks, self._live)
         self._delivery = DeliveryDesk(self._requests, self._state_lock)
+        # The manager's operations of spec/protocol.yaml, compiled once (manager_ops).
+        self._ops = self._compile_facade_ops()
 
     @property
     def components(self) -> ManagerComponents:
@@ -210,39 +212,9 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, UpstreamSeams):
         else:
             # ``_live`` changes only on this (the engine) thread: read unlocked.
             given = seed_step(step, self._live)
-        with self._state_lock:
-            # Checked in every segment: a shutdown between two of them drops
-            # this call's hits and steps, so the call must not go on.
-            self._check_open("new_step_starts")
-            if not self._requests.apply(given.events, given.sequence):
-                return  # a replayed step: nothing moves
-            candidates = [
-                (lk.req_id, lk.start, lk.end, self._hits.hit_blocks(lk.req_id, lk.end, lk.block_ids))
-                for lk in self._requests.take_lookups()
-            ]
-            escalate = self._requests.take_detached()
-            # A step with nothing scheduled has no save: the next snapshot
-            # replaces it. Its hits (if any) stay pending for the next save.
-            self._pending_sched = SchedSnapshot(given.num_scheduled)
-            new_hits = self._hits.register(candidates, given.num_scheduled)
-        if escalate:
-            # Abort too: the block hashes are public, the rows must land.
-            self._controller.escalate(escalate)
-        with self._state_lock:
-            self._check_open("new_step_starts")
-            hit_tokens = sum(hit.num_computed for hit in new_hits)
-            self._counters.update(
-                query_requests=given.queried,
-                query_tokens=given.query_tokens,
-                hit_requests=len(new_hits),
-                hit_tokens=hit_tokens,
-            )
-            self._ledger.commit_drained_locked()
-            jobs = self._hits.plan_many(new_hits, at_save=False)
-            # Started and their futures stored in the segment that planned
-            # them: shutdown (same lock) then cancels or waits for each one,
-            # never forgets a read a prefetch is fetching.
-            self._hits.start_prefetch(jobs)
+        # Operation new_step (compiled): apply the events (state), escalate
+        # what they detached (no lock), plan and start the hits (state).
+        self._run_op(self._ops.new_step, NewStepCall(given), "new_step_starts")
 
     def _detach_request_locked(self, rid: ReqId) -> list[Tid]:
         """The request table's ``detach`` (state lock): drop the pending hit, close the writes."""
@@ -328,18 +300,16 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, UpstreamSeams):
                 # nothing registered.
                 ledger.commit_drained_locked()
                 self._layout.publish_keys(new_slabs, split, self._slot_status)
+                # Save's state segment: the controller's projection (register
+                # the writes), then the manager's (compiled: issue the step,
+                # take tenancy, plan the hits, record the tenures' progress).
                 immediate = ledger.register_immediate_locked(split, claimed, req_order, spans, slots, save.registered)
                 deferred_tids = ledger.register_deferred_locked(split, save.registered)
-                with self._reads.lock:
-                    # Version bumps and preserved copies change together.
-                    ledger.take_tenancy_locked(split, slots, req_order, spans, immediate, deferred_tids)
-                self._hits.replan_same_step_hits(hits, slots)
                 ctx = self._layout.step_context(
                     sid, self._controller, claimed, split, n, req_order, spans, snapshot, mm_event, self._policy
                 )
-                jobs = self._hits.attach_to_step(hits, ctx)
-                self._requests.record_saved(ctx, token_ranges, bool(split.immediate or split.deferred_clone))
-                self._steps.publish_locked(ctx)
+                call = SaveCall(ctx, split, slots, immediate, deferred_tids, hits, token_ranges)
+                self._ops.save.op.segments[0](call)
                 ledger.previous_step_writes = [t.tid for t in immediate]
                 self._counters.update(steps_saved=1, tokens_saved=n)
                 save.published = True
@@ -358,7 +328,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, UpstreamSeams):
             # After a shutdown released this step (and forgot its unstarted
             # reads) nothing is started; its materialize raises the shutdown error.
             if not self._closed:
-                self._hits.start_prefetch(jobs)
+                self._hits.start_prefetch(call.jobs)
         return sid
 
     def materialize(self, step_id: StepId, req_ids: Sequence[ReqId]) -> StageCacheOutputs:
@@ -377,16 +347,19 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, UpstreamSeams):
         """
         check.as_step_id("materialize", step_id)
         req_ids = check.as_req_ids(f"materialize(step {step_id}): req_ids", req_ids)
-        self._check_open(f"materialize(step {step_id})")
-        with self._state_lock:
-            self._check_open(f"materialize(step {step_id})")
-            ctx, move = self._steps.consume_locked(step_id, StepContextTrigger.MATERIALIZE)
+        name = f"materialize(step {step_id})"
+        self._check_open(name)
+        call = StepCall(name, step_id, req_ids=req_ids)
+        # Operation materialize (compiled): consume (state), merge (no lock),
+        # then release the page and drop unread reads, whatever the merge raised.
+        ops = self._ops.materialize
+        self._run_op(ops, call, name, until=1)
         try:
-            self._check_open(f"materialize(step {step_id})")
-            self._ledger.raise_if_failed()
-            return self._materializer.build(ctx, req_ids)
+            self._run_op(ops, call, name, until=2, start=1)
         finally:
-            self._materializer.release(ctx, move)
+            self._run_op(ops, call, name, start=2)
+        assert call.outputs is not None
+        return call.outputs
 
     def discard_step(self, step_id: StepId) -> None:
         """Consume ``step_id`` without building outputs (any thread, exactly
@@ -394,11 +367,10 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, UpstreamSeams):
         Works after a write failure. Raises for an unknown or consumed id,
         and after shutdown (which already released every open step)."""
         check.as_step_id("discard_step", step_id)
-        self._check_open(f"discard_step(step {step_id})")
-        with self._state_lock:
-            self._check_open(f"discard_step(step {step_id})")
-            ctx, move = self._steps.consume_locked(step_id, StepContextTrigger.DISCARD)
-        self._materializer.release(ctx, move)
+        name = f"discard_step(step {step_id})"
+        self._check_open(name)
+        # Operation discard (compiled): consume, release the page, drop the reads.
+        self._run_op(self._ops.discard, StepCall(name, step_id), name)
 
     def shutdown(self) -> None:
         """Stop the prefetch thread and the controller (queued writes land
@@ -409,17 +381,9 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, UpstreamSeams):
         with self._state_lock:
             if self._closed:
                 return
-            self._closed = True
-            open_steps = self._steps.close_locked()
-            self._hits.drop_all()
-            self._pending_sched = None
-        self._hits.prefetch.shutdown(wait=False, cancel_futures=True)
-        for ctx in open_steps:
-            # Cleanup must not raise: a refused release is logged, the rest go on.
-            try:
-                self._materializer.release(ctx, step_move(ctx.step_id, ctx.state, StepContextTrigger.DISCARD))
-            except Exception:
-                logger.exception("omni prefix cache: releasing step %s at shutdown failed", ctx.step_id)
+            # Shutdown's state segment (compiled): close, discard every open
+            # step, release its page, drop every pending read.
+            self._ops.shutdown.op.segments[0](StepCall("shutdown", None))
         self._controller.shutdown()
 
     # ============================================================ helpers
@@ -433,14 +397,17 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, UpstreamSeams):
         failed staging copy, a join): its scheduler snapshot and hits are put
         back, so the engine may call save_outputs again (under a new step id)
         and no row behind a published block hash is lost."""
-        with self._state_lock:
-            if save.published:
-                self._step_ctxs.pop(save.sid, None)
-            # After shutdown nothing is put back: the hits are dropped (shutdown did not see them).
-            can_retry = retry is not None and not self._closed and self._pending_sched is None
-            if self._hits.put_back(hits, can_retry):
-                self._pending_sched = retry
-        self._ledger.abandon_save(save, error)
+        # Operation abandon_save (compiled): restore the step's input (state,
+        # also after shutdown), abandon the page, fail the stranded writes;
+        # then the controller's refund (the same segment's projection).
+        call = AbandonCall(save, hits, error, retry)
+        for lock, segment in zip(self._ops.abandon_save.locks, self._ops.abandon_save.op.segments):
+            if lock == "state":
+                with self._state_lock:
+                    segment(call)
+            else:
+                segment(call)
+        self._ledger.refund_unpinned(save.reserved)
 
     def _check_open(self, call: str) -> None:
         """Raise the shutdown error naming ``call`` once shutdown began. Read

@@ -38,6 +38,7 @@ from omni_prefix_cache.interface import (
     WriteSchedule,
     is_hidden_key,
 )
+from omni_prefix_cache.reads.read_ops import Fetch, compile_read_ops
 from omni_prefix_cache.specs import SpecState, compile_machine, load_spec
 from omni_prefix_cache.specs.types.planned_read import INITIAL, PlannedReadTrigger
 from omni_prefix_cache.specs.types.planned_read import ReadState as ReadState  # re-exported
@@ -45,7 +46,7 @@ from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
 from omni_prefix_cache.steps.slot_tags import READ_FROM_BASELINE, READ_FROM_OWNER, READ_SOURCE, rows_tagged
 from omni_prefix_cache.steps.step_context import KeyLayout
 from omni_prefix_cache.steps.validation import listed
-from omni_prefix_cache.writes.operations import task_failed
+from omni_prefix_cache.writes.operations import active_protocol, task_failed
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ class PlannedRead:
     staged_list: list[StagedRows] = field(default_factory=list)  # JOIN_ON_FINISH owners: read the task
     preserved: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> row
     state: SpecState = INITIAL  # a ReadState
+    # Why planning refused it (guard rows_planned is false), else None.
+    refusal: OmniPrefixCacheUnmatchError | None = None
     _slot_set: set[int] | None = None
 
     @property
@@ -208,6 +211,8 @@ class HitReads:
         self._occupancy = occupancy
         self.lock = reads_lock
         self.registry = PlannedReads(pool)
+        # Operation prefetch and new_step's read moves, compiled once.
+        self.ops = compile_read_ops(active_protocol(), PLANNED_READ_MACHINE, self.registry, self._fetch_rows)
 
     @property
     def pending(self) -> set[PlannedRead]:
@@ -256,10 +261,11 @@ class HitReads:
                 try:
                     self._plan_rows(ref, table.tids, st)
                 except OmniPrefixCacheUnmatchError as exc:
+                    ref.refusal = exc
                     out[i] = exc
         with self.lock:
-            for ref, got in zip(refs, out):
-                self.registry.move(ref, PlannedReadTrigger.REGISTER if got is ref else PlannedReadTrigger.REFUSE)
+            # new_step's read moves (compiled): register where rows_planned, else refuse.
+            self.ops.settle_planned(refs)
         return out
 
     def _plan_rows(self, ref: PlannedRead, tids: torch.Tensor, state: torch.Tensor) -> None:
@@ -320,15 +326,31 @@ class HitReads:
         return buf
 
     def fetch(self, src: PlannedRead, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Read a planned read's rows (never under the state lock; the
-        prefetch thread or a test). Waits for JOIN_NEXT_STEP owners' pool
-        writes, reads the pool, overlays rows of
-        JOIN_ON_FINISH owners and preserved copies, and raises
-        (``ensure_not_overwritten``) when a pool row changed version with no
-        preserved copy. The read is served or failed afterwards (spec planned_read),
-        no longer pending whatever happens."""
-        with self.lock:
-            self.registry.move(src, PlannedReadTrigger.FETCH)
+        """Operation ``prefetch`` (compiled) for one read, never under the
+        state lock (the prefetch thread or a test): ``fetch`` under the
+        reads lock; the rows (``_fetch_rows``) with no lock; then ``serve``,
+        or ``fail`` when the fetch raised, under the reads lock again, and
+        the error is raised. The read is no longer pending either way."""
+        call = Fetch(src, out)
+        lock = self.lock
+        for locked, segment in zip(self.ops.prefetch_locked, self.ops.prefetch.segments):
+            if locked:
+                with lock:
+                    segment(call)
+            else:
+                segment(call)
+        if call.error is not None:
+            raise call.error
+        assert call.rows is not None
+        return call.rows
+
+    def _fetch_rows(self, call: Fetch) -> None:
+        """Effect ``fetch_rows``: wait for JOIN_NEXT_STEP owners' pool
+        writes, read the pool, overlay rows of JOIN_ON_FINISH owners and
+        preserved copies, and check versions (``ensure_not_overwritten``,
+        which raises when a pool row changed version with no preserved
+        copy). What it raises is kept for guard rows_fetched."""
+        src, out = call.ref, call.out
         try:
             if src.join_tids:
                 # Once `done` is set the rows are in the pool. Publishing the
@@ -354,13 +376,9 @@ class HitReads:
                 skip=staged,
             ):
                 rows[pos] = row
-        except BaseException:
-            with self.lock:
-                self.registry.move(src, PlannedReadTrigger.FAIL)
-            raise
-        with self.lock:
-            self.registry.move(src, PlannedReadTrigger.SERVE)
-        return rows
+            call.rows = rows
+        except BaseException as exc:
+            call.error = exc
 
     def ensure_not_overwritten(
         self,

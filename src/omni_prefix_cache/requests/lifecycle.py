@@ -146,11 +146,23 @@ class RequestTable:
         """Apply one step's events in order (state lock). A step whose
         ``sequence`` is at or below the last applied one is a replay and
         applies nothing: returns False. Every event is validated before the
-        first one moves anything (``validate``)."""
-        if sequence is not None:
-            if sequence <= self.last_sequence:
-                return False
+        first one moves anything (``validate``). The facade runs the same
+        three pieces as new_step's compiled first segment: guard
+        ``replayed_step`` (``replayed``), effects ``validate_events`` and
+        ``apply_events`` (``apply_validated``)."""
+        if self.replayed(sequence):
+            return False
         self.validate(events)
+        self.apply_validated(events, sequence)
+        return True
+
+    def replayed(self, sequence: int | None) -> bool:
+        """Guard ``replayed_step``: the step's sequence is at or below the last applied one."""
+        return sequence is not None and sequence <= self.last_sequence
+
+    def apply_validated(self, events: Sequence[PrefixCacheRequestEvent], sequence: int | None) -> None:
+        """Effect ``apply_events``: run ``request_event`` for each event, in
+        order (the step was validated; state lock)."""
         if sequence is not None:
             self.last_sequence = sequence
         current = self.current
@@ -165,7 +177,6 @@ class RequestTable:
                 if cur is not None and cur.state is RequestState.RUNNING and event.owner == cur.owner:
                     continue
             run(TenureMove(self.tenure_of(event.req_id), self, event))
-        return True
 
     def validate(self, events: Sequence[PrefixCacheRequestEvent]) -> None:
         """Raise the invalid-argument error, before anything moves, for an

@@ -163,3 +163,17 @@ class StepTable:
         steps = list(self.open.values())
         self.open.clear()
         return steps
+
+    def discard_all_locked(self) -> list[tuple[StepContext, CompiledMove | None]]:
+        """Shutdown's ``step.discard?``: every open step leaves the table and
+        moves to CONSUMED where the spec lets it (not counted as discarded by
+        the engine); returned with its move (None where there is none), whose
+        effects the caller runs (``step_holder.consume?``)."""
+        out: list[tuple[StepContext, CompiledMove | None]] = []
+        for ctx in self.close_locked():
+            move = STEP_MACHINE.move(ctx.state, StepContextTrigger.DISCARD)
+            if move is not None:
+                ctx.state = move.dest
+                _record(move, ctx)
+            out.append((ctx, move))
+        return out

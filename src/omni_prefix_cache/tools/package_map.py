@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # One line per layer in the picture, top (calls down) to bottom.
 LAYER_NOTES = {
     "manager": "the engine-facing facade",
+    "manager_ops": "the manager's compiled operations",
     "adapter": "scheduler output -> request events",
     "compat": "upstream's private names for its tests",
     "ops": "stats, Prometheus collector",

@@ -440,7 +440,7 @@ def compile_ops(
         eager=make("eager_run"),
         fail=make("fail"),
         join=make("join"),
-        shutdown=make("shutdown"),
+        shutdown=make("shutdown", project=True),
         join_event=join.wait,
         join_raises=guards[join.raises],
     )

@@ -33,7 +33,18 @@ from omni_prefix_cache.testing.modelcheck.world import (
 )
 
 # Protocol effects that change nothing in the model's world (rows are abstract).
-NO_OPS = frozenset({"wake_committer", "copy_to_host", "pool_write", "fetch_rows", "merge_outputs"})
+# A save abandons before it registers a write (nothing stranded) or holds a hit.
+NO_OPS = frozenset(
+    {
+        "wake_committer",
+        "copy_to_host",
+        "pool_write",
+        "fetch_rows",
+        "merge_outputs",
+        "fail_stranded",
+        "restore_step_input",
+    }
+)
 REQUIRED_ROLES = ("task", "position", "task_holder", "step_holder", "step", "slot", "read")
 
 
@@ -401,6 +412,7 @@ class ModelBinding:
             "flush_oldest": outside("flush_oldest"),
             "close_staging": outside("close_staging"),
             "drain_queues": outside("drain_queues"),
+            "close_facade": outside("close_facade"),
         }
 
     def _guards(self) -> dict[str, Callable[[Any], bool]]:

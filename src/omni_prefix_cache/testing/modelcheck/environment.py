@@ -144,6 +144,12 @@ class ModelEnvironment:
                 # A save still in progress has not returned its step id to anyone yet.
                 if st.state == self.f.SAVED and not (th[ENGINE] and th[ENGINE][2][3] == sid):  # type: ignore[misc]
                     yield from self._start(w, READER, "materialize", op_args(sid=sid))
+        if not th[READER] and "prefetch" in self.ops:
+            # the prefetch thread's fetch of a pending read (here on the reader's thread)
+            pending = int(self.f.R["PENDING"])
+            for rid, r in enumerate(w.reads):
+                if r.state == pending:
+                    yield from self._start(w, READER, "prefetch", op_args(rid=rid, sid=r.step))
         # committer
         run = th[COMMITTER]
         if run:

@@ -42,6 +42,7 @@ DRIVERS: dict[str, str] = {
     "fail": "inject_failure",  # an injected copy or pool-write failure of a live or next task
     "join": "join",  # also inside save (barrier, budget flush) and a prefetch of a queued write
     "drain": "drain",  # every facade entry drains; this rule is an entry with nothing scheduled
+    "prefetch": "prefetch_run",  # the prefetch thread, run by hand (paused, resumed, raced)
     "materialize": "materialize",  # possibly lagged: steps wait in a bundle
     "discard": "discard",
     "shutdown": "teardown",
