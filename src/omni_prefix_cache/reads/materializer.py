@@ -2,8 +2,9 @@
 
 ``Materializer.build`` merges each request's rows from the step's staging
 page (immediate keys), its CPU snapshot (deferred keys and leftover mm) and,
-for a prefix hit, the prefetched ``[prefix | tail]`` buffer; ``release`` runs
-the consume move's effects and drops hit reads nobody will look at.
+for a prefix hit, the prefetched ``[prefix | tail]`` buffer (operation
+materialize's ``merge_outputs``; the manager runs the operation,
+``manager_ops``).
 
 Threading: any thread, after the facade consumed the step under the state
 lock; no lock is held on entry. ``build`` takes the state lock briefly to
@@ -31,13 +32,12 @@ from omni_prefix_cache.interface import (
     TensorName,
     is_hidden_key,
 )
-from omni_prefix_cache.reads.planned_read import HitReads, PlannedRead
-from omni_prefix_cache.specs import CompiledMove
+from omni_prefix_cache.reads.planned_read import HitReads
 from omni_prefix_cache.steps.step_context import StepContext
 from omni_prefix_cache.steps.step_layout import payload_for_request
 from omni_prefix_cache.steps.validation import listed
 from omni_prefix_cache.steps.write_ledger import WriteLedger
-from omni_prefix_cache.telemetry.registry import TELEMETRY, dropped
+from omni_prefix_cache.telemetry.registry import TELEMETRY
 
 
 class Materializer:
@@ -237,25 +237,6 @@ class Materializer:
             error.__cause__ = exc
             self._ledger.record_fault(error)
             raise error.again() from exc
-
-    def release(self, ctx: StepContext, move: CompiledMove) -> None:
-        """Run the consume move's effects (release the step holder) and drop
-        hit prefetches nobody will read. Any thread, no lock held; raises
-        what a refused staging release raises (after the cleanup)."""
-        try:
-            for effect in move.effects:
-                effect(ctx)
-        finally:
-            stale: list[PlannedRead] = []
-            for rid, futures in ctx.hit_prefetch.items():
-                for key, fut in futures.items():
-                    if fut.cancel():
-                        dropped(1)
-                        ref = ctx.hit_refs.get(rid, {}).get(key)
-                        if ref is not None:
-                            stale.append(ref)
-            for ref in stale:
-                self._reads.forget(ref)
 
 
 def gather_index(starts: list[int], sizes: list[int]) -> torch.Tensor:

@@ -423,19 +423,19 @@ def _fail_keeps_staging_page(stack: contextlib.ExitStack) -> None:
     "materialize consumes the step but skips its step_holder.consume: the step's staging page is never released",
 )
 def _materialize_keeps_step_page(stack: contextlib.ExitStack) -> None:
-    # Patches Materializer.release (the consume move's effects).
-    import dataclasses
+    # A runtime bug: the manager's binding of materialize's step_holder.consume
+    # releases nothing (discard and shutdown still release).
+    from omni_prefix_cache.manager_ops import ManagerBinding
 
-    from omni_prefix_cache.reads.materializer import Materializer
+    original = ManagerBinding.try_move
 
-    original = Materializer.release
+    def try_move(self: ManagerBinding, role: str, trigger: str) -> Callable[[Any], bool]:
+        attempt: Callable[[Any], bool] = original(self, role, trigger)
+        if (role, trigger) != ("step_holder", "consume"):
+            return attempt
+        return lambda call: True if str(call).startswith("materialize") else attempt(call)
 
-    def release(self: Materializer, ctx: Any, move: Any) -> None:
-        if move.trigger == "materialize":
-            move = dataclasses.replace(move, effects=())
-        original(self, ctx, move)
-
-    _set(stack, Materializer, "release", release)
+    _set(stack, ManagerBinding, "try_move", try_move)
 
 
 # ------------------------------------------------------------------ applying
