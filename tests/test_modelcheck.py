@@ -68,7 +68,9 @@ def test_the_shipped_spec_passes_at_small_bounds(bounds: Bounds) -> None:
 
 def test_a_new_tenant_resets_the_keys_it_does_not_write() -> None:
     # Two keys: a step that leaves the mm key out resets it (slot tenancy); the shipped spec keeps no stale rows.
-    result = check(Bounds(requests=1, tasks=2, slots=1, pages=1, steps=2, reads=1, failures=1, keys=2))
+    result = check(
+        Bounds(requests=1, tasks=2, slots=1, pages=1, steps=2, reads=1, failures=1, keys=2), models=["write"]
+    )
     assert result.ok, result.report()
     assert result.states > 1000
 
@@ -153,7 +155,23 @@ def test_unknown_broken_variant_is_refused() -> None:
 
 
 def test_cli_check_passes_and_reports_counts(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["check", "--requests", "1", "--tasks", "1", "--steps", "1", "--slots", "2", "--pages", "1"])
+    rc = main(
+        [
+            "check",
+            "--requests",
+            "1",
+            "--tasks",
+            "1",
+            "--steps",
+            "1",
+            "--slots",
+            "2",
+            "--pages",
+            "1",
+            "--life-steps",
+            "2",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "states explored:" in out and "max depth:" in out and "OK" in out

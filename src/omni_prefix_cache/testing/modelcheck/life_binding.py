@@ -11,11 +11,11 @@ Operations another operation runs (``request_event``, ``retire_owner``,
 ``retire_delivery``, ``ack_delivery``) run through their compiled form,
 as the runtime's RequestTable and DeliveryDesk run them.
 
-Two readings of the spec's words, stated here because the runtime may
-differ: the *lowest watermark* a resume recovers from is over every
-consumer of the model (one that received nothing is at 0), and
-``commit_output``'s live requests start as the output's own (the effect
-``filter_retired`` narrows them).
+Two readings of the spec's words: the *lowest watermark* a resume recovers
+from is over every consumer of the model, one that received nothing at 0
+(the runtime's ``Tenure.lowest_watermark`` counts every consumer the
+manager has seen); ``commit_output``'s live requests start as the output's
+own, and the effect ``filter_retired`` narrows them.
 """
 
 from __future__ import annotations
