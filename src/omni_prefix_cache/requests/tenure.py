@@ -78,8 +78,12 @@ class Tenure(PrefixCacheRequestProgress):
         return self.delivered_upto.get(consumer, 0)
 
     def lowest_watermark(self) -> int:
-        """Where a recovered hit starts: the least any consumer received."""
-        return min(self.delivered_upto.values(), default=0)
+        """Where a recovered hit starts: the least any consumer of the
+        tenure received. A consumer that took a view but never acknowledged
+        one (a delivery state, no watermark yet) received nothing: 0."""
+        if not self.deliveries:
+            return min(self.delivered_upto.values(), default=0)
+        return min(self.watermark(c) for c in {*self.delivered_upto, *self.deliveries})
 
     def __repr__(self) -> str:
         return (
