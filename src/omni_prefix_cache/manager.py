@@ -90,14 +90,12 @@ PREFETCH_THREAD_PREFIX = "omni-prefix-cache-prefetch"
 class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, UpstreamSeams):
     """Full-prompt hidden states and token-major mm outputs for one stage.
 
-    ``view`` is the group view (``GroupViewLike``: ``block_size``,
-    ``batch_req_ids()``, ``step_slots_cpu(req_ids, num_scheduled)``), over
-    vLLM's input batch in production; it is read only on the engine thread
-    (new_step_starts / save_outputs).
-    ``eager``: None picks eager on machines without CUDA; False runs the
-    threaded committer (CPU copy engine without CUDA). ``committer`` is
-    passed to the controller: "thread" in production; "manual" and
-    "on_demand" let a test step the committer itself.
+    ``view``: the group view (``GroupViewLike``) save_outputs reads spans and
+    slots from when it is given no ``write_layout`` (the seed-era form);
+    engine thread only. The event API (``PrefixCacheSchedulerAdapter``)
+    needs none. ``eager``: None picks eager on machines without CUDA; False
+    runs the threaded committer. ``committer``: "thread" in production;
+    "manual" and "on_demand" let a test step the committer itself.
     """
 
     def __init__(
@@ -199,21 +197,19 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, UpstreamSeams):
         hits the events installed (a RESUMED hit recovers from the slowest
         consumer's watermark) and starts gathering them on the prefetch thread.
 
-        Validate, then mutate: a bad argument (an id that is not a str, a bad
-        count, a hit that is not block aligned or lacks group-0 block ids, an
-        owner change without STARTED or REPLACED) raises
-        OmniPrefixCacheInvalidArgumentError before anything changes. Raises
-        the write-failed error on a sticky failure and the shutdown error
-        after shutdown. Takes the state lock twice; escalation (which runs
-        eager writes inline) happens between, outside it.
-        """
+        Validate, then mutate: a bad argument (a bad id or count, a hit not
+        block aligned or without group-0 block ids, an owner change without
+        STARTED or REPLACED) raises OmniPrefixCacheInvalidArgumentError before
+        anything changes; a sticky failure, the write-failed error; after
+        shutdown, the shutdown error. Takes the state lock twice; escalation
+        (eager writes run inline) happens between, outside it."""
         self._check_open("new_step_starts")
         self._ledger.raise_if_failed()
         if is_event_form(step):
             given = events_step(step, num_scheduled_tokens)  # type: ignore[arg-type]
         else:
-            with self._state_lock:
-                given = seed_step(step, self._live)
+            # ``_live`` changes only on this (the engine) thread: read unlocked.
+            given = seed_step(step, self._live)
         with self._state_lock:
             # Checked in every segment: a shutdown between two of them drops
             # this call's hits and steps, so the call must not go on.
@@ -432,12 +428,11 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, UpstreamSeams):
         self, save: SaveProgress, hits: dict[ReqId, PendingHit], error: BaseException, retry: SchedSnapshot | None
     ) -> None:
         """Undo a failed save: no step context, and (``WriteLedger.abandon_save``)
-        no step holder, no budget no task pinned, no stranded write.
-
-        ``retry``: the save failed before registering anything (a staging
-        timeout, a failed staging copy, a join): its scheduler snapshot and
-        hits are put back, so the engine may call save_outputs again (under
-        a new step id) and no row behind a published block hash is lost."""
+        no step holder, no budget no task pinned, no stranded write. ``retry``:
+        the save failed before registering anything (a staging timeout, a
+        failed staging copy, a join): its scheduler snapshot and hits are put
+        back, so the engine may call save_outputs again (under a new step id)
+        and no row behind a published block hash is lost."""
         with self._state_lock:
             if save.published:
                 self._step_ctxs.pop(save.sid, None)

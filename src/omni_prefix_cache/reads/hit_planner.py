@@ -59,9 +59,9 @@ class PendingHit:
     block_ids: list[int]
     slots: torch.Tensor
     num_scheduled: int
-    hit_start: int = 0
     futures: dict[TensorName, Future[torch.Tensor]] = field(default_factory=dict)
     refs: dict[TensorName, PlannedRead] = field(default_factory=dict)
+    hit_start: int = 0
 
 
 # One planned hit read waiting for the prefetch thread.

@@ -23,6 +23,8 @@ from omni_prefix_cache.interface import (
     OmniPrefixCacheUnmatchError,
     ReqId,
     StageCacheOutputs,
+    output_consumer,
+    output_progress,
 )
 from omni_prefix_cache.requests.lifecycle import RequestBinding, RequestTable
 from omni_prefix_cache.requests.tenure import RequestState, Tenure, TenureMove, no_gap
@@ -116,6 +118,7 @@ class DeliveryDesk:
             )
         items = [self._item(outputs, rid, consumer, "delivery_view") for rid in req_ids]
         with self._lock:
+            self._table.consumers.add(consumer)
             for item in items:
                 self._view.run(item)
         ranges = {item.req_id: item.result for item in items}
@@ -141,8 +144,8 @@ class DeliveryDesk:
         tenure is not retired and is still the id's current or finished one)."""
         if delivery is not None:
             _consumer_of(delivery, "commit_output")
-            for rid, tenure in delivery._progress.items():
-                if outputs._progress.get(rid) is not tenure:
+            for rid, tenure in output_progress(delivery).items():
+                if output_progress(outputs).get(rid) is not tenure:
                     raise OmniPrefixCacheInvalidArgumentError(
                         f"commit_output: the delivery view of request {rid!r} does not belong to this output"
                     )
@@ -154,7 +157,7 @@ class DeliveryDesk:
     # ------------------------------------------------------------- handlers
 
     def _item(self, outputs: StageCacheOutputs, rid: ReqId, consumer: str, call: str) -> _ViewItem:
-        tenure = outputs._progress.get(rid)
+        tenure = output_progress(outputs).get(rid)
         span = outputs.token_ranges.get(rid)
         if not isinstance(tenure, Tenure) or span is None:
             raise OmniPrefixCacheInvalidArgumentError(
@@ -173,7 +176,7 @@ class DeliveryDesk:
         table = self._table
         ctx.live = frozenset(
             rid
-            for rid, tenure in ctx.outputs._progress.items()
+            for rid, tenure in output_progress(ctx.outputs).items()
             if isinstance(tenure, Tenure)
             and tenure.state is not RequestState.RETIRED
             and table.current.get(rid, tenure) is tenure
@@ -202,7 +205,7 @@ def _handoff(ctx: _Commit) -> None:
 
 
 def _consumer_of(view: StageCacheOutputs, call: str) -> str:
-    consumer = view._consumer
+    consumer = output_consumer(view)
     if consumer is None:
         raise OmniPrefixCacheInvalidArgumentError(
             f"{call} needs a delivery view (from delivery_view), not a raw output"
@@ -242,6 +245,6 @@ def _clipped(
         scheduled_token_ranges={
             r: outputs.scheduled_token_ranges[r] for r in req_ids if r in outputs.scheduled_token_ranges
         },
-        _progress={r: outputs._progress[r] for r in req_ids},
+        _progress={r: output_progress(outputs)[r] for r in req_ids},
         _consumer=consumer,
     )

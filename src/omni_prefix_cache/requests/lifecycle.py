@@ -114,6 +114,9 @@ class RequestTable:
         self._lookups: list[Lookup] = []
         self._detached: list[Tid] = []
         self.ignored = 0
+        # Every consumer that took a delivery view: a recovered hit counts
+        # one that never received a tenure's rows at 0 (DeliveryDesk adds).
+        self.consumers: set[str] = set()
         ops = load_protocol().ops
         binding = RequestBinding()
         self._retire_delivery = compile_operation(ops["retire_delivery"], binding, {}, {})
@@ -216,8 +219,13 @@ class RequestTable:
             if opens:
                 owners[rid] = owner
             installs = opens or kind is PrefixCacheEventKind.RESUMED or self._pending_lookup(rid, owners)
-            if installs and event.lookup_complete and event.hit_end > 0:
+            if installs and event.lookup_complete and event.hit_end > self._recovery_start(rid, opens):
                 self._check_hit(rid, int(event.hit_end), event.block_ids)
+
+    def _recovery_start(self, rid: ReqId, opens: bool) -> int:
+        """Where a lookup installed for ``rid`` now would start (0 for a new tenure)."""
+        tenure = None if opens else self.current.get(rid)
+        return 0 if tenure is None else tenure.lowest_watermark(self.consumers)
 
     def _pending_lookup(self, rid: ReqId, opened: dict[ReqId, PrefixCacheRequestOwner | None]) -> bool:
         tenure = self.current.get(rid)
@@ -284,11 +292,12 @@ class RequestTable:
 
     def install_lookup(self, tenure: Tenure, event: PrefixCacheRequestEvent) -> None:
         """Effect ``install_lookup``: the event's hit recovers every position
-        the slowest consumer has not received, ``[lowest watermark, hit_end)``."""
+        the slowest consumer has not received, ``[lowest watermark, hit_end)``
+        (a known consumer this tenure never delivered to counts at 0)."""
         end = int(event.hit_end)
         tenure.lookup = (end, event.block_ids)
         tenure.computed_upto = end
-        start = tenure.lowest_watermark()
+        start = tenure.lowest_watermark(self.consumers)
         if end > start:
             self._lookups = [lk for lk in self._lookups if lk.req_id != tenure.req_id]
             self._lookups.append(Lookup(tenure.req_id, start, end, event.block_ids, tenure))

@@ -116,7 +116,7 @@ def seed_step(scheduler_output: Any, live: Collection[ReqId]) -> StepInput:
                 0,
                 computed,
                 blocks,
-                num_sched.get(rid, 0),  # type: ignore[arg-type]
+                num_sched.get(rid, 0),
             )
         )
     return StepInput(tuple(events), None, num_sched, queried, query_tokens)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from omni_prefix_cache.adapter import PrefixCacheEventKind, PrefixCacheRequestEvent
 from omni_prefix_cache.interface import PrefixCacheRequestProgress, ReqId
@@ -26,8 +26,13 @@ from omni_prefix_cache.specs import CompiledMove, SpecState, compile_machine, lo
 from omni_prefix_cache.specs.types.delivery import DeliveryState
 from omni_prefix_cache.specs.types.request_lifecycle import RequestState
 
-if TYPE_CHECKING:
-    from omni_prefix_cache.requests.lifecycle import RequestTable
+
+class LifecycleHost(Protocol):
+    """What the lifecycle machine's effects call (``RequestTable``)."""
+
+    def install_lookup(self, tenure: Tenure, event: PrefixCacheRequestEvent) -> None: ...
+    def detach_writes(self, tenure: Tenure) -> None: ...
+
 
 __all__ = [
     "DELIVERY_MACHINE",
@@ -77,13 +82,15 @@ class Tenure(PrefixCacheRequestProgress):
     def watermark(self, consumer: str) -> int:
         return self.delivered_upto.get(consumer, 0)
 
-    def lowest_watermark(self) -> int:
-        """Where a recovered hit starts: the least any consumer of the
-        tenure received. A consumer that took a view but never acknowledged
-        one (a delivery state, no watermark yet) received nothing: 0."""
-        if not self.deliveries:
-            return min(self.delivered_upto.values(), default=0)
-        return min(self.watermark(c) for c in {*self.delivered_upto, *self.deliveries})
+    def lowest_watermark(self, consumers: set[str]) -> int:
+        """Where a recovered hit starts: the least any consumer received,
+        counting each of ``consumers`` (every consumer the manager has seen)
+        that this tenure never delivered to at 0."""
+        delivered = self.delivered_upto
+        low = min(delivered.values(), default=0)
+        if low and any(c not in delivered for c in consumers):
+            return 0
+        return low
 
     def __repr__(self) -> str:
         return (
@@ -97,7 +104,7 @@ class TenureMove:
     """The context one lifecycle or delivery move runs on."""
 
     tenure: Tenure | None
-    table: RequestTable | None = None
+    table: LifecycleHost | None = None
     event: PrefixCacheRequestEvent | None = None
     consumer: str = ""
     start: int = 0  # the delivery's available range

@@ -150,7 +150,7 @@ class StepLayout:
     def __init__(
         self,
         config: PrefixCacheConfig,
-        view: GroupViewLike,
+        view: GroupViewLike | None,
         pool: PrefixBlockPool,
         controller: OmniPrefixCacheController,
     ) -> None:
