@@ -257,5 +257,5 @@ class ProtocolChecks:
         self._reported("discard_is_not_delivery")
 
     def resumed_hit_recovers(self) -> None:
-        """A RESUMED hit's output starts at the lowest known watermark."""
+        """A RESUMED hit's output starts at the lowest watermark of the consumers seen."""
         self._reported("resumed_hit_recovers")

@@ -24,7 +24,7 @@ from hypothesis import event
 from omni_prefix_cache.interface import StageCacheOutputs
 from omni_prefix_cache.manager import OmniPrefixCacheManager
 from omni_prefix_cache.requests.delivery import OmniPrefixCacheDeliveryGapError
-from omni_prefix_cache.testing.protocol_tests.lifecycle import OracleTenure
+from omni_prefix_cache.testing.protocol_tests.lifecycle import OracleTenure, TenureOracle
 
 # What a consumer does with an output.
 ACTIONS = ("ack", "ack", "commit", "drop", "skip", "forge")
@@ -61,9 +61,10 @@ def marks(tenures: Iterable[OracleTenure]) -> Marks:
 class Desk:
     """The consumers' calls and their judgement (see the module docstring)."""
 
-    def __init__(self, mgr: OmniPrefixCacheManager, every: list[OracleTenure], errors: dict[str, list[str]]) -> None:
+    def __init__(self, mgr: OmniPrefixCacheManager, oracle: TenureOracle, errors: dict[str, list[str]]) -> None:
         self.mgr = mgr
-        self.every = every  # every tenure the oracle opened
+        self.every = oracle.every  # every tenure the oracle opened
+        self.consumers = oracle.consumers  # every consumer that asked for a view
         self.errors = errors
         self.inbox: list[Output] = []  # the client's, oldest first
 
@@ -113,6 +114,7 @@ class Desk:
             if not rids:
                 return
         before = marks(self.every)
+        self.consumers.add(consumer)
         try:
             view = self.mgr.delivery_view(out.outs, rids, consumer=consumer)
         except OmniPrefixCacheDeliveryGapError as exc:
@@ -124,7 +126,6 @@ class Desk:
                 event(f"a retired tenure's output: {action}")
             elif out.expected[rid][0] < tenure.wm.get(consumer, 0) < out.expected[rid][1]:
                 event("a view clipped below the watermark")
-            tenure.known.add(consumer)
             self._check_view(out, view, rid, consumer, what)
         self.unmoved(before, "discard_is_not_delivery", f"{what}: delivery_view (never an acknowledgement)")
         if action == "ack":
@@ -140,6 +141,7 @@ class Desk:
 
     def _refused_view(self, out: Output, rids: list[str], consumer: str, gap: Any, what: str) -> None:
         before = marks(self.every)
+        self.consumers.add(consumer)  # seen before the view's first request is checked
         try:
             self.mgr.delivery_view(out.outs, rids, consumer=consumer)
         except OmniPrefixCacheDeliveryGapError:
@@ -147,11 +149,6 @@ class Desk:
         else:
             bad = [r for r in rids if gap(r)]
             self._err("gap_raises", f"{what}: delivery_view crossed a gap for {bad} ({[out.tenures[r] for r in bad]})")
-        # The view ran per request in order: those before the first gap are known now.
-        for rid in rids:
-            if gap(rid):
-                break
-            out.tenures[rid].known.add(consumer)
         self.unmoved(before, "gap_raises", f"{what}: a refused delivery_view")
 
     def _check_view(self, out: Output, view: StageCacheOutputs, rid: str, consumer: str, what: str) -> None:
@@ -174,7 +171,6 @@ class Desk:
     def _acked(self, out: Output, view: StageCacheOutputs, rids: Iterable[str], consumer: str) -> None:
         for rid in rids:
             tenure = out.tenures[rid]
-            tenure.known.add(consumer)
             end = view.token_ranges[rid][1]
             if end > tenure.wm.get(consumer, 0):
                 tenure.wm[consumer] = end

@@ -17,6 +17,7 @@ from hypothesis import event
 from hypothesis import strategies as st
 
 from omni_prefix_cache.adapter import PrefixCacheEventKind, PrefixCacheStep
+from omni_prefix_cache.interface import output_progress
 from omni_prefix_cache.manager import OmniPrefixCacheManager
 from omni_prefix_cache.testing.protocol_tests.consumers import ACTIONS, Desk, Output
 from omni_prefix_cache.testing.protocol_tests.lifecycle import CONSUMERS, EventEngine, OracleTenure, TenureOracle
@@ -85,6 +86,10 @@ class LifecycleDrivers:
         tenures = self.step_tenures.pop(sid)
         recover = self.recover_at.pop(sid, {})
         out = Output(sid, outs, tenures, {e.rid: (e.start, e.end) for e in planned.expects})
+        progress = output_progress(outs)
+        for rid, tenure in tenures.items():
+            if progress.get(rid) is not tenure.runtime:
+                self.prefetch_errors.append(f"step {sid}: the output of {rid} is not tied to its tenure {tenure}")
         for rid, start in recover.items():
             got = outs.token_ranges.get(rid)
             if got is None or got[0] != start:
@@ -119,7 +124,7 @@ class LifecycleDrivers:
     def drive_resume(self, data: Any) -> int | None:
         """A running request is preempted and scheduled again at once: it is
         RESUMED with the hit its blocks still give, which recovers what the
-        slowest known consumer has not received."""
+        slowest consumer has not received."""
         rid = data.draw(st.sampled_from(sorted(r.rid for r in self.model.running())), label="preempt")
         self.model.preempt(rid)
         sid: int | None = self.drive_new_step(data, admit_only=rid)

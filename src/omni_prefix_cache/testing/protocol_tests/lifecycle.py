@@ -12,7 +12,7 @@ manager's own guards are what the tests judge.
 one ``OracleTenure`` per (request id, owner), updated from the events the
 engine sent, the saves and the acknowledgements, with no cache at all. It
 says where a materialized output must start (a RESUMED hit recovers from the
-lowest watermark of the consumers the tenure knows) and, per consumer, what
+lowest watermark of the consumers the manager has seen) and, per consumer, what
 each view must hold.
 """
 
@@ -40,9 +40,8 @@ CONSUMERS = ("talker", "client")
 @dataclass(eq=False)
 class OracleTenure:
     """What the reference knows of one tenure: the highest token end saved
-    and served from the cache, each consumer's watermark, the consumers the
-    manager knows (a successful view or acknowledgement), and the manager's
-    own tenure object (outputs must carry exactly it)."""
+    and served from the cache, each consumer's watermark and the manager's
+    own tenure object."""
 
     rid: str
     owner: Owner
@@ -52,12 +51,12 @@ class OracleTenure:
     saved: int = 0
     served: int = 0
     wm: dict[str, int] = field(default_factory=dict)
-    known: set[str] = field(default_factory=set)
     runtime: Any = None
 
-    def lowest(self) -> int:
-        """Where a recovered hit starts: the least a known consumer received."""
-        return min((self.wm.get(c, 0) for c in self.known), default=0)
+    def lowest(self, consumers: set[str]) -> int:
+        """Where a recovered hit starts: the least any consumer received,
+        every consumer the manager has seen (``consumers``) counting."""
+        return min((self.wm.get(c, 0) for c in consumers | {c for c, w in self.wm.items() if w}), default=0)
 
     def bound(self) -> int:
         """No watermark may pass this: what was saved or served."""
@@ -70,11 +69,13 @@ class OracleTenure:
 
 class TenureOracle:
     """Tenures by request id (the current or last finished one) and every
-    tenure ever opened (``every``), moved as the spec says the events move them."""
+    tenure ever opened (``every``), moved as the spec says the events move
+    them; ``consumers``: every consumer that asked for a delivery view."""
 
     def __init__(self) -> None:
         self.current: dict[str, OracleTenure] = {}
         self.every: list[OracleTenure] = []
+        self.consumers: set[str] = set()
 
     def _open(self, rid: str, owner: Owner) -> OracleTenure:
         old = self.current.get(rid)
@@ -89,7 +90,7 @@ class TenureOracle:
         """A lookup: the hit serves ``[lowest, hit_end)``; returns its start
         when it serves anything."""
         tenure.admitted = False
-        start = tenure.lowest()
+        start = tenure.lowest(self.consumers)
         tenure.served = max(tenure.served, hit_end)
         return start if hit_end > start else None
 

@@ -106,7 +106,7 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
         self.oracle = TenureOracle()
         self.engine = EventEngine(self.model, self.oracle)
         self.adapter = PrefixCacheSchedulerAdapter()
-        self.desk = Desk(self.mgr, self.oracle.every, self.violations)
+        self.desk = Desk(self.mgr, self.oracle, self.violations)
         self.step_tenures: dict[int, dict[str, OracleTenure]] = {}
         self.recovering: dict[str, int] = {}  # this step's RESUMED hits: where each must start
         self.recover_at: dict[int, dict[str, int]] = {}
