@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omni_prefix_cache.block_pool import PrefixBlockPool
-from omni_prefix_cache.device.row_scatter import SlabScatter, block_starts, int_view
+from omni_prefix_cache.device.row_scatter import BLOCKS_BELOW_ROW_BYTES, SlabScatter, int_view, leads_with_a_block
 from omni_prefix_cache.interface import PrefixCacheConfig
 from omni_prefix_cache.writes.chunks import WriteChunk
 from omni_prefix_cache.writes.write_task import WriteSchedule, WriteTask
@@ -64,32 +64,51 @@ def _block(b: int) -> list[int]:
 
 def test_a_run_of_whole_blocks_goes_as_blocks() -> None:
     slots = _block(9) + _block(2) + _block(5)
-    assert _scatter(slots) == (12, True)
+    assert _scatter(slots) == (3 * BS, True)
+
+
+def test_whole_blocks_out_of_order_inside_are_rows() -> None:
+    # Every row's block is whole as a set, but one block's rows come swapped.
+    slots = _block(9) + _block(2)
+    slots[BS + 1], slots[BS + 2] = slots[BS + 2], slots[BS + 1]
+    assert _scatter(slots) == (BS, True)
+    slots = _block(2) + _block(9)
+    slots[1], slots[2] = slots[2], slots[1]
+    assert _scatter(slots) == (0, True)
+
+
+def test_whole_blocks_then_a_partial_tail() -> None:
+    # A deferred key's whole request: three blocks, then 2 rows into a fourth.
+    slots = _block(4) + _block(11) + _block(0) + [6 * BS, 6 * BS + 1]
+    assert _scatter(slots) == (3 * BS, True)
 
 
 def test_partial_blocks_at_both_ends_go_row_by_row() -> None:
-    # Starts 1 row into block 3, ends 2 rows into block 6: blocks 4 and 5 are whole.
+    # Starts 1 row into block 3, ends 2 rows into block 6.
     slots = list(range(3 * BS + 1, 6 * BS + 2))
-    assert block_starts(np.array(slots), BS).tolist() == [BS - 1, 2 * BS - 1]
-    assert _scatter(slots) == (2 * BS, True)
+    assert _scatter(slots) == (0, True)
 
 
-def test_a_mixed_step_writes_each_part_its_way() -> None:
-    # A prefill of two whole blocks, a chunk ending mid-block, a misaligned run,
-    # then decode rows, one per request.
+def test_a_mixed_step_writes_every_row() -> None:
+    # Two whole blocks, a chunk ending mid-block, a misaligned run, then decode rows.
     slots = _block(7) + _block(1) + list(range(10 * BS, 10 * BS + 3)) + _block(12) + [5 * BS + 2, 14 * BS + 1, 3]
-    assert _scatter(slots) == (3 * BS, True)
+    assert _scatter(slots) == (2 * BS, True)  # up to the first partial block
+    tail = [s for s in slots if s // BS not in (7, 1, 12)]
+    assert _scatter(_block(7) + _block(1) + _block(12) + tail) == (3 * BS, True)
+    assert _scatter([5 * BS + 2, *slots]) == (0, True)  # opens mid-block
 
 
 def test_decode_one_row_per_request_goes_row_by_row() -> None:
     slots = [b * BS + (b % BS) for b in range(NUM_BLOCKS)]
+    assert not leads_with_a_block(np.array(slots), BS)
     assert _scatter(slots) == (0, True)
 
 
 def test_a_gap_inside_a_block_breaks_it() -> None:
     # Slot 2 * BS + 1 missing (taken over by a newer write): block 2 is not whole.
     slots = [s for s in _block(2) + _block(3) if s != 2 * BS + 1]
-    assert _scatter(slots) == (BS, True)
+    assert _scatter(slots) == (0, True)
+    assert _scatter(_block(3) + [s for s in _block(2) if s != 2 * BS + 1]) == (BS, True)
 
 
 @pytest.mark.parametrize(
@@ -110,10 +129,17 @@ def test_a_gap_inside_a_block_breaks_it() -> None:
         *([torch.float8_e4m3fn] if hasattr(torch, "float8_e4m3fn") else []),
     ],
 )
-@pytest.mark.parametrize("width", [1, 3, 8])
+@pytest.mark.parametrize("width", [1, 3])
 def test_every_dtype_and_width_matches_the_row_path(dtype: torch.dtype, width: int) -> None:
-    slots = _block(3) + list(range(8 * BS + 1, 10 * BS)) + [13 * BS + 2]
+    slots = _block(3) + _block(8) + list(range(10 * BS + 1, 11 * BS)) + [13 * BS + 2]
     assert _scatter(slots, width, dtype) == (2 * BS, True)
+
+
+def test_wide_rows_go_row_by_row_and_match() -> None:
+    # A row as wide as BLOCKS_BELOW_ROW_BYTES copies about as fast on its own: no block view.
+    slots = _block(3) + _block(8) + list(range(10 * BS + 1, 11 * BS))
+    assert _scatter(slots, BLOCKS_BELOW_ROW_BYTES // 2, torch.bfloat16) == (0, True)
+    assert _scatter(slots, BLOCKS_BELOW_ROW_BYTES // 2 - 4, torch.bfloat16) == (2 * BS, True)
 
 
 def test_nan_payloads_and_signed_zeros_land_bitwise() -> None:
@@ -140,18 +166,18 @@ def test_any_unique_slots_match_the_row_path(runs: list[tuple[int, int]]) -> Non
     slots: list[int] = []
     for start, length in runs:
         slots += [s for s in range(start, min(start + length, NUM_SLOTS)) if s not in slots]
-    # Whole blocks by their definition, one row at a time.
-    whole_at = [i for i in range(len(slots) - BS + 1) if slots[i : i + BS] == list(range(slots[i], slots[i] + BS))]
-    expected_whole = BS * sum(1 for i in whole_at if slots[i] % BS == 0)
-    assert _scatter(slots) == (expected_whole, True)
+    # The leading whole blocks by their definition, one block at a time.
+    lead = 0
+    while lead + BS <= len(slots) and slots[lead : lead + BS] == _block(slots[lead] // BS):
+        lead += BS
+    assert _scatter(slots) == (lead, True)
 
 
-def test_block_starts_needs_aligned_back_to_back_slots() -> None:
-    assert block_starts(np.array([1, 2, 3, 4, 5, 6, 7, 8]), BS).tolist() == [3]
-    assert block_starts(np.array([4, 5, 6]), BS).tolist() == []
-    assert block_starts(np.array([0, 1, 2, 3, 4, 5, 6, 7, 8]), BS).tolist() == [0, 4]
-    assert block_starts(np.array([4, 5, 7, 6]), BS).tolist() == []
-    assert block_starts(np.array([3, 9, 2]), 1).tolist() == [0, 1, 2]
+def test_leads_with_a_block_reads_the_first_block_only() -> None:
+    assert leads_with_a_block(np.array([4, 5, 6, 7, 1]), BS)
+    assert not leads_with_a_block(np.array([1, 2, 3, 4, 5]), BS)  # not aligned
+    assert not leads_with_a_block(np.array([4, 5, 6]), BS)  # too short
+    assert not leads_with_a_block(np.array([4, 9, 6, 8]), BS)  # the 4th is not 4 + 3
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.complex128])

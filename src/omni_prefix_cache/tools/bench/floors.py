@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from omni_prefix_cache.interface import HIDDEN_KEY
-from omni_prefix_cache.tools.bench.scenarios import DEFERRED_KEY, Scenario, mm_key
+from omni_prefix_cache.tools.bench.scenarios import DEFERRED_KEY, DEFERRED_WIDTH, Scenario, mm_key
 
 
 def floor_us(tensors: list[torch.Tensor]) -> tuple[float, float]:
@@ -84,8 +84,8 @@ class Rig:
         widths = {HIDDEN_KEY: sc.hidden, **{k: sc.mm_width for k in self.mm}}
         self.deferred: torch.Tensor | None = None
         if sc.deferred:
-            widths[DEFERRED_KEY] = 16
-            self.deferred = torch.randn((max_n, 16), generator=gen).to(sc.dtype)
+            widths[DEFERRED_KEY] = DEFERRED_WIDTH
+            self.deferred = torch.randn((max_n, DEFERRED_WIDTH), generator=gen).to(sc.dtype)
         self.floor_src = {
             k: torch.randn((max(4 * max_n, 8192), w), generator=gen).to(sc.dtype) for k, w in widths.items()
         }

@@ -25,7 +25,14 @@ import torch
 from omni_prefix_cache.interface import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
 from omni_prefix_cache.tools.bench.floors import Rig, StepFloors, returned_rows
 from omni_prefix_cache.tools.bench.results import ScenarioResult
-from omni_prefix_cache.tools.bench.scenarios import DEFERRED_KEY, Scenario, StepInput, plan_steps
+from omni_prefix_cache.tools.bench.scenarios import (
+    DEFERRED_KEY,
+    DEFERRED_WIDTH,
+    Scenario,
+    StepInput,
+    mm_key,
+    plan_steps,
+)
 from omni_prefix_cache.tools.simulate.batch import SimGroupView
 
 ManagerFactory = Callable[[PrefixCacheConfig, Any, bool], Any]
@@ -187,6 +194,7 @@ class Samples:
             materialize_us_per_request=m50 / per_step,
             staging_copy_us=pct([f.staging_copy_us for f in fl], 50),
             move_floor_us=pct([f.move_us for f in fl], 50),
+            memcpy_bound_us=2.0 * pct([f.staging_copy_us for f in fl], 50),
             hit_rows_per_step=self.hit_rows / steps,
             engine_cpu_us_p50=ec,
             materialize_cpu_us_p50=mc,
@@ -202,6 +210,24 @@ class Samples:
             engine_faults_p50=pct([t.engine_faults for t in ts], 50) if faults else None,
             materialize_faults_p50=pct([t.materialize_faults for t in ts], 50) if faults else None,
         )
+
+
+def warm_pool(mgr: Any, sc: Scenario) -> bool:
+    """Open ``mgr``'s pool slabs for every key ``sc`` saves and write each
+    page once (zeros, what a fresh slab holds), before its first step: the
+    steady state of a server whose pool was filled once, where no pool
+    write takes a first-touch page fault. False (nothing done) when the
+    manager exposes no pool (a test's stand-in)."""
+    components = getattr(mgr, "components", None)
+    pool = getattr(components, "pool", None)
+    if pool is None:
+        return False
+    widths = {HIDDEN_KEY: sc.hidden, **{mm_key(i): sc.mm_width for i in range(sc.mm_keys)}}
+    if sc.deferred:
+        widths[DEFERRED_KEY] = DEFERRED_WIDTH
+    for key, width in widths.items():
+        pool.ensure_key(key, sc.dtype, width).zero_()
+    return True
 
 
 def start_manager(
@@ -239,19 +265,22 @@ def run_scenario(
     on_step: Callable[[], None] | None = None,
     forward_us: float = 0.0,
     during_timed: TimedHook | None = None,
+    warm: bool = False,
 ) -> ScenarioResult:
     """Replay ``sc`` against a fresh manager; time the facade calls and the memcpy floors.
     ``on_step`` is called after every step (warmup included), outside the timed spans.
     ``forward_us``: the engine thread sleeps that long between ``new_step_starts`` and
     ``save_outputs`` (a forward pass), not counted in the engine time.
     ``during_timed(manager)``: a context entered before the first timed step
-    and left after the last (also on an error), before the manager shuts down."""
+    and left after the last (also on an error), before the manager shuts down.
+    ``warm``: the pool's slabs are opened and written once first (``warm_pool``)."""
     iters = sc.iters if iters is None else iters
     warmup = sc.warmup if warmup is None else warmup
     steps = plan_steps(sc, warmup + iters, seed)
     max_n = max(s.n for s in steps)
     view = SimGroupView(sc.block_size)
     mgr, committer_cpu = start_manager(sc, max_n, view, eager, manager_factory)
+    warmed = warm and warm_pool(mgr, sc)
     rig = Rig(sc, max_n, seed)
     samples = Samples()
     gc.collect()
@@ -280,5 +309,6 @@ def run_scenario(
             mgr.shutdown()
     mode = "eager" if eager else "threaded"
     result = samples.result(sc.name, mode, committer_clocked=committer_cpu is not None, forward_us=forward_us)
+    result.warm_pool = warmed
     result.judge(sc.targets)
     return result
