@@ -25,14 +25,7 @@ import torch
 from omni_prefix_cache.interface import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
 from omni_prefix_cache.tools.bench.floors import Rig, StepFloors, returned_rows
 from omni_prefix_cache.tools.bench.results import ScenarioResult
-from omni_prefix_cache.tools.bench.scenarios import (
-    DEFERRED_KEY,
-    DEFERRED_WIDTH,
-    Scenario,
-    StepInput,
-    mm_key,
-    plan_steps,
-)
+from omni_prefix_cache.tools.bench.scenarios import DEFERRED_KEY, Scenario, StepInput, plan_steps
 from omni_prefix_cache.tools.simulate.batch import SimGroupView
 
 ManagerFactory = Callable[[PrefixCacheConfig, Any, bool], Any]
@@ -212,21 +205,23 @@ class Samples:
         )
 
 
-def warm_pool(mgr: Any, sc: Scenario) -> bool:
-    """Open ``mgr``'s pool slabs for every key ``sc`` saves and write each
-    page once (zeros, what a fresh slab holds), before its first step: the
-    steady state of a server whose pool was filled once, where no pool
-    write takes a first-touch page fault. False (nothing done) when the
-    manager exposes no pool (a test's stand-in)."""
-    components = getattr(mgr, "components", None)
-    pool = getattr(components, "pool", None)
+def warm_pool(mgr: Any) -> bool:
+    """Make every pool slab ``mgr`` opens from now on come with each page
+    written once (zeros, what a fresh slab holds): the steady state of a
+    server whose pool was filled once, where no pool write takes a
+    first-touch page fault. A slab opens in the first save that has its
+    key, a warmup step, so the writing is never timed. False (nothing
+    done) when the manager exposes no pool (a test's stand-in)."""
+    pool = getattr(getattr(mgr, "components", None), "pool", None)
     if pool is None:
         return False
-    widths = {HIDDEN_KEY: sc.hidden, **{mm_key(i): sc.mm_width for i in range(sc.mm_keys)}}
-    if sc.deferred:
-        widths[DEFERRED_KEY] = DEFERRED_WIDTH
-    for key, width in widths.items():
-        pool.ensure_key(key, sc.dtype, width).zero_()
+    new_slab: Callable[[torch.dtype, int], torch.Tensor] = pool.new_slab
+
+    def touched(dtype: torch.dtype, width: int) -> torch.Tensor:
+        return new_slab(dtype, width).zero_()
+
+    # On this pool instance only: the manager opens slabs through it.
+    setattr(pool, "new_slab", touched)  # noqa: B010
     return True
 
 
@@ -280,7 +275,7 @@ def run_scenario(
     max_n = max(s.n for s in steps)
     view = SimGroupView(sc.block_size)
     mgr, committer_cpu = start_manager(sc, max_n, view, eager, manager_factory)
-    warmed = warm and warm_pool(mgr, sc)
+    warmed = warm and warm_pool(mgr)
     rig = Rig(sc, max_n, seed)
     samples = Samples()
     gc.collect()
