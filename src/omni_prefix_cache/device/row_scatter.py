@@ -18,9 +18,9 @@ block_size * width)`` view of the slab in one assignment (the source's
 rows viewed, never gathered), and the rest from its first partial block on
 row by row. A write starting mid-block and decode's single rows go row by
 row: finding whole blocks further inside would cost more numpy calls than
-copying those rows as blocks saves. Only narrow
-rows try blocks at all (``BLOCKS_BELOW_ROW_BYTES``): numpy copies a row of
-a few hundred bytes one by one about as fast as a block.
+copying those rows as blocks saves. Only narrow rows try blocks at all
+(``BLOCKS_BELOW_ROW_BYTES``): numpy copies a row of a few hundred bytes one
+by one about as fast as a block.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ import torch
 
 # Integer views tried, widest first: fewer, wider elements per row.
 _INT_VIEWS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
-# Only rows narrower than this look for whole blocks. Measured (2048 rows in
-# 128 whole blocks of 16, one core): one by one against as blocks, 4 KiB rows
+# Only rows narrower than this look for whole blocks. Measured (numpy fancy
+# assignment into a warm slab, 2048 rows in 128 whole blocks of 16, one
+# core): one by one against as blocks, 4 KiB rows
 # 589 / 584 us, 1 KiB 145 / 141, 512 B 61 / 41, 256 B 20 / 11, 32 B 17 / 2.6;
 # finding the blocks costs 10-16 us per 2048 rows and 1.5 us per 64 (numpy
 # calls), so they pay only below 64 B a row (a narrow deferred key's whole
