@@ -82,6 +82,7 @@ def test_a_run_reports_the_memcpy_bound_and_both_sweeps() -> None:
     rep = run_bench(["decode"], iters=2, warmup=1, modes=("eager", "threaded"))
     for r in rep.results:
         assert r.memcpy_bound_us == pytest.approx(2 * r.staging_copy_us) and r.memcpy_bound_us > 0
+        assert r.staging_copy_cpu_us > 0
     assert [r.name for r in rep.sweep] == [r.name for r in rep.sweep_threaded] == ["decode_16", "decode", "decode_256"]
     assert {r.mode for r in rep.sweep_threaded} == {"threaded"}
     assert "memcpy bound (2 x staging copy)" in format_report(rep)

@@ -188,6 +188,7 @@ class Samples:
             staging_copy_us=pct([f.staging_copy_us for f in fl], 50),
             move_floor_us=pct([f.move_us for f in fl], 50),
             memcpy_bound_us=2.0 * pct([f.staging_copy_us for f in fl], 50),
+            staging_copy_cpu_us=pct([f.staging_copy_cpu_us for f in fl], 50),
             hit_rows_per_step=self.hit_rows / steps,
             engine_cpu_us_p50=ec,
             materialize_cpu_us_p50=mc,

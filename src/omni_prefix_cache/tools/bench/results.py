@@ -72,6 +72,7 @@ class ScenarioResult:
     # D2H copy into the staging page, then the same bytes into the pool at
     # memcpy speed), what a pool write at memory bandwidth would cost.
     memcpy_bound_us: float = 0.0
+    staging_copy_cpu_us: float = 0.0  # the staging copy's thread CPU time (what the engine's CPU compares with)
     hit_rows_per_step: float = 0.0
     # Thread CPU time of the calling thread (time another process or thread ran is not counted).
     engine_cpu_us_p50: float = 0.0

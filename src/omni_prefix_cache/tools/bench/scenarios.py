@@ -80,12 +80,16 @@ PREFILL_TARGETS = (
         lambda r: f"memcpy bound {r.memcpy_bound_us:.0f} us, staging copy + pool index_copy_ {r.move_floor_us:.0f} us",
     ),
     Target(
+        # CPU against CPU: on a busy machine the copy's wall time grows, its CPU time does not.
         "engine cpu - staging copy",
-        lambda r: r.engine_cpu_us_p50 - r.staging_copy_us,
+        lambda r: r.engine_cpu_us_p50 - r.staging_copy_cpu_us,
         lambda r: 300.0,
         "<= 300 us",
         ("threaded",),
-        lambda r: f"engine thread cpu {r.engine_cpu_us_p50:.0f} us, staging copy {r.staging_copy_us:.0f} us",
+        lambda r: (
+            f"engine thread cpu {r.engine_cpu_us_p50:.0f} us, staging copy cpu {r.staging_copy_cpu_us:.0f} us "
+            f"(wall {r.staging_copy_us:.0f} us)"
+        ),
     ),
     Target("materialize / floor", lambda r: r.materialize_ratio, lambda r: 2.5, "<= 2.5x", ("eager", "threaded")),
 )
