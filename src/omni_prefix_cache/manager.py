@@ -62,6 +62,7 @@ from omni_prefix_cache.interface import (
     Tid,
 )
 from omni_prefix_cache.ops.manager_stats import ManagerStats
+from omni_prefix_cache.ops.trace_session import open_trace
 from omni_prefix_cache.reads.hit_planner import HitPlanner, PendingHit
 from omni_prefix_cache.reads.materializer import Materializer
 from omni_prefix_cache.reads.planned_read import HitReads
@@ -138,6 +139,7 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
         # Process-wide (the compiled machines are): see telemetry.registry.
         if config.metrics:
             TELEMETRY.enable()
+        open_trace(self, config)  # opt-in (docs/trace.md): before the controller compiles its operations
         self._pool = PrefixBlockPool(config)
         # ``engine``: where rows leave the device (default: CUDA lanes when
         # CUDA exists and eager is off, else host copies; a fake injects faults).
