@@ -39,6 +39,7 @@ DEFAULT_CAPACITY = 1 << 18  # records held in memory before new ones are lost
 DEFAULT_INTERVAL_S = 0.05
 
 _now = time.monotonic_ns
+_dumps = json.JSONEncoder(separators=(",", ":"), default=str).encode
 _ident = threading.get_ident
 
 
@@ -146,9 +147,10 @@ class Trace:
         self._seq = 0
         self._file: IO[str] = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
         self._stop = threading.Event()
+        self._flush_lock = threading.Lock()  # one drainer at a time: lines stay in record order
         self.closed = False
         head = {"k": "trace", "v": FORMAT_VERSION, "pid": os.getpid(), "t": _now(), **(header or {})}
-        self._file.write(json.dumps(head, default=str) + "\n")
+        self._file.write(_dumps(head) + "\n")
         self._file.flush()
         self._writer = threading.Thread(target=self._loop, name="omni-prefix-cache-trace", daemon=True)
         self._writer.start()
@@ -237,7 +239,8 @@ class Trace:
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):
-            self._drain()
+            with self._flush_lock:
+                self._drain()
 
     def _drain(self) -> None:
         q, lines = self._q, []
@@ -246,7 +249,7 @@ class Trace:
             lines.append(self._line(pop()))
         lost, self._lost = self._lost, 0
         if lost:
-            lines.append(json.dumps({"k": "lost", "i": self._next(), "n": lost}))
+            lines.append(_dumps({"k": "lost", "i": self._next(), "n": lost}))
         if lines and not self._file.closed:
             self._file.write("\n".join(lines) + "\n")
             self._file.flush()
@@ -300,7 +303,13 @@ class Trace:
                 out["err"] = err
             if result is not None:
                 out["res"] = result
-        return json.dumps(out, default=str)
+        return _dumps(out)
+
+    def flush(self) -> None:
+        """Write what the ring holds now (any thread; the writer does this
+        every ``interval_s`` anyway)."""
+        with self._flush_lock:
+            self._drain()
 
     def close(self) -> None:
         """Write what is left, a ``close`` record, and close the file."""
@@ -310,9 +319,10 @@ class Trace:
         self._stop.set()
         if self._writer is not threading.current_thread():
             self._writer.join(timeout=5.0)
-        self._drain()
+        with self._flush_lock:
+            self._drain()
         if not self._file.closed:
-            self._file.write(json.dumps({"k": "close", "i": self._next(), "t": _now()}) + "\n")
+            self._file.write(_dumps({"k": "close", "i": self._next(), "t": _now()}) + "\n")
             self._file.close()
         atexit.unregister(self.close)
 

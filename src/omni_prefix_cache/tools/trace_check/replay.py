@@ -80,6 +80,7 @@ class Replay:
     def __init__(self, view: SpecView | None = None) -> None:
         self.view = view or SpecView()
         self.state: dict[tuple[str, Any], int] = {}
+        self.names = {name: tuple(s.name for s in m.State) for name, m in self.view.machines.items()}
         self.slots: dict[str, np.ndarray] = {}
         self.num_slots = 0
         self.open: dict[int, _Open] = {}
@@ -114,6 +115,12 @@ class Replay:
             for i, rec in enumerate(records):
                 self.index = i
                 kind = rec["k"]
+                if rec.get("i", i + 1) != i + 1:
+                    raise self.fail(
+                        "record_sequence",
+                        f"record {i + 1} of the file is numbered {rec.get('i')}: records were dropped, "
+                        "reordered or edited (every record carries its place, i)",
+                    )
                 if kind == "lost":
                     res.lost_at = i
                     break
@@ -146,13 +153,13 @@ class Replay:
         about = [(name, iid)]
         if machine is None:
             raise self.fail("move_legal", f"machine {name!r} is not in spec/ ({sorted(self.view.machines)})", about)
-        states = machine.State
+        names = self.names[name]
         cur = self.state.get((name, iid), int(machine.initial))
         trigger = rec["tr"]
-        if rec["s"] != states(cur).name:
+        if rec["s"] != names[cur]:
             raise self.fail(
                 "move_legal",
-                f"{name} {rec['id']}: {trigger} recorded from {rec['s']}, but the replay holds {states(cur).name}",
+                f"{name} {rec['id']}: {trigger} recorded from {rec['s']}, but the replay holds {names[cur]}",
                 about,
             )
         move = machine.move(cur, trigger)
@@ -272,6 +279,8 @@ class Replay:
         run = rec.get("run")
         for_each = self.view.for_each.get(op)
         insts = [inst_key(i, for_each) for i in iids] if iids else [None]
+        # The named ordering rules first: where one covers a step order it names it.
+        self._orderings(rec, op, item, insts, about)
         if run is not None:
             opened = self.open.get(run)
             if opened is not None:
@@ -295,7 +304,6 @@ class Replay:
                             about,
                         )
                     opened.cursor[k] = nxt + 1
-        self._orderings(rec, op, item, insts, about)
 
     def _orderings(self, rec: dict[str, Any], op: str, item: Item, insts: list[Any], about: list[Any]) -> None:
         for n, rule in enumerate(self.view.orderings):

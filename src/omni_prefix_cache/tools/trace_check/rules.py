@@ -96,6 +96,8 @@ class Invariants:
         self.moves += 1
         fail = self.replay.fail
         trigger = rec["tr"]
+        if name == self.machine["task"] and move.dest.is_terminal:
+            self.bound.pop(iid, None)  # done: no later save waits for it
         if name == self.machine["task"] and "set_done" in move.spec.effects:
             deferred = rec.get("x") is True and "set_done" in move.spec.deferrable
             if not deferred and iid not in self.published:
@@ -129,17 +131,13 @@ class Invariants:
                 )
         elif name == self.machine["step"] and trigger == "save":
             call = rec.get("call")
-            open_tasks = [t for t, c in self.bound.items() if c != call and not self._task_final(t)]
+            open_tasks = [t for t, c in self.bound.items() if c != call]  # bound holds unfinished tasks only
             if open_tasks:
                 raise fail(
                     "save_waits_previous_writes",
                     f"step {iid}: save mapped its slots while earlier immediate writes {open_tasks[:8]} were not done",
                     [("task", t) for t in open_tasks[:4]] + [(name, iid)],
                 )
-
-    def _task_final(self, tid: Any) -> bool:
-        machine = self.replay.view.machines[self.machine["task"]]
-        return machine.State(self.replay.state.get((machine.spec.name, tid), int(machine.initial))).is_terminal
 
     def on_rows(self, rec: dict[str, Any], move: Any) -> None:
         self.row_moves += 1
