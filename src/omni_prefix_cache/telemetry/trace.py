@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import json
+import operator
 import os
 import threading
 import time
@@ -85,7 +86,7 @@ def _id_getter(kind: type) -> Callable[[Any], Any]:
         return lambda key: [trace_id(part) for part in key]
     for attr in ("trace_id", "tid", "step_id"):
         if hasattr(kind, attr) or attr in getattr(kind, "__dataclass_fields__", {}):
-            return lambda key, attr=attr: getattr(key, attr)
+            return operator.attrgetter(attr)
     return _by_identity()
 
 
@@ -226,7 +227,9 @@ class Trace:
         self._emit(("call", _now(), _ident(), c.call, op, 0, -1, step, facade, args))
         return prev
 
-    def returned(self, facade: str, prev: tuple[int, str, int, int, int], error: BaseException | None, result: Any) -> None:
+    def returned(
+        self, facade: str, prev: tuple[int, str, int, int, int], error: BaseException | None, result: Any
+    ) -> None:
         c = self.ctx
         err = None if error is None else [type(error).__name__, str(error)[:300]]
         self._emit(("ret", _now(), _ident(), c.call, c.op, 0, -1, c.step, facade, err, result))
@@ -344,7 +347,9 @@ class TraceRecorder:
     """A compiled machine's recorder while a trace is open: each move goes
     to the trace and, when metrics are on, to ``metrics`` as well."""
 
-    def __init__(self, machine: str, labels: Sequence[tuple[str, str, str]], trace: Trace, metrics: MoveRecorder | None):
+    def __init__(
+        self, machine: str, labels: Sequence[tuple[str, str, str]], trace: Trace, metrics: MoveRecorder | None
+    ):
         self.machine = machine
         self.trace = trace
         self.metrics = metrics

@@ -47,7 +47,7 @@ def compile_controller_ops(spec: ProtocolSpec, binding: ControllerBinding, table
         {name: trace.effect(name, run, _many) for name, run in batch_effects.items()},
         batch_guards,
     )
-    traced = {f.name: _traced(spec, getattr(ops, f.name), trace) for f in fields(ops)}
+    traced: dict[str, Any] = {f.name: _traced(spec, getattr(ops, f.name), trace) for f in fields(ops)}
     return replace(ops, **{name: op for name, op in traced.items() if op is not None})
 
 

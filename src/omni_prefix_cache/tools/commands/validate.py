@@ -69,8 +69,7 @@ def validate_file(path: Path, *, json_out: bool = False, out: Any = None) -> int
             notes.append("no close record: the process did not shut the trace down")
         print(
             f"{path}: {res.records} records, {res.moves} moves, {res.rows} row moves, {res.segments} segments "
-            f"replayed in {res.seconds:.2f}s"
-            + (f" ({'; '.join(notes)})" if notes else ""),
+            f"replayed in {res.seconds:.2f}s" + (f" ({'; '.join(notes)})" if notes else ""),
             file=out,
         )
         print(f"  judged: {', '.join(res.judged)}", file=out)

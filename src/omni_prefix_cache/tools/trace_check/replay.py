@@ -185,7 +185,11 @@ class Replay:
         src, trigger = int(machine.State[rec["s"]]), rec["tr"]
         move = machine.move(src, trigger)
         if move is None or move.dest.name != rec["d"]:
-            raise self.fail("move_legal", f"{name} key {rec.get('key')!r}: spec {name} has no {trigger} {rec['s']} -> {rec['d']}", about)
+            raise self.fail(
+                "move_legal",
+                f"{name} key {rec.get('key')!r}: spec {name} has no {trigger} {rec['s']} -> {rec['d']}",
+                about,
+            )
         ranges = rec.get("slots")
         if ranges is not None:
             arr = self._slot_array(str(rec.get("key")), max(s + n for s, n in ranges) if ranges else 0, machine)

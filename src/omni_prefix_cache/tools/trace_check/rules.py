@@ -13,12 +13,10 @@ the protocol's effects by their spec names.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from omni_prefix_cache.interface import OmniPrefixCacheWriteFailedError
-
-if TYPE_CHECKING:
-    from omni_prefix_cache.tools.trace_check.replay import Replay
+from omni_prefix_cache.tools.trace_check.specview import SpecView
 
 # Judged here, by name (each must be an invariant of the composition).
 JUDGED = (
@@ -67,10 +65,22 @@ def inst_key(iid: Any, for_each: str | None) -> Any:
     return iid
 
 
+class ReplayState(Protocol):
+    """What the checkers read of the replay (``replay.Replay``)."""
+
+    view: SpecView
+    state: dict[tuple[str, Any], int]
+    index: int
+
+    def fail(self, rule: str, message: str, about: list[tuple[str, Any]] | None = None) -> Stop: ...
+
+    def open_elsewhere(self, inst: Any, thread: str) -> bool: ...
+
+
 class Invariants:
     """Checkers of the invariants in ``JUDGED`` (and the settled end)."""
 
-    def __init__(self, replay: Replay) -> None:
+    def __init__(self, replay: ReplayState) -> None:
         self.replay = replay
         view = replay.view
         self.machine = view.role_machine
@@ -112,7 +122,9 @@ class Invariants:
                 self.page_of[iid] = page
                 if isinstance(iid, tuple) and iid[0] == "task":
                     self.bound[iid[1]] = rec.get("call")
-                    steps = [h for h, p in self.page_of.items() if p == page and isinstance(h, tuple) and h[0] == "step"]
+                    steps = [
+                        h for h, p in self.page_of.items() if p == page and isinstance(h, tuple) and h[0] == "step"
+                    ]
                     if not steps:
                         raise fail(
                             "task_views_step_page",
