@@ -7,7 +7,9 @@ and racing tests; it prints ``killed K of N; generated tests alone: G of N``.
 A mutant is killed only when a run fails an assertion of a named invariant
 (a spec invariant, a generated checker or a racing test's ``@invariant``) or
 of the row oracle (a message starting "row oracle:"); any other failure (a
-crash, a timeout) is reported but not counted (``kill_reason``).
+crash, a timeout) is reported but not counted (``kill_reason``). Beside
+each verdict, ``[trace: ...]`` says whether validating a recorded simulate
+run of the mutant (``trace_mutants``) alone catches it; it changes no verdict.
 
 The mutants themselves live in ``mutant_catalogue``, which runs this on
 ``python -m omni_prefix_cache.testing.mutant_catalogue``.
@@ -176,18 +178,25 @@ def run_catalogue(
         f"mutant catalogue: {len(chosen)} mutants, {jobs} at a time; generated tests "
         f"{', '.join(GENERATED_TESTS)} alone first, then {', '.join(OTHER_KILLER_TESTS)}"
     )
-    killed = alone = 0
+    from omni_prefix_cache.testing.trace_mutants import trace_verdict
+
+    killed = alone = traced = 0
     total = time.monotonic()
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        for name, (first, result) in zip(chosen, pool.map(lambda n: judge(n, invariants), chosen)):
+        verdicts = pool.map(lambda n: (*judge(n, invariants), trace_verdict(n)), chosen)
+        for name, (first, result, trace) in zip(chosen, verdicts):
             killed += result.killed
             alone += first.killed
+            traced += trace.startswith("caught")
             if result is first:
                 where = "[generated]" if first.killed else "[generated; no other tests]"
             else:
                 where = f"[generated: {first.verdict}; others: {result.verdict}]"
             seconds = first.seconds + (result.seconds if result is not first else 0.0)
-            print(f"  {name:38s} {result.verdict:9s} {seconds:6.1f}s  {result.reason}  {where}  {result.test[:70]}")
+            print(
+                f"  {name:38s} {result.verdict:9s} {seconds:6.1f}s  {result.reason}  {where}  "
+                f"[trace: {trace}]  {result.test[:70]}"
+            )
             sys.stdout.flush()
     if names is None and candidates:
         print(f"candidates (not counted): {', '.join(sorted(candidates))}")
@@ -199,6 +208,7 @@ def run_catalogue(
             explored += why is not None
             print(f"  explore {name:38s} {'killed by ' + why if why else 'not killed'} ({token})", flush=True)
         print(f"explore killed {explored} of {len(chosen)}")
+    print(f"trace validation of a recorded run alone caught {traced} of {len(chosen)} (reported, not counted)")
     print(f"killed {killed} of {len(chosen)}; generated tests alone: {alone} of {len(chosen)}")
     return 0 if killed == len(chosen) and alone == len(chosen) else 1
 
