@@ -331,3 +331,42 @@ def test_validate_exit_statuses(threaded: TraceFile, tmp_path: Path) -> None:
     assert cli.main(["validate", str(tmp_path / "missing.jsonl")]) == cli.EXIT_USAGE
     (tmp_path / "junk.jsonl").write_text("not json\n")
     assert cli.main(["validate", str(tmp_path / "junk.jsonl")]) == cli.EXIT_ERROR
+
+
+@pytest.fixture(scope="module")
+def faulted(tmp_path_factory: pytest.TempPathFactory) -> TraceFile:
+    """gpu-check's device-fault scenario (fake lanes): a write fails, the
+    failure turns sticky, shutdown fails what is left."""
+    from omni_prefix_cache.tools import gpu_check
+
+    check = gpu_check.check_device_fault(gpu_check.fake_backend(0.0))
+    assert check.ok, check.numbers
+    return read_trace(check.numbers["trace"]["path"])
+
+
+def test_failed_run_trace_validates(faulted: TraceFile) -> None:
+    res = validate_trace(faulted)
+    assert res.violation is None, format_violation(faulted, res.violation)
+    assert any(_is(r, "fx", name="publish_failed") for r in faulted.records)
+    assert any(r.get("err", [""])[0] == "OmniPrefixCacheWriteFailedError" for r in faulted.records)
+
+
+def test_wake_before_record_breaks_failure_record_before_wakes(faulted: TraceFile) -> None:
+    """fail's wake segment moved ahead of its publish_failed."""
+
+    def early(records: Records) -> None:
+        i = _find(records, lambda r: _is(r, "fx", name="publish_failed", op="fail"))
+        begin = _find(records, lambda r: _is(r, "seg", op="fail", seg=2, ids=records[i]["ids"]), i)
+        end = _find(records, lambda r: _is(r, "end", run=records[begin]["run"]), begin)
+        block = records[begin : end + 1]
+        del records[begin : end + 1]
+        records[i:i] = block
+
+    assert _rule(_edited(faulted, early)) == "failure_record_before_wakes"
+
+
+def test_wake_without_record_breaks_done_after_record(faulted: TraceFile) -> None:
+    def drop(records: Records) -> None:
+        del records[_find(records, lambda r: _is(r, "fx", name="publish_failed"))]
+
+    assert _rule(_edited(faulted, drop)) == "done_after_record"

@@ -90,6 +90,7 @@ class Invariants:
         self.bound: dict[Any, Any] = {}  # task -> the call whose save bound its holder (immediate writes)
         self.page_of: dict[Any, Any] = {}  # holder -> page
         self.sticky_at: int | None = None
+        self.early_wakes: set[tuple[Any, int]] = set()  # (tid, record) of wakes ahead of any record
         self.shut_down = False
 
     def coverage(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -159,13 +160,9 @@ class Invariants:
         if name in ("publish_completed", "publish_failed"):
             self.published.update(iids)
         elif name == "wake_failed":
-            early = [i for i in iids if i not in self.published]
-            if early:
-                raise self.replay.fail(
-                    "done_after_record",
-                    f"task {early[0]}: its failure wakes ran before its failure record was published",
-                    [("task", early[0])],
-                )
+            # A record published later is the ordering rule failure_record_before_wakes's
+            # to report (at the publish); one never published is judged at the end.
+            self.early_wakes.update((i, self.replay.index) for i in iids if i not in self.published)
 
     def on_segment_end(self, rec: dict[str, Any], op: str, insts: list[Any], thread: str) -> None:
         if self.replay.view.for_each.get(op) != "task":
@@ -201,8 +198,16 @@ class Invariants:
             self.shut_down = True
 
     def on_close(self, rec: dict[str, Any]) -> None:
-        """After a clean shutdown every instance of a machine with final
-        states is in one (nothing left mid-lifecycle)."""
+        """No failure wake without its record; after a clean shutdown every
+        instance of a machine with final states is in one."""
+        never = sorted((at, str(tid)) for tid, at in self.early_wakes if tid not in self.published)
+        if never:
+            at, tid = never[0]
+            raise self.replay.fail(
+                "done_after_record",
+                f"task {tid}: its failure wakes ran (record {at + 1}) and no failure record was ever published",
+                [("task", tid)],
+            )
         if not self.shut_down:
             return
         view = self.replay.view
