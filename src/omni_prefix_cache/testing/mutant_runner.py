@@ -18,12 +18,13 @@ The mutants themselves live in ``mutant_catalogue``, which runs this on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -37,13 +38,17 @@ KILLER_TESTS = GENERATED_TESTS + OTHER_KILLER_TESTS
 
 
 class Described(Protocol):
-    """What the runner reads of a mutant: its name and its bug in one line."""
+    """What the runner reads of a mutant: its name, its bug in one line, and
+    its patch (applied in ``--trace-child``)."""
 
     @property
     def name(self) -> str: ...
 
     @property
     def bug(self) -> str: ...
+
+    @property
+    def patch(self) -> Callable[[contextlib.ExitStack], None]: ...
 
 
 def invariant_names(tests: tuple[str, ...] = KILLER_TESTS) -> frozenset[str]:
@@ -226,7 +231,15 @@ def main(argv: list[str] | None, mutants: Mapping[str, Described], candidates: M
     parser.add_argument(
         "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="mutants judged in parallel (default: 2)"
     )
+    parser.add_argument("--trace-child", nargs=2, metavar=("NAME", "FOLDER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.trace_child:  # trace_mutants' child: record runs with one mutant applied
+        from omni_prefix_cache.testing.trace_mutants import record_runs
+
+        name, folder = args.trace_child
+        with contextlib.ExitStack() as stack:
+            {**candidates, **mutants}[name].patch(stack)
+            return record_runs(folder)
     if args.list:
         for m in mutants.values():
             print(f"{m.name:38s} {m.bug}")

@@ -8,7 +8,9 @@ its last flush, and the child is killed past ``TIMEOUT_S``). The verdict is
 ``caught by RULE`` or ``not caught``; it is reported beside the kill verdict
 and never changes it.
 
-``python -m omni_prefix_cache.testing.trace_mutants NAME FOLDER`` is the child.
+The child is ``python -m omni_prefix_cache.testing.mutant_catalogue
+--trace-child NAME FOLDER`` (the catalogue applies the mutant, then calls
+``record_runs``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def trace_verdict(name: str) -> str:
     with tempfile.TemporaryDirectory(prefix="trace-mutant-") as tmp:
         try:
             subprocess.run(
-                [sys.executable, "-m", __name__, name, tmp],
+                [sys.executable, "-m", "omni_prefix_cache.testing.mutant_catalogue", "--trace-child", name, tmp],
                 timeout=TIMEOUT_S,
                 capture_output=True,
                 env=dict(os.environ),
@@ -49,24 +51,20 @@ def trace_verdict(name: str) -> str:
     return "not caught"
 
 
-def _child(name: str, folder: str) -> int:
-    from omni_prefix_cache.testing.mutant_catalogue import applied
+def record_runs(folder: str) -> int:
+    """The child's runs, with the mutant already applied: one recorded
+    simulation per mode into ``folder``."""
     from omni_prefix_cache.tools.simulate import SimConfig, WorkloadConfig, run_simulation
 
-    with applied(name):
-        for mode in MODES:
-            cfg = SimConfig(
-                steps=STEPS,
-                workload=WorkloadConfig(arrival_steps=STEPS // 2),
-                eager=mode == "eager",
-                trace_path=str(Path(folder) / f"{mode}.jsonl"),
-            )
-            try:
-                run_simulation(cfg)
-            except Exception as exc:  # the run's own failure: the trace still says what happened
-                print(f"{mode} run raised {type(exc).__name__}: {exc}", file=sys.stderr)
+    for mode in MODES:
+        cfg = SimConfig(
+            steps=STEPS,
+            workload=WorkloadConfig(arrival_steps=STEPS // 2),
+            eager=mode == "eager",
+            trace_path=str(Path(folder) / f"{mode}.jsonl"),
+        )
+        try:
+            run_simulation(cfg)
+        except Exception as exc:  # the run's own failure: the trace still says what happened
+            print(f"{mode} run raised {type(exc).__name__}: {exc}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_child(*sys.argv[1:3]))
