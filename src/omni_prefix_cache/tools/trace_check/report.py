@@ -10,6 +10,7 @@ from typing import Any
 from omni_prefix_cache.tools.trace_check.reader import TraceFile
 from omni_prefix_cache.tools.trace_check.replay import Result
 from omni_prefix_cache.tools.trace_check.rules import Violation
+from omni_prefix_cache.tools.trace_check.specview import SpecView
 
 AROUND = 4  # records shown before and after the violation
 EXCERPT = 16  # most records of the excerpt
@@ -20,18 +21,33 @@ def _ids(rec: dict[str, Any]) -> list[Any]:
     return ids if isinstance(ids, list) else [] if ids is None else [ids]
 
 
-def _touches(rec: dict[str, Any], about: list[tuple[str, Any]]) -> bool:
+def _instance_machines() -> tuple[frozenset[str], frozenset[str]]:
+    """Machines whose instances are named by the instance of a ``for_each``
+    operation (a task names its task, its queue position, its holder), and
+    the ``for_each`` roles."""
+    view = SpecView()
+    roles = frozenset(r for r in view.for_each.values() if r)
+    return frozenset(m for op, moves in view.op_moves.items() if view.for_each.get(op) for m, _ in moves), roles
+
+
+def _touches(rec: dict[str, Any], about: list[tuple[str, Any]], linked: tuple[frozenset[str], frozenset[str]]) -> bool:
+    machines, roles = linked
+    rid = rec.get("id")
+    rid = tuple(rid) if isinstance(rid, list) else rid
     for what, iid in about:
-        plain = list(iid) if isinstance(iid, tuple) else iid
-        if rec.get("m") == what and (rec.get("id") == plain or rec.get("key") == plain):
+        if what == "call":
+            if rec.get("call") == iid:
+                return True
+            continue
+        if rec.get("m") == what and (rid == iid or rec.get("key") == iid):
             return True
-        if what in ("task", "call") or what not in ("op",):
-            if rec.get("id") in (plain, ["task", plain]) and what == "task":
-                return True
-            if plain in _ids(rec) and what != "call":
-                return True
-            if what == "call" and rec.get("call") == plain:
-                return True
+        # The same instance under the other roles of its operation.
+        key = iid[1] if isinstance(iid, tuple) and len(iid) == 2 else iid
+        owner = rid[1] if isinstance(rid, tuple) and len(rid) == 2 and rid[0] in roles else rid
+        if (what in machines or what in roles) and rec.get("m") in machines and owner == key:
+            return True
+        if key in _ids(rec) and rec["k"] in ("seg", "end", "fx", "wait"):
+            return True
     return False
 
 
@@ -66,7 +82,8 @@ def describe(rec: dict[str, Any]) -> str:
 def excerpt(trace: TraceFile, violation: Violation) -> list[dict[str, Any]]:
     """The records (up to the violating one) of the instances it involves."""
     upto = trace.records[: violation.index + 1]
-    out = [r for r in upto if _touches(r, violation.about)]
+    linked = _instance_machines()
+    out = [r for r in upto if _touches(r, violation.about, linked)]
     if not out or out[-1] is not upto[-1]:
         out.append(upto[-1])
     return out[-EXCERPT:]
