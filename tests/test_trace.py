@@ -370,3 +370,30 @@ def test_wake_without_record_breaks_done_after_record(faulted: TraceFile) -> Non
         del records[_find(records, lambda r: _is(r, "fx", name="publish_failed"))]
 
     assert _rule(_edited(faulted, drop)) == "done_after_record"
+
+
+def test_full_ring_drops_and_says_so(tmp_path: Path) -> None:
+    """A ring that fills drops new records, counts them and writes a lost
+    record; validate checks up to it and reports the trace incomplete."""
+    from omni_prefix_cache.telemetry.trace import Trace
+
+    path = tmp_path / "small.jsonl"
+    trace = Trace(path, capacity=4, interval_s=3600.0)
+    try:
+        for n in range(10):
+            trace.call("register_policy", "", {"n": n}, -1)
+    finally:
+        trace.close()
+    parsed = read_trace(path)
+    kinds = [r["k"] for r in parsed.records]
+    assert kinds == ["call"] * 4 + ["lost", "close"]
+    assert parsed.records[4]["n"] == 6
+    assert validate_trace(parsed).lost_at == 4
+
+
+def test_mutant_column_catches_a_skipped_save_barrier() -> None:
+    """``make mutants``' trace column: a recorded run of the mutant that
+    skips the save barrier fails validation by the invariant it breaks."""
+    from omni_prefix_cache.testing.trace_mutants import trace_verdict
+
+    assert trace_verdict("save_skips_previous_write_barrier").startswith("caught by save_waits_previous_writes")
