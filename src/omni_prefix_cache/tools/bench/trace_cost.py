@@ -100,13 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         off, on = out["off"], out["on"]
         print(f"trace cost, {out['mode']}, {args.steps} steps x {args.rounds} rounds, load {out['load_average']}")
-        print(
-            f"  engine us/step p50  off {off['engine_us_p50']:8.1f}  on {on['engine_us_p50']:8.1f}  ratio {out['ratio_engine_p50']:.3f}"
-        )
+        ratio = out["ratio_engine_p50"]
+        print(f"  engine us/step p50  off {off['engine_us_p50']:8.1f}  on {on['engine_us_p50']:8.1f}  ratio {ratio:.3f}")
         print(f"  engine us/step p99  off {off['engine_us_p99']:8.1f}  on {on['engine_us_p99']:8.1f}")
-        print(
-            f"  wall ms/step        off {off['wall_ms_per_step']:8.3f}  on {on['wall_ms_per_step']:8.3f}  ratio {out['ratio_wall']:.3f}"
-        )
+        wall_off, wall_on, ratio = off["wall_ms_per_step"], on["wall_ms_per_step"], out["ratio_wall"]
+        print(f"  wall ms/step        off {wall_off:8.3f}  on {wall_on:8.3f}  ratio {ratio:.3f}")
         print(f"  trace {on['bytes_per_step'] / 1024:.1f} KiB/step, {on['records_per_step']:.0f} records/step")
         print(f"  validate {on['validate_s']:.2f}s (replay {on['replay_s']:.2f}s) for a {on['run_s']:.2f}s run")
     return 0 if out["all_ok"] else 1
