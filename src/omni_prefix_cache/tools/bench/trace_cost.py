@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         off, on = out["off"], out["on"]
         print(f"trace cost, {out['mode']}, {args.steps} steps x {args.rounds} rounds, load {out['load_average']}")
         ratio = out["ratio_engine_p50"]
-        print(f"  engine us/step p50  off {off['engine_us_p50']:8.1f}  on {on['engine_us_p50']:8.1f}  ratio {ratio:.3f}")
+        print(
+            f"  engine us/step p50  off {off['engine_us_p50']:8.1f}  on {on['engine_us_p50']:8.1f}  ratio {ratio:.3f}"
+        )
         print(f"  engine us/step p99  off {off['engine_us_p99']:8.1f}  on {on['engine_us_p99']:8.1f}")
         wall_off, wall_on, ratio = off["wall_ms_per_step"], on["wall_ms_per_step"], out["ratio_wall"]
         print(f"  wall ms/step        off {wall_off:8.3f}  on {wall_on:8.3f}  ratio {ratio:.3f}")
