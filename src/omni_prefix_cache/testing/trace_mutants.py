@@ -1,8 +1,11 @@
 """Does trace validation alone catch a mutant? (``make mutants``' trace column)
 
-Per mutant, a child process applies it (``mutant_catalogue.applied``), runs a
-short recorded simulation (threaded committer, lagged materialize, and the
-same again eager) and exits; the parent then validates the trace the child
+Per mutant, a child process applies it and records short runs: the
+simulation (threaded committer, lagged materialize; the same again eager),
+the simulation again with one immediate write's pool write failing
+(``testing.write_fakes``: the failure record, the sticky failure, shutdown
+failing what is left, paths a clean run never takes), and gpu-check's
+device-fault scenario on the fake CUDA runtime; then it exits; the parent then validates the trace the child
 left, whatever became of the run (a crash or a hang leaves the trace up to
 its last flush, and the child is killed past ``TIMEOUT_S``). The verdict is
 ``caught by RULE`` or ``not caught``; it is reported beside the kill verdict
@@ -20,10 +23,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 TIMEOUT_S = 60
-STEPS = 200
-MODES = ("threaded", "eager")
+STEPS = 160
+MODES = ("threaded", "eager", "failing", "fault")
+FAILING_TID = 30  # the write whose pool write the "failing" run fails
 
 
 def trace_verdict(name: str) -> str:
@@ -57,14 +62,33 @@ def record_runs(folder: str) -> int:
     from omni_prefix_cache.tools.simulate import SimConfig, WorkloadConfig, run_simulation
 
     for mode in MODES:
+        path = Path(folder) / f"{mode}.jsonl"
+        if mode == "fault":
+            from omni_prefix_cache.tools import gpu_check
+
+            try:
+                gpu_check.check_device_fault(gpu_check.fake_backend(0.0), timeout_s=20.0, trace=path)
+            except Exception as exc:
+                print(f"{mode} run raised {type(exc).__name__}: {exc}", file=sys.stderr)
+            continue
         cfg = SimConfig(
             steps=STEPS,
             workload=WorkloadConfig(arrival_steps=STEPS // 2),
             eager=mode == "eager",
-            trace_path=str(Path(folder) / f"{mode}.jsonl"),
+            trace_path=str(path),
         )
         try:
-            run_simulation(cfg)
+            run_simulation(cfg, manager_factory=_failing_manager if mode == "failing" else None)
         except Exception as exc:  # the run's own failure: the trace still says what happened
             print(f"{mode} run raised {type(exc).__name__}: {exc}", file=sys.stderr)
     return 0
+
+
+def _failing_manager(config: Any, view: Any, eager: bool) -> Any:
+    """A threaded manager whose pool write of task ``FAILING_TID`` raises."""
+    from omni_prefix_cache.manager import OmniPrefixCacheManager
+    from omni_prefix_cache.testing.write_fakes import install_failing_stages
+
+    mgr = OmniPrefixCacheManager(config, view, eager=False)
+    install_failing_stages(mgr.components.controller, lambda task: False, lambda task: task.tid == FAILING_TID)
+    return mgr

@@ -254,7 +254,10 @@ def check_copy_failure(backend: Backend) -> Check:
 
 
 def check_device_fault(
-    backend: Backend, timeout_s: float = 60.0, report: Callable[[dict[str, Any]], None] | None = None
+    backend: Backend,
+    timeout_s: float = 60.0,
+    report: Callable[[dict[str, Any]], None] | None = None,
+    trace: Path | None = None,
 ) -> Check:
     """Materialize raises on a device fault, the next call raises the sticky
     error, shutdown returns: all within ``timeout_s``. ``report`` gets the
@@ -264,7 +267,7 @@ def check_device_fault(
     engine = backend.make_engine()
     view = SimGroupView(4)
     # Traced: a faulted run's trace (sticky failure included) must validate too.
-    trace = Path(tempfile.mkdtemp(prefix="gpu-check-")) / "device_fault.jsonl"
+    trace = trace or Path(tempfile.mkdtemp(prefix="gpu-check-")) / "device_fault.jsonl"
     cfg = PrefixCacheConfig(
         num_blocks=16, block_size=4, staging_capacity_tokens=64, staging_claim_timeout_s=10.0, trace_path=str(trace)
     )
