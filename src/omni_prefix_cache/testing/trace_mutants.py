@@ -64,10 +64,11 @@ def record_runs(folder: str) -> int:
     for mode in MODES:
         path = Path(folder) / f"{mode}.jsonl"
         if mode == "fault":
-            from omni_prefix_cache.tools import gpu_check
+            from omni_prefix_cache.tools.gpu_backends import fake_backend
+            from omni_prefix_cache.tools.gpu_check import check_device_fault
 
             try:
-                gpu_check.check_device_fault(gpu_check.fake_backend(0.0), timeout_s=20.0, trace=path)
+                check_device_fault(fake_backend(0.0), timeout_s=20.0, trace=path)
             except Exception as exc:
                 print(f"{mode} run raised {type(exc).__name__}: {exc}", file=sys.stderr)
             continue
