@@ -397,3 +397,22 @@ def test_mutant_column_catches_a_skipped_save_barrier() -> None:
     from omni_prefix_cache.testing.trace_mutants import trace_verdict
 
     assert trace_verdict("save_skips_previous_write_barrier").startswith("caught by save_waits_previous_writes")
+
+
+def test_failing_pool_write_trace_validates(tmp_path: Path) -> None:
+    """A simulation whose pool write of one immediate write fails: the
+    failure record, the sticky failure and shutdown's fails all conform."""
+    from omni_prefix_cache.testing.trace_mutants import failing_manager
+
+    path = tmp_path / "failing.jsonl"
+    res = run_simulation(
+        SimConfig(steps=160, workload=WorkloadConfig(arrival_steps=80), eager=False, trace_path=str(path)),
+        manager_factory=failing_manager,
+    )
+    assert res.error is not None and "write failed" in res.error
+    trace = read_trace(path)
+    checked = validate_trace(trace)
+    assert checked.violation is None, format_violation(trace, checked.violation)
+    assert any(_is(r, "fx", name="publish_failed") for r in trace.records)
+    raised = [r for r in trace.records if r["k"] == "ret" and r.get("err")]
+    assert raised and raised[0]["err"][0] == "OmniPrefixCacheWriteFailedError"

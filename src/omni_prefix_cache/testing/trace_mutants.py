@@ -79,13 +79,13 @@ def record_runs(folder: str) -> int:
             trace_path=str(path),
         )
         try:
-            run_simulation(cfg, manager_factory=_failing_manager if mode == "failing" else None)
+            run_simulation(cfg, manager_factory=failing_manager if mode == "failing" else None)
         except Exception as exc:  # the run's own failure: the trace still says what happened
             print(f"{mode} run raised {type(exc).__name__}: {exc}", file=sys.stderr)
     return 0
 
 
-def _failing_manager(config: Any, view: Any, eager: bool) -> Any:
+def failing_manager(config: Any, view: Any, eager: bool) -> Any:
     """A threaded manager whose pool write of task ``FAILING_TID`` raises."""
     from omni_prefix_cache.manager import OmniPrefixCacheManager
     from omni_prefix_cache.testing.write_fakes import install_failing_stages
