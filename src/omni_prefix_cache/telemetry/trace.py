@@ -186,7 +186,9 @@ class Trace:
 
     def segment(self, op: str, index: int, lock: str, run: Callable[[Any], Any], ids: Callable[[Any], Any]) -> Any:
         """``run`` (a compiled segment) recording its begin and end, under
-        whatever lock its caller took (``ids(ctx)``: the instances it moves)."""
+        whatever lock its caller took (``ids(ctx)``: the instances it moves,
+        one object or a list, named by the writer: ``trace_id`` runs on the
+        writer thread only, so an id is given once)."""
         runs, ctx_of = self._runs, self.ctx
 
         def traced(ctx: Any) -> Any:
@@ -293,11 +295,11 @@ class Trace:
             if slots is not None:
                 out["slots"] = _ranges(slots)
         elif kind == "seg":
-            out["lock"], out["ids"] = rest
+            out["lock"], out["ids"] = rest[0], _names(rest[1])
         elif kind == "end":
-            out["ids"] = rest[0]
+            out["ids"] = _names(rest[0])
         elif kind in ("fx", "wait"):
-            out["name"], out["ids"] = rest
+            out["name"], out["ids"] = rest[0], _names(rest[1])
         elif kind == "call":
             out["f"], out["args"] = rest
         elif kind == "ret":
@@ -328,6 +330,15 @@ class Trace:
             self._file.write(_dumps({"k": "close", "i": self._next(), "t": _now()}) + "\n")
             self._file.close()
         atexit.unregister(self.close)
+
+
+def _names(instances: Any) -> Any:
+    """A segment's or effect's instances by their trace names (one, or a list)."""
+    if instances is None:
+        return None
+    if isinstance(instances, list):
+        return [trace_id(x) for x in instances]
+    return trace_id(instances)
 
 
 def _ranges(slots: Any) -> list[list[int]]:

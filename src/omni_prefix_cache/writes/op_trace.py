@@ -18,18 +18,18 @@ from typing import Any
 from omni_prefix_cache.specs.batch import Batch, BatchRun, MaskMany
 from omni_prefix_cache.specs.composition import OperationSpec, ProtocolSpec
 from omni_prefix_cache.telemetry.registry import TELEMETRY
-from omni_prefix_cache.telemetry.trace import Trace, trace_id
+from omni_prefix_cache.telemetry.trace import Trace
 from omni_prefix_cache.writes.operations import ControllerBinding, ControllerOps, Pred, Run, RuntimeOp, compile_ops
 
 Tables = tuple[Mapping[str, Run], Mapping[str, Pred], Mapping[str, BatchRun], Mapping[str, MaskMany]]
 
 
 def _one(ctx: Any) -> Any:
-    return None if ctx is None else trace_id(ctx)
+    return ctx  # the writer names it (``trace_id``), off the recording thread
 
 
 def _many(batch: Batch) -> list[Any]:
-    return [trace_id(x) for x in batch.items]
+    return list(batch.items)  # a copy: the batch loses items as it goes
 
 
 def compile_controller_ops(spec: ProtocolSpec, binding: ControllerBinding, tables: Tables) -> ControllerOps:
