@@ -416,3 +416,32 @@ def test_failing_pool_write_trace_validates(tmp_path: Path) -> None:
     assert any(_is(r, "fx", name="publish_failed") for r in trace.records)
     raised = [r for r in trace.records if r["k"] == "ret" and r.get("err")]
     assert raised and raised[0]["err"][0] == "OmniPrefixCacheWriteFailedError"
+
+
+def test_shutdown_discards_an_open_step_by_the_spec(tmp_path: Path) -> None:
+    """A step saved and never consumed: shutdown discards it through the
+    step_context machine (found by validate: the holder was released but
+    the step stayed SAVED, breaking settled_at_shutdown)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from omni_prefix_cache.interface import PrefixCacheConfig
+    from omni_prefix_cache.manager import OmniPrefixCacheManager
+    from omni_prefix_cache.tools.simulate.batch import SimGroupView
+
+    path = tmp_path / "open_step.jsonl"
+    view = SimGroupView(4)
+    cfg = PrefixCacheConfig(num_blocks=16, block_size=4, staging_capacity_tokens=64, trace_path=str(path))
+    mgr = OmniPrefixCacheManager(cfg, view, eager=True)
+    view.set_step(["a"], {"a": [0, 1, 2]}, {"a": 0})
+    req = SimpleNamespace(req_id="a", num_computed_tokens=0, block_ids=([0, 1, 2],))
+    mgr.new_step_starts(
+        SimpleNamespace(scheduled_new_reqs=[req], finished_req_ids=set(), num_scheduled_tokens={"a": 6})
+    )
+    mgr.save_outputs(torch.zeros(6, 8), {}, num_tokens_unpadded=6, num_tokens_padded=6)
+    mgr.shutdown()
+    trace = read_trace(path)
+    res = validate_trace(trace)
+    assert res.violation is None, format_violation(trace, res.violation)
+    assert any(_is(r, "mv", m="step_context", tr="discard", op="shutdown") for r in trace.records)

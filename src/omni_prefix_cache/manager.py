@@ -69,7 +69,7 @@ from omni_prefix_cache.reads.planned_read import HitReads
 from omni_prefix_cache.specs.types.step_context import StepContextTrigger
 from omni_prefix_cache.steps import validation as check
 from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
-from omni_prefix_cache.steps.step_context import StepContext, StepTable, step_move
+from omni_prefix_cache.steps.step_context import StepContext, StepTable
 from omni_prefix_cache.steps.step_layout import SchedSnapshot, StepLayout
 from omni_prefix_cache.steps.step_layout import is_step_token_tensor as _is_step_token_tensor
 from omni_prefix_cache.steps.step_layout import snapshot_leftover_mm_cpu as _snapshot_leftover_mm_cpu
@@ -409,10 +409,10 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
             self._hits.drop_all()
             self._pending_sched = None
         self._hits.prefetch.shutdown(wait=False, cancel_futures=True)
-        for ctx in open_steps:
+        for ctx, move in open_steps:
             # Cleanup must not raise: a refused release is logged, the rest go on.
             try:
-                self._materializer.release(ctx, step_move(ctx.step_id, ctx.state, StepContextTrigger.DISCARD))
+                self._materializer.release(ctx, move)
             except Exception:
                 logger.exception("omni prefix cache: releasing step %s at shutdown failed", ctx.step_id)
         self._controller.shutdown()

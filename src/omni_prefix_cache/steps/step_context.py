@@ -152,8 +152,15 @@ class StepTable:
         _record(move, ctx)
         return ctx, move
 
-    def close_locked(self) -> list[StepContext]:
-        """Shutdown: every open step, no longer open (the caller releases each)."""
-        steps = list(self.open.values())
+    def close_locked(self) -> list[tuple[StepContext, CompiledMove]]:
+        """Shutdown: every open step discarded (moved to CONSUMED, as the
+        spec's shutdown says), with the move whose effects the caller runs
+        to release its staging holder."""
+        out = []
+        for ctx in self.open.values():
+            move = step_move(ctx.step_id, ctx.state, StepContextTrigger.DISCARD)
+            ctx.state = move.dest
+            _record(move, ctx)
+            out.append((ctx, move))
         self.open.clear()
-        return steps
+        return out
