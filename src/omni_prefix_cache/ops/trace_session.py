@@ -35,6 +35,12 @@ FACADE_OPERATIONS = {
     "materialize": "materialize",
     "discard_step": "discard",
     "shutdown": "shutdown",
+    # The request-lifecycle API (issue 25): traced once the manager has it,
+    # under the protocol operation of the same name where the spec declares one.
+    "delivery_view": "delivery_view",
+    "ack_delivery": "ack_delivery",
+    "commit_output": "commit_output",
+    "retire_owner": "retire_owner",
 }
 
 
@@ -59,7 +65,9 @@ def open_trace(manager: Any, config: PrefixCacheConfig) -> Trace | None:
     trace = Trace(path, header=header)
     TELEMETRY.start_trace(trace)
     for method, op in FACADE_OPERATIONS.items():
-        setattr(manager, method, _traced(trace, method, op, getattr(manager, method)))
+        call = getattr(manager, method, None)
+        if callable(call):
+            setattr(manager, method, _traced(trace, method, op, call))
     return trace
 
 
