@@ -90,6 +90,7 @@ class Invariants:
         self.bound: dict[Any, Any] = {}  # task -> the call whose save bound its holder (immediate writes)
         self.page_of: dict[Any, Any] = {}  # holder -> page
         self.sticky_at: int | None = None
+        self.call_start: dict[Any, int] = {}  # call id -> the index of its call record
         self.early_wakes: set[tuple[Any, int]] = set()  # (tid, record) of wakes ahead of any record
         self.shut_down = False
         # Instances a helper thread moved last: it may still run after
@@ -187,7 +188,7 @@ class Invariants:
                 )
 
     def on_call(self, rec: dict[str, Any]) -> None:
-        return None  # a call's context is on each record it covers
+        self.call_start[rec.get("call")] = self.replay.index
 
     def on_ret(self, rec: dict[str, Any]) -> None:
         err = rec.get("err")
@@ -195,7 +196,10 @@ class Invariants:
         if err is not None and err[0] == _STICKY_ERROR and self.sticky_at is None:
             self.sticky_at = self.replay.index
             return
-        if self.sticky_at is not None and f in STICKY_CALLS and err is None:
+        # Only a call entered after the failure was raised must raise: one
+        # already running on another thread (a lagged materialize) may not.
+        entered = self.call_start.pop(rec.get("call"), -1)
+        if self.sticky_at is not None and entered > self.sticky_at and f in STICKY_CALLS and err is None:
             raise self.replay.fail(
                 "failure_is_sticky",
                 f"{f} returned normally after a write failure was raised (record {self.sticky_at})",
