@@ -171,6 +171,7 @@ def run_catalogue(
     jobs: int = 1,
     *,
     with_explore: bool = False,
+    with_trace: bool = True,
 ) -> int:
     """``judge`` every mutant of ``mutants`` (``jobs`` at a time); print each verdict with
     its kill reason, then ``killed K of N; generated tests alone: G of N``.
@@ -188,7 +189,7 @@ def run_catalogue(
     killed = alone = traced = 0
     total = time.monotonic()
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        verdicts = pool.map(lambda n: (*judge(n, invariants), trace_verdict(n)), chosen)
+        verdicts = pool.map(lambda n: (*judge(n, invariants), trace_verdict(n) if with_trace else "off"), chosen)
         for name, (first, result, trace) in zip(chosen, verdicts):
             killed += result.killed
             alone += first.killed
@@ -231,6 +232,9 @@ def main(argv: list[str] | None, mutants: Mapping[str, Described], candidates: M
     parser.add_argument(
         "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="mutants judged in parallel (default: 2)"
     )
+    parser.add_argument(
+        "--no-trace", action="store_true", help="skip the trace column (recorded runs validated per mutant)"
+    )
     parser.add_argument("--trace-child", nargs=2, metavar=("NAME", "FOLDER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trace_child:  # trace_mutants' child: record runs with one mutant applied
@@ -246,4 +250,6 @@ def main(argv: list[str] | None, mutants: Mapping[str, Described], candidates: M
         for m in candidates.values():
             print(f"{m.name:38s} {m.bug} (candidate: not yet killed)")
         return 0
-    return run_catalogue(mutants, candidates, args.names or None, jobs=args.jobs, with_explore=args.explore)
+    return run_catalogue(
+        mutants, candidates, args.names or None, jobs=args.jobs, with_explore=args.explore, with_trace=not args.no_trace
+    )
