@@ -145,6 +145,8 @@ class Trace:
         self._calls = itertools.count(1)
         self._runs = itertools.count(1)
         self._threads: dict[int, str] = {}
+        self._quotes: dict[str, str] = {}  # a name -> its JSON string
+        self._moves: dict[tuple[str, int], str] = {}  # (machine, move index) -> its JSON fields
         self._seq = 0
         self._file: IO[str] = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
         self._stop = threading.Event()
@@ -171,9 +173,13 @@ class Trace:
         self._labels[machine] = labels
 
     def moved(self, machine: str, index: int, key: Any, detail: Any = None) -> None:
-        """Move ``index`` of ``machine`` applied to the instance ``key``."""
-        c = self.ctx
-        self._emit(("mv", _now(), _ident(), c.call, c.op, c.run, c.seg, c.step, machine, index, key, detail))
+        """Move ``index`` of ``machine`` applied to the instance ``key``
+        (``_emit`` inlined: the most frequent record)."""
+        c, q = self.ctx, self._q
+        if len(q) < self._capacity:
+            q.append(("mv", _now(), _ident(), c.call, c.op, c.run, c.seg, c.step, machine, index, key, detail))
+        else:
+            self._lost += 1
 
     def rows(self, machine: str, index: int, n: int, group: Any) -> None:
         """Move ``index`` applied to ``n`` rows at once (``group``: a key and
@@ -270,7 +276,50 @@ class Trace:
             name = self._threads[ident] = f"{found[0] if found else 'thread'}#{len(self._threads)}"
         return name
 
+    def _head(self, kind: str, t: int, ident: int, call: int, op: str, run: int, seg: int, step: int) -> str:
+        """The fields every record starts with, as JSON text (no braces)."""
+        head = f'"k":"{kind}","i":{self._next()},"t":{t},"th":{self._quoted(self._thread(ident))}'
+        if call:
+            head += f',"call":{call}'
+        if op:
+            head += f',"op":{self._quoted(op)}'
+        if run:
+            head += f',"run":{run},"seg":{seg}'
+        if step >= 0:
+            head += f',"step":{step}'
+        return head
+
+    def _quoted(self, text: str) -> str:
+        quoted = self._quotes.get(text)
+        if quoted is None:
+            quoted = self._quotes[text] = _dumps(text)
+        return quoted
+
     def _line(self, rec: tuple[Any, ...]) -> str:
+        """One record as a JSON line. The kinds a step writes most (moves,
+        segments, effects) are spelled out directly; the rest through a dict."""
+        kind = rec[0]
+        if kind == "mv":
+            machine, index, key, detail = rec[8:]
+            move = self._moves.get((machine, index))
+            if move is None:
+                trigger, source, dest = self._labels[machine][index]
+                move = self._moves[(machine, index)] = (
+                    f'"m":{_dumps(machine)},"tr":{_dumps(trigger)},"s":{_dumps(source)},"d":{_dumps(dest)}'
+                )
+            iid = trace_id(key)
+            extra = "" if detail is None else f',"x":{_dumps(detail)}'
+            ids = str(iid) if type(iid) is int else _dumps(iid)
+            return f'{{{self._head(*rec[:8])},"id":{ids},{move}{extra}}}'
+        if kind == "seg":
+            return f'{{{self._head(*rec[:8])},"lock":{self._quoted(rec[8])},"ids":{_dumps(_names(rec[9]))}}}'
+        if kind == "end":
+            return f'{{{self._head(*rec[:8])},"ids":{_dumps(_names(rec[8]))}}}'
+        if kind == "fx":
+            return f'{{{self._head(*rec[:8])},"name":{self._quoted(rec[8])},"ids":{_dumps(_names(rec[9]))}}}'
+        return self._line_dict(rec)
+
+    def _line_dict(self, rec: tuple[Any, ...]) -> str:
         kind, t, ident, call, op, run, seg, step = rec[:8]
         out: dict[str, Any] = {"k": kind, "i": self._next(), "t": t, "th": self._thread(ident)}
         if call:
