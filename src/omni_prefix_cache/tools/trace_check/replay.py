@@ -89,6 +89,11 @@ class Replay:
         self.run_no: dict[tuple[str, Any], int] = {}
         self.order_seen: dict[tuple[Any, ...], dict[int, int]] = {}
         self.invariants = Invariants(self)
+        # (operation, item) -> the ordering rules naming it: (rule number, rule, place in its order).
+        self._rules: dict[tuple[str, Item], list[tuple[int, Any, int]]] = {}
+        for n, rule in enumerate(self.view.orderings):
+            for k, item in enumerate(rule.items):
+                self._rules.setdefault((rule.operation, item), []).append((n, rule, k))
         self.index = 0
         self._handlers: dict[str, Callable[[dict[str, Any]], None]] = {
             "mv": self._move,
@@ -310,10 +315,7 @@ class Replay:
                     opened.cursor[k] = nxt + 1
 
     def _orderings(self, rec: dict[str, Any], op: str, item: Item, insts: list[Any], about: list[Any]) -> None:
-        for n, rule in enumerate(self.view.orderings):
-            if rule.operation != op or item not in rule.items:
-                continue
-            k = rule.items.index(item)
+        for n, rule, k in self._rules.get((op, item), ()):
             for inst in insts:
                 if self.view.for_each.get(op) is not None:
                     if inst is None:

@@ -85,6 +85,7 @@ class Invariants:
         view = replay.view
         self.machine = view.role_machine
         self.pairs = {pos: frozenset(tasks) for pos, tasks in view.protocol.pairs.items()}
+        self.state_names = {name: (tuple(s.name for s in m.State), int(m.initial)) for name, m in view.machines.items()}
         self.moves = self.row_moves = self.segments = 0
         self.published: set[Any] = set()  # tids whose completion or failure record is public
         self.bound: dict[Any, Any] = {}  # task -> the call whose save bound its holder (immediate writes)
@@ -102,8 +103,9 @@ class Invariants:
         return tuple(n for n in names if n in JUDGED), tuple(n for n in names if n not in JUDGED)
 
     def _state(self, role: str, iid: Any) -> str:
-        machine = self.replay.view.machines[self.machine[role]]
-        return machine.State(self.replay.state.get((machine.spec.name, iid), int(machine.initial))).name
+        name = self.machine[role]
+        names, initial = self.state_names[name]
+        return names[self.replay.state.get((name, iid), initial)]
 
     # -------------------------------------------------------- hooks
 
