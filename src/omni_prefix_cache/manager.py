@@ -409,10 +409,10 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
             self._hits.drop_all()
             self._pending_sched = None
         self._hits.prefetch.shutdown(wait=False, cancel_futures=True)
-        for ctx, move in open_steps:
+        for ctx in open_steps:
             # Cleanup must not raise: a refused release is logged, the rest go on.
             try:
-                self._materializer.release(ctx, move)
+                self._materializer.release(ctx, self._steps.discard_closed(ctx))
             except Exception:
                 logger.exception("omni prefix cache: releasing step %s at shutdown failed", ctx.step_id)
         self._controller.shutdown()
