@@ -445,3 +445,48 @@ def test_shutdown_discards_an_open_step_by_the_spec(tmp_path: Path) -> None:
     res = validate_trace(trace)
     assert res.violation is None, format_violation(trace, res.violation)
     assert any(_is(r, "mv", m="step_context", tr="discard", op="shutdown") for r in trace.records)
+
+
+def test_a_new_spec_machine_is_traced_and_replayed_with_no_code(tmp_path: Path) -> None:
+    """A machine the trace and the validator never heard of (as the request
+    lifecycle's will be): its moves are recorded through its compiled
+    machine's recorder and replayed from its spec alone."""
+    from omni_prefix_cache.specs import compile_machine, parse_spec
+    from omni_prefix_cache.telemetry.trace import Trace
+    from omni_prefix_cache.tools.trace_check import Replay
+    from omni_prefix_cache.tools.trace_check.specview import SpecView, compiled_machines
+
+    spec = parse_spec(
+        {
+            "name": "toy_delivery",
+            "enum": "ToyState",
+            "description": "a position of one consumer",
+            "states": [
+                {"name": "OPEN", "initial": True, "meaning": "not sent"},
+                {"name": "SENT", "meaning": "sent, not acknowledged"},
+                {"name": "DONE", "final": True, "meaning": "acknowledged"},
+            ],
+            "transitions": [
+                {"trigger": "send", "source": "OPEN", "dest": "SENT", "meaning": "delivered"},
+                {"trigger": "ack", "source": "SENT", "dest": "DONE", "meaning": "acknowledged"},
+            ],
+        }
+    )
+    toy = compile_machine(spec)
+    path = tmp_path / "toy.jsonl"
+    trace = Trace(path)
+    TELEMETRY.start_trace(trace)
+    try:
+        assert toy.recorder is not None
+        for trigger in ("send", "ack"):
+            move = toy.move(toy.initial if trigger == "send" else toy.State["SENT"], trigger)
+            toy.recorder.moved(move, ("owner-1", "talker"))
+    finally:
+        TELEMETRY.stop_trace(trace)
+    view = SpecView(machines={**compiled_machines(), "toy_delivery": toy})
+    recorded = read_trace(path)
+    assert [r["tr"] for r in recorded.records if r["k"] == "mv"] == ["send", "ack"]
+    assert Replay(view).run(recorded).violation is None
+    twice = _edited(recorded, lambda rs: rs.insert(1, copy.deepcopy(rs[0])))  # one send repeated
+    res = Replay(view).run(twice)
+    assert res.violation is not None and res.violation.rule == "move_legal"
