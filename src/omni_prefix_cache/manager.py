@@ -56,6 +56,7 @@ from omni_prefix_cache.interface import (
 from omni_prefix_cache.manager_ops import AbandonCall, FacadeOps, NewStepCall, SaveCall, StepCall
 from omni_prefix_cache.ops.components import ManagerComponents
 from omni_prefix_cache.ops.manager_stats import ManagerStats
+from omni_prefix_cache.ops.trace_session import open_trace
 from omni_prefix_cache.reads.hit_planner import HitPlanner, PendingHit
 from omni_prefix_cache.reads.materializer import Materializer
 from omni_prefix_cache.reads.planned_read import HitReads
@@ -116,6 +117,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, UpstreamSe
         # Process-wide (the compiled machines are): see telemetry.registry.
         if config.metrics:
             TELEMETRY.enable()
+        open_trace(self, config)  # opt-in (docs/trace.md): before the controller compiles its operations
         self._pool = PrefixBlockPool(config)
         # ``engine``: where rows leave the device (default: CUDA lanes when
         # CUDA exists and eager is off, else host copies; a fake injects faults).
@@ -216,8 +218,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, UpstreamSe
         # what they detached (no lock), plan and start the hits (state).
         self._run_op(self._ops.new_step, NewStepCall(given), "new_step_starts")
 
-    def _detach_request_locked(self, rid: ReqId) -> list[Tid]:
-        """The request table's ``detach`` (state lock): drop the pending hit, close the writes."""
+    def _detach_request_locked(self, rid: ReqId) -> list[Tid]:  # the request table's detach (state lock)
         self._hits.drop_request(rid)
         return self._ledger.finish_request_locked(rid)
 

@@ -159,7 +159,7 @@ class StepTable:
         return ctx, move
 
     def close_locked(self) -> list[StepContext]:
-        """Shutdown: every open step, no longer open (the caller releases each)."""
+        """Every open step, no longer open (``discard_all_locked`` moves them)."""
         steps = list(self.open.values())
         self.open.clear()
         return steps
