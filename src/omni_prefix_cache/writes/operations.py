@@ -411,7 +411,7 @@ def compile_ops(
             index = next(i for i, seg in enumerate(op.segments) if seg.lock == lock and not seg.wait)
             op = op.segment(index, f"{name} ({lock} segment)")
         if project:
-            op = op.projected(CONTROLLER_ROLES, CONTROLLER_EFFECTS)
+            op = op.projected(CONTROLLER_ROLES, CONTROLLER_EFFECTS, name=op.name)
         writes = [
             i for i, seg in enumerate(op.segments) if any(getattr(s, "effect", None) == "pool_write" for s in seg.steps)
         ]
