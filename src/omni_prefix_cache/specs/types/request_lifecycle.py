@@ -17,17 +17,18 @@ class RequestState(SpecState):
     """
     A request id's tenure under one owner, driven by the adapter's events. A new admission of the id, or an
     accepted replacement, opens a new tenure and retires the old one; an event of an older owner never moves the
-    current tenure. Preemption is not an event: the request resumes (RESUMED) in the same tenure.
+    current tenure. Preemption is not an event: the request resumes (RESUMED) in the same tenure. The cache's
+    shutdown ends no request, so a tenure rests wherever the scheduler left it (the states tagged rest).
     """
 
     UNKNOWN = 0
     """no event of this tenure applied yet (initial)"""
     ADMITTED = 1
-    """a control-only event established the owner; the prefix lookup is still pending (tag waits)"""
+    """a control-only event established the owner; the prefix lookup is still pending (tag waits, tag rest)"""
     RUNNING = 2
-    """the lookup is installed; its steps compute, save and deliver positions"""
+    """the lookup is installed; its steps compute, save and deliver positions (tag rest)"""
     FINISHED = 3
-    """finished or aborted; its open writes were escalated; its last outputs stay deliverable"""
+    """finished or aborted; its open writes were escalated; its last outputs stay deliverable (tag rest)"""
     RETIRED = 4
     """superseded by a newer owner of the id; its outputs are filtered at commit (final)"""
 
