@@ -534,14 +534,10 @@ def _commit_keeps_retired(stack: contextlib.ExitStack) -> None:
     "replayed_step_applied", "a replayed step sequence applies its events again (the replayed_step guard is lost)"
 )
 def _replayed_step_applied(stack: contextlib.ExitStack) -> None:
+    # The guard new_step's compiled first segment reads (RequestTable.apply too).
     from omni_prefix_cache.requests.lifecycle import RequestTable
 
-    original = RequestTable.apply
-
-    def apply(self: RequestTable, events: Any, sequence: int | None) -> bool:
-        return original(self, events, None)
-
-    _set(stack, RequestTable, "apply", apply)
+    _set(stack, RequestTable, "replayed", lambda self, sequence: False)
 
 
 # ------------------------------------------------------------------ applying
