@@ -421,6 +421,15 @@ def test_a_position_delivered_twice_is_a_mismatch(inner: str) -> None:
     assert any("delivery" in d and "which received" in d for d in res.mismatch_details), res.mismatch_details
 
 
+def test_a_scheduler_without_the_event_form_runs_the_seed_api() -> None:
+    from omni_prefix_cache.tools.simulate import Simulation
+
+    sim = Simulation(replace(SMALL, steps=60), manager_factory=_reference)
+    sim.sched.events = False  # type: ignore[misc]  # as vLLM's driver, which emits the seed-era form only
+    res = sim.run()
+    assert res.ok and res.config["api"] == "seed" and res.delivery == {}, res.error
+
+
 def test_delivery_oracle_flags_a_finished_tenure_not_fully_delivered() -> None:
     from types import SimpleNamespace
 

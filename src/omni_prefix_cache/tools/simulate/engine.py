@@ -219,11 +219,11 @@ class Simulation:
         self.oracle = Oracle(cfg.widths(), cfg.torch_dtype, expect_no_hidden=not cfg.cache_hidden)
         self.events: EventDriver | None = None
         self.delivery = DeliveryOracle(cfg.widths(), cfg.torch_dtype)
-        if cfg.api == "events":
-            every, drop = cfg.local_ack_every, cfg.local_drop_prob
-            self.events = EventDriver(self.delivery, seed=cfg.seed, local_ack_every=every, local_drop_prob=drop)
-        elif cfg.api != "seed":
+        if cfg.api not in ("events", "seed"):
             raise ValueError(f"SimConfig.api must be 'events' or 'seed', got {cfg.api!r}")
+        every, drop = cfg.local_ack_every, cfg.local_drop_prob
+        if cfg.api == "events":
+            self.events = EventDriver(self.delivery, seed=cfg.seed, local_ack_every=every, local_drop_prob=drop)
         self.rng = random.Random(cfg.seed ^ 0x5A5A)
         self.result = SimResult(config=_config_dict(cfg), mode="eager" if cfg.eager else "threaded")
         self._stats_lock = threading.Lock()
@@ -307,6 +307,8 @@ class Simulation:
         started = time.perf_counter()
         counter = _LogCounter()
         logging.getLogger("omni_prefix_cache").addHandler(counter)
+        if self.events is not None and not getattr(self.sched, "events", False):
+            self.events, res.config["api"] = None, "seed"  # a scheduler (vLLM's driver) without the event form
         # The event API needs no group view: the write layout says where each row goes.
         mgr = self._factory(cfg.prefix_cache_config(), None if self.events else self.view, cfg.eager)
         mgr.register_policy(

@@ -276,7 +276,7 @@ class Scheduler:
                 if req.status is Status.AWAITING_INPUT:
                     req.status = Status.RUNNING
                     req.emit_new = True
-        if self.replace_prob and self._rng.random() < self.replace_prob:
+        if self.events and self.replace_prob and self._rng.random() < self.replace_prob:
             candidates = [r for r in self.running if r.status is Status.RUNNING and r.live and r.computed > 0]
             if candidates:
                 self._replace(self._rng.choice(candidates))
