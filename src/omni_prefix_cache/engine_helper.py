@@ -34,7 +34,7 @@ from typing import Any, Generic, TypeVar
 
 from omni_prefix_cache.adapter import PrefixCacheSchedulerAdapter, PrefixCacheStep
 from omni_prefix_cache.errors import OmniPrefixCacheUnmatchError
-from omni_prefix_cache.interface import ReqId, StageCacheOutputs
+from omni_prefix_cache.interface import ReqId, StageCacheOutputs, output_progress
 from omni_prefix_cache.manager import OmniPrefixCacheManager
 
 __all__ = [
@@ -158,11 +158,15 @@ class PrefixCacheEngineHelper:
         ``consumer``'s delivery view, ``build(view)`` (copies, syncs: no
         lock held), then ``commit_output`` calling ``publish(payload,
         live)`` (publish only: no copies, waits or manager calls).
-        Engine thread, in step order."""
+
+        The view leaves out requests whose owner is already retired: commit
+        would drop their rows anyway, and once it dropped one output of an
+        owner (unacknowledged), a view of that owner's next output would
+        start past its watermark and raise a gap. Engine thread, in step order."""
 
         def run() -> CommittedStep[P]:
             outputs = self.materialize(saved)
-            view = self.manager.delivery_view(outputs, saved.req_ids, consumer=self.consumer)
+            view = self.manager.delivery_view(outputs, _unretired(outputs, saved.req_ids), consumer=self.consumer)
             payload = build(view)
             live = self.commit(outputs, view, lambda ids: publish(payload, ids))
             return CommittedStep(saved, outputs, view, payload, live)
@@ -227,3 +231,11 @@ class PrefixCacheEngineHelper:
         requests handed off and acknowledged. The output builder's thread;
         raises the delivery-gap error (nothing handed off) as it does."""
         return self.manager.commit_output(outputs, handoff, delivery=view)
+
+
+def _unretired(outputs: StageCacheOutputs, req_ids: tuple[ReqId, ...]) -> list[ReqId]:
+    """``req_ids`` whose owner (the tenure the rows were saved under) is not
+    retired. Read without the state lock: ``retired`` only ever turns True,
+    and an owner retired after this read is filtered by ``commit_output``."""
+    progress = output_progress(outputs)
+    return [rid for rid in req_ids if not progress[rid].retired]
