@@ -57,6 +57,13 @@ def add_parser(sub: Any) -> None:
         default="sim",
         help="scheduler and input batch: the project's look-alikes or vLLM's real ones (needs vLLM: .ci/setup-vllm.sh)",
     )
+    p.add_argument(
+        "--api",
+        choices=["events", "seed"],
+        default="events",
+        help="events: the adapter, write layouts, RESUMED recovery and two consumers (--engine vllm through the "
+        "engine helper); seed: the seed-era scheduler-output loop",
+    )
     p.add_argument("--seed", type=non_negative, default=0, help="seed of the trace and the discard choices")
     p.add_argument("--steps", type=positive, default=2000, help="step cap; requests still live there are aborted")
     p.add_argument("--arrival-steps", type=positive, default=500, help="requests arrive during this many steps")
@@ -153,7 +160,11 @@ def run(args: argparse.Namespace) -> int:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     simulate = run_simulation
     if args.engine == "vllm":
-        from omni_prefix_cache.tools.simulate.vllm_engine import run_vllm_simulation as simulate
+        from functools import partial
+
+        from omni_prefix_cache.tools.simulate.vllm_events import run_vllm_simulation
+
+        simulate = partial(run_vllm_simulation, api=args.api)
     progress = ProgressLine(enabled=progress_enabled(args))
     progress.arrival_steps = args.arrival_steps
     from omni_prefix_cache.telemetry.registry import TELEMETRY

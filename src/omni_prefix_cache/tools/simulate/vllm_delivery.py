@@ -77,7 +77,9 @@ class DeliveryOracle:
             with self._lock:
                 want = self.next.get(key, 0)
                 if end > start and start != want:
-                    self._fail(f"step {step}: {consumer} got {rid!r} #{req.incarnation} [{start}, {end}), expected {want}")
+                    self._fail(
+                        f"step {step}: {consumer} got {rid!r} #{req.incarnation} [{start}, {end}), expected {want}"
+                    )
                 elif end <= start and end > want:
                     self._fail(f"step {step}: {consumer} skipped {rid!r} #{req.incarnation} [{want}, {end})")
                 if end > want:

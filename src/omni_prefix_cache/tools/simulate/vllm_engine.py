@@ -42,7 +42,7 @@ __all__ = [
     "VllmSimResult",
     "VllmSimulation",
     "load_vllm",
-    "run_vllm_simulation",
+    "run_vllm_seed_simulation",
 ]
 
 
@@ -168,24 +168,16 @@ class VllmSimulation(Simulation):
         return res
 
 
-def run_vllm_simulation(
+def run_vllm_seed_simulation(
     cfg: SimConfig,
     opts: VllmOptions | None = None,
     *,
     manager_factory: Callable[..., Any] | None = None,
     progress: ProgressFn | None = None,
     trace: list[RequestSpec] | None = None,
-    api: str = "events",
 ) -> VllmSimResult:
-    """Run one simulation on vLLM's scheduler and InputBatch (never raises for manager errors; see
-    ``error``): on the event API (``vllm_events``), or with ``api="seed"`` the seed-era loop."""
-    cls: type[VllmSimulation] = VllmSimulation
-    if api == "events":
-        from omni_prefix_cache.tools.simulate.vllm_events import VllmEventSimulation
-
-        cls = VllmEventSimulation
-    elif api != "seed":
-        raise ValueError(f"run_vllm_simulation: api must be 'events' or 'seed', got {api!r}")
-    res = cls(cfg, opts, manager_factory=manager_factory, progress=progress, trace=trace).run()
+    """Run the seed-era loop on vLLM's scheduler and InputBatch (never raises for manager errors;
+    see ``error``). ``vllm_events.run_vllm_simulation`` chooses between it and the event API."""
+    res = VllmSimulation(cfg, opts, manager_factory=manager_factory, progress=progress, trace=trace).run()
     assert isinstance(res, VllmSimResult)
     return res

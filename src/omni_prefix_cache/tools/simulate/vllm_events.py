@@ -31,15 +31,24 @@ from typing import Any
 from omni_prefix_cache.adapter import PrefixCacheEventKind, PrefixCacheRequestOwner
 from omni_prefix_cache.engine_helper import PrefixCacheEngineHelper, SavedStep
 from omni_prefix_cache.interface import ModelCachePolicy, StageCacheOutputs
-from omni_prefix_cache.tools.simulate.engine import DEFERRED_KEY, LEFTOVER_KEY, SimResult, _LogCounter
+from omni_prefix_cache.tools.simulate.engine import (
+    DEFERRED_KEY,
+    LEFTOVER_KEY,
+    LogCounter,
+    ProgressFn,
+    SimConfig,
+    SimResult,
+)
 from omni_prefix_cache.tools.simulate.oracle import RowExpectation
 from omni_prefix_cache.tools.simulate.probe import manager_stats, probe_leaks, wait_quiescent
 from omni_prefix_cache.tools.simulate.scheduler import StepPlan
 from omni_prefix_cache.tools.simulate.vllm_delivery import DeliveryOracle, LaggingConsumer
-from omni_prefix_cache.tools.simulate.vllm_engine import VllmSimResult, VllmSimulation
+from omni_prefix_cache.tools.simulate.vllm_engine import VllmSimResult, VllmSimulation, run_vllm_seed_simulation
 from omni_prefix_cache.tools.simulate.vllm_scheduler import DriverRequest
+from omni_prefix_cache.tools.simulate.vllm_setup import VllmOptions, preempt_request
+from omni_prefix_cache.tools.simulate.workload import RequestSpec
 
-__all__ = ["VllmEventSimulation"]
+__all__ = ["VllmEventSimulation", "run_vllm_simulation"]
 
 OUTPUT, TALKER = "output", "talker"
 K = PrefixCacheEventKind
@@ -67,7 +76,7 @@ class VllmEventSimulation(VllmSimulation):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.result.engine = "vllm"
+        assert isinstance(self.result, VllmSimResult)
         self.result.api = "events"
         self.delivery = DeliveryOracle(self.cfg.widths(), self.cfg.torch_dtype, (OUTPUT, TALKER))
         self._final: dict[int, tuple[str, int]] = {}  # finished incarnation -> (id, last position)
@@ -79,9 +88,15 @@ class VllmEventSimulation(VllmSimulation):
     # ------------------------------------------------------------ one step
 
     def _owners(self, so: Any) -> None:
-        """Declare owners as an omni engine does: one admission per incarnation."""
+        """Declare owners as an omni engine does (one admission per incarnation); under Model
+        Runner V2, name the resumed requests among the new ones: those the runner still holds."""
         reqs = self.sched.reqs
         so.prefix_cache_owners = {r: PrefixCacheRequestOwner(reqs[r].incarnation) for r in so.num_scheduled_tokens}
+        if self.opts.resumed_as_new:
+            held, gone = self.runner.requests, so.finished_req_ids
+            so.prefix_cache_resumed_req_ids = {
+                n.req_id for n in so.scheduled_new_reqs if n.req_id in held and n.req_id not in gone
+            }
 
     def _event_step(self, helper: PrefixCacheEngineHelper, step: int, out: _OutputThread | None) -> None:
         plan = self.sched.schedule(step)
@@ -144,8 +159,7 @@ class VllmEventSimulation(VllmSimulation):
         for e in plan.entries:
             vreq = e.req.vreq
             if vreq in sched.running:
-                sched.running.remove(vreq)
-                sched._preempt_request(vreq, time.monotonic())
+                preempt_request(sched, vreq, time.monotonic())
                 self.delivery.counts.discard_preemptions += 1
                 self._discarded.add(e.req.incarnation)
 
@@ -187,6 +201,7 @@ class VllmEventSimulation(VllmSimulation):
                 self.result.materialize_us.append(dt)
                 self.result.materialized_steps += 1
             self.delivery.delivered(OUTPUT, step, done.view, reqs, done.live)
+            assert self.talker is not None
             self.talker.put((step, outputs, reqs))
 
         return run
@@ -252,7 +267,7 @@ class VllmEventSimulation(VllmSimulation):
     def _run_events(self) -> SimResult:
         cfg, res = self.cfg, self.result
         started = time.perf_counter()
-        counter = _LogCounter()
+        counter = LogCounter()
         import logging
 
         import torch
@@ -320,3 +335,24 @@ class VllmEventSimulation(VllmSimulation):
         assert isinstance(res, VllmSimResult)
         res.events = asdict(self.delivery.counts)
         return res
+
+
+def run_vllm_simulation(
+    cfg: SimConfig,
+    opts: VllmOptions | None = None,
+    *,
+    manager_factory: Callable[..., Any] | None = None,
+    progress: ProgressFn | None = None,
+    trace: list[RequestSpec] | None = None,
+    api: str = "events",
+) -> VllmSimResult:
+    """Run one simulation on vLLM's scheduler and InputBatch, on the event API or (``api="seed"``)
+    the seed-era loop. Never raises for manager errors (see ``error``); ValueError for another api."""
+    if api == "seed":
+        return run_vllm_seed_simulation(cfg, opts, manager_factory=manager_factory, progress=progress, trace=trace)
+    if api != "events":
+        raise ValueError(f"run_vllm_simulation: api must be 'events' or 'seed', got {api!r}")
+    sim = VllmEventSimulation(cfg, opts, manager_factory=manager_factory, progress=progress, trace=trace)
+    res = sim.run()
+    assert isinstance(res, VllmSimResult)
+    return res
