@@ -106,6 +106,12 @@ def add_parser(sub: Any) -> None:
         "a last table gives engine and step p50 of both, the scrapes done and their p50 (0: none; needs the "
         "metrics extra)",
     )
+    p.add_argument(
+        "--no-event-api",
+        action="store_true",
+        help="skip the event-API table (decode and prefill_hits on the adapter + event calls + delivery, "
+        "beside the seed-era path, back to back)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     p.add_argument(
