@@ -270,3 +270,15 @@ def test_a_layout_that_does_not_pack_the_rows_is_refused(eng: Engine) -> None:
     bad = PrefixCacheWriteLayout((PrefixCacheWrite("a", 1, 3, 0, 2),), 2, torch.tensor([0, 1]))
     with pytest.raises(OmniPrefixCacheInvalidArgumentError, match="does not continue the layout at row 0"):
         eng.m.save_outputs(torch.zeros((2, W)), {}, num_tokens_unpadded=2, num_tokens_padded=2, write_layout=bad)
+
+
+def test_a_shrinking_resume_needs_no_aligned_hit(eng: Engine) -> None:
+    eng.blocks["a"] = [1, 2, 3]
+    out = eng.m.materialize(eng.step([eng.ev("a", K.STARTED)], {"a": (0, 8)}), ["a"])
+    assert deliver(eng.m, out, "a", "talker") == list(range(8))
+    # 6 cached tokens is not block aligned, but nothing is recovered from the cache below 8.
+    out = eng.m.materialize(eng.step([eng.ev("a", K.RESUMED, hit=6)], {"a": (6, 9)}), ["a"])
+    assert deliver(eng.m, out, "a", "talker") == [8]
+    # A growing resume with a misaligned hit is refused before anything moves.
+    with pytest.raises(OmniPrefixCacheInvalidArgumentError, match="not block aligned"):
+        eng.step([eng.ev("a", K.RESUMED, hit=10)], {"a": (10, 11)})

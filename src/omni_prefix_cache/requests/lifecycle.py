@@ -219,8 +219,13 @@ class RequestTable:
             if opens:
                 owners[rid] = owner
             installs = opens or kind is PrefixCacheEventKind.RESUMED or self._pending_lookup(rid, owners)
-            if installs and event.lookup_complete and event.hit_end > 0:
+            if installs and event.lookup_complete and event.hit_end > self._recovery_start(rid, opens):
                 self._check_hit(rid, int(event.hit_end), event.block_ids)
+
+    def _recovery_start(self, rid: ReqId, opens: bool) -> int:
+        """Where a lookup installed for ``rid`` now would start (0 for a new tenure)."""
+        tenure = None if opens else self.current.get(rid)
+        return 0 if tenure is None else tenure.lowest_watermark(self.consumers)
 
     def _pending_lookup(self, rid: ReqId, opened: dict[ReqId, PrefixCacheRequestOwner | None]) -> bool:
         tenure = self.current.get(rid)
