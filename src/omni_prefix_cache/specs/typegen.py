@@ -99,7 +99,11 @@ def render_init(specs: dict[str, MachineSpec]) -> str:
     names: list[str] = []
     for name, spec in sorted(specs.items()):
         exported = sorted([spec.enum_name, trigger_enum_name(spec), f"{trigger_enum_name(spec)}Name"])
-        lines.append(f"from omni_prefix_cache.specs.types.{name} import {', '.join(exported)}\n")
+        line = f"from omni_prefix_cache.specs.types.{name} import {', '.join(exported)}\n"
+        if len(line) > 121:  # ruff format's wrapping, one name per line
+            inner = "".join(f"    {e},\n" for e in exported)
+            line = f"from omni_prefix_cache.specs.types.{name} import (\n{inner})\n"
+        lines.append(line)
         names += exported
     lines.append("\n__all__ = [\n" + "".join(f"    {_q(n)},\n" for n in sorted(names)) + "]\n")
     return "".join(lines)
