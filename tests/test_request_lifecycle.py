@@ -282,3 +282,24 @@ def test_a_shrinking_resume_needs_no_aligned_hit(eng: Engine) -> None:
     # A growing resume with a misaligned hit is refused before anything moves.
     with pytest.raises(OmniPrefixCacheInvalidArgumentError, match="not block aligned"):
         eng.step([eng.ev("a", K.RESUMED, hit=10)], {"a": (10, 11)})
+
+
+def test_a_view_of_a_retired_tenure_selects_nothing_instead_of_a_gap(eng: Engine) -> None:
+    eng.blocks["a"] = [1, 2]
+    first = eng.m.materialize(eng.step([eng.ev("a", K.STARTED)], {"a": (0, 4)}), ["a"])
+    second = eng.m.materialize(eng.step([], {"a": (4, 8)}), ["a"])
+    eng.step([eng.ev("a", K.REPLACED, gen=1, lookup_complete=False)], {})
+    for out in (first, second):  # a lagging builder catches up after the replacement
+        view = eng.m.delivery_view(out, ["a"], consumer="builder")
+        assert view.hidden_states is not None and view.hidden_states["a"].shape[0] == 0
+        assert eng.m.commit_output(out, lambda live: None, delivery=view) == frozenset()
+    assert output_progress(first)["a"].delivered_upto == {}
+
+
+def test_a_lookup_after_a_control_in_the_same_step_is_validated_first(eng: Engine) -> None:
+    eng.blocks["a"] = [1, 2]
+    control = eng.ev("a", K.STARTED, lookup_complete=False)
+    bad = PrefixCacheRequestEvent("a", K.EXTENDED, 0, 6, ((1, 2),), owner=PrefixCacheRequestOwner(1))
+    with pytest.raises(OmniPrefixCacheInvalidArgumentError, match="not block aligned"):
+        eng.step([control, bad], {"a": (6, 7)})
+    assert "a" not in eng.m.components.requests.current

@@ -27,7 +27,7 @@ from omni_prefix_cache.interface import (
     output_progress,
 )
 from omni_prefix_cache.requests.lifecycle import RequestBinding, RequestTable
-from omni_prefix_cache.requests.tenure import RequestState, Tenure, TenureMove, no_gap
+from omni_prefix_cache.requests.tenure import DeliveryState, RequestState, Tenure, TenureMove, no_gap
 from omni_prefix_cache.specs.composition import compile_operation, load_protocol
 
 __all__ = ["DeliveryDesk", "OmniPrefixCacheDeliveryGapError"]
@@ -68,7 +68,11 @@ def _gap_error(item: _ViewItem) -> OmniPrefixCacheDeliveryGapError:
 
 
 def _gap(item: _ViewItem) -> bool:
+    """Guard ``gap``. A retired tenure's output has none: it is never
+    delivered (commit filters it), so its view selects nothing."""
     assert item.tenure is not None
+    if item.tenure.delivery_state(item.consumer) is DeliveryState.RETIRED:
+        return False
     return not no_gap(item.tenure, item.consumer, item.start, item.end)
 
 
@@ -78,6 +82,9 @@ def _raise_gap(item: _ViewItem) -> None:
 
 def _clip(item: _ViewItem) -> None:
     assert item.tenure is not None
+    if item.tenure.delivery_state(item.consumer) is DeliveryState.RETIRED:
+        item.result = (item.end, item.end)  # nothing of a retired tenure is delivered
+        return
     seen = item.tenure.watermark(item.consumer)
     item.result = (min(item.end, max(item.start, seen)), item.end)
 

@@ -174,6 +174,7 @@ class RequestTable:
         lookup, or a lookup whose hit the hit planner refuses. Owners are
         followed through the step's own opening events."""
         owners: dict[ReqId, PrefixCacheRequestOwner | None] = {}
+        admitted: set[ReqId] = set()  # opened this step without a lookup yet
         for event in events:
             kind, rid, owner = event.kind, event.req_id, event.owner
             if kind is PrefixCacheEventKind.EXTENDED and rid not in owners:
@@ -216,9 +217,15 @@ class RequestTable:
                         f"request {rid!r} (owner {owner}): conflicting initial lookup {lookup[0]} tokens, "
                         f"first lookup was {tenure.lookup[0]} tokens"
                     )
+            pending = self._pending_lookup(rid, owners) or rid in admitted
             if opens:
                 owners[rid] = owner
-            installs = opens or kind is PrefixCacheEventKind.RESUMED or self._pending_lookup(rid, owners)
+                admitted.discard(rid)
+                if not event.lookup_complete:
+                    admitted.add(rid)  # opened by a control: its lookup comes with a later event
+            elif pending and event.lookup_complete:
+                admitted.discard(rid)
+            installs = opens or kind is PrefixCacheEventKind.RESUMED or pending
             if installs and event.lookup_complete and event.hit_end > self._recovery_start(rid, opens):
                 self._check_hit(rid, int(event.hit_end), event.block_ids)
 

@@ -141,9 +141,10 @@ REQUEST_MACHINE = compile_machine(
 
 def no_gap(tenure: Tenure, consumer: str, start: int, end: int) -> bool:
     """Whether ``[start, end)`` does not start past the consumer's
-    watermark, unless it holds nothing new (``end`` at or below it)."""
+    watermark, unless it holds nothing new (``end`` at or below it, or an
+    empty range)."""
     seen = tenure.delivered_upto.get(consumer, 0)
-    return end <= seen or start <= seen
+    return end <= seen or start <= seen or start >= end
 
 
 def _no_gap(m: TenureMove) -> bool:
@@ -154,7 +155,9 @@ def _no_gap(m: TenureMove) -> bool:
 def _advance_watermark(m: TenureMove) -> None:
     assert m.tenure is not None
     delivered = m.tenure.delivered_upto
-    if m.end > delivered.get(m.consumer, 0):
+    seen = delivered.get(m.consumer, 0)
+    # Only a range that continues the watermark moves it (an empty one past it does not).
+    if m.end > seen and m.start <= seen:
         delivered[m.consumer] = m.end
 
 

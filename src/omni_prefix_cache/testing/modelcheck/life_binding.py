@@ -128,12 +128,12 @@ class LifeBinding:
     def _no_gap(c: LCtx, item: list[int]) -> bool:
         t, k, start, end = item
         seen = c.tenures[t].marks[k]
-        return end <= seen or start <= seen
+        return end <= seen or start <= seen or start >= end
 
     def _advance_watermark(self, c: LCtx) -> None:
-        t, k, _, end = c.cur
+        t, k, start, end = c.cur
         ten = c.tenures[t]
-        if end > ten.marks[k]:
+        if end > ten.marks[k] and start <= ten.marks[k]:
             self._set(c, t, marks=replace_at(ten.marks, k, end))
 
     # -------------------------------------------------------------- roles
@@ -237,7 +237,7 @@ class LifeBinding:
             "newer_owner": lambda c: c.tenure >= 0 and older(c.tenures[c.tenure].owner, c.event.owner),
             "opens_tenure": self._opens_tenure,
             "lookup_complete": lambda c: c.event is not None and c.event.lookup_complete,
-            "gap": lambda c: not self._no_gap(c, c.items[0]),
+            "gap": lambda c: c.tenures[c.items[0][0]].state != self.RETIRED and not self._no_gap(c, c.items[0]),
         }
 
     def _run(self, op: str, c: LCtx) -> None:
@@ -326,6 +326,9 @@ class LifeBinding:
     def _clip(self, c: LCtx) -> None:
         assert c.items is not None
         t, k, start, end = c.items[0]
+        if c.tenures[t].state == self.RETIRED:
+            c.clipped = (end, end)  # nothing of a retired tenure is delivered
+            return
         seen = c.tenures[t].marks[k]
         c.clipped = (min(end, max(start, seen)), end)
 

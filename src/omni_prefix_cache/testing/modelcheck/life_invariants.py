@@ -76,7 +76,9 @@ class LifeInvariants:
         if op == "delivery_view" and not raised:
             out = a.outputs[o]
             seen = a.tenures[out.tenure].marks[k]
-            if out.start > seen and out.end > seen:
+            # A retired tenure's view selects nothing (commit filters it): no gap to raise.
+            retired = a.tenures[out.tenure].state == self.b.RETIRED
+            if out.start > seen and out.end > seen and not retired:
                 raise Violation(
                     "gap_raises",
                     f"a view for consumer {k} of [{out.start}, {out.end}) of tenure {out.tenure} did not raise; "
@@ -87,7 +89,7 @@ class LifeInvariants:
             if view is not None:
                 t = a.outputs[view.output].tenure
                 seen = a.tenures[t].marks[k]
-                if view.start > seen and view.end > seen:
+                if view.start > seen and view.end > seen and view.end > view.start:
                     raise Violation(
                         "delivery.no_gap_crossed",
                         f"{op} of [{view.start}, {view.end}) for consumer {k} passed its watermark {seen}",
