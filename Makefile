@@ -81,6 +81,14 @@ check:
 gpu-check:
 	$(PYTHON) -m omni_prefix_cache.tools.gpu_check $(GPUCHECKFLAGS)
 
+# A recorded 700-step simulate run (threaded committer, lagged materialize), validated against the
+# specs afterwards (docs/trace.md); CI runs it. TRACE: where the trace goes; TRACEFLAGS: e.g. "--eager".
+.PHONY: trace-check
+TRACE ?= build/trace-check.jsonl
+trace-check:
+	@mkdir -p $(dir $(TRACE))
+	$(PYTHON) -m omni_prefix_cache simulate --steps 700 --arrival-steps 300 --quiet --trace $(TRACE) $(TRACEFLAGS)
+
 # Fresh-seed fuzzing of every stateful machine (generated spec machines and racing
 # machines), each failure found kept in FUZZ_DB and replayed first next time.
 # `make fuzz` runs long by hand (DURATION default 600 s); `make ci-fuzz` is CI's pass

@@ -429,9 +429,9 @@ def test_bench_sweep_fit_splits_fixed_and_per_request_cost() -> None:
     rep = BenchReport(("eager",), 1, [], [row(16), row(64), row(256)], sweep_spread=1.9, sweep_cpu_spread=1.9)
     assert rep.sweep_fit == (pytest.approx(900.0), pytest.approx(57.0))
     assert rep.to_dict()["sweep_fixed_allowed_us"] == pytest.approx(allowed)
-    assert f"900 us fixed per step + 57.00 us per request; the spread target needs fixed <= {allowed:.0f} us" in (
-        format_report(rep)
-    )
+    report = format_report(rep)
+    assert "fit (least squares of engine p50): 900 us fixed per step + 57.00 us per request" in report
+    assert f"it would need fixed <= {allowed:.0f} us at that per-request cost" in report
 
 
 @needs_manager

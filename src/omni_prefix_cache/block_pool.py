@@ -53,6 +53,7 @@ import torch
 
 from omni_prefix_cache.device import sync
 from omni_prefix_cache.device.index_tensors import out_of_range
+from omni_prefix_cache.device.row_scatter import SlabScatter
 from omni_prefix_cache.interface import (
     OmniPrefixCacheInvalidArgumentError,
     OmniPrefixCacheUnmatchError,
@@ -158,6 +159,8 @@ class PrefixBlockPool:
         self._config = config
         self._num_slots = int(config.num_blocks) * int(config.block_size)
         self._slabs: dict[TensorName, torch.Tensor] = {}
+        # Each slab's integer views for ``write`` (None: copied with torch), set when it is published.
+        self._scatters: dict[TensorName, SlabScatter | None] = {}
         # Serialises slab creation only; reads and the single writer never take it.
         self._open_lock = sync.Lock()
 
@@ -215,6 +218,7 @@ class PrefixBlockPool:
                 slab = self._slabs.get(key)
                 if slab is None:
                     slab = self.new_slab(dtype, width)
+                    self._scatters[key] = SlabScatter.of(slab, int(self._config.block_size))
                     self._slabs[key] = slab
                     _log_opened(key, slab)
                     return slab
@@ -241,6 +245,8 @@ class PrefixBlockPool:
             current = self._slabs.get(key)
             if current is not None and current is not storage:
                 raise OmniPrefixCacheUnmatchError(f"prefix block pool: key {key!r} already has a slab; never replaced")
+            if current is None:
+                self._scatters[key] = SlabScatter.of(storage, int(self._config.block_size))
             self._slabs[key] = storage
         if current is None:
             _log_opened(key, storage)
@@ -299,8 +305,9 @@ class PrefixBlockPool:
 
         ``host`` must hold one row per slot in the slab's dtype and width. A
         slot listed twice takes one of its rows (callers coalesce first).
-        Raises before writing anything on an unknown key, a shape or dtype
-        mismatch, or an out-of-range slot.
+        Rows that fill a block whole are copied as whole blocks, the rest
+        row by row (``device.row_scatter``). Raises before writing anything
+        on an unknown key, a shape or dtype mismatch, or an out-of-range slot.
         """
         slab = self._slab(key)
         index = self._index(key, slots)
@@ -319,11 +326,20 @@ class PrefixBlockPool:
         self._check_range(key, index)
         dp = TELEMETRY.datapath
         if dp is None:
-            slab.index_copy_(0, index, host.to("cpu", non_blocking=False))
+            self._copy(key, slab, index, host.to("cpu", non_blocking=False))
             return
         start = TELEMETRY.cpu_clock()
-        slab.index_copy_(0, index, host.to("cpu", non_blocking=False))
+        self._copy(key, slab, index, host.to("cpu", non_blocking=False))
         dp.pool_written(threading.current_thread().name, int(host.nbytes), start, TELEMETRY.cpu_clock())
+
+    def _copy(self, key: TensorName, slab: torch.Tensor, index: torch.Tensor, host: torch.Tensor) -> None:
+        # Through the slab's integer views when both sides have one; else torch's row copy.
+        view = self._scatters.get(key)
+        source = None if view is None else view.source(host)
+        if view is None or source is None:
+            slab.index_copy_(0, index, host)
+            return
+        view.scatter(index.numpy(), source)
 
     def _slab(self, key: TensorName) -> torch.Tensor:
         slab = self._slabs.get(key)

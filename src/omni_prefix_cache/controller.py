@@ -10,12 +10,11 @@ submit; this class runs the writes, on two schedules (``WriteSchedule``):
                      to owned host tensors, then writes the pool.
 
 Every operation is the composition's (spec/protocol.yaml), compiled once per
-controller (``writes.operations``): a task, its queue position and its
-staging hold move only through those compiled segments, each under the lock
-it declares. The controller builds its parts and hands each the few it
-needs: ``task_registry``, ``copy_queues``, ``host_rows`` (copy stage, reads),
-``pool_writer``, ``handlers`` (effects, guards), ``committer`` (threaded,
-manual, on_demand; see there), ``eager`` (inline dispatch), ``budget``.
+controller (``writes.operations``; traced by ``writes.op_trace``): a task, its queue
+position and its staging hold move only through those compiled segments, each under
+the lock it declares. The controller builds its parts and hands each the few it needs:
+``task_registry``, ``copy_queues``, ``host_rows`` (copy stage, reads), ``pool_writer``,
+``handlers`` (effects, guards), ``committer`` (threaded, manual, on_demand), ``eager``, ``budget``.
 """
 
 from __future__ import annotations
@@ -49,7 +48,8 @@ from omni_prefix_cache.writes.eager import EagerDispatch, EagerRun
 from omni_prefix_cache.writes.handlers import WriteHandlers, WriteStages
 from omni_prefix_cache.writes.host_rows import HostRows
 from omni_prefix_cache.writes.mode import CommitterKind, WriteMode
-from omni_prefix_cache.writes.operations import ControllerBinding, OpRunner, active_protocol, compile_ops
+from omni_prefix_cache.writes.op_trace import compile_controller_ops
+from omni_prefix_cache.writes.operations import ControllerBinding, OpRunner, active_protocol
 from omni_prefix_cache.writes.pool_writer import PoolWriter
 from omni_prefix_cache.writes.staging import HolderTrigger, StagingBufferHolder, StagingBufferPool, StepD2HClaim
 from omni_prefix_cache.writes.task_registry import TaskRegistry
@@ -122,7 +122,7 @@ class OmniPrefixCacheController(UpstreamSeams):
             close_staging=self._staging_pool.close,
         )
         self.binding = ControllerBinding(self.queues, self._staging_pool)
-        self.ops = compile_ops(active_protocol(), self.binding, *self._handlers.tables())
+        self.ops = compile_controller_ops(active_protocol(), self.binding, self._handlers.tables())
         self._writer = PoolWriter(pool, self._runner, self.ops, self.mode, self.fail_task)
         self._handlers.stages.use(pool_write=self._writer)
         self._eager_dispatch = EagerDispatch(

@@ -103,6 +103,10 @@ class PrefixCacheConfig:
     # turns them on for the process. Off by default: on costs about 0.5 us
     # per spec move on the thread that moves (docs/stats.md has the numbers).
     metrics: bool = False
+    # Trace file (docs/trace.md): every spec move and facade call, as JSON
+    # lines, for ``omni-prefix-cache validate``. None: the environment
+    # variable OMNI_PREFIX_CACHE_TRACE names one, or no trace.
+    trace_path: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "staging_depth", "staging_capacity_tokens", "copy_chunk_bytes"):

@@ -55,6 +55,7 @@ from omni_prefix_cache.interface import (
 )
 from omni_prefix_cache.ops.components import ManagerComponents
 from omni_prefix_cache.ops.manager_stats import ManagerStats
+from omni_prefix_cache.ops.trace_session import open_trace
 from omni_prefix_cache.reads.hit_planner import HitPlanner, PendingHit
 from omni_prefix_cache.reads.materializer import Materializer
 from omni_prefix_cache.reads.planned_read import HitReads
@@ -65,7 +66,7 @@ from omni_prefix_cache.requests.step_input import events_step, is_event_form, se
 from omni_prefix_cache.specs.types.step_context import StepContextTrigger
 from omni_prefix_cache.steps import validation as check
 from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
-from omni_prefix_cache.steps.step_context import StepTable, step_move
+from omni_prefix_cache.steps.step_context import StepTable
 from omni_prefix_cache.steps.step_layout import SchedSnapshot, StepLayout
 from omni_prefix_cache.steps.step_layout import is_step_token_tensor as _is_step_token_tensor
 from omni_prefix_cache.steps.step_layout import snapshot_leftover_mm_cpu as _snapshot_leftover_mm_cpu
@@ -116,6 +117,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, UpstreamSeams):
         # Process-wide (the compiled machines are): see telemetry.registry.
         if config.metrics:
             TELEMETRY.enable()
+        open_trace(self, config)  # opt-in (docs/trace.md): before the controller compiles its operations
         self._pool = PrefixBlockPool(config)
         # ``engine``: where rows leave the device (default: CUDA lanes when
         # CUDA exists and eager is off, else host copies; a fake injects faults).
@@ -244,8 +246,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, UpstreamSeams):
             # never forgets a read a prefetch is fetching.
             self._hits.start_prefetch(jobs)
 
-    def _detach_request_locked(self, rid: ReqId) -> list[Tid]:
-        """The request table's ``detach`` (state lock): drop the pending hit, close the writes."""
+    def _detach_request_locked(self, rid: ReqId) -> list[Tid]:  # the request table's detach (state lock)
         self._hits.drop_request(rid)
         return self._ledger.finish_request_locked(rid)
 
@@ -417,7 +418,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, UpstreamSeams):
         for ctx in open_steps:
             # Cleanup must not raise: a refused release is logged, the rest go on.
             try:
-                self._materializer.release(ctx, step_move(ctx.step_id, ctx.state, StepContextTrigger.DISCARD))
+                self._materializer.release(ctx, self._steps.discard_closed(ctx))
             except Exception:
                 logger.exception("omni prefix cache: releasing step %s at shutdown failed", ctx.step_id)
         self._controller.shutdown()

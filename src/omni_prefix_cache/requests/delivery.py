@@ -68,8 +68,8 @@ def _gap_error(item: _ViewItem) -> OmniPrefixCacheDeliveryGapError:
 
 
 def _gap(item: _ViewItem) -> bool:
-    """Guard ``gap``. A retired tenure's output has none: it is never
-    delivered (commit filters it), so its view selects nothing."""
+    """Guard ``gap``. A retired tenure's output has none to raise: commit
+    filters it, so a view across its gap selects nothing instead."""
     assert item.tenure is not None
     if item.tenure.delivery_state(item.consumer) is DeliveryState.RETIRED:
         return False
@@ -82,8 +82,9 @@ def _raise_gap(item: _ViewItem) -> None:
 
 def _clip(item: _ViewItem) -> None:
     assert item.tenure is not None
-    if item.tenure.delivery_state(item.consumer) is DeliveryState.RETIRED:
-        item.result = (item.end, item.end)  # nothing of a retired tenure is delivered
+    retired = item.tenure.delivery_state(item.consumer) is DeliveryState.RETIRED
+    if retired and not no_gap(item.tenure, item.consumer, item.start, item.end):
+        item.result = (item.end, item.end)  # a retired tenure's gap: nothing is selected
         return
     seen = item.tenure.watermark(item.consumer)
     item.result = (min(item.end, max(item.start, seen)), item.end)

@@ -15,7 +15,7 @@ from enum import IntEnum
 from typing import Any, ClassVar, cast
 
 from omni_prefix_cache.specs.loader import MachineSpec, MoveSpec, SpecError, TriggerName
-from omni_prefix_cache.telemetry.moves import MoveRecorder
+from omni_prefix_cache.telemetry.moves import Recorder
 from omni_prefix_cache.telemetry.registry import TELEMETRY
 
 # The state tag that says an instance waits there: its stays are timed.
@@ -64,11 +64,12 @@ class CompiledMachine:
     effects (the runtime does both, under whatever lock it holds).
 
     ``recorder`` is the machine's metrics (``telemetry.moves``), set by the
-    process registry while metrics are on and None while off: the runtime
-    code that applies a move reports it there when it is set.
+    process registry while metrics are on or a trace is open (docs/trace.md)
+    and None while both are off: the runtime code that applies a move
+    reports it there when it is set.
     """
 
-    recorder: MoveRecorder | None
+    recorder: Recorder | None
 
     def __init__(self, spec: MachineSpec, state_enum: type[SpecState], moves: list[CompiledMove]):
         self.spec = spec

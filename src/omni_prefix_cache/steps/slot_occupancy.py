@@ -266,7 +266,7 @@ class SlotOccupancy:
                 effect(self, group)
             moved += int(group.slots.size)
             if recorder is not None:
-                recorder.counted(move, int(group.slots.size))
+                recorder.counted(move, int(group.slots.size), group)
         return moved
 
     def _groups(

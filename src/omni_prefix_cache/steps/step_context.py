@@ -159,7 +159,20 @@ class StepTable:
         return ctx, move
 
     def close_locked(self) -> list[StepContext]:
-        """Shutdown: every open step, no longer open (the caller releases each)."""
+        """Shutdown: every open step, no longer open (the caller discards
+        each with ``discard_closed`` and releases it)."""
         steps = list(self.open.values())
         self.open.clear()
         return steps
+
+    @staticmethod
+    def discard_closed(ctx: StepContext) -> CompiledMove:
+        """Shutdown's discard of a step ``close_locked`` returned: the
+        step_context move to CONSUMED, applied and recorded (the spec's
+        shutdown discards every open step), and returned for its effects
+        (which release the staging holder). Raises like ``step_move``; the
+        step is no longer open, so no other thread moves it."""
+        move = step_move(ctx.step_id, ctx.state, StepContextTrigger.DISCARD)
+        ctx.state = move.dest
+        _record(move, ctx)
+        return move

@@ -14,9 +14,25 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from omni_prefix_cache.telemetry.histogram import Histogram, HistogramSummary
+
+
+class Recorder(Protocol):
+    """What a compiled machine's ``recorder`` is: this module's
+    ``MoveRecorder`` (metrics) or a ``telemetry.trace.TraceRecorder`` (a
+    trace is open; it feeds the metrics recorder too). ``detail``: what the
+    trace keeps beside the instance (a holder's page, a task's deferred
+    wakes); ``group``: the rows of a vectorised move (key and slots)."""
+
+    def moved(self, move: Any, key: object, detail: Any = None) -> None: ...
+
+    def moved_batch(self, keys: Sequence[object], moves: Sequence[Any]) -> None: ...
+
+    def counted(self, move: Any, n: int, group: Any = None) -> None: ...
+
+    def forget(self, key: object) -> None: ...
 
 
 class MoveRecorder:
@@ -45,10 +61,10 @@ class MoveRecorder:
         self._by_state = {state: self.time_in_state[name] for state, name in self.timed.items()}
         self._lock = threading.Lock()
 
-    def moved(self, move: Any, key: object) -> None:
+    def moved(self, move: Any, key: object, detail: Any = None) -> None:
         """``move`` (a ``CompiledMove``) was applied to the instance ``key``.
         Ends the instance's timed stay in the move's source (a self-loop
-        keeps it) and starts one in its dest."""
+        keeps it) and starts one in its dest (``detail``: for a trace only)."""
         source, dest = int(move.source), int(move.dest)
         timed = self._by_state
         if (source in timed or dest in timed) and source != dest:
@@ -71,9 +87,9 @@ class MoveRecorder:
             if move is not None:
                 self.moved(move, key)
 
-    def counted(self, move: Any, n: int) -> None:
-        """``move`` was applied to ``n`` instances at once (an array machine);
-        counted only (see ``docs/stats.md`` on untimed array states)."""
+    def counted(self, move: Any, n: int, group: Any = None) -> None:
+        """``move`` was applied to ``n`` instances at once (an array machine,
+        ``group`` its rows: for a trace only); counted only (see ``docs/stats.md`` on untimed array states)."""
         with self._lock:
             self._counts[move.index] += n
 

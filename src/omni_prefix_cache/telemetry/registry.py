@@ -22,13 +22,14 @@ from typing import Any, Protocol
 
 from omni_prefix_cache.telemetry.datapath import DataPath
 from omni_prefix_cache.telemetry.histogram import HistogramSummary
-from omni_prefix_cache.telemetry.moves import MoveRecorder
+from omni_prefix_cache.telemetry.moves import MoveRecorder, Recorder
+from omni_prefix_cache.telemetry.trace import Trace, TraceRecorder
 
 
 class RecordedMachine(Protocol):
     """What the registry needs of a compiled machine (``specs.compiled``)."""
 
-    recorder: MoveRecorder | None
+    recorder: Recorder | None
 
     def recorder_spec(self) -> tuple[str, list[tuple[str, str, str]], dict[int, str]]:
         """(machine name, (trigger, source, dest) per move index, timed state number -> name)."""
@@ -42,6 +43,8 @@ class Telemetry:
 
     def __init__(self) -> None:
         self.datapath: DataPath | None = None
+        # The open trace (docs/trace.md), or None: see ``start_trace``.
+        self.trace: Trace | None = None
         self.clock: Callable[[], int] = time.monotonic_ns
         # CPU time of the calling thread: host copies and pool writes (a
         # thread preempted mid-copy is not charged for the wait).
@@ -57,11 +60,41 @@ class Telemetry:
         """Track ``machine`` (compile time) and give it a recorder if on."""
         with self._lock:
             self._machines.add(machine)
-            machine.recorder = self._recorder(machine) if self.enabled else None
+            self._install(machine)
 
     def _recorder(self, machine: RecordedMachine) -> MoveRecorder:
         name, labels, timed = machine.recorder_spec()
         return MoveRecorder(name, labels, timed, self.clock)
+
+    def _install(self, machine: RecordedMachine) -> None:
+        """The machine's recorder for the current switches (lock held):
+        metrics if on, wrapped in the trace's recorder if a trace is open."""
+        metrics = self._recorder(machine) if self.enabled else None
+        trace = self.trace
+        if trace is None:
+            machine.recorder = metrics
+        else:
+            name, labels, _ = machine.recorder_spec()
+            machine.recorder = TraceRecorder(name, labels, trace, metrics)
+
+    def start_trace(self, trace: Trace) -> None:
+        """Record every machine's moves into ``trace`` from now on (a trace
+        already open is closed first: one per process)."""
+        with self._lock:
+            old, self.trace = self.trace, trace
+            for machine in list(self._machines):
+                self._install(machine)
+        if old is not None and old is not trace:
+            old.close()
+
+    def stop_trace(self, trace: Trace) -> None:
+        """Close ``trace`` and stop recording into it (if it is the open one)."""
+        with self._lock:
+            if self.trace is trace:
+                self.trace = None
+                for machine in list(self._machines):
+                    self._install(machine)
+        trace.close()
 
     def enable(self, *, clock: Callable[[], int] | None = None, cpu_clock: Callable[[], int] | None = None) -> None:
         """Start recording (idempotent: an enabled registry keeps its series
@@ -75,14 +108,14 @@ class Telemetry:
             self.clock = clock or time.monotonic_ns
             self.datapath = DataPath()
             for machine in list(self._machines):
-                machine.recorder = self._recorder(machine)
+                self._install(machine)
 
     def disable(self) -> None:
         """Stop recording and drop every series."""
         with self._lock:
             self.datapath = None
             for machine in list(self._machines):
-                machine.recorder = None
+                self._install(machine)
 
     def set_enabled(self, on: bool) -> None:
         if on:
@@ -116,7 +149,8 @@ class Telemetry:
     def recorders(self) -> list[MoveRecorder]:
         with self._lock:
             machines = list(self._machines)
-        return [m.recorder for m in machines if m.recorder is not None]
+        recorders = [getattr(m.recorder, "metrics", m.recorder) for m in machines]
+        return [r for r in recorders if isinstance(r, MoveRecorder)]
 
     # ------------------------------------------------------------ reading
 

@@ -249,8 +249,9 @@ BROKEN: dict[str, Mutation] = {
         model="lifecycle",
     ),
     "view-without-clip": Mutation(
-        "delivery_view without clip_outputs: a recovered output hands a consumer positions it already received",
-        "at_most_once_in_order",
+        "delivery_view without clip_outputs: a view hands a consumer its output whole, past a retired "
+        "tenure's gap (the shortest trace) or over positions it already received",
+        "gap_raises",
         _view_without_clip,
         model="lifecycle",
     ),

@@ -7,7 +7,9 @@ and racing tests; it prints ``killed K of N; generated tests alone: G of N``.
 A mutant is killed only when a run fails an assertion of a named invariant
 (a spec invariant, a generated checker or a racing test's ``@invariant``) or
 of the row oracle (a message starting "row oracle:"); any other failure (a
-crash, a timeout) is reported but not counted (``kill_reason``).
+crash, a timeout) is reported but not counted (``kill_reason``). Beside
+each verdict, ``[trace: ...]`` says whether validating a recorded simulate
+run of the mutant (``trace_mutants``) alone catches it; it changes no verdict.
 
 The mutants themselves live in ``mutant_catalogue``, which runs this on
 ``python -m omni_prefix_cache.testing.mutant_catalogue``.
@@ -16,12 +18,13 @@ The mutants themselves live in ``mutant_catalogue``, which runs this on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -35,13 +38,17 @@ KILLER_TESTS = GENERATED_TESTS + OTHER_KILLER_TESTS
 
 
 class Described(Protocol):
-    """What the runner reads of a mutant: its name and its bug in one line."""
+    """What the runner reads of a mutant: its name, its bug in one line, and
+    its patch (applied in ``--trace-child``)."""
 
     @property
     def name(self) -> str: ...
 
     @property
     def bug(self) -> str: ...
+
+    @property
+    def patch(self) -> Callable[[contextlib.ExitStack], None]: ...
 
 
 def invariant_names(tests: tuple[str, ...] = KILLER_TESTS) -> frozenset[str]:
@@ -164,6 +171,7 @@ def run_catalogue(
     jobs: int = 1,
     *,
     with_explore: bool = False,
+    with_trace: bool = True,
 ) -> int:
     """``judge`` every mutant of ``mutants`` (``jobs`` at a time); print each verdict with
     its kill reason, then ``killed K of N; generated tests alone: G of N``.
@@ -176,18 +184,25 @@ def run_catalogue(
         f"mutant catalogue: {len(chosen)} mutants, {jobs} at a time; generated tests "
         f"{', '.join(GENERATED_TESTS)} alone first, then {', '.join(OTHER_KILLER_TESTS)}"
     )
-    killed = alone = 0
+    from omni_prefix_cache.testing.trace_mutants import trace_verdict
+
+    killed = alone = traced = 0
     total = time.monotonic()
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        for name, (first, result) in zip(chosen, pool.map(lambda n: judge(n, invariants), chosen)):
+        verdicts = pool.map(lambda n: (*judge(n, invariants), trace_verdict(n) if with_trace else "off"), chosen)
+        for name, (first, result, trace) in zip(chosen, verdicts):
             killed += result.killed
             alone += first.killed
+            traced += trace.startswith("caught")
             if result is first:
                 where = "[generated]" if first.killed else "[generated; no other tests]"
             else:
                 where = f"[generated: {first.verdict}; others: {result.verdict}]"
             seconds = first.seconds + (result.seconds if result is not first else 0.0)
-            print(f"  {name:38s} {result.verdict:9s} {seconds:6.1f}s  {result.reason}  {where}  {result.test[:70]}")
+            print(
+                f"  {name:38s} {result.verdict:9s} {seconds:6.1f}s  {result.reason}  {where}  "
+                f"[trace: {trace}]  {result.test[:70]}"
+            )
             sys.stdout.flush()
     if names is None and candidates:
         print(f"candidates (not counted): {', '.join(sorted(candidates))}")
@@ -199,6 +214,7 @@ def run_catalogue(
             explored += why is not None
             print(f"  explore {name:38s} {'killed by ' + why if why else 'not killed'} ({token})", flush=True)
         print(f"explore killed {explored} of {len(chosen)}")
+    print(f"trace validation of a recorded run alone caught {traced} of {len(chosen)} (reported, not counted)")
     print(f"killed {killed} of {len(chosen)}; generated tests alone: {alone} of {len(chosen)}")
     return 0 if killed == len(chosen) and alone == len(chosen) else 1
 
@@ -216,11 +232,24 @@ def main(argv: list[str] | None, mutants: Mapping[str, Described], candidates: M
     parser.add_argument(
         "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="mutants judged in parallel (default: 2)"
     )
+    parser.add_argument(
+        "--no-trace", action="store_true", help="skip the trace column (recorded runs validated per mutant)"
+    )
+    parser.add_argument("--trace-child", nargs=2, metavar=("NAME", "FOLDER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.trace_child:  # trace_mutants' child: record runs with one mutant applied
+        from omni_prefix_cache.testing.trace_mutants import record_runs
+
+        name, folder = args.trace_child
+        with contextlib.ExitStack() as stack:
+            {**candidates, **mutants}[name].patch(stack)
+            return record_runs(folder)
     if args.list:
         for m in mutants.values():
             print(f"{m.name:38s} {m.bug}")
         for m in candidates.values():
             print(f"{m.name:38s} {m.bug} (candidate: not yet killed)")
         return 0
-    return run_catalogue(mutants, candidates, args.names or None, jobs=args.jobs, with_explore=args.explore)
+    return run_catalogue(
+        mutants, candidates, args.names or None, jobs=args.jobs, with_explore=args.explore, with_trace=not args.no_trace
+    )

@@ -1,5 +1,5 @@
 """omni-prefix-cache command line: render the spec diagrams, run the verified serving simulation,
-benchmark the engine-facing calls, and model-check the composed write pipeline."""
+benchmark the engine-facing calls, model-check the composed write pipeline, and validate a recorded trace."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from omni_prefix_cache.tools.commands import bench, check, diagrams, explore, simulate
+from omni_prefix_cache.tools.commands import bench, check, diagrams, explore, simulate, validate
 from omni_prefix_cache.tools.commands.bench import BENCH_SCENARIOS
 from omni_prefix_cache.tools.commands.check import check_result_dict
 from omni_prefix_cache.tools.commands.common import (
@@ -54,7 +54,7 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
-COMMANDS = ("diagrams", "simulate", "bench", "check", "explore")
+COMMANDS = ("diagrams", "simulate", "bench", "check", "explore", "validate")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -71,6 +71,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     bench.add_parser(sub)
     check.add_parser(sub, full=command in (None, "check"))
     explore.add_parser(sub)
+    validate.add_parser(sub)
     return parser
 
 

@@ -9,7 +9,9 @@ serve         the serving simulation with static CUDA output buffers that a
               to flush, and a same-sized garbage allocation after every save
               that recycles whatever device memory was freed. Passes with 0
               mismatches, 0 leaks, device memory back to its starting level,
-              budget flushes seen and the read lane used.
+              budget flushes seen and the read lane used. The run records
+              a trace (docs/trace.md, ``--trace FILE``) that must then
+              validate against the specs.
 copy_failure  an injected failure in a deferred copy: the task ends FAILED,
               its join raises, the budget is back at 0.
 device_fault  an asynchronous device fault (an out-of-bounds index kernel)
@@ -32,6 +34,7 @@ import json
 import logging
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -126,9 +129,32 @@ class Check:
     note: str = ""
 
 
-def check_serve(backend: Backend, steps: int, seed: int) -> Check:
+def _validated(path: Path) -> dict[str, Any]:
+    """The trace at ``path`` replayed against the specs (docs/trace.md)."""
+    from omni_prefix_cache.tools.trace_check import TraceFormatError, read_trace, validate_trace
+
+    try:
+        trace = read_trace(path)
+    except (OSError, TraceFormatError) as exc:
+        return {"ok": False, "path": str(path), "error": str(exc)}
+    res = validate_trace(trace)
+    v = res.violation
+    return {
+        "ok": v is None and res.lost_at is None and res.moves > 0,
+        "path": str(path),
+        "bytes": path.stat().st_size,
+        "records": res.records,
+        "moves": res.moves,
+        "validate_s": round(res.seconds, 3),
+        "violation": None if v is None else f"{v.rule}: {v.message}",
+    }
+
+
+def check_serve(backend: Backend, steps: int, seed: int, trace: Path | None = None) -> Check:
     # A budget of a few steps' deferred rows: flushes start within the first steps.
-    cfg = SimConfig(seed=seed, steps=steps, eager=False, lag=True, gpu_staging_bytes=8 * 1024)
+    if trace is None:
+        trace = Path(tempfile.mkdtemp(prefix="gpu-check-")) / "serve.jsonl"
+    cfg = SimConfig(seed=seed, steps=steps, eager=False, lag=True, gpu_staging_bytes=8 * 1024, trace_path=str(trace))
     engines: list[CopyEngine] = []
     wrappers: list[_GarbageManager] = []
 
@@ -163,6 +189,7 @@ def check_serve(backend: Backend, steps: int, seed: int) -> Check:
         "wall_s": round(res.wall_s, 2),
         "engine_us_median": _median(res.engine_us),
         "error": res.error,
+        "trace": _validated(trace),
     }
     ok = (
         res.error is None
@@ -172,6 +199,7 @@ def check_serve(backend: Backend, steps: int, seed: int) -> Check:
         and numbers["budget_flushes"] > 0
         and start_mem == end_mem
         and (not backend.lanes or lane_uses.get("read", 0) > 0)
+        and numbers["trace"]["ok"]
     )
     note = "" if backend.lanes else "host copies: no lanes, so no read-lane check"
     return Check(f"serve[{backend.name}]", ok, numbers, note)
@@ -226,7 +254,10 @@ def check_copy_failure(backend: Backend) -> Check:
 
 
 def check_device_fault(
-    backend: Backend, timeout_s: float = 60.0, report: Callable[[dict[str, Any]], None] | None = None
+    backend: Backend,
+    timeout_s: float = 60.0,
+    report: Callable[[dict[str, Any]], None] | None = None,
+    trace: Path | None = None,
 ) -> Check:
     """Materialize raises on a device fault, the next call raises the sticky
     error, shutdown returns: all within ``timeout_s``. ``report`` gets the
@@ -235,7 +266,11 @@ def check_device_fault(
     assert backend.inject_fault is not None
     engine = backend.make_engine()
     view = SimGroupView(4)
-    cfg = PrefixCacheConfig(num_blocks=16, block_size=4, staging_capacity_tokens=64, staging_claim_timeout_s=10.0)
+    # Traced: a faulted run's trace (sticky failure included) must validate too.
+    trace = trace or Path(tempfile.mkdtemp(prefix="gpu-check-")) / "device_fault.jsonl"
+    cfg = PrefixCacheConfig(
+        num_blocks=16, block_size=4, staging_capacity_tokens=64, staging_claim_timeout_s=10.0, trace_path=str(trace)
+    )
     mgr = OmniPrefixCacheManager(cfg, view, eager=False, engine=engine)
     mgr.register_policy(ModelCachePolicy(deferred_keys=frozenset({"d"})))
     started = time.monotonic()
@@ -275,6 +310,7 @@ def check_device_fault(
         mgr.shutdown()
     numbers["shutdown"] = "returned"
     numbers["elapsed_s"] = round(time.monotonic() - started, 2)
+    numbers["trace"] = _validated(trace)
     # Either side may see the fault first: materialize's own wait ("device
     # fault") or the committer's wait of the same copy ("write failed").
     ok = (
@@ -283,6 +319,7 @@ def check_device_fault(
         and str(numbers.get("next_call", "")).startswith("raised: ")
         and numbers["shutdown"] == "returned"
         and numbers["elapsed_s"] < timeout_s
+        and numbers["trace"]["ok"]
     )
     return Check(f"device_fault[{backend.name}]", ok, numbers)
 
@@ -317,18 +354,24 @@ def check_cuda_tests() -> Check:  # pragma: no cover - CUDA only
 # ------------------------------------------------------------------ main
 
 
-def run_checks(*, dry_run: bool, steps: int, seed: int, lag_ms: float, forward_ms: float) -> list[Check]:
+def run_checks(
+    *, dry_run: bool, steps: int, seed: int, lag_ms: float, forward_ms: float, trace: Path | None = None
+) -> list[Check]:
     # Injected failures are logged by the committer; keep them off stderr.
     logging.getLogger("omni_prefix_cache").addHandler(logging.NullHandler())
     checks: list[Check] = []
     if dry_run:
         for backend in (cpu_backend(), fake_backend(lag_ms)):
-            checks.append(check_serve(backend, steps, seed))
+            checks.append(
+                check_serve(
+                    backend, steps, seed, None if trace is None else trace.with_suffix(f".{backend.name}.jsonl")
+                )
+            )
             checks.append(check_copy_failure(backend))
         checks.append(check_device_fault(fake_backend(0.0)))
         return checks
     backend = cuda_backend(lag_ms, forward_ms)  # pragma: no cover - CUDA only
-    checks.append(check_serve(backend, steps, seed))  # pragma: no cover
+    checks.append(check_serve(backend, steps, seed, trace))  # pragma: no cover
     checks.append(check_copy_failure(backend))  # pragma: no cover
     checks.append(_device_fault_in_child(120.0))  # pragma: no cover
     checks.append(check_cuda_tests())  # pragma: no cover
@@ -342,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lag-ms", type=float, default=None, help="sleep after each lane wait (default 2 CUDA, 1 dry)")
     ap.add_argument("--forward-ms", type=float, default=3.0, help="slow kernel ahead of each forward's writes")
+    ap.add_argument("--trace", type=Path, default=None, help="where serve records its trace (default: a temp file)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child-fault", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -356,7 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps if args.steps is not None else (40 if dry else 400)
     lag = args.lag_ms if args.lag_ms is not None else (1.0 if dry else 2.0)
     started = time.monotonic()
-    checks = run_checks(dry_run=dry, steps=steps, seed=args.seed, lag_ms=lag, forward_ms=args.forward_ms)
+    checks = run_checks(
+        dry_run=dry, steps=steps, seed=args.seed, lag_ms=lag, forward_ms=args.forward_ms, trace=args.trace
+    )
     wall = round(time.monotonic() - started, 1)
     ok = all(c.ok for c in checks)
     if args.json:

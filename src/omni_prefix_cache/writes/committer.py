@@ -28,6 +28,7 @@ import torch
 from omni_prefix_cache.interface import OmniPrefixCacheJoinTimeoutError, Tid
 from omni_prefix_cache.specs.batch import Batch
 from omni_prefix_cache.specs.composition import ProtocolViolation
+from omni_prefix_cache.telemetry.registry import TELEMETRY
 from omni_prefix_cache.writes.copy_queues import CopyQueues
 from omni_prefix_cache.writes.mode import WriteMode
 from omni_prefix_cache.writes.operations import ControllerBinding, ControllerOps, OpRunner
@@ -283,6 +284,9 @@ class Committer:
                 # elsewhere, so the joiner raises too.
                 error = join_error(task, event, registry.failure_of(tid), self.stopping)
                 raise error from error.__cause__
+        trace = TELEMETRY.trace
+        if trace is not None:  # the save barrier's order is judged from this (docs/trace.md)
+            trace.waited(event, tids)
 
     def step_until(self, task: WriteTask, event: Event, deadline: float) -> None:
         """on_demand joins: run committer steps on this thread until the event

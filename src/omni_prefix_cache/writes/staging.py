@@ -187,7 +187,7 @@ class StagingBufferPool:
             del self._page_of[holder]
         recorder = HOLDER_MACHINE.recorder
         if recorder is not None:
-            recorder.moved(move, holder)
+            recorder.moved(move, holder, page)
         for effect in move.effects:
             effect(self, page, holder)
         return True

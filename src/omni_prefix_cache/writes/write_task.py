@@ -213,7 +213,7 @@ class WriteTask(UpstreamTaskSeams):
         self.state = move.dest  # type: ignore[assignment]
         recorder = WRITE_TASK_MACHINE.recorder
         if recorder is not None:
-            recorder.moved(move, self)
+            recorder.moved(move, self, defer or None)  # a trace keeps the deferred wakes
         if defer:
             for effect in move.undeferrable:
                 effect(self)

@@ -107,14 +107,16 @@ class DeliveryAdapter(SpecAdapter):
     def model_guards(self) -> dict[str, Callable[[MoveCtx], bool]]:
         def no_gap(ctx: MoveCtx) -> bool:
             seen = ctx.model.obs[("delivered", ctx.handle)]
-            return bool(ctx.args["end"] <= seen or ctx.args["start"] <= seen)
+            start, end = ctx.args["start"], ctx.args["end"]
+            return bool(end <= seen or start <= seen or start >= end)
 
         return {"no_gap": no_gap}
 
     def model_effects(self) -> dict[str, Callable[[MoveCtx], None]]:
         def advance_watermark(ctx: MoveCtx) -> None:
             key = ("delivered", ctx.handle)
-            ctx.model.obs[key] = max(ctx.model.obs[key], ctx.args["end"])
+            if ctx.args["start"] <= ctx.model.obs[key]:  # only a range that continues the watermark
+                ctx.model.obs[key] = max(ctx.model.obs[key], ctx.args["end"])
 
         return {"advance_watermark": advance_watermark}
 

@@ -326,8 +326,8 @@ class LifeBinding:
     def _clip(self, c: LCtx) -> None:
         assert c.items is not None
         t, k, start, end = c.items[0]
-        if c.tenures[t].state == self.RETIRED:
-            c.clipped = (end, end)  # nothing of a retired tenure is delivered
+        if c.tenures[t].state == self.RETIRED and not self._no_gap(c, c.items[0]):
+            c.clipped = (end, end)  # a retired tenure's gap: nothing is selected
             return
         seen = c.tenures[t].marks[k]
         c.clipped = (min(end, max(start, seen)), end)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from omni_prefix_cache.interface import HIDDEN_KEY
-from omni_prefix_cache.tools.bench.scenarios import DEFERRED_KEY, Scenario, mm_key
+from omni_prefix_cache.tools.bench.scenarios import DEFERRED_KEY, DEFERRED_WIDTH, Scenario, mm_key
 
 
 def floor_us(tensors: list[torch.Tensor]) -> tuple[float, float]:
@@ -33,18 +33,19 @@ def floor_us(tensors: list[torch.Tensor]) -> tuple[float, float]:
 
 def move_floor_us(
     srcs: list[torch.Tensor], staging: list[torch.Tensor], pools: list[torch.Tensor], slots: torch.Tensor
-) -> tuple[float, float]:
+) -> tuple[float, float, float]:
     """Wall microseconds of (copying ``srcs`` into ``staging``; that copy plus
-    ``index_copy_`` of the staged rows into ``pools`` at ``slots``)."""
-    t0 = time.perf_counter_ns()
+    ``index_copy_`` of the staged rows into ``pools`` at ``slots``), and the
+    thread-CPU microseconds of the staging copy."""
+    c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
     for src, stage in zip(srcs, staging):
         stage[: src.shape[0]].copy_(src)
-    t1 = time.perf_counter_ns()
+    t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
     for src, stage, pool in zip(srcs, staging, pools):
         n = src.shape[0]
         pool.index_copy_(0, slots[:n], stage[:n])
     t2 = time.perf_counter_ns()
-    return (t1 - t0) / 1000.0, (t2 - t0) / 1000.0
+    return (t1 - t0) / 1000.0, (t2 - t0) / 1000.0, (c1 - c0) / 1000.0
 
 
 def returned_rows(outs: Any) -> dict[str, int]:
@@ -65,6 +66,7 @@ class StepFloors:
     engine_cpu_us: float
     staging_copy_us: float
     move_us: float
+    staging_copy_cpu_us: float
     materialize_us: float
     materialize_cpu_us: float
 
@@ -84,8 +86,8 @@ class Rig:
         widths = {HIDDEN_KEY: sc.hidden, **{k: sc.mm_width for k in self.mm}}
         self.deferred: torch.Tensor | None = None
         if sc.deferred:
-            widths[DEFERRED_KEY] = 16
-            self.deferred = torch.randn((max_n, 16), generator=gen).to(sc.dtype)
+            widths[DEFERRED_KEY] = DEFERRED_WIDTH
+            self.deferred = torch.randn((max_n, DEFERRED_WIDTH), generator=gen).to(sc.dtype)
         self.floor_src = {
             k: torch.randn((max(4 * max_n, 8192), w), generator=gen).to(sc.dtype) for k, w in widths.items()
         }
@@ -106,6 +108,6 @@ class Rig:
         """Time the floors of a step of ``n`` rows whose materialize returned ``returned``."""
         engine, engine_cpu = floor_us([self.hidden[:n], *mm.values()])
         srcs = [self.hidden[:n], *(mm[k] for k in self.move_keys[1:])]
-        staged, moved = move_floor_us(srcs, self.staging, self.pools, self.move_slots)
+        staged, moved, staged_cpu = move_floor_us(srcs, self.staging, self.pools, self.move_slots)
         mat, mat_cpu = floor_us([self.floor_src[k][:r] for k, r in returned.items() if k in self.floor_src])
-        return StepFloors(engine, engine_cpu, staged, moved, mat, mat_cpu)
+        return StepFloors(engine, engine_cpu, staged, moved, staged_cpu, mat, mat_cpu)

@@ -187,6 +187,8 @@ class Samples:
             materialize_us_per_request=m50 / per_step,
             staging_copy_us=pct([f.staging_copy_us for f in fl], 50),
             move_floor_us=pct([f.move_us for f in fl], 50),
+            memcpy_bound_us=2.0 * pct([f.staging_copy_us for f in fl], 50),
+            staging_copy_cpu_us=pct([f.staging_copy_cpu_us for f in fl], 50),
             hit_rows_per_step=self.hit_rows / steps,
             engine_cpu_us_p50=ec,
             materialize_cpu_us_p50=mc,
@@ -202,6 +204,26 @@ class Samples:
             engine_faults_p50=pct([t.engine_faults for t in ts], 50) if faults else None,
             materialize_faults_p50=pct([t.materialize_faults for t in ts], 50) if faults else None,
         )
+
+
+def warm_pool(mgr: Any) -> bool:
+    """Make every pool slab ``mgr`` opens from now on come with each page
+    written once (zeros, what a fresh slab holds): the steady state of a
+    server whose pool was filled once, where no pool write takes a
+    first-touch page fault. A slab opens in the first save that has its
+    key, a warmup step, so the writing is never timed. False (nothing
+    done) when the manager exposes no pool (a test's stand-in)."""
+    pool = getattr(getattr(mgr, "components", None), "pool", None)
+    if pool is None:
+        return False
+    new_slab: Callable[[torch.dtype, int], torch.Tensor] = pool.new_slab
+
+    def touched(dtype: torch.dtype, width: int) -> torch.Tensor:
+        return new_slab(dtype, width).zero_()
+
+    # On this pool instance only: the manager opens slabs through it.
+    setattr(pool, "new_slab", touched)  # noqa: B010
+    return True
 
 
 def start_manager(
@@ -239,19 +261,22 @@ def run_scenario(
     on_step: Callable[[], None] | None = None,
     forward_us: float = 0.0,
     during_timed: TimedHook | None = None,
+    warm: bool = False,
 ) -> ScenarioResult:
     """Replay ``sc`` against a fresh manager; time the facade calls and the memcpy floors.
     ``on_step`` is called after every step (warmup included), outside the timed spans.
     ``forward_us``: the engine thread sleeps that long between ``new_step_starts`` and
     ``save_outputs`` (a forward pass), not counted in the engine time.
     ``during_timed(manager)``: a context entered before the first timed step
-    and left after the last (also on an error), before the manager shuts down."""
+    and left after the last (also on an error), before the manager shuts down.
+    ``warm``: the pool's slabs are opened and written once first (``warm_pool``)."""
     iters = sc.iters if iters is None else iters
     warmup = sc.warmup if warmup is None else warmup
     steps = plan_steps(sc, warmup + iters, seed)
     max_n = max(s.n for s in steps)
     view = SimGroupView(sc.block_size)
     mgr, committer_cpu = start_manager(sc, max_n, view, eager, manager_factory)
+    warmed = warm and warm_pool(mgr)
     rig = Rig(sc, max_n, seed)
     samples = Samples()
     gc.collect()
@@ -280,5 +305,6 @@ def run_scenario(
             mgr.shutdown()
     mode = "eager" if eager else "threaded"
     result = samples.result(sc.name, mode, committer_clocked=committer_cpu is not None, forward_us=forward_us)
+    result.warm_pool = warmed
     result.judge(sc.targets)
     return result

@@ -68,6 +68,11 @@ class ScenarioResult:
     # into a pool of the same shape at the step's slots.
     staging_copy_us: float = 0.0
     move_floor_us: float = 0.0
+    # The memcpy bound of the step's data movement: 2 x the staging copy (the
+    # D2H copy into the staging page, then the same bytes into the pool at
+    # memcpy speed), what a pool write at memory bandwidth would cost.
+    memcpy_bound_us: float = 0.0
+    staging_copy_cpu_us: float = 0.0  # the staging copy's thread CPU time (what the engine's CPU compares with)
     hit_rows_per_step: float = 0.0
     # Thread CPU time of the calling thread (time another process or thread ran is not counted).
     engine_cpu_us_p50: float = 0.0
@@ -97,6 +102,9 @@ class ScenarioResult:
     # calls and inside materialize (None: no per-thread usage on this OS).
     engine_faults_p50: float | None = None
     materialize_faults_p50: float | None = None
+    # ``--warm-pool``: every pool slab was opened and written once before the
+    # first step, so no pool write takes a first-touch fault (False: cold, the default).
+    warm_pool: bool = False
 
     def judge(self, targets: tuple[Target, ...]) -> None:
         """Evaluate ``targets`` that apply to this result's mode."""
@@ -227,7 +235,7 @@ class BenchReport:
     torch_threads: int
     results: list[ScenarioResult]
     sweep: list[ScenarioResult]
-    sweep_spread: float | None = None  # max/min engine us per request across the sweep (wall p50)
+    sweep_spread: float | None = None  # max/min engine us per request across the eager sweep (wall p50)
     sweep_cpu_spread: float | None = None  # the same from thread CPU time
     sweep_target: float = SWEEP_TARGET
     baseline: str | None = None  # where the baseline came from
@@ -238,6 +246,14 @@ class BenchReport:
     metrics_pairs: list[MetricsPair] = field(default_factory=list)
     # ``--scrape HZ``: every (scenario, mode) without and with scraping (empty: not asked).
     scrape_pairs: list[ScrapePair] = field(default_factory=list)
+    # The decode sweep in threaded mode (``sweep`` is the eager one; empty: not run).
+    sweep_threaded: list[ScenarioResult] = field(default_factory=list)
+    # The targets judged over several rows (``goals``: the sweep fits, one
+    # scenario against another), set by ``run_bench``.
+    report_verdicts: list[TargetVerdict] = field(default_factory=list)
+    # The pool write's row and block paths timed alone (``pool_write.PoolWriteTiming.to_dict``).
+    pool_write: list[dict[str, Any]] = field(default_factory=list)
+    warm_pool: bool = False  # ``--warm-pool``: the scenarios ran on pre-written pools
 
     @property
     def mode(self) -> str:
@@ -245,6 +261,9 @@ class BenchReport:
 
     @property
     def sweep_met(self) -> bool | None:
+        """The eager sweep's spread against ``sweep_target``. Informational:
+        the fit targets (``goals``) replaced it, and ``all_met`` leaves it out
+        (a fixed cost within the fit targets spreads more than it allows)."""
         return None if self.sweep_spread is None else self.sweep_spread <= self.sweep_target
 
     @property
@@ -254,6 +273,20 @@ class BenchReport:
         than two batch sizes). Splits what the spread target is about: the
         fixed part is what small batches cannot amortize."""
         return linear_fit([(r.requests_per_step, r.engine_us_p50) for r in self.sweep])
+
+    @property
+    def sweep_fit_threaded(self) -> tuple[float, float] | None:
+        """``sweep_fit`` of the threaded sweep (the engine thread's wall p50)."""
+        return linear_fit([(r.requests_per_step, r.engine_us_p50) for r in self.sweep_threaded])
+
+    @property
+    def sweep_cpu_fits(self) -> dict[str, list[float] | None]:
+        """Per sweep mode, the fit of the engine thread's CPU p50 instead of its wall time."""
+        return {
+            mode: None if fit is None else list(fit)
+            for mode, rows in (("eager", self.sweep), ("threaded", self.sweep_threaded))
+            for fit in [linear_fit([(r.requests_per_step, r.engine_cpu_us_p50) for r in rows])]
+        }
 
     @property
     def sweep_fixed_allowed_us(self) -> float | None:
@@ -284,7 +317,7 @@ class BenchReport:
 
     @property
     def all_met(self) -> bool:
-        verdicts = [r.met for r in self.results] + [self.sweep_met]
+        verdicts = [r.met for r in self.results] + [v.met for v in self.report_verdicts]
         verdicts += [ok for *_, ok in self.baseline_verdicts()]
         return all(v is not False for v in verdicts)
 
@@ -306,6 +339,12 @@ class BenchReport:
             "metrics_sides": list(self.metrics_sides),
             "metrics_side_by_side": [p.to_dict() for p in self.metrics_pairs],
             "scrape_side_by_side": [p.to_dict() for p in self.scrape_pairs],
+            "sweep_threaded": [r.to_dict() for r in self.sweep_threaded],
+            "sweep_fit_threaded": None if self.sweep_fit_threaded is None else list(self.sweep_fit_threaded),
+            "sweep_cpu_fits": self.sweep_cpu_fits,
+            "report_targets": [asdict(v) for v in self.report_verdicts],
+            "pool_write": self.pool_write,
+            "warm_pool": self.warm_pool,
         }
 
 

@@ -15,7 +15,9 @@ import torch
 
 from omni_prefix_cache.telemetry.registry import TELEMETRY
 from omni_prefix_cache.tools.bench.event_api import format_event_api, run_event_api
+from omni_prefix_cache.tools.bench.goals import judge_report
 from omni_prefix_cache.tools.bench.measure import ManagerFactory, TimedHook, run_scenario
+from omni_prefix_cache.tools.bench.pool_write import time_pool_writes
 from omni_prefix_cache.tools.bench.profiling import profile_scenario
 from omni_prefix_cache.tools.bench.report import format_report
 from omni_prefix_cache.tools.bench.results import (
@@ -89,10 +91,15 @@ def run_bench(
     forward_us: float = 0.0,
     metrics: str = "off",
     scrape_hz: float = 0.0,
+    warm: bool = False,
+    pool_write: bool = False,
 ) -> BenchReport:
     """Run the named scenarios (default all) in each of ``modes`` (default
     both; ``eager`` picks one, for old callers), then the decode sweep
-    (eager). ``baseline``: a bench ``--json`` report to compare with.
+    in each of ``modes``. ``baseline``: a bench ``--json`` report to compare with.
+    ``warm``: every run's pool slabs are written once before its first step
+    (``measure.warm_pool``). ``pool_write``: also time the pool write's
+    paths alone (``pool_write.time_pool_writes``, a fraction of a second).
     ``progress(done, total)`` is called after every step of every run.
     ``forward_us``: a simulated forward pass per step (see ``run_scenario``).
     ``metrics``: ``off`` (managers as ``manager_factory`` builds them; the
@@ -116,17 +123,20 @@ def run_bench(
     base = load_baseline(baseline) if baseline else None
     plan = [SCENARIOS[n]() for n in names]
     sweep_plan = [decode_scenario(r, iters=100) for r in SWEEP_SIZES] if sweep else []
+    sweep_modes = [mode for mode in MODES if mode in modes]
     sides = (2 if metrics == "both" else 1) + (2 if scrape_hz > 0 else 0)
 
     def steps_of(sc: Scenario) -> int:
         return (sc.warmup if warmup is None else warmup) + (sc.iters if iters is None else iters)
 
-    total = sum(steps_of(sc) for sc in [*[p for p in plan for _ in modes for _ in range(sides)], *sweep_plan])
+    runs_planned = [p for p in plan for _ in modes for _ in range(sides)]
+    total = sum(steps_of(sc) for sc in [*runs_planned, *[sc for sc in sweep_plan for _ in sweep_modes]])
     kw: dict[str, Any] = {
         "iters": iters,
         "warmup": warmup,
         "on_step": _step_counter(total, progress),
         "forward_us": forward_us,
+        "warm": warm,
     }
     factory = with_metrics(manager_factory) if metrics == "on" else manager_factory
     was_recording = TELEMETRY.enabled
@@ -149,10 +159,13 @@ def run_bench(
                 run_scrape_pair(_one_run(sc, mode, kw), i, manager_factory, scrape_hz)
                 for i, (sc, mode) in enumerate(runs)
             ]
-        sweep_results: list[ScenarioResult] = []
+        sweeps: dict[str, list[ScenarioResult]] = {
+            mode: [run_scenario(sc, eager=mode == "eager", manager_factory=factory, **kw) for sc in sweep_plan]
+            for mode in sweep_modes
+        }
+        sweep_results = sweeps.get("eager", [])
         sweep_spread = cpu_spread = None
-        if sweep:
-            sweep_results = [run_scenario(sc, eager=True, manager_factory=factory, **kw) for sc in sweep_plan]
+        if sweep_results:
             sweep_spread = spread([r.engine_us_per_request for r in sweep_results])
             cpu_spread = spread([r.engine_cpu_us_p50 / r.requests_per_step for r in sweep_results])
     finally:
@@ -160,7 +173,7 @@ def run_bench(
             TELEMETRY.disable()  # fresh series when it was on: the pairs' runs replaced them
             if was_recording:
                 TELEMETRY.enable()
-    return BenchReport(
+    rep = BenchReport(
         modes=tuple(modes),
         torch_threads=torch.get_num_threads(),
         results=results,
@@ -171,7 +184,12 @@ def run_bench(
         metrics_sides=("off", "on") if metrics == "both" else (metrics,),
         metrics_pairs=pairs,
         scrape_pairs=scrape_pairs,
+        sweep_threaded=sweeps.get("threaded", []),
+        pool_write=[t.to_dict() for t in time_pool_writes()] if pool_write else [],
+        warm_pool=warm,
     )
+    rep.report_verdicts = judge_report(rep)
+    return rep
 
 
 def main_bench(args: argparse.Namespace) -> int:
@@ -200,6 +218,8 @@ def main_bench(args: argparse.Namespace) -> int:
             forward_us=getattr(args, "forward_us", 0.0),
             metrics=getattr(args, "metrics", "off"),
             scrape_hz=getattr(args, "scrape", 0.0),
+            warm=getattr(args, "warm_pool", False),
+            pool_write=True,
         )
     finally:
         line.close()

@@ -27,6 +27,7 @@ from omni_prefix_cache.tools.simulate.workload import FollowupSpec, RequestSpec
 
 MM_KEY = "talker.h"
 DEFERRED_KEY = "codes.audio"
+DEFERRED_WIDTH = 16  # the deferred key's row width
 MODES = ("eager", "threaded")
 
 
@@ -55,6 +56,8 @@ def mm_key(i: int) -> str:
     return MM_KEY if i == 0 else f"{MM_KEY}{i}"
 
 
+# Issue 27's targets held per row; those judged across rows (the sweep fits,
+# one scenario against another) are in ``goals``.
 DECODE_TARGETS = (
     Target(
         "engine us/request",
@@ -65,22 +68,28 @@ DECODE_TARGETS = (
         # The data movement alone, per request: no bookkeeping can go under it.
         lambda r: f"staging copy + pool index_copy_ alone {r.move_floor_us / max(r.requests_per_step, 1e-9):.2f} us",
     ),
-    Target("materialize / floor", lambda r: r.materialize_ratio, lambda r: 20.0, "<= 20x", ("eager",)),
+    Target("materialize / floor", lambda r: r.materialize_ratio, lambda r: 8.0, "<= 8x", ("eager", "threaded")),
 )
 PREFILL_TARGETS = (
     Target(
-        "engine / data movement",
-        lambda r: r.engine_us_p50 / r.move_floor_us if r.move_floor_us > 0 else float("inf"),
-        lambda r: 2.0,
-        "<= 2x (staging copy + pool index_copy_)",
+        "engine / memcpy bound",
+        lambda r: r.engine_us_p50 / r.memcpy_bound_us if r.memcpy_bound_us > 0 else float("inf"),
+        lambda r: 2.5,
+        "<= 2.5x (2 x staging copy)",
         ("eager",),
+        lambda r: f"memcpy bound {r.memcpy_bound_us:.0f} us, staging copy + pool index_copy_ {r.move_floor_us:.0f} us",
     ),
     Target(
-        "engine - staging copy",
-        lambda r: r.engine_us_p50 - r.staging_copy_us,
-        lambda r: 150.0,
-        "<= 150 us",
+        # CPU against CPU: on a busy machine the copy's wall time grows, its CPU time does not.
+        "engine cpu - staging copy",
+        lambda r: r.engine_cpu_us_p50 - r.staging_copy_cpu_us,
+        lambda r: 300.0,
+        "<= 300 us",
         ("threaded",),
+        lambda r: (
+            f"engine thread cpu {r.engine_cpu_us_p50:.0f} us, staging copy cpu {r.staging_copy_cpu_us:.0f} us "
+            f"(wall {r.staging_copy_us:.0f} us)"
+        ),
     ),
     Target("materialize / floor", lambda r: r.materialize_ratio, lambda r: 2.5, "<= 2.5x", ("eager", "threaded")),
 )

@@ -112,6 +112,13 @@ def add_parser(sub: Any) -> None:
         help="skip the event-API table (decode and prefill_hits on the adapter + event calls + delivery, "
         "beside the seed-era path, back to back)",
     )
+    p.add_argument(
+        "--warm-pool",
+        action="store_true",
+        help="open every pool slab and write each page once before a scenario's first step, so its pool "
+        "writes take no first-touch page faults (a long-running server's steady state; default: cold, "
+        "slabs mapped lazily as in the baseline)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     p.add_argument(

@@ -98,6 +98,13 @@ def add_parser(sub: Any) -> None:
         metavar="FILE",
         help="draw the run's metrics (time in state per machine, D2H / pool-write bytes per step); needs [plots]",
     )
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="record the run's trace to FILE and validate it after (docs/trace.md); a violation fails the run",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument(
         "--torch-threads",
@@ -129,6 +136,7 @@ def sim_config(args: argparse.Namespace) -> Any:
         discard_prob=args.discard_prob,
         eager=args.eager,
         lag=args.lag,
+        trace_path=None if getattr(args, "trace", None) is None else str(args.trace),
     )
 
 
@@ -196,6 +204,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**summary(res), "metrics": metrics}, indent=2, default=str))
     else:
         print(format_table(res))
+    if args.trace is not None and res.error is None:
+        from omni_prefix_cache.tools.commands.validate import validate_file
+
+        status = validate_file(args.trace, out=sys.stderr if args.json else sys.stdout)
+        if status != EXIT_OK:
+            return status
     if res.error is not None:
         return EXIT_ERROR
     if res.mismatches or res.leaked:

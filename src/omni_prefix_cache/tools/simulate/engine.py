@@ -60,6 +60,7 @@ class SimConfig:
     discard_prob: float = 0.03
     eager: bool = True
     lag: bool | None = None  # materialize one step behind on a thread; default: on when threaded
+    trace_path: str | None = None  # record the run's trace there (docs/trace.md)
 
     @property
     def lagged(self) -> bool:
@@ -81,6 +82,7 @@ class SimConfig:
             gpu_staging_bytes=self.gpu_staging_bytes,
             staging_depth=self.staging_depth,
             staging_capacity_tokens=max(self.token_budget, self.pad_max_tokens),
+            trace_path=self.trace_path,
         )
 
 

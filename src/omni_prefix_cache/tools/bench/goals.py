@@ -1,0 +1,121 @@
+"""The targets judged across a report's rows (issue 27): the decode sweep's
+fixed and per-request costs in each mode, and one scenario's engine cost
+per request against another's. The targets of a single row are the
+scenarios' own (``scenarios.DECODE_TARGETS``, ``PREFILL_TARGETS``).
+
+A target whose rows did not run (``--scenario``, ``--no-sweep``, one
+``--mode``) is left out, not judged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from omni_prefix_cache.tools.bench.results import BenchReport, ScenarioResult, TargetVerdict
+
+
+@dataclass(frozen=True)
+class ReportTarget:
+    """``metric(report) <= limit``; ``metric`` is None when its rows did not run."""
+
+    name: str
+    describe: str
+    metric: Callable[[BenchReport], float | None]
+    limit: float
+    context: Callable[[BenchReport], str] | None = None
+
+
+def row(rep: BenchReport, name: str, mode: str) -> ScenarioResult | None:
+    """The report's row of scenario ``name`` in ``mode`` (None: not run)."""
+    return next((r for r in rep.results if r.name == name and r.mode == mode), None)
+
+
+def _fit(rep: BenchReport, mode: str) -> tuple[float, float] | None:
+    return rep.sweep_fit if mode == "eager" else rep.sweep_fit_threaded
+
+
+def _fixed(mode: str) -> Callable[[BenchReport], float | None]:
+    def metric(rep: BenchReport) -> float | None:
+        fit = _fit(rep, mode)
+        return None if fit is None else fit[0]
+
+    return metric
+
+
+def _per_request(mode: str) -> Callable[[BenchReport], float | None]:
+    def metric(rep: BenchReport) -> float | None:
+        fit = _fit(rep, mode)
+        return None if fit is None else fit[1]
+
+    return metric
+
+
+def _fit_context(mode: str) -> Callable[[BenchReport], str]:
+    def context(rep: BenchReport) -> str:
+        fit = _fit(rep, mode)
+        cpu = rep.sweep_cpu_fits.get(mode)
+        if fit is None:
+            return ""
+        text = f"fit {fit[0]:.0f} us + {fit[1]:.2f} us/request"
+        return text + ("" if cpu is None else f" (engine thread cpu: {cpu[0]:.0f} us + {cpu[1]:.2f} us/request)")
+
+    return context
+
+
+def _per_request_over(name: str, other: str, mode: str) -> Callable[[BenchReport], float | None]:
+    """``name``'s engine us per request over ``other``'s, in ``mode``."""
+
+    def metric(rep: BenchReport) -> float | None:
+        a, b = row(rep, name, mode), row(rep, other, mode)
+        if a is None or b is None or b.engine_us_per_request <= 0:
+            return None
+        return a.engine_us_per_request / b.engine_us_per_request
+
+    return metric
+
+
+def _per_request_context(name: str, other: str, mode: str) -> Callable[[BenchReport], str]:
+    def context(rep: BenchReport) -> str:
+        a, b = row(rep, name, mode), row(rep, other, mode)
+        if a is None or b is None:
+            return ""
+        return f"{name} {a.engine_us_per_request:.2f} us/request, {other} {b.engine_us_per_request:.2f}"
+
+    return context
+
+
+REPORT_TARGETS = (
+    ReportTarget("sweep eager fixed us", "<= 120 us per step", _fixed("eager"), 120.0, _fit_context("eager")),
+    ReportTarget("sweep eager us/request", "<= 2.5 us", _per_request("eager"), 2.5),
+    ReportTarget("sweep threaded fixed us", "<= 100 us per step", _fixed("threaded"), 100.0, _fit_context("threaded")),
+    ReportTarget("sweep threaded us/request", "<= 1.5 us", _per_request("threaded"), 1.5),
+    *(
+        ReportTarget(
+            f"decode_256 / decode {mode}",
+            "<= 1x (engine us/request)",
+            _per_request_over("decode_256", "decode", mode),
+            1.0,
+            _per_request_context("decode_256", "decode", mode),
+        )
+        for mode in ("eager", "threaded")
+    ),
+    ReportTarget(
+        "deferred / decode eager",
+        "<= 2x (engine us/request)",
+        _per_request_over("deferred", "decode", "eager"),
+        2.0,
+        _per_request_context("deferred", "decode", "eager"),
+    ),
+)
+
+
+def judge_report(rep: BenchReport, targets: tuple[ReportTarget, ...] = REPORT_TARGETS) -> list[TargetVerdict]:
+    """The verdicts of ``targets`` whose rows ``rep`` has, in order."""
+    out = []
+    for t in targets:
+        value = t.metric(rep)
+        if value is not None:
+            context = t.context(rep) if t.context is not None else ""
+            out.append(TargetVerdict(t.name, t.describe, value, t.limit, value <= t.limit, context))
+    return out

@@ -1,0 +1,123 @@
+"""The bench's issue-27 additions: the memcpy bound, the sweep fits in both
+modes as targets, the targets judged across rows, ``--warm-pool`` and the
+pool write's paths timed alone. Values checked are what the report must
+derive from its rows, never speeds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from omni_prefix_cache.tools.bench import BenchReport, ScenarioResult, format_report, run_bench
+from omni_prefix_cache.tools.bench.goals import REPORT_TARGETS, judge_report
+from omni_prefix_cache.tools.bench.measure import RUSAGE_THREAD
+from omni_prefix_cache.tools.bench.pool_write import PATHS, PoolWriteTiming, pool_write_lines, time_pool_writes
+
+
+def _row(name: str, mode: str, n: int, engine: float, cpu: float | None = None) -> ScenarioResult:
+    return ScenarioResult(
+        name=name, mode=mode, steps=1, requests_per_step=float(n), tokens_per_step=float(n),
+        engine_us_p50=engine, engine_us_p90=engine, materialize_us_p50=0.0, materialize_us_p90=0.0,
+        engine_floor_us=1.0, materialize_floor_us=1.0, engine_ratio=1.0, materialize_ratio=1.0,
+        tokens_per_s=1.0, engine_us_per_request=engine / n, engine_cpu_us_p50=engine if cpu is None else cpu,
+    )  # fmt: skip
+
+
+def _sweep(mode: str, fixed: float, per_request: float) -> list[ScenarioResult]:
+    return [_row(f"decode_{n}", mode, n, fixed + per_request * n) for n in (16, 64, 256)]
+
+
+def _verdicts(rep: BenchReport) -> dict[str, tuple[float, bool]]:
+    return {v.name: (v.value, v.met) for v in judge_report(rep)}
+
+
+def test_the_sweep_fits_are_judged_per_mode() -> None:
+    rep = BenchReport(
+        ("eager", "threaded"), 1, [], _sweep("eager", 110.0, 2.4), sweep_threaded=_sweep("threaded", 130.0, 1.2)
+    )
+    got = _verdicts(rep)
+    assert got["sweep eager fixed us"] == (pytest.approx(110.0), True)
+    assert got["sweep eager us/request"] == (pytest.approx(2.4), True)
+    assert got["sweep threaded fixed us"] == (pytest.approx(130.0), False)  # over 100
+    assert got["sweep threaded us/request"] == (pytest.approx(1.2), True)
+    d = rep.to_dict()
+    assert d["sweep_fit_threaded"] == [pytest.approx(130.0), pytest.approx(1.2)]
+    assert d["sweep_cpu_fits"]["eager"] == [pytest.approx(110.0), pytest.approx(2.4)]
+
+
+def test_cross_row_targets_compare_per_request_costs_and_skip_what_did_not_run() -> None:
+    results = [
+        _row("decode", "eager", 64, 64 * 5.0),
+        _row("decode_256", "eager", 256, 256 * 5.5),  # more per request than decode: missed
+        _row("decode", "threaded", 64, 64 * 4.0),
+        _row("decode_256", "threaded", 256, 256 * 3.0),
+        _row("deferred", "eager", 63, 63 * 9.0),  # 1.8x decode's: met
+    ]
+    rep = BenchReport(("eager", "threaded"), 1, results, [])
+    got = _verdicts(rep)
+    assert got["decode_256 / decode eager"] == (pytest.approx(1.1), False)
+    assert got["decode_256 / decode threaded"] == (pytest.approx(0.75), True)
+    assert got["deferred / decode eager"] == (pytest.approx(1.8), True)
+    assert not any(name.startswith("sweep") for name in got)  # no sweep ran
+    only_decode = BenchReport(("eager",), 1, results[:1], [])
+    assert judge_report(only_decode) == []
+    rep.report_verdicts = judge_report(rep)
+    assert not rep.all_met
+    report = format_report(rep)
+    assert "decode_256 / decode eager" in report and "MISSED; decode_256 5.50 us/request, decode 5.00" in report
+    assert {t["name"] for t in rep.to_dict()["report_targets"]} == set(got)
+    assert len(REPORT_TARGETS) == 7
+
+
+def test_the_spread_no_longer_decides_all_met() -> None:
+    # A fixed cost inside the fit targets spreads more than the old 1.30.
+    rep = BenchReport(("eager",), 1, [], _sweep("eager", 100.0, 2.0), sweep_spread=3.0, sweep_cpu_spread=3.0)
+    rep.report_verdicts = judge_report(rep)
+    assert rep.sweep_met is False and rep.all_met
+    assert "now informational: MISSED" in format_report(rep)
+
+
+def test_a_run_reports_the_memcpy_bound_and_both_sweeps() -> None:
+    rep = run_bench(["decode"], iters=2, warmup=1, modes=("eager", "threaded"))
+    for r in rep.results:
+        assert r.memcpy_bound_us == pytest.approx(2 * r.staging_copy_us) and r.memcpy_bound_us > 0
+        assert r.staging_copy_cpu_us > 0
+    assert [r.name for r in rep.sweep] == [r.name for r in rep.sweep_threaded] == ["decode_16", "decode", "decode_256"]
+    assert {r.mode for r in rep.sweep_threaded} == {"threaded"}
+    assert "memcpy bound (2 x staging copy)" in format_report(rep)
+    assert "decode sweep, threaded" in format_report(rep)
+    names = {v.name for v in rep.report_verdicts}
+    assert {"sweep eager fixed us", "sweep threaded us/request"} <= names
+    d = json.loads(json.dumps(rep.to_dict()))
+    assert d["results"][0]["memcpy_bound_us"] == rep.results[0].memcpy_bound_us
+    assert d["warm_pool"] is False and d["pool_write"] == []
+    eager_only = run_bench(["decode"], iters=2, warmup=1, modes=("eager",), sweep=True)
+    assert eager_only.sweep and not eager_only.sweep_threaded
+
+
+@pytest.mark.skipif(RUSAGE_THREAD is None, reason="no per-thread page fault counts on this OS")
+def test_warm_pool_takes_the_pool_writes_first_touch_faults_before_timing() -> None:
+    """Eager decode writes each request's row to a fresh 4 KiB page every
+    step: cold, that is one fault per request inside the engine call; warm,
+    the slabs were written once before the first step."""
+    cold = run_bench(["decode"], iters=3, warmup=1, sweep=False, modes=("eager",))
+    warm = run_bench(["decode"], iters=3, warmup=1, sweep=False, modes=("eager",), warm=True)
+    (c,), (w,) = cold.results, warm.results
+    assert not c.warm_pool and w.warm_pool and warm.warm_pool
+    assert c.engine_faults_p50 is not None and w.engine_faults_p50 is not None
+    assert c.engine_faults_p50 >= 64 > w.engine_faults_p50
+    assert "pool: warm" in format_report(warm) and "pool: cold" in format_report(cold)
+
+
+def test_pool_write_paths_count_their_whole_block_rows() -> None:
+    timings = time_pool_writes(shapes=("prefill", "prefill_misaligned", "decode"), widths=(16, 2048))
+    whole = {(t.shape, t.width, t.path): t.whole_block_rows for t in timings}
+    assert {t.path for t in timings} == set(PATHS)
+    assert whole[("prefill", 16, "blocks")] == whole[("prefill", 16, "pool")] == 2048
+    assert whole[("prefill", 2048, "blocks")] == 2048 and whole[("prefill", 2048, "pool")] == 0  # wide rows: by row
+    assert whole[("prefill_misaligned", 16, "blocks")] == 0  # opens mid-block
+    assert whole[("decode", 16, "pool")] == 0
+    assert all(t.us_p50 > 0 and t.gb_per_s > 0 for t in timings)
+    lines = pool_write_lines([PoolWriteTiming(**t.to_dict()) for t in timings])
+    assert sum(1 for line in lines if line.split()[:2] == ["prefill", "16"]) == 1
