@@ -63,8 +63,8 @@ def add_parser(sub: Any) -> None:
         "--api",
         choices=["events", "seed"],
         default="events",
-        help="how the engine drives the manager: the event API (scheduler adapter, write layouts, two delivery "
-        "consumers, preempt/resume, replacements) or the seed-era scheduler output",
+        help="events: the adapter, write layouts, two delivery consumers, preempt/resume, replacements "
+        "(--engine vllm through the engine helper); seed: the seed-era scheduler output",
     )
     p.add_argument("--seed", type=non_negative, default=0, help="seed of the trace and the discard choices")
     p.add_argument("--steps", type=positive, default=2000, help="step cap; requests still live there are aborted")
@@ -171,7 +171,11 @@ def run(args: argparse.Namespace) -> int:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     simulate = run_simulation
     if args.engine == "vllm":
-        from omni_prefix_cache.tools.simulate.vllm_engine import run_vllm_simulation as simulate
+        from functools import partial
+
+        from omni_prefix_cache.tools.simulate.vllm_events import run_vllm_simulation
+
+        simulate = partial(run_vllm_simulation, api=args.api)
     progress = ProgressLine(enabled=progress_enabled(args))
     progress.arrival_steps = args.arrival_steps
     from omni_prefix_cache.telemetry.registry import TELEMETRY

@@ -170,6 +170,9 @@ class _LogCounter(logging.Handler):
             self.other += 1
 
 
+LogCounter = _LogCounter  # the name other engine loops use (vllm_events)
+
+
 class _Materializer(threading.Thread):
     """Consumes step ids one step behind the engine (bounded queue of one)."""
 
