@@ -4,10 +4,8 @@ Per step, on the engine thread: the scheduler decides; the view gets the new
 batch; ``new_step_starts``; a fake forward produces rows that are a function
 of each position's token prefix; ``save_outputs``. Then the step is either
 materialized (and every returned row checked by the oracle) or discarded.
-``api`` picks how the manager is driven: ``"events"`` (the default) through
-the scheduler adapter, write layouts and two delivery consumers
-(``simulate.event_driver``, checked by ``simulate.delivery_oracle``);
-``"seed"`` the seed-era scheduler output, checked by ``simulate.oracle``.
+``api``: ``"events"`` (default; adapter, write layouts, two consumers:
+``event_driver``, ``delivery_oracle``) or ``"seed"`` (``oracle``).
 With ``lag`` the materialize runs on a separate thread one step behind, as
 vLLM's async output builder does. Steps that schedule no tokens call only
 ``new_step_starts`` (vLLM's runner returns before the forward).
@@ -147,7 +145,7 @@ class SimResult:
         return self.rows_checked == 0
 
 
-class _LogCounter(logging.Handler):
+class LogCounter(logging.Handler):
     """Counts the package's warnings by kind during a run.
 
     Attached to the package logger, it also keeps Python's last-resort
@@ -168,9 +166,6 @@ class _LogCounter(logging.Handler):
             self.unmatch += 1
         else:
             self.other += 1
-
-
-LogCounter = _LogCounter  # the name other engine loops use (vllm_events)
 
 
 class _Materializer(threading.Thread):
@@ -310,7 +305,7 @@ class Simulation:
     def run(self) -> SimResult:
         cfg, res = self.cfg, self.result
         started = time.perf_counter()
-        counter = _LogCounter()
+        counter = LogCounter()
         logging.getLogger("omni_prefix_cache").addHandler(counter)
         if self.events is not None and not getattr(self.sched, "events", False):
             self.events, res.config["api"] = None, "seed"  # a scheduler (vLLM's driver) without the event form

@@ -78,7 +78,7 @@ class VllmEventSimulation(VllmSimulation):
         super().__init__(*args, **kwargs)
         assert isinstance(self.result, VllmSimResult)
         self.result.api = "events"
-        self.delivery = DeliveryOracle(self.cfg.widths(), self.cfg.torch_dtype, (OUTPUT, TALKER))
+        self.tenure_oracle = DeliveryOracle(self.cfg.widths(), self.cfg.torch_dtype, (OUTPUT, TALKER))
         self._final: dict[int, tuple[str, int]] = {}  # finished incarnation -> (id, last position)
         self._fenced: set[int] = set()
         self._discarded: set[int] = set()  # incarnations preempted after a discarded step
@@ -140,7 +140,7 @@ class VllmEventSimulation(VllmSimulation):
             out.jobs.put(job)
 
     def _count_events(self, events: Any, so: Any) -> set[str]:
-        c = self.delivery.counts
+        c = self.tenure_oracle.counts
         finished = {e.req_id for e in events if e.kind in (K.FINISHED, K.ABORTED)}
         resumed = set()
         for e in events:
@@ -160,7 +160,7 @@ class VllmEventSimulation(VllmSimulation):
             vreq = e.req.vreq
             if vreq in sched.running:
                 preempt_request(sched, vreq, time.monotonic())
-                self.delivery.counts.discard_preemptions += 1
+                self.tenure_oracle.counts.discard_preemptions += 1
                 self._discarded.add(e.req.incarnation)
 
     def _builder(
@@ -197,10 +197,10 @@ class VllmEventSimulation(VllmSimulation):
                     raise AssertionError(f"step {step}: commit_output filtered {rid!r}, whose owner is current")
                 self._fenced.add(reqs[rid].incarnation)
             with self._counts_lock:
-                self.delivery.counts.fenced += len(saved.req_ids) - len(done.live)
+                self.tenure_oracle.counts.fenced += len(saved.req_ids) - len(done.live)
                 self.result.materialize_us.append(dt)
                 self.result.materialized_steps += 1
-            self.delivery.delivered(OUTPUT, step, done.view, reqs, done.live)
+            self.tenure_oracle.delivered(OUTPUT, step, done.view, reqs, done.live)
             assert self.talker is not None
             self.talker.put((step, outputs, reqs))
 
@@ -239,7 +239,7 @@ class VllmEventSimulation(VllmSimulation):
         spans: dict[str, tuple[int, int]],
         resumed: set[str],
     ) -> None:
-        c = self.delivery.counts
+        c = self.tenure_oracle.counts
         with self._counts_lock:
             for rid in resumed:
                 start, _ = outputs.token_ranges[rid]
@@ -279,7 +279,7 @@ class VllmEventSimulation(VllmSimulation):
         )
         helper = PrefixCacheEngineHelper(mgr, self.view, consumer=OUTPUT)
         self.talker = LaggingConsumer(
-            TALKER, mgr.delivery_view, mgr.ack_delivery, self.delivery, cfg.seed, threaded=cfg.lagged
+            TALKER, mgr.delivery_view, mgr.ack_delivery, self.tenure_oracle, cfg.seed, threaded=cfg.lagged
         )
         out = _OutputThread() if cfg.lagged else None
         if out is not None:
@@ -308,7 +308,7 @@ class VllmEventSimulation(VllmSimulation):
             self.talker.close()
             if self.talker.error is not None:
                 raise self.talker.error
-            self.delivery.check_complete(self._final, self._fenced)
+            self.tenure_oracle.check_complete(self._final, self._fenced)
             res.leaks = wait_quiescent(mgr, timeout_s=5.0)
             res.manager_stats = manager_stats(mgr)
         except Exception as exc:
@@ -323,9 +323,9 @@ class VllmEventSimulation(VllmSimulation):
             except Exception as exc:
                 res.error = res.error or f"shutdown: {type(exc).__name__}: {exc}"
         res.steps = step
-        res.mismatches = self.oracle.mismatches + self.delivery.mismatches
+        res.mismatches = self.oracle.mismatches + self.tenure_oracle.mismatches
         res.rows_checked = self.oracle.checked_rows
-        res.mismatch_details = [str(m) for m in self.oracle.details] + self.delivery.details()
+        res.mismatch_details = [str(m) for m in self.oracle.details] + self.tenure_oracle.details()
         res.allocator = asdict(self.sched.alloc.stats)
         res.view_off_thread_calls = self.view.off_thread_calls
         res.wall_s = time.perf_counter() - started
@@ -333,7 +333,7 @@ class VllmEventSimulation(VllmSimulation):
         res.log_warnings = {"budget_flush": counter.flushes, "unmatch": counter.unmatch, "other": counter.other}
         logging.getLogger("omni_prefix_cache").removeHandler(counter)
         assert isinstance(res, VllmSimResult)
-        res.events = asdict(self.delivery.counts)
+        res.events = asdict(self.tenure_oracle.counts)
         return res
 
 
