@@ -73,10 +73,18 @@ class Tenure(PrefixCacheRequestProgress):
     __hash__ = object.__hash__
 
     def delivery_state(self, consumer: str) -> SpecState:
-        """The consumer's delivery state (OPEN until the tenure retires)."""
+        """The consumer's delivery state (OPEN until the tenure retires;
+        state lock)."""
         st = self.deliveries.get(consumer)
         if st is None:
-            st = self.deliveries[consumer] = DeliveryState.RETIRED if self.retired else DeliveryState.OPEN
+            # Every watermark starts OPEN; one first seen on a retired tenure
+            # is retired by the machine's own move (recorded like any other).
+            st = self.deliveries[consumer] = DELIVERY_MACHINE.initial
+            if self.retired:
+                retire = DELIVERY_MACHINE.move(st, "retire")
+                assert retire is not None
+                apply_delivery_move(retire, TenureMove(self, consumer=consumer))
+                st = self.deliveries[consumer]
         return st
 
     def watermark(self, consumer: str) -> int:
@@ -193,7 +201,7 @@ def apply_delivery_move(move: CompiledMove, m: TenureMove) -> None:
     m.tenure.deliveries[m.consumer] = move.dest
     recorder = DELIVERY_MACHINE.recorder
     if recorder is not None:
-        recorder.moved(move, m.tenure)
+        recorder.moved(move, (m.tenure, m.consumer))  # one instance per (tenure, consumer)
     for effect in move.effects:
         effect(m)
 

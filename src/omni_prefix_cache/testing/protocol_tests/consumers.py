@@ -103,9 +103,10 @@ class Desk:
         what = f"step {out.sid} {consumer}"
 
         def gap(rid: str) -> bool:
+            # A retired tenure's view has no gap to raise: across one it selects nothing.
             start, end = out.expected[rid]
             seen = out.tenures[rid].wm.get(consumer, 0)
-            return start > seen and end > seen
+            return start > seen and end > seen and not out.tenures[rid].retired
 
         if any(gap(r) for r in rids):
             event("a delivery view crossed a gap")
@@ -155,6 +156,8 @@ class Desk:
         start, end = out.expected[rid]
         seen = out.tenures[rid].wm.get(consumer, 0)
         want = (min(end, max(start, seen)), end)
+        if out.tenures[rid].retired and start > seen and end > seen:
+            want = (end, end)  # a retired tenure's gap: the view selects nothing
         got = view.token_ranges.get(rid)
         if got is None or got != want:
             if got is not None and got[0] < seen and got[1] > got[0]:
@@ -190,7 +193,8 @@ class Desk:
 
     def _forged_ack(self, out: Output, view: StageCacheOutputs, rids: list[str], consumer: str, what: str) -> None:
         """An acknowledgement whose range starts past the watermark (a view
-        the manager never made): it must raise and move nothing."""
+        the manager never made): it must raise and move nothing (of a retired
+        tenure it need not raise, and still moves nothing)."""
         rid = rids[0]
         seen = out.tenures[rid].wm.get(consumer, 0)
         forged = dataclasses.replace(view, token_ranges={rid: (seen + 1, seen + 3)})
@@ -200,7 +204,10 @@ class Desk:
         except OmniPrefixCacheDeliveryGapError:
             pass
         else:
-            self._err("gap_raises", f"{what}: an acknowledgement of [{seen + 1}, {seen + 3}) past {seen} did not raise")
+            if not out.tenures[rid].retired:
+                self._err(
+                    "gap_raises", f"{what}: an acknowledgement of [{seen + 1}, {seen + 3}) past {seen} did not raise"
+                )
         self.unmoved(before, "gap_raises", f"{what}: a refused acknowledgement")
 
     # ------------------------------------------------------------ checks
