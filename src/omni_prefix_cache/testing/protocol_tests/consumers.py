@@ -174,8 +174,8 @@ class Desk:
     def _acked(self, out: Output, view: StageCacheOutputs, rids: Iterable[str], consumer: str) -> None:
         for rid in rids:
             tenure = out.tenures[rid]
-            end = view.token_ranges[rid][1]
-            if end > tenure.wm.get(consumer, 0):
+            start, end = view.token_ranges[rid]
+            if end > start and end > tenure.wm.get(consumer, 0):  # an empty view moves nothing
                 tenure.wm[consumer] = end
 
     def _commit(self, out: Output, view: StageCacheOutputs, rids: list[str], consumer: str, what: str) -> None:
