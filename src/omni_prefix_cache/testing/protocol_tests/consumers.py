@@ -174,8 +174,10 @@ class Desk:
     def _acked(self, out: Output, view: StageCacheOutputs, rids: Iterable[str], consumer: str) -> None:
         for rid in rids:
             tenure = out.tenures[rid]
-            end = view.token_ranges[rid][1]
-            if end > tenure.wm.get(consumer, 0):
+            start, end = view.token_ranges[rid]
+            # Only a range that continues the watermark moves it (a retired
+            # tenure's empty view past its gap does not).
+            if end > tenure.wm.get(consumer, 0) and start <= tenure.wm.get(consumer, 0):
                 tenure.wm[consumer] = end
 
     def _commit(self, out: Output, view: StageCacheOutputs, rids: list[str], consumer: str, what: str) -> None:
