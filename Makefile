@@ -68,7 +68,8 @@ explore:
 stress:
 	$(PYTHON) -m omni_prefix_cache.testing.explore.history --duration $(or $(DURATION),60)
 
-# Bounded exhaustive check of the composition spec (the CI bound, well under a minute).
+# Bounded exhaustive check of the composition spec, the write path then the request lifecycle
+# (the CI bound, well under a minute; CHECKFLAGS="--model lifecycle --life-steps 4" for a longer lifecycle).
 # CHECKFLAGS: e.g. CHECKFLAGS="--tasks 3 --steps 3 --keys 2", CHECKFLAGS="--broken escalate-requeues-copying"
 # (a catalogued spec mutation) or CHECKFLAGS="--broken path/to/protocol.yaml" (a mutation kept as a file)
 check:

@@ -1,5 +1,7 @@
 """A minimal engine loop: two requests share a prompt, the second is a prefix hit.
 
+The engine helper drives the whole flow: begin the step, save its rows,
+build (materialize + deliver + commit) its outputs in step order.
 Run: python examples/minimal_engine.py   (exits 1 if a row is wrong)
 """
 
@@ -10,13 +12,14 @@ from types import SimpleNamespace
 import torch
 
 from omni_prefix_cache import ModelCachePolicy, PrefixCacheConfig
+from omni_prefix_cache.engine_helper import PrefixCacheEngineHelper
 from omni_prefix_cache.group_view import FullAttentionGroupView
 from omni_prefix_cache.manager import OmniPrefixCacheManager
 
 BLOCK_SIZE, HIDDEN = 4, 8
 
 
-# --- What the manager reads from the engine (vLLM's objects have these fields).
+# --- What the adapter reads from the scheduler output (vLLM's objects have these fields).
 @dataclass
 class NewRequest:  # an entry of scheduler_output.scheduled_new_reqs
     req_id: str
@@ -58,35 +61,44 @@ def forward(tokens: list[int], start: int) -> torch.Tensor:
 def main() -> int:
     config = PrefixCacheConfig(num_blocks=16, block_size=BLOCK_SIZE, staging_capacity_tokens=64)
     batch = InputBatch()
-    mgr = OmniPrefixCacheManager(config, FullAttentionGroupView(batch, block_size=BLOCK_SIZE))
+    mgr = OmniPrefixCacheManager(config)
     mgr.register_policy(ModelCachePolicy(needs_full_hidden_states=True))
+    cache = PrefixCacheEngineHelper(mgr, FullAttentionGroupView(batch, block_size=BLOCK_SIZE), consumer="talker")
+    delivered: dict[str, torch.Tensor] = {}  # what the next stage received, per request
+
+    def build(view):  # output thread, no lock held: copy out what the next stage gets
+        return {rid: rows.clone() for rid, rows in (view.hidden_states or {}).items()}
+
+    def publish(payload, live):  # under the manager's lock: only publish references
+        for rid in live:
+            delivered[rid] = torch.cat([delivered[rid], payload[rid]]) if rid in delivered else payload[rid]
+
     prompt = [11, 12, 13, 14, 15, 16, 17, 18]  # two full blocks
     try:
         # Step 1: request "a" prefills its 8 prompt tokens into blocks 0 and 1.
-        mgr.new_step_starts(SchedulerOutput({"a": 8}, [NewRequest("a", 0, ([0, 1],))]))
+        cache.begin_step(SchedulerOutput({"a": 8}, [NewRequest("a", 0, ([0, 1],))]))
         batch.set_rows({"a": (0, [0, 1])})
-        sid = mgr.save_outputs(forward(prompt, 0), None, num_tokens_unpadded=8, num_tokens_padded=8)
-        rows_a = (mgr.materialize(sid, ["a"]).hidden_states or {})["a"]  # None: a policy without hidden
+        saved = cache.save(forward(prompt, 0), None, num_tokens_unpadded=8, num_tokens_padded=8)
+        cache.output_builder(saved, build, publish)()  # run on the output thread in a real engine
 
         # Step 2: "a" finished; "b" has the same prompt plus two tokens. vLLM found
         # blocks 0 and 1 cached, so only tokens 8 and 9 run through the forward.
-        finished = {"a"}
-        mgr.new_step_starts(SchedulerOutput({"b": 2}, [NewRequest("b", 8, ([0, 1, 2],))], finished))
+        cache.begin_step(SchedulerOutput({"b": 2}, [NewRequest("b", 8, ([0, 1, 2],))], {"a"}))
         batch.set_rows({"b": (8, [0, 1, 2])})
-        sid = mgr.save_outputs(forward([19, 20], 8), None, num_tokens_unpadded=2, num_tokens_padded=2)
-        rows_b = (mgr.materialize(sid, ["b"]).hidden_states or {})["b"]  # 8 cached rows + 2 new
+        saved = cache.save(forward([19, 20], 8), None, num_tokens_unpadded=2, num_tokens_padded=2)
+        cache.output_builder(saved, build, publish)()  # b gets 8 cached rows + 2 new
 
         # Step 3: "b" finishes; nothing is scheduled, so there is nothing to save.
-        mgr.new_step_starts(SchedulerOutput({}, [], {"b"}))
+        cache.begin_step(SchedulerOutput({}, [], {"b"}))
         batch.set_rows({})
         stats = mgr.stats()
     finally:
         mgr.shutdown()
 
     expected_b = forward([*prompt, 19, 20], 0)
-    ok = torch.equal(rows_a, forward(prompt, 0)) and torch.equal(rows_b, expected_b)
+    ok = torch.equal(delivered["a"], forward(prompt, 0)) and torch.equal(delivered["b"], expected_b)
     ok = ok and stats["hit_requests"] == 1 and stats["hit_tokens"] == 8
-    print(f"request b: {rows_b.shape[0]} rows, 8 from the prefix cache; hits: {stats['hit_requests']}")
+    print(f"request b: {delivered['b'].shape[0]} rows, 8 from the prefix cache; hits: {stats['hit_requests']}")
     print("minimal_engine: OK" if ok else "minimal_engine: MISMATCH")
     return 0 if ok else 1
 

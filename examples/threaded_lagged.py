@@ -1,9 +1,11 @@
-"""A threaded engine loop: the committer thread writes the pool, a second thread
-materializes each step while the engine already runs the next one.
+"""A threaded engine loop: the committer thread writes the pool, an output thread
+builds each step's outputs while the engine already runs the next one.
 
 Four requests share a two-block system prompt; the later ones are prefix hits.
-Each prefills, decodes a few tokens and finishes. The materializer thread checks
-every request's rows (cached prefix + new rows) against the stand-in model.
+Each prefills, decodes a few tokens and finishes. The engine helper orders the
+output builders; each delivers to the next stage only the positions it has not
+received, and the output thread checks that every request's delivered rows are
+exactly the stand-in model's, each position once and in order.
 
 Run: python examples/threaded_lagged.py   (exits 1 if a row is wrong)
 """
@@ -11,12 +13,14 @@ Run: python examples/threaded_lagged.py   (exits 1 if a row is wrong)
 import queue
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
 
-from omni_prefix_cache import ModelCachePolicy, OmniPrefixCacheUnmatchError, PrefixCacheConfig
+from omni_prefix_cache import ModelCachePolicy, OmniPrefixCacheUnmatchError, PrefixCacheConfig, StageCacheOutputs
+from omni_prefix_cache.engine_helper import PrefixCacheEngineHelper
 from omni_prefix_cache.group_view import FullAttentionGroupView
 from omni_prefix_cache.manager import OmniPrefixCacheManager
 
@@ -65,40 +69,44 @@ class Request:
     blocks: list[int]
     computed: int = 0
     decoded: int = 0
-    hit: int = 0  # prefix tokens served from the cache on its first step
 
 
-class Materializer(threading.Thread):
-    """Consumes step ids one step behind the engine and checks the rows."""
+class OutputThread(threading.Thread):
+    """Runs the helper's output builders in the order the engine handed them out
+    (vLLM's async output thread) and checks what each request received."""
 
-    def __init__(self, mgr: OmniPrefixCacheManager) -> None:
-        super().__init__(name="materializer")
-        self.mgr = mgr
-        self.jobs: queue.Queue[tuple[int, dict[str, torch.Tensor]] | None] = queue.Queue()
-        self.checked_rows = 0
+    def __init__(self) -> None:
+        super().__init__(name="output-thread")
+        self.jobs: queue.Queue[Callable[[], object] | None] = queue.Queue()
+        self.received: dict[str, list[torch.Tensor]] = {}  # the next stage's rows, per request
         self.errors: list[str] = []
 
     def run(self) -> None:
         while (job := self.jobs.get()) is not None:
-            sid, expected = job
             try:
-                got = self.mgr.materialize(sid, list(expected)).hidden_states or {}
+                job()
             except OmniPrefixCacheUnmatchError as exc:
-                self.errors.append(f"step {sid}: {exc}")
-                continue
-            for rid, rows in expected.items():
-                if rid not in got or not torch.equal(got[rid], rows):
-                    self.errors.append(f"step {sid}: wrong rows for {rid}")
-                self.checked_rows += rows.shape[0]
+                self.errors.append(str(exc))
+
+    def publish(self, payload: dict[str, torch.Tensor], live: frozenset[str]) -> None:
+        for rid in live:  # under the manager's lock: only keep references
+            self.received.setdefault(rid, []).append(payload[rid])
+
+
+def copy_rows(view: StageCacheOutputs) -> dict[str, torch.Tensor]:
+    """The output thread's payload: a copy of each request's undelivered rows (no lock held)."""
+    return {rid: rows.clone() for rid, rows in (view.hidden_states or {}).items()}
 
 
 def main() -> int:
     config = PrefixCacheConfig(num_blocks=32, block_size=BLOCK_SIZE, staging_capacity_tokens=64)
     batch = InputBatch()
-    mgr = OmniPrefixCacheManager(config, FullAttentionGroupView(batch, block_size=BLOCK_SIZE), eager=False)
+    mgr = OmniPrefixCacheManager(config, eager=False)
     mgr.register_policy(ModelCachePolicy(needs_full_hidden_states=True))
-    worker = Materializer(mgr)
+    cache = PrefixCacheEngineHelper(mgr, FullAttentionGroupView(batch, block_size=BLOCK_SIZE), consumer="talker")
+    worker = OutputThread()
     worker.start()
+    prompts: dict[str, list[int]] = {}
     free_blocks = list(range(2, config.num_blocks))  # 0 and 1 hold the system prompt
     arrivals = {0: ["r0"], 1: ["r1", "r2"], 3: ["r3"]}
     running: dict[str, Request] = {}
@@ -111,28 +119,24 @@ def main() -> int:
                 prompt = [*SYSTEM, 20 + step, 30 + i, 40, 50]  # system prompt + a block of its own
                 req = Request(rid, prompt, [0, 1, free_blocks.pop(0)])
                 if rid != "r0":  # the system prompt's blocks are cached by now: a prefix hit
-                    req.computed = req.hit = len(SYSTEM)
+                    req.computed = len(SYSTEM)
                 new_reqs.append(NewRequest(rid, req.computed, (list(req.blocks),)))
-                running[rid] = req
+                running[rid] = prompts[rid] = req
             sched: dict[str, int] = {}
             for req in running.values():
                 sched[req.req_id] = len(req.tokens) - req.computed  # prefill the rest, or decode one
                 if len(req.tokens) + 1 > len(req.blocks) * BLOCK_SIZE:
                     req.blocks.append(free_blocks.pop(0))
-            mgr.new_step_starts(SchedulerOutput(sched, new_reqs, finished))
+            cache.begin_step(SchedulerOutput(sched, new_reqs, finished))
             finished = set()
             if not sched:
                 break
             batch.set_rows({r.req_id: (r.computed, r.blocks) for r in running.values()})
-            pieces, expected = [], {}
-            for req in running.values():
-                new = forward(req.tokens[req.computed :], req.computed)
-                pieces.append(new)
-                expected[req.req_id] = forward(req.tokens, 0)[-new.shape[0] - req.hit :]
-                req.hit = 0
-            hidden = torch.cat(pieces)
-            sid = mgr.save_outputs(hidden, None, num_tokens_unpadded=hidden.shape[0], num_tokens_padded=hidden.shape[0])
-            worker.jobs.put((sid, expected))  # materialized on the other thread, while the next step runs
+            hidden = torch.cat([forward(r.tokens[r.computed :], r.computed) for r in running.values()])
+            saved = cache.save(hidden, None, num_tokens_unpadded=hidden.shape[0], num_tokens_padded=hidden.shape[0])
+            assert saved is not None
+            # Built on the output thread, in step order, while the next step runs.
+            worker.jobs.put(cache.output_builder(saved, copy_rows, worker.publish))
             for req in list(running.values()):
                 req.computed = len(req.tokens)
                 if req.decoded == DECODE_STEPS:
@@ -148,10 +152,17 @@ def main() -> int:
         stats = mgr.stats()
         mgr.shutdown()
 
+    checked = 0
+    for rid, req in prompts.items():
+        got = torch.cat(worker.received.get(rid, [torch.empty(0, HIDDEN)]))
+        want = forward(req.tokens[: req.computed], 0)  # every computed position, once, in order
+        checked += got.shape[0]
+        if not torch.equal(got, want):
+            worker.errors.append(f"request {rid}: received {got.shape[0]} rows, not its {want.shape[0]} positions")
     for line in worker.errors:
         print(line)
-    ok = not worker.errors and worker.checked_rows > 0 and stats["hit_requests"] == 3
-    print(f"{step} steps, {worker.checked_rows} rows checked, {stats['hit_tokens']} prefix tokens from the cache")
+    ok = not worker.errors and checked > 0 and stats["hit_requests"] == 3
+    print(f"{step} steps, {checked} rows delivered and checked, {stats['hit_tokens']} prefix tokens from the cache")
     print("threaded_lagged: OK" if ok else "threaded_lagged: MISMATCH")
     return 0 if ok else 1
 

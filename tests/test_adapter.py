@@ -152,6 +152,27 @@ def test_seen_id_without_new_owner_is_extended_and_new_owner_starts_again() -> N
     assert (e.kind, e.owner) == (K.STARTED, Own(1, 1))
 
 
+def test_a_resumed_request_among_the_new_ones_is_resumed_when_the_engine_says_so() -> None:
+    """Model Runner V2 reports a resumed (preempted) request among scheduled_new_reqs with nothing
+    marking it; the runner knows it holds the id, and names it in prefix_cache_resumed_req_ids."""
+    ad = PrefixCacheSchedulerAdapter()
+    owners = {"a": Own(1), "b": Own(2)}
+    ad.translate_scheduler_output(out([new_req("a"), new_req("b")], prefix_cache_owners=owners))
+    resumed = {"a", "c"}  # "c" was never seen: a first sight stays a start
+    events = ad.translate_scheduler_output(
+        out(
+            [new_req("b", 16, [[3]]), new_req("a", 32, [[1, 2]]), new_req("c")],
+            prefix_cache_owners=owners | {"c": Own(3)},
+            prefix_cache_resumed_req_ids=resumed,
+        )
+    )
+    assert [(e.req_id, e.kind, e.hit_end, e.block_ids) for e in events] == [
+        ("b", K.EXTENDED, 16, ((3,),)),
+        ("a", K.RESUMED, 32, ((1, 2),)),
+        ("c", K.STARTED, 0, ()),
+    ]
+
+
 def test_cached_requests_resumed_first_sorted_then_the_rest_in_order() -> None:
     ad = PrefixCacheSchedulerAdapter()
     data = cached(

@@ -68,18 +68,24 @@ def test_check_big_keeps_an_explicit_bound(monkeypatch: pytest.MonkeyPatch, caps
     def spy(bounds: modelcheck.Bounds, *args: object, **kw: object) -> modelcheck.CheckResult:
         seen.append(bounds)
         # Explore a tiny world instead of the big bound; the chosen bounds are what is checked.
-        return real(modelcheck.Bounds(requests=1, tasks=1, slots=2, pages=1, steps=1), *args, **kw)  # type: ignore[arg-type]
+        tiny = modelcheck.Bounds(requests=1, tasks=1, slots=2, pages=1, steps=1, life=modelcheck.LifeBounds(steps=1))
+        return real(tiny, *args, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(modelcheck, "check", spy)
     assert main(["check", "--big", "--steps", "2", "--quiet"]) == 0
     assert main(["check", "--big", "--quiet"]) == 0
+    assert main(["check", "--big", "--life-steps", "2", "--quiet"]) == 0
     capsys.readouterr()
     assert seen[0] == dataclasses.replace(modelcheck.BIG_BOUNDS, steps=2) and modelcheck.BIG_BOUNDS.steps != 2
     assert seen[1] == modelcheck.BIG_BOUNDS
+    big_life = modelcheck.BIG_BOUNDS.life
+    assert seen[2].life == dataclasses.replace(big_life, steps=2) and big_life.steps != 2
 
 
 def test_simulate_that_checks_nothing_is_not_ok(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["simulate", "--eager", "--discard-prob", "1", "--steps", "40", "--arrival-steps", "8", "--quiet"]
+    # The seed-era API discards every step; the event API never discards a step a request finishes in.
+    argv = ["simulate", "--api", "seed", "--eager", "--discard-prob", "1", "--steps", "40", "--arrival-steps", "8"]
+    argv.append("--quiet")
     rc = main([*argv, "--torch-threads", "0"])
     out = capsys.readouterr().out
     assert rc == EXIT_NOTHING_CHECKED
@@ -149,11 +155,27 @@ def test_bench_scenario_names_match_the_bench() -> None:
 
 
 def test_check_json_is_machine_readable(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["check", "--requests", "1", "--tasks", "1", "--steps", "1", "--slots", "2", "--pages", "1", "--json"]
+    argv = [
+        "check",
+        "--requests",
+        "1",
+        "--tasks",
+        "1",
+        "--steps",
+        "1",
+        "--slots",
+        "2",
+        "--pages",
+        "1",
+        "--life-steps",
+        "2",
+    ]
+    argv.append("--json")
     assert main(argv) == 0
     captured = capsys.readouterr()
     data = json.loads(captured.out)
     assert data["ok"] is True and data["states"] > 1 and data["bounds"]["slots"] == 2
+    assert [w["model"] for w in data["worlds"]] == ["write path", "lifecycle"] and data["bounds"]["life"]["steps"] == 2
     assert captured.err == ""
     rc = main([*argv[:-1], "--tasks", "2", "--steps", "2", "--broken", "escalate-requeues-copying", "--json"])
     data = json.loads(capsys.readouterr().out)

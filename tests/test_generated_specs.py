@@ -2,7 +2,8 @@
 
 Every spec is played against a generic interpreter of its compiled table
 and against its real runtime object (WriteTask, StagingBufferPool,
-SlotOccupancy, the manager's step contexts, PlannedReads, CopyQueues). Each generated machine is also
+SlotOccupancy, the manager's step contexts, PlannedReads, CopyQueues, the request table's tenures and
+their delivery watermarks). Each generated machine is also
 shown to fail on a runtime with one declared move removed or one declared
 effect ignored, and a spec edit changes the generated rules with no test
 edit.
@@ -21,6 +22,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import omni_prefix_cache.reads.planned_read as planned_read_mod
+import omni_prefix_cache.requests.lifecycle as lifecycle_mod
 import omni_prefix_cache.steps.slot_occupancy as occupancy_mod
 import omni_prefix_cache.steps.step_context as step_context_mod
 import omni_prefix_cache.writes.copy_queues as copy_queues_mod
@@ -30,7 +32,9 @@ from omni_prefix_cache.specs import SpecError, load_spec, parse_spec, spec_names
 from omni_prefix_cache.specs.compiled import CompiledMachine
 from omni_prefix_cache.testing.adapters import (
     CopyQueueAdapter,
+    DeliveryAdapter,
     PlannedReadAdapter,
+    RequestLifecycleAdapter,
     SlotOccupancyAdapter,
     StagingHolderAdapter,
     StepContextAdapter,
@@ -70,6 +74,9 @@ RUNTIMES: dict[str, tuple[type[SpecAdapter], ModuleType, str]] = {
     "step_context": (StepContextAdapter, step_context_mod, "STEP_MACHINE"),
     "planned_read": (PlannedReadAdapter, planned_read_mod, "PLANNED_READ_MACHINE"),
     "copy_queue": (CopyQueueAdapter, copy_queues_mod, "COPY_QUEUE_MACHINE"),
+    # RequestBinding (the request table's and the delivery desk's) reads these tables.
+    "request_lifecycle": (RequestLifecycleAdapter, lifecycle_mod, "REQUEST_MACHINE"),
+    "delivery": (DeliveryAdapter, lifecycle_mod, "DELIVERY_MACHINE"),
 }
 
 

@@ -1,6 +1,7 @@
 """The bounded exhaustive check of the composition spec (``omni-prefix-cache check``).
 
-Small bounds here (seconds), and the CI bound once; ``make test`` runs the CI bound too.
+Two worlds: the write path and the request lifecycle. Small bounds here (seconds), and the CI
+bound once; ``make test`` runs the CI bound too.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import yaml
 from omni_prefix_cache.specs import SpecError, load_spec
 from omni_prefix_cache.specs.composition import load_protocol
 from omni_prefix_cache.testing.modelcheck import BROKEN, CI_BOUNDS, Bounds, ComposedModel, check
+from omni_prefix_cache.testing.modelcheck.life_model import ENV_ACTIONS
+from omni_prefix_cache.testing.modelcheck.life_world import LifeBounds
+from omni_prefix_cache.testing.modelcheck.scope import SCOPES, uncovered
 from omni_prefix_cache.testing.mutants import without_move
 from omni_prefix_cache.tools.cli import main
 
@@ -32,6 +36,9 @@ def _steps_are_operations(trace: list[str]) -> None:
     """Each step names a protocol operation (and segments), as a reader of the spec knows them."""
     ops = set(load_protocol().ops)
     for step in trace:
+        if step.startswith("("):  # the lifecycle's environment: the scheduler, a consumer
+            assert any(action.split("_")[0] in step for action in ENV_ACTIONS), step
+            continue
         head = re.match(r"(\w+)(\[[\d-]+\])?\(", step)
         assert head is not None and head.group(1) in ops, step
 
@@ -46,12 +53,14 @@ def test_every_mutation_expects_an_invariant_the_model_checks() -> None:
 def test_the_shipped_spec_passes_at_the_ci_bound() -> None:
     result = check(CI_BOUNDS)
     assert result.ok, result.report()
-    assert result.states > 50_000 and result.transitions > result.states
+    assert result.states > 70_000 and result.transitions > result.states
+    assert [p.model for p in result.parts] == ["write path", "lifecycle"]
+    assert all(p.states > 20_000 for p in result.parts)
 
 
 @pytest.mark.parametrize("bounds", [SMALL, TWO_REQUESTS], ids=["one-request", "two-requests"])
 def test_the_shipped_spec_passes_at_small_bounds(bounds: Bounds) -> None:
-    result = check(bounds)
+    result = check(bounds, models=["write"])
     assert result.ok, result.report()
     assert result.states > 1000 and result.transitions > result.states
     assert result.depth >= 2 * bounds.steps
@@ -59,7 +68,9 @@ def test_the_shipped_spec_passes_at_small_bounds(bounds: Bounds) -> None:
 
 def test_a_new_tenant_resets_the_keys_it_does_not_write() -> None:
     # Two keys: a step that leaves the mm key out resets it (slot tenancy); the shipped spec keeps no stale rows.
-    result = check(Bounds(requests=1, tasks=2, slots=1, pages=1, steps=2, reads=1, failures=1, keys=2))
+    result = check(
+        Bounds(requests=1, tasks=2, slots=1, pages=1, steps=2, reads=1, failures=1, keys=2), models=["write"]
+    )
     assert result.ok, result.report()
     assert result.states > 1000
 
@@ -119,8 +130,8 @@ def test_removing_a_holder_release_is_a_protocol_violation() -> None:
 
 
 def test_symmetric_slots_add_no_states() -> None:
-    few = check(Bounds(requests=1, tasks=1, slots=1, pages=1, steps=1, reads=0))
-    many = check(Bounds(requests=1, tasks=1, slots=4, pages=1, steps=1, reads=0))
+    few = check(Bounds(requests=1, tasks=1, slots=1, pages=1, steps=1, reads=0), models=["write"])
+    many = check(Bounds(requests=1, tasks=1, slots=4, pages=1, steps=1, reads=0), models=["write"])
     assert few.ok and many.ok and few.states == many.states
 
 
@@ -144,7 +155,23 @@ def test_unknown_broken_variant_is_refused() -> None:
 
 
 def test_cli_check_passes_and_reports_counts(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["check", "--requests", "1", "--tasks", "1", "--steps", "1", "--slots", "2", "--pages", "1"])
+    rc = main(
+        [
+            "check",
+            "--requests",
+            "1",
+            "--tasks",
+            "1",
+            "--steps",
+            "1",
+            "--slots",
+            "2",
+            "--pages",
+            "1",
+            "--life-steps",
+            "2",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "states explored:" in out and "max depth:" in out and "OK" in out
@@ -178,3 +205,85 @@ def test_cli_check_gives_up_past_max_states(capsys: pytest.CaptureFixture[str]) 
     rc = main(["check", "--requests", "1", "--tasks", "2", "--steps", "2", "--max-states", "50"])
     assert rc == 3  # the run stopped with an error (2 is a usage error)
     assert "more than 50 states" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the request lifecycle
+
+
+def test_the_lifecycle_passes_with_one_consumer_and_a_longer_run() -> None:
+    # One consumer (no symmetry to lean on), a fourth step: resume, replacement and id reuse meet.
+    result = check(Bounds(life=LifeBounds(steps=4, consumers=1)), models=["lifecycle"])
+    assert result.ok, result.report()
+    assert result.states > 20_000 and result.depth >= 20
+
+
+@pytest.mark.parametrize("name", sorted(n for n, m in BROKEN.items() if m.model == "lifecycle"))
+def test_every_lifecycle_mutation_is_found_in_the_lifecycle_world(name: str) -> None:
+    result = check(SMALL, name)
+    assert result.violation is not None and result.violation.name == BROKEN[name].invariant, result.report()
+    assert result.model == "lifecycle" and [p.model for p in result.parts] == ["lifecycle"]
+    assert "VIOLATION " + BROKEN[name].invariant + " (lifecycle model)" in result.report()
+
+
+def test_the_lifecycle_mutations_kill_every_lifecycle_invariant_but_two() -> None:
+    # delivered_within_saved and can_settle hold in every mutant here: each is still checked in every state.
+    killed = {BROKEN[n].invariant for n in BROKEN if BROKEN[n].model == "lifecycle"}
+    assert killed == {
+        "gap_raises",
+        "resumed_hit_recovers",
+        "old_owner_never_moves_current",
+        "discard_is_not_delivery",
+        "at_most_once_in_order",
+    }
+
+
+def test_a_resume_without_its_lookup_loses_the_slow_consumers_positions() -> None:
+    result = check(SMALL, "resume-without-lookup")
+    steps = [step.split("  =>")[0] for step in result.trace]
+    assert "(scheduler) preempt the request" in steps
+    assert any("RESUMED" in step for step in result.trace)
+    assert "slowest consumer was at 0" in result.violation.message  # type: ignore[union-attr]
+
+
+def test_a_late_event_of_an_older_owner_is_a_counterexample_when_not_ignored() -> None:
+    result = check(SMALL, "older-owner-events-apply")
+    assert any("REPLACED" in step for step in result.trace)
+    assert "event of older owner (1, 1)" in result.violation.message  # type: ignore[union-attr]
+
+
+def test_the_lifecycle_moves_come_from_the_specs() -> None:
+    # Without ack from OPEN, ack_delivery's required move is refused: the model runs the machine's table.
+    spec = without_move(load_spec("delivery"), "ack", "OPEN")
+    result = check(SMALL, specs={"delivery": spec}, models=["lifecycle"])
+    assert result.violation is not None and result.violation.name == "protocol.required_move"
+    assert "delivery.ack is not enabled" in result.violation.message
+
+
+def test_no_step_of_an_operation_the_models_run_is_left_unread() -> None:
+    assert uncovered(load_protocol(), SCOPES) == []
+
+    def ack_in(op: str, where: Any) -> Any:
+        def patch(data: dict[str, Any]) -> None:
+            where(_op(data, op)["segments"]).append("delivery.ack?")
+
+        return load_protocol().mutated(patch)
+
+    # An operation only the write path runs: a delivery move there would be read by no model.
+    in_write = ack_in("committer_write", lambda segs: segs[1]["steps"])
+    expected = "committer_write: delivery.ack? (read by no model that runs committer_write)"
+    assert uncovered(in_write, SCOPES) == [expected]
+    with pytest.raises(SpecError, match="silently ignore"):
+        ComposedModel(SMALL, protocol=in_write)
+    # A branch the lifecycle model assumes never taken (a failed fetch), which the write path does not read.
+    in_failed_fetch = ack_in("materialize", lambda segs: segs[2]["steps"][0]["else"])
+    assert uncovered(in_failed_fetch, SCOPES) == ["materialize: delivery.ack? (read by no model that runs materialize)"]
+    # Where the lifecycle reads it, the same move is a counterexample instead.
+    assert uncovered(ack_in("discard", lambda segs: segs[0]["steps"]), SCOPES) == []
+
+
+def test_cli_check_lifecycle_broken_prints_its_counterexample(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["check", "--model", "lifecycle", "--quiet", "--broken", "commit-without-filter"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "VIOLATION old_owner_never_moves_current (lifecycle model)" in out
+    assert re.search(r"  \d+\. commit_output\(consumer 0, output 0\)  =>  breaks", out)

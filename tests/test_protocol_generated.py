@@ -18,7 +18,14 @@ from hypothesis import settings
 from omni_prefix_cache.specs.composition import load_protocol
 from omni_prefix_cache.specs.loader import SpecError
 from omni_prefix_cache.testing import protocol_tests
-from omni_prefix_cache.testing.protocol_tests import build_machine, checks, invariant_table, rule_table
+from omni_prefix_cache.testing.protocol_tests import (
+    build_machine,
+    checks,
+    consumers,
+    invariant_table,
+    life_drivers,
+    rule_table,
+)
 from omni_prefix_cache.testing.protocol_tests import machine as protocol_machine
 
 
@@ -46,7 +53,7 @@ class _Script:
 
 def _quiet_events(monkeypatch: pytest.MonkeyPatch) -> None:
     """Hypothesis's ``event`` outside a Hypothesis run: a no-op."""
-    for module in (protocol_machine, checks):
+    for module in (protocol_machine, checks, life_drivers, consumers):
         monkeypatch.setattr(module, "event", lambda *a, **k: None)
 
 

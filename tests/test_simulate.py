@@ -1,6 +1,7 @@
-"""The serving simulation: allocator and prefix-hash rules, scheduler behaviour,
-the oracle (including that it can fail), runs against the real manager in
-eager and threaded mode, and a bench smoke test."""
+"""The serving simulation: allocator and prefix-hash rules, scheduler behaviour
+(both scheduler-output forms), the oracles (including that they can fail),
+runs of both APIs against the real manager in eager and threaded mode, and a
+bench smoke test."""
 
 from __future__ import annotations
 
@@ -12,10 +13,16 @@ from typing import Any
 import pytest
 import torch
 
+from omni_prefix_cache.adapter import (
+    PrefixCacheEventKind,
+    PrefixCacheSchedulerAdapter,
+    PrefixCacheStep,
+)
 from omni_prefix_cache.interface import HIDDEN_KEY, StageCacheOutputs
 from omni_prefix_cache.tools.simulate import SimConfig, WorkloadConfig, run_simulation
 from omni_prefix_cache.tools.simulate.batch import PersistentBatch, SimGroupView
 from omni_prefix_cache.tools.simulate.blocks import BlockAllocator
+from omni_prefix_cache.tools.simulate.delivery_oracle import DeliveryOracle
 from omni_prefix_cache.tools.simulate.oracle import Oracle, RowExpectation
 from omni_prefix_cache.tools.simulate.reference import ReferenceManager
 from omni_prefix_cache.tools.simulate.report import format_table, percentile, summary
@@ -27,6 +34,19 @@ HAS_MANAGER = importlib.util.find_spec("omni_prefix_cache.manager") is not None
 needs_manager = pytest.mark.skipif(not HAS_MANAGER, reason="omni_prefix_cache.manager not available")
 
 SMALL = SimConfig(steps=400, workload=WorkloadConfig(arrival_steps=40))
+SEED = replace(SMALL, api="seed")
+APIS = pytest.mark.parametrize("api", ["events", "seed"])
+
+
+def _event_counts_all_nonzero(res: Any) -> None:
+    """The event API's run exercised what it is for: resumes both ways, recoveries
+    after a discard, replacements, id reuse and both consumers."""
+    d, st = res.delivery, res.scheduler
+    assert d["resumes_growing"] > 0 and d["resumes_shrinking"] > 0, d
+    assert d["recovered_discards"] > 0 and st["rollbacks"] > 0, (d, st)
+    assert st["replacements"] > 0 and st["reused_ids"] > 0, st
+    assert d["delivered"]["builder"] > 0 and d["delivered"]["local"] > 0 and d["views_dropped"] > 0, d
+    assert d["finished_checked"] == st["finished"], (d, st)
 
 
 def _reference(config: Any, view: Any, eager: bool) -> ReferenceManager:
@@ -151,7 +171,7 @@ def test_chunked_prefill_and_decode_under_budget() -> None:
 def test_preempted_request_resumes_as_live_new_entry() -> None:
     # Two requests, 4 blocks of 4: b's growth preempts b itself first, then a resumes later.
     specs = [_spec("a", 0, tuple(range(8)), out=6), _spec("b", 0, tuple(range(50, 58)), out=6)]
-    sched = Scheduler(specs, 5, 4, token_budget=64, max_num_seqs=4)
+    sched = Scheduler(specs, 5, 4, token_budget=64, max_num_seqs=4)  # the seed-era form
     seen_preempt = False
     for step in range(40):
         plan = sched.schedule(step)
@@ -165,6 +185,58 @@ def test_preempted_request_resumes_as_live_new_entry() -> None:
         if sched.idle:
             break
     assert seen_preempt and sched.stats.preemptions >= 1 and sched.idle
+
+
+def test_event_form_resumes_through_cached_requests_with_every_block() -> None:
+    specs = [_spec("a", 0, tuple(range(8)), out=6), _spec("b", 0, tuple(range(50, 58)), out=6)]
+    sched = Scheduler(specs, 5, 4, token_budget=64, max_num_seqs=4, events=True)
+    adapter = PrefixCacheSchedulerAdapter()
+    resumed = 0
+    for step in range(40):
+        plan = sched.schedule(step)
+        out = plan.output
+        assert out.prefix_cache_step_sequence == step
+        assert out.prefix_cache_owners == {e.req.req_id: e.req.owner for e in plan.entries}
+        cached = out.scheduled_cached_reqs
+        assert cached is not None
+        events = {e.req_id: e for e in adapter.translate_step(out)}
+        for e in plan.entries:
+            if e.resumed:
+                resumed += 1
+                i = cached.req_ids.index(e.req.req_id)
+                assert e.req.req_id in cached.resumed_req_ids and e.new_entry is None
+                assert cached.num_computed_tokens[i] == e.start and cached.new_block_ids[i] == (e.req.blocks,)
+                ev = events[e.req.req_id]
+                assert ev.kind is PrefixCacheEventKind.RESUMED and ev.hit_end == e.start
+                assert ev.block_ids == (tuple(e.req.blocks),)
+        sched.update(plan)
+        sched.alloc.check_invariants()
+        if sched.idle:
+            break
+    assert resumed >= 1 and sched.idle
+
+
+def test_event_form_owners_reuse_and_replacement() -> None:
+    first = _spec("a", 0, tuple(range(12)), out=2, followup=FollowupSpec(0, (7, 8), 2, reuse_id=True))
+    sched = Scheduler([first], 32, 4, token_budget=8, max_num_seqs=4, events=True)
+    adapter = PrefixCacheSchedulerAdapter()
+    owners, kinds = [], []
+    for step in range(30):
+        sched.replace_prob = 1.0 if step == 1 else 0.0  # replaced once, mid-prefill
+        plan = sched.schedule(step)
+        for ev in adapter.translate_step(plan.output):
+            kinds.append(ev.kind)
+            owners.append(ev.owner)
+        sched.update(plan)
+        if sched.idle:
+            break
+    assert sched.stats.replacements == 1 and sched.stats.reused_ids == 1
+    replaced = [o for o, k in zip(owners, kinds) if k is PrefixCacheEventKind.REPLACED]
+    assert replaced and all(o is not None and o.generation >= 1 for o in replaced)
+    # The second turn under the same id is a new admission: a larger admission id, STARTED.
+    admissions = sorted({o.admission_id for o in owners if o is not None})
+    assert admissions == [1, 2]
+    assert kinds.count(PrefixCacheEventKind.STARTED) >= 2
 
 
 def test_streaming_continuation_reenters_with_its_own_count() -> None:
@@ -219,13 +291,19 @@ def test_group_view_maps_positions_through_block_table() -> None:
 # ------------------------------------------------------------ oracle + reference
 
 
-def test_simulation_against_reference_manager_is_clean() -> None:
-    res = run_simulation(SMALL, manager_factory=_reference)
+@APIS
+@pytest.mark.parametrize("lag", [False, True])
+def test_simulation_against_reference_manager_is_clean(api: str, lag: bool) -> None:
+    res = run_simulation(replace(SMALL, api=api, eager=not lag, lag=lag), manager_factory=_reference)
     assert res.error is None, res.error
     assert res.mismatches == 0, res.mismatch_details
     st = res.scheduler
     assert st["hits"] > 0 and st["preemptions"] > 0 and st["stream_reentries"] > 0 and st["reused_ids"] > 0
     assert res.rows_from_cache > 0 and res.rows_checked > res.tokens
+    if api == "events":
+        _event_counts_all_nonzero(res)
+    else:
+        assert res.delivery == {} and st["replacements"] == 0
 
 
 class _Corrupting:
@@ -251,35 +329,131 @@ class _Corrupting:
         return outs
 
 
-@pytest.mark.parametrize("inner", ["reference", pytest.param("manager", marks=needs_manager)])
-def test_oracle_reports_a_corrupted_row(inner: str) -> None:
+def _base(inner: str, config: Any, view: Any, eager: bool) -> Any:
+    if inner == "reference":
+        return ReferenceManager(config, view, eager=eager)
+    from omni_prefix_cache.manager import OmniPrefixCacheManager
+
+    return OmniPrefixCacheManager(config, view, eager=eager)
+
+
+INNERS = pytest.mark.parametrize("inner", ["reference", pytest.param("manager", marks=needs_manager)])
+
+
+@INNERS
+@APIS
+def test_oracle_reports_a_corrupted_row(inner: str, api: str) -> None:
     made: list[_Corrupting] = []
 
     def factory(config: Any, view: Any, eager: bool) -> Any:
-        if inner == "reference":
-            base = ReferenceManager(config, view, eager=eager)
-        else:
-            from omni_prefix_cache.manager import OmniPrefixCacheManager
-
-            base = OmniPrefixCacheManager(config, view, eager=eager)
-        made.append(_Corrupting(base))
+        made.append(_Corrupting(_base(inner, config, view, eager)))
         return made[0]
 
-    res = run_simulation(SMALL, manager_factory=factory)
-    assert made[0].corrupted is not None
-    assert res.mismatches == 1 and not res.ok
+    res = run_simulation(replace(SMALL, api=api), manager_factory=factory)
+    assert made[0].corrupted is not None and not res.ok
+    # The seed oracle checks the output once; the event oracle also checks each consumer's view of it.
+    assert res.mismatches == 1 if api == "seed" else 1 <= res.mismatches <= 3
     assert made[0].corrupted in res.mismatch_details[0] and "position 0" in res.mismatch_details[0]
     assert "FAILED" in format_table(res)
 
 
+@APIS
 @pytest.mark.parametrize("lag", [False, True])
-def test_static_forward_buffers_catch_a_manager_that_keeps_views(lag: bool) -> None:
+def test_static_forward_buffers_catch_a_manager_that_keeps_views(api: str, lag: bool) -> None:
     def factory(config: Any, view: Any, eager: bool) -> ReferenceManager:
         return ReferenceManager(config, view, eager=eager, alias_live=True)
 
-    res = run_simulation(replace(SMALL, eager=not lag, lag=lag), manager_factory=factory)
+    res = run_simulation(replace(SMALL, api=api, eager=not lag, lag=lag), manager_factory=factory)
     # Inline materialize reads before the next forward: views are still right. Lagged: they are not.
-    assert (res.mismatches > 0) is lag, res.mismatch_details
+    # The event API's local consumer reads its outputs steps later: it catches them even inline.
+    assert (res.mismatches > 0) is (lag or api == "events"), res.mismatch_details
+
+
+class _NoRecovery:
+    """Delegates to a manager; turns every RESUMED event into EXTENDED, so a
+    resumed request's hit recovers nothing (rows lost after a preemption)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def new_step_starts(self, step: Any) -> None:
+        assert isinstance(step, PrefixCacheStep)
+        events = tuple(
+            replace(e, kind=PrefixCacheEventKind.EXTENDED) if e.kind is PrefixCacheEventKind.RESUMED else e
+            for e in step.events
+        )
+        self._inner.new_step_starts(replace(step, events=events))
+
+
+@INNERS
+def test_rows_lost_after_a_preemption_or_discard_fail_the_run(inner: str) -> None:
+    res = run_simulation(SMALL, manager_factory=lambda c, v, e: _NoRecovery(_base(inner, c, v, e)))
+    assert res.error is not None and "delivery gap" in res.error and not res.ok, res.error
+
+
+class _Unclipped:
+    """Delegates to a manager; its delivery views are the whole output (a
+    consumer gets positions it already received again)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def delivery_view(self, outputs: StageCacheOutputs, req_ids: list[str], *, consumer: str) -> StageCacheOutputs:
+        view = self._inner.delivery_view(outputs, req_ids, consumer=consumer)
+        return replace(
+            view,
+            hidden_states=None if outputs.hidden_states is None else {r: outputs.hidden_states[r] for r in req_ids},
+            mm_outputs={k: {r: v[r] for r in req_ids} for k, v in outputs.mm_outputs.items()},
+            token_ranges={r: outputs.token_ranges[r] for r in req_ids},
+        )
+
+
+@INNERS
+def test_a_position_delivered_twice_is_a_mismatch(inner: str) -> None:
+    res = run_simulation(SMALL, manager_factory=lambda c, v, e: _Unclipped(_base(inner, c, v, e)))
+    assert res.mismatches > 0 and not res.ok
+    assert any("delivery" in d and "which received" in d for d in res.mismatch_details), res.mismatch_details
+
+
+def test_a_scheduler_without_the_event_form_runs_the_seed_api() -> None:
+    from omni_prefix_cache.tools.simulate import Simulation
+
+    sim = Simulation(replace(SMALL, steps=60), manager_factory=_reference)
+    sim.sched.events = False  # type: ignore[misc]  # as vLLM's driver, which emits the seed-era form only
+    res = sim.run()
+    assert res.ok and res.config["api"] == "seed" and res.delivery == {}, res.error
+
+
+def test_delivery_oracle_flags_a_finished_tenure_not_fully_delivered() -> None:
+    from types import SimpleNamespace
+
+    h = PrefixHashes()
+    h.extend(range(6))
+    oracle = DeliveryOracle({HIDDEN_KEY: 4}, torch.float32)
+    req = SimpleNamespace(req_id="a", hashes=h, computed=6, generation=0)
+    exps = [oracle.expect(req, 0, 6, False)]
+    rows = rows_from_hashes(h.span(0, 6), HIDDEN_KEY, 4, torch.float32)
+    out = StageCacheOutputs({"a": rows}, {}, token_ranges={"a": (0, 6)}, scheduled_token_ranges={"a": (0, 6)})
+    oracle.check_output(0, 0, exps, out, {})
+    oracle.finished(req)
+    for consumer in ("builder", "local"):
+        oracle.check_view(0, 0, consumer, exps, out, out)
+    oracle.delivered("builder", exps, out, frozenset({"a"}))
+    part = replace(out, hidden_states={"a": rows[:4]}, token_ranges={"a": (0, 4)})
+    oracle.delivered("local", exps, part, None)
+    assert oracle.mismatches == 0
+    oracle.finish()
+    assert oracle.mismatches == 1 and "'local' received [0, 4) of a finished [0, 6)" in str(oracle.details[0])
+    # A view that skips a position the consumer never received is flagged too.
+    late = replace(out, hidden_states={"a": rows[5:]}, token_ranges={"a": (5, 6)})
+    oracle.check_view(1, 1, "local", exps, late, late)
+    assert oracle.mismatches == 2 and "which received [0, 4)" in str(oracle.details[1])
 
 
 def test_oracle_flags_shape_and_missing_request() -> None:
@@ -313,24 +487,32 @@ def test_report_summary_is_json_and_percentiles() -> None:
 
 
 @needs_manager
+@APIS
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "threaded"])
-def test_short_simulation_has_no_mismatch_or_leak(eager: bool) -> None:
-    res = run_simulation(replace(SMALL, eager=eager))
+def test_short_simulation_has_no_mismatch_or_leak(eager: bool, api: str) -> None:
+    res = run_simulation(replace(SMALL, eager=eager, api=api))
     assert res.error is None, res.error
     assert res.mismatches == 0, res.mismatch_details
     assert res.leaks and not res.leaked, res.leaks
     assert res.view_off_thread_calls == 0
     assert res.scheduler["hits"] > 0 and res.rows_from_cache > 0
     assert res.config["lag"] is (not eager)
+    if api == "events":
+        _event_counts_all_nonzero(res)
+        table = format_table(res)
+        assert "resumes (growing / shrinking hit)" in table and "positions delivered (builder / local)" in table
 
 
 @needs_manager
 def test_cli_simulate_json_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
     from omni_prefix_cache.tools.cli import main
 
-    rc = main(["simulate", "--eager", "--arrival-steps", "15", "--json", "--quiet", "--torch-threads", "0"])
-    out = json.loads(capsys.readouterr().out)
-    assert rc == 0 and out["ok"] and out["mismatches"] == 0
+    for api in ("events", "seed"):
+        argv = ["simulate", "--eager", "--arrival-steps", "15", "--json", "--quiet", "--torch-threads", "0"]
+        rc = main([*argv, "--api", api])
+        out = json.loads(capsys.readouterr().out)
+        assert rc == 0 and out["ok"] and out["mismatches"] == 0
+        assert out["api"] == api and bool(out["delivery"]) is (api == "events")
 
 
 @needs_manager

@@ -7,21 +7,23 @@ import random
 import pytest
 
 from omni_prefix_cache.tools.simulate import SimConfig
-from omni_prefix_cache.tools.simulate.vllm_engine import VllmOptions, VllmSimResult, run_vllm_simulation
+from omni_prefix_cache.tools.simulate.vllm_engine import VllmOptions, VllmSimResult
+from omni_prefix_cache.tools.simulate.vllm_events import run_vllm_simulation
 from omni_prefix_cache.tools.simulate.workload import FollowupSpec, RequestSpec
 
 V1 = VllmOptions()  # 0.33 default runner: a resumed request is a cached one, in resumed_req_ids
 V2 = VllmOptions(resumed_as_new=True)  # Model Runner V2: a resumed request is among the new ones
 
 
-def _replay(mode: str, seed: int, opts: VllmOptions) -> str:
+def _replay(mode: str, seed: int, opts: VllmOptions, api: str = "events") -> str:
     if opts.resumed_as_new:  # no CLI flag for the V2 reporting: replay from Python
         return (
-            f"replay: .venv-vllm/bin/python -c 'from omni_prefix_cache.tools.simulate.vllm_engine import *; "
+            "replay: .venv-vllm/bin/python -c 'from omni_prefix_cache.tools.simulate.vllm_events import *; "
+            "from omni_prefix_cache.tools.simulate.vllm_engine import VllmOptions; "
             f"from omni_prefix_cache.tools.simulate import SimConfig; print(run_vllm_simulation(SimConfig(seed={seed}, "
-            f"eager={mode == 'eager'}), VllmOptions(resumed_as_new=True)).mismatch_details)'"
+            f"eager={mode == 'eager'}), VllmOptions(resumed_as_new=True), api={api!r}).mismatch_details)'"
         )
-    return f"replay: .venv-vllm/bin/omni-prefix-cache simulate --engine vllm --{mode} --seed {seed}"
+    return f"replay: .venv-vllm/bin/omni-prefix-cache simulate --engine vllm --api {api} --{mode} --seed {seed}"
 
 
 def _check(res: VllmSimResult, replay: str) -> None:
@@ -43,21 +45,37 @@ def _line(res: VllmSimResult, seed: int) -> str:
         f"(resumed via cached {st['resumed_in_cached']} / via new {st['resumed_in_new']}), "
         f"same-step id reuse {st['same_step_id_reuse']}, blocks recycled {blocks['recycled']}, "
         f"batch reorders {st['reordered_steps']}, rows checked {res.rows_checked}, "
-        f"mismatches {res.mismatches}, leaks {leaks}, {res.wall_s:.1f} s"
+        f"mismatches {res.mismatches}, leaks {leaks}, {res.wall_s:.1f} s{_event_line(res)}"
     )
 
 
-MATRIX = [(mode, seed, V1) for seed in (0, 1, 2) for mode in ("eager", "threaded")]
-MATRIX += [("eager", 3, V2), ("threaded", 4, V2)]
-IDS = [f"{m}-seed{s}-{'v2' if o.resumed_as_new else 'v1'}" for m, s, o in MATRIX]
+def _event_line(res: VllmSimResult) -> str:
+    ev = res.events
+    if not ev:
+        return " [seed API]"
+    return (
+        f" [events: RESUMED {ev['resumed']} (unaligned {ev['resumed_unaligned']}), recovering "
+        f"{ev['recovered']} ({ev['recovered_positions']} positions, {ev['recovered_after_discard']} after a discard), "
+        f"shrinking {ev['shrinking']}, discard preemptions {ev['discard_preemptions']}, fenced {ev['fenced']}, "
+        f"delivered output {ev['delivered']['output']} / talker {ev['delivered']['talker']}]"
+    )
 
 
-@pytest.mark.parametrize(("mode", "seed", "opts"), MATRIX, ids=IDS)
-def test_workload_on_real_scheduler(mode: str, seed: int, opts: VllmOptions, v, run_lines: list[str]) -> None:
-    """Default simulate config (96 KV blocks): preemption, block recycling and id reuse must all occur."""
-    res = run_vllm_simulation(SimConfig(seed=seed, eager=mode == "eager"), opts)
+MATRIX = [(mode, seed, V1, "events") for seed in (0, 1, 2) for mode in ("eager", "threaded")]
+MATRIX += [("eager", 3, V2, "events"), ("threaded", 4, V2, "events")]
+# The seed-era loop stays verified on the same real scheduler.
+MATRIX += [("eager", 0, V1, "seed"), ("threaded", 1, V1, "seed"), ("threaded", 4, V2, "seed")]
+IDS = [f"{a}-{m}-seed{s}-{'v2' if o.resumed_as_new else 'v1'}" for m, s, o, a in MATRIX]
+
+
+@pytest.mark.parametrize(("mode", "seed", "opts", "api"), MATRIX, ids=IDS)
+def test_workload_on_real_scheduler(mode: str, seed: int, opts: VllmOptions, api: str, v, run_lines: list[str]) -> None:
+    """Default simulate config (96 KV blocks): preemption, block recycling and id reuse must all occur;
+    on the event API, every real preemption resumes as a RESUMED event and both consumers get every
+    position of every incarnation exactly once, in order (the delivery oracle, in ``mismatches``)."""
+    res = run_vllm_simulation(SimConfig(seed=seed, eager=mode == "eager"), opts, api=api)
     run_lines.append(_line(res, seed))
-    replay = _replay(mode, seed, opts)
+    replay = _replay(mode, seed, opts, api)
     _check(res, replay)
     st = res.scheduler
     assert st["hits"] > 0 and st["same_step_hits"] > 0, f"no prefix hits {st}\n{replay}"
@@ -70,6 +88,21 @@ def test_workload_on_real_scheduler(mode: str, seed: int, opts: VllmOptions, v, 
         assert st["resumed_in_cached"] == st["resumes"] and st["resumed_in_new"] == 0, f"{st}\n{replay}"
     assert st["same_step_id_reuse"] > 0 and st["abort_resubmits"] > 0, f"{st}\n{replay}"
     assert st["reordered_steps"] > 0, f"the decode-first reorder never moved a row {st}\n{replay}"
+    if api == "events":
+        _check_events(res, replay)
+
+
+def _check_events(res: VllmSimResult, replay: str) -> None:
+    """What the event API must have exercised on the real scheduler."""
+    ev, st = res.events, res.scheduler
+    assert ev["resumed"] == st["resumes"] > 0, f"every resume is a RESUMED event {ev} {st}\n{replay}"
+    assert ev["resumed_unaligned"] == 0, f"vLLM resumed a request at a hit that is not block aligned {ev}\n{replay}"
+    assert ev["recovered"] > 0 and ev["recovered_after_discard"] > 0, f"no cache recovery {ev}\n{replay}"
+    assert ev["shrinking"] > 0 and ev["replayed_positions"] > 0, f"no shrinking resume {ev}\n{replay}"
+    assert ev["discard_preemptions"] > 0 and res.discarded_steps > 0, f"{ev}\n{replay}"
+    delivered = ev["delivered"]
+    assert delivered["output"] > 0 and delivered["talker"] >= delivered["output"], f"{ev}\n{replay}"
+    assert ev["max_consumer_lag"] > 1, f"the talker never lagged {ev}\n{replay}"
 
 
 # ------------------------------------------------------------ directed traces
@@ -117,6 +150,8 @@ def test_preempted_request_resumes_either_way(opts: VllmOptions, v) -> None:
     assert st["resumed_in_new" if opts.resumed_as_new else "resumed_in_cached"] == st["resumes"], st
     assert st["hits"] == 0, st
     assert st["finished"] == 2, st
+    assert res.events["resumed"] == st["resumes"], (res.events, st)  # each one a RESUMED event
+    assert res.events["delivered"]["output"] == res.events["delivered"]["talker"] == 2 * (40 + 29), res.events
 
 
 def test_row_check_catches_a_stale_block_table(v, monkeypatch: pytest.MonkeyPatch) -> None:

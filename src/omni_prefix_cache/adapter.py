@@ -16,7 +16,10 @@ duck-typed stand-in work alike. The optional fields an engine may add:
 - ``aborted_req_ids``: which terminal ids were aborted (vLLM has no such
   field yet, so a finished id is never guessed to be aborted);
 - ``prefix_cache_step_sequence``: a step number that makes a replayed step a
-  no-op.
+  no-op;
+- ``prefix_cache_resumed_req_ids``: ids among ``scheduled_new_reqs`` that
+  are resumed after a preemption (Model Runner V2 lists them there, with
+  nothing marking them; the runner knows, since it still holds the id).
 
 Imports nothing heavy (no torch): the engine thread pays for every line here.
 """
@@ -245,7 +248,8 @@ class PrefixCacheSchedulerAdapter:
 
     def translate_scheduler_output(self, scheduler_output: Any) -> tuple[PrefixCacheRequestEvent, ...]:
         """The events of one step, in this order: replacement controls, new
-        requests (STARTED or EXTENDED), cached requests (resumed ids sorted,
+        requests (STARTED, EXTENDED, or RESUMED when named in
+        ``prefix_cache_resumed_req_ids``), cached requests (resumed ids sorted,
         as RESUMED, then the rest as EXTENDED in their order), then terminal
         ids sorted (ABORTED if in ``aborted_req_ids``, else FINISHED).
 
@@ -290,6 +294,7 @@ class PrefixCacheSchedulerAdapter:
             observed[control.req_id] = control.owner
             events.append(control)
 
+        resumed_new = getattr(so, "prefix_cache_resumed_req_ids", None) or ()
         for data in getattr(so, "scheduled_new_reqs", None) or ():
             req_id = _req_id_of(data)
             owner = owners.get(req_id)
@@ -303,6 +308,8 @@ class PrefixCacheSchedulerAdapter:
                     continue  # an older admission's leftover
                 else:
                     kind, owner_now = (_EXTENDED if owner == current else _STARTED), owner
+                if kind is _EXTENDED and req_id in resumed_new:
+                    kind = _RESUMED  # the same owner back after a preemption: its hit is read again
             else:
                 kind, owner_now = _STARTED, owner
             observed[req_id] = owner_now

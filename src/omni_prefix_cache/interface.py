@@ -27,6 +27,8 @@ from omni_prefix_cache.errors import (
 # The errors live in errors.py (no torch, so the adapter can raise them);
 # this is their upstream import path.
 __all__ = [
+    "output_consumer",
+    "output_progress",
     "HIDDEN_KEY",
     "ModelCachePolicy",
     "OmniPrefixCacheInvalidArgumentError",
@@ -184,6 +186,16 @@ class StageCacheOutputs:
     token_mm_keys: frozenset[TensorName] = frozenset()
     _progress: dict[ReqId, PrefixCacheRequestProgress] = field(default_factory=dict, repr=False)
     _consumer: str | None = field(default=None, repr=False)
+
+
+def output_progress(outputs: StageCacheOutputs) -> dict[ReqId, PrefixCacheRequestProgress]:
+    """The request progress (tenure) each request of ``outputs`` was saved under."""
+    return outputs._progress
+
+
+def output_consumer(outputs: StageCacheOutputs) -> str | None:
+    """The consumer a delivery view was taken for (None for a raw output)."""
+    return outputs._consumer
 
 
 @dataclass(frozen=True)

@@ -2,47 +2,39 @@
 
 The engine calls, on its own thread, once per scheduler step::
 
-    new_step_starts(scheduler_output)      # before finished requests are dropped
-    sid = save_outputs(hidden, mm, num_tokens_unpadded=n, num_tokens_padded=p)
+    new_step_starts(step)   # adapter events (or a seed-era scheduler output), before finished requests are dropped
+    sid = save_outputs(hidden, mm, num_tokens_unpadded=n, num_tokens_padded=p, write_layout=layout)
     materialize(sid, req_ids) | discard_step(sid)    # exactly once, any thread
+    delivery_view / ack_delivery / commit_output     # per consumer, any thread
 
 The controller runs the writes (staging, budget, committer); this class owns
-the locks, the step ids and the live requests, and delegates to one
-component per concern, each in its own module:
+the locks and the step ids and delegates to one component per concern:
+``requests`` (tenures, lifecycle events, delivery), ``validation``,
+``step_layout.StepLayout`` (spans, routing), ``step_context.StepTable``
+(open steps), ``write_ledger.WriteLedger`` (writes per request, the save
+barrier, tenancy, the sticky failure), ``hit_planner.HitPlanner`` and
+``planned_read.HitReads`` (hits, planned reads, copy on write) and
+``materializer.Materializer``.
 
-- ``validation``: argument checks, before anything changes;
-- ``step_layout.StepLayout``: request spans and routing of a step's outputs;
-- ``step_context.StepTable``: open steps by id, each consumed exactly once;
-- ``write_ledger.WriteLedger``: writes per request until drained, the save
-  barrier, slot tenancy of a step and (``sticky_failure``) the first failure;
-- ``hit_planner.HitPlanner``: pending prefix hits and their planned reads;
-- ``planned_read.HitReads``: planned reads with copy on write (prefetch);
-- ``materializer.Materializer``: one consumed step's outputs per request.
-
-Their tables (slot occupancy, request tasks, step contexts, pending hits)
-live under ``_state_lock``. That lock never covers a join, a budget flush, a
-copy of step rows, an eager dispatch or a staging claim: each of those can
-wait on another thread that may itself need the lock. Publishing a new pool
-key does happen under it, together with its occupancy tables.
-
-A second, leaf lock, the reads lock (``HitReads.lock``), covers the pending
-hit reads (their preserved copies) and the slot versions a delayed read is
-checked against. Writers take it inside ``_state_lock`` (lock order: state,
-then reads); the prefetch thread takes only it, so a prefetch never holds the
-state lock and can never stall the engine behind a gather.
+Their tables live under ``_state_lock``. It never covers a join, a budget
+flush, a copy of step rows, an eager dispatch or a staging claim: each of
+those can wait on another thread that may itself need the lock. A second,
+leaf lock, the reads lock (``HitReads.lock``), covers pending hit reads and
+the slot versions a delayed read is checked against; writers take it inside
+``_state_lock``, the prefetch thread takes only it, so a prefetch never
+stalls the engine behind a gather.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 
+from omni_prefix_cache.adapter import PrefixCacheRequestEvent, PrefixCacheStep, PrefixCacheWriteLayout
 from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.compat.manager_seams import UpstreamSeams
 from omni_prefix_cache.controller import OmniPrefixCacheController, StagingBufferHolder
@@ -61,18 +53,24 @@ from omni_prefix_cache.interface import (
     StepId,
     Tid,
 )
+from omni_prefix_cache.ops.components import ManagerComponents
 from omni_prefix_cache.ops.manager_stats import ManagerStats
 from omni_prefix_cache.ops.trace_session import open_trace
 from omni_prefix_cache.reads.hit_planner import HitPlanner, PendingHit
 from omni_prefix_cache.reads.materializer import Materializer
 from omni_prefix_cache.reads.planned_read import HitReads
+from omni_prefix_cache.requests.delivery import DeliveryDesk
+from omni_prefix_cache.requests.facade import DeliveryFacade
+from omni_prefix_cache.requests.lifecycle import RequestTable
+from omni_prefix_cache.requests.step_input import events_step, is_event_form, seed_step
 from omni_prefix_cache.specs.types.step_context import StepContextTrigger
 from omni_prefix_cache.steps import validation as check
 from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
-from omni_prefix_cache.steps.step_context import StepContext, StepTable
+from omni_prefix_cache.steps.step_context import StepTable
 from omni_prefix_cache.steps.step_layout import SchedSnapshot, StepLayout
 from omni_prefix_cache.steps.step_layout import is_step_token_tensor as _is_step_token_tensor
 from omni_prefix_cache.steps.step_layout import snapshot_leftover_mm_cpu as _snapshot_leftover_mm_cpu
+from omni_prefix_cache.steps.write_layout import layout_token_ranges
 from omni_prefix_cache.steps.write_ledger import SaveProgress, WriteLedger
 from omni_prefix_cache.telemetry.locks import timed_lock
 from omni_prefix_cache.telemetry.registry import TELEMETRY
@@ -90,41 +88,21 @@ logger = logging.getLogger(__name__)
 PREFETCH_THREAD_PREFIX = "omni-prefix-cache-prefetch"
 
 
-@dataclass(frozen=True)
-class ManagerComponents:
-    """The manager's components, for diagnostics and the test harnesses
-    (``testing/``, ``tools/``): an engine never needs them. Their tables
-    are covered by ``state_lock`` (see the module docstring)."""
-
-    controller: OmniPrefixCacheController
-    pool: PrefixBlockPool
-    occupancy: SlotOccupancy
-    ledger: WriteLedger
-    reads: HitReads
-    hits: HitPlanner
-    layout: StepLayout
-    materializer: Materializer
-    steps: dict[StepId, StepContext]
-    state_lock: threading.Lock
-
-
-class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
+class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, UpstreamSeams):
     """Full-prompt hidden states and token-major mm outputs for one stage.
 
-    ``view`` is the group view (``GroupViewLike``: ``block_size``,
-    ``batch_req_ids()``, ``step_slots_cpu(req_ids, num_scheduled)``), over
-    vLLM's input batch in production; it is read only on the engine thread
-    (new_step_starts / save_outputs).
-    ``eager``: None picks eager on machines without CUDA; False runs the
-    threaded committer (CPU copy engine without CUDA). ``committer`` is
-    passed to the controller: "thread" in production; "manual" and
-    "on_demand" let a test step the committer itself.
+    ``view``: the group view (``GroupViewLike``) save_outputs reads spans and
+    slots from when it is given no ``write_layout`` (the seed-era form);
+    engine thread only. The event API (``PrefixCacheSchedulerAdapter``)
+    needs none. ``eager``: None picks eager on machines without CUDA; False
+    runs the threaded committer. ``committer``: "thread" in production;
+    "manual" and "on_demand" let a test step the committer itself.
     """
 
     def __init__(
         self,
         config: PrefixCacheConfig,
-        view: GroupViewLike,
+        view: GroupViewLike | None = None,
         *,
         eager: bool | None = None,
         committer: Literal["thread", "manual", "on_demand"] = "thread",
@@ -173,6 +151,8 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
             is_closed=lambda: self._closed,
         )
         self._materializer = Materializer(self._ledger, self._reads, self._state_lock)
+        self._requests = RequestTable(self._detach_request_locked, self._hits.hit_blocks, self._live)
+        self._delivery = DeliveryDesk(self._requests, self._state_lock)
 
     @property
     def components(self) -> ManagerComponents:
@@ -187,6 +167,7 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
             layout=self._layout,
             materializer=self._materializer,
             steps=self._step_ctxs,
+            requests=self._requests,
             state_lock=self._state_lock,
         )
 
@@ -201,44 +182,51 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
         with self._state_lock:
             self._policy = policy
 
-    def new_step_starts(self, scheduler_output: SchedulerOutputLike) -> None:
-        """Start one scheduler step (engine thread, before finished requests
-        are dropped): publish finished writes, escalate the writes of
-        finished/aborted requests, register prefix hits of requests that are
-        not live and start gathering them on the prefetch thread.
+    def new_step_starts(
+        self,
+        step: PrefixCacheStep | Iterable[PrefixCacheRequestEvent] | SchedulerOutputLike,
+        *,
+        num_scheduled_tokens: Mapping[ReqId, int] | None = None,
+    ) -> None:
+        """Start one scheduler step (engine thread, once per real step,
+        before finished requests are dropped; operation new_step).
 
-        Validate, then mutate: a bad argument (a request id that is not a
-        str, a negative or non-int count, a hit that is not block aligned or
-        lacks group-0 block ids) raises OmniPrefixCacheInvalidArgumentError
-        before anything changes, finished requests included; the caller
-        fixes the output and calls again. Raises the write-failed error on a
-        sticky failure and the shutdown error after shutdown. Takes the
-        state lock twice; escalation (which runs eager writes inline)
-        happens between, outside it.
-        """
+        ``step``: a ``PrefixCacheStep`` from the adapter, an iterable of
+        ``PrefixCacheRequestEvent`` (with ``num_scheduled_tokens``), or a
+        seed-era scheduler output (``requests.step_input``). Applies the
+        lifecycle events (a replayed step sequence applies nothing), escalates
+        the writes of finished, aborted and retired tenures, registers the
+        hits the events installed (a RESUMED hit recovers from the slowest
+        consumer's watermark) and starts gathering them on the prefetch thread.
+
+        Validate, then mutate: a bad argument (a bad id or count, a hit not
+        block aligned or without group-0 block ids, an owner change without
+        STARTED or REPLACED) raises OmniPrefixCacheInvalidArgumentError before
+        anything changes; a sticky failure, the write-failed error; after
+        shutdown, the shutdown error. Takes the state lock twice; escalation
+        (eager writes run inline) happens between, outside it."""
         self._check_open("new_step_starts")
         self._ledger.raise_if_failed()
-        finished = check.as_req_ids("finished_req_ids", getattr(scheduler_output, "finished_req_ids", None))
-        new_reqs = check.new_requests(getattr(scheduler_output, "scheduled_new_reqs", None))
-        num_sched = check.as_num_scheduled(getattr(scheduler_output, "num_scheduled_tokens", None))
-        escalate: list[Tid] = []
+        if is_event_form(step):
+            given = events_step(step, num_scheduled_tokens)  # type: ignore[arg-type]
+        else:
+            # ``_live`` changes only on this (the engine) thread: read unlocked.
+            given = seed_step(step, self._live)
         with self._state_lock:
             # Checked in every segment: a shutdown between two of them drops
             # this call's hits and steps, so the call must not go on.
             self._check_open("new_step_starts")
-            # Validate every hit before touching any table: a bad hit must
-            # leave nothing half-registered behind.
-            candidates, queried, query_tokens = self._hits.candidates(new_reqs, num_sched, self._live, set(finished))
-            for rid in finished:
-                self._live.discard(rid)
-                self._hits.drop_request(rid)
-                escalate.extend(self._ledger.finish_request_locked(rid))
-            for rid, *_ in new_reqs:
-                self._live.add(rid)
+            if not self._requests.apply(given.events, given.sequence):
+                return  # a replayed step: nothing moves
+            candidates = [
+                (lk.req_id, lk.start, lk.end, self._hits.hit_blocks(lk.req_id, lk.end, lk.block_ids))
+                for lk in self._requests.take_lookups()
+            ]
+            escalate = self._requests.take_detached()
             # A step with nothing scheduled has no save: the next snapshot
             # replaces it. Its hits (if any) stay pending for the next save.
-            self._pending_sched = SchedSnapshot(num_sched)
-            new_hits = self._hits.register(candidates, num_sched)
+            self._pending_sched = SchedSnapshot(given.num_scheduled)
+            new_hits = self._hits.register(candidates, given.num_scheduled)
         if escalate:
             # Abort too: the block hashes are public, the rows must land.
             self._controller.escalate(escalate)
@@ -246,7 +234,10 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
             self._check_open("new_step_starts")
             hit_tokens = sum(hit.num_computed for hit in new_hits)
             self._counters.update(
-                query_requests=queried, query_tokens=query_tokens, hit_requests=len(new_hits), hit_tokens=hit_tokens
+                query_requests=given.queried,
+                query_tokens=given.query_tokens,
+                hit_requests=len(new_hits),
+                hit_tokens=hit_tokens,
             )
             self._ledger.commit_drained_locked()
             jobs = self._hits.plan_many(new_hits, at_save=False)
@@ -255,6 +246,10 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
             # never forgets a read a prefetch is fetching.
             self._hits.start_prefetch(jobs)
 
+    def _detach_request_locked(self, rid: ReqId) -> list[Tid]:  # the request table's detach (state lock)
+        self._hits.drop_request(rid)
+        return self._ledger.finish_request_locked(rid)
+
     def save_outputs(
         self,
         hidden: torch.Tensor | None,
@@ -262,9 +257,16 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
         *,
         num_tokens_unpadded: int,
         num_tokens_padded: int,
+        write_layout: PrefixCacheWriteLayout | None = None,
     ) -> StepId:
         """Save one forward's outputs; returns the step id to materialize or
         discard exactly once. Engine thread.
+
+        ``write_layout`` (the adapter's ``build_write_layout``) gives the
+        rows' requests, token positions and slots; without it they come from
+        the group view (the seed-era form) and positions continue each
+        tenure's ``computed_upto``. Either way the rows advance their
+        tenure's watermarks (effect ``record_saved``).
 
         Joins the previous step's JOIN_NEXT_STEP writes, claims a staging
         page and copies the immediate rows into it, reserves the deferred
@@ -293,11 +295,14 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
             sid = self._steps.next_id
         if sched is None:
             raise OmniPrefixCacheUnmatchError(f"save_outputs (step {sid}) without a new_step_starts before it")
+        if write_layout is not None:
+            sched = SchedSnapshot(sched.num_scheduled, write_layout)
         if padded < n:
             raise OmniPrefixCacheInvalidArgumentError(
                 f"save_outputs (step {sid}): num_tokens_padded={padded} < num_tokens_unpadded={n}"
             )
         req_order, spans, slots, split = self._layout.route_step(sid, sched, self._policy, hidden, mm, n, padded)
+        token_ranges = None if write_layout is None else layout_token_ranges(write_layout)
         with self._state_lock:
             self._check_open(f"save_outputs (step {sid})")
             self._pending_sched = None
@@ -334,6 +339,7 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
                     sid, self._controller, claimed, split, n, req_order, spans, snapshot, mm_event, self._policy
                 )
                 jobs = self._hits.attach_to_step(hits, ctx)
+                self._requests.record_saved(ctx, token_ranges, bool(split.immediate or split.deferred_clone))
                 self._steps.publish_locked(ctx)
                 ledger.previous_step_writes = [t.tid for t in immediate]
                 self._counters.update(steps_saved=1, tokens_saved=n)
@@ -423,12 +429,11 @@ class OmniPrefixCacheManager(ManagerStats, UpstreamSeams):
         self, save: SaveProgress, hits: dict[ReqId, PendingHit], error: BaseException, retry: SchedSnapshot | None
     ) -> None:
         """Undo a failed save: no step context, and (``WriteLedger.abandon_save``)
-        no step holder, no budget no task pinned, no stranded write.
-
-        ``retry``: the save failed before registering anything (a staging
-        timeout, a failed staging copy, a join): its scheduler snapshot and
-        hits are put back, so the engine may call save_outputs again (under
-        a new step id) and no row behind a published block hash is lost."""
+        no step holder, no budget no task pinned, no stranded write. ``retry``:
+        the save failed before registering anything (a staging timeout, a
+        failed staging copy, a join): its scheduler snapshot and hits are put
+        back, so the engine may call save_outputs again (under a new step id)
+        and no row behind a published block hash is lost."""
         with self._state_lock:
             if save.published:
                 self._step_ctxs.pop(save.sid, None)

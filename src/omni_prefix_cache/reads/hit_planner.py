@@ -49,15 +49,19 @@ _INT: frozenset[type] = frozenset({int})
 
 @dataclass(eq=False)
 class PendingHit:
-    """A prefix hit registered at new_step_starts, handed to its save."""
+    """A prefix hit registered at new_step_starts, handed to its save: the
+    cached positions ``[hit_start, hit_start + num_computed)`` of the
+    request (``hit_start`` is the lowest consumer watermark of a recovered
+    hit, else 0), read from ``slots``."""
 
     req_id: ReqId
-    num_computed: int
+    num_computed: int  # cached rows served (hit_end - hit_start)
     block_ids: list[int]
     slots: torch.Tensor
     num_scheduled: int
     futures: dict[TensorName, Future[torch.Tensor]] = field(default_factory=dict)
     refs: dict[TensorName, PlannedRead] = field(default_factory=dict)
+    hit_start: int = 0
 
 
 # One planned hit read waiting for the prefetch thread.
@@ -145,45 +149,24 @@ class HitPlanner:
         cuts = np.cumsum([len(blocks) * bs for blocks in hits])[:-1]
         return [torch.from_numpy(part) for part in np.split(slots, cuts)]
 
-    def candidates(
-        self,
-        new_reqs: list[tuple[ReqId, int, Any, Any]],
-        num_sched: Mapping[ReqId, int],
-        live: set[ReqId],
-        gone: set[ReqId],
-    ) -> tuple[list[tuple[ReqId, int, list[int]]], int, int]:
-        """The prefix queries of newly scheduled requests (new_step_starts,
-        state lock): ``([(req_id, computed, blocks)] of the hits, queried
-        requests, queried tokens)``. A live request re-entering the new list
-        (not in ``gone``) is no query. Raises like ``hit_blocks`` before any
-        table changes."""
-        candidates: list[tuple[ReqId, int, list[int]]] = []
-        queried = query_tokens = 0
-        for rid, computed, block_ids, req in new_reqs:
-            if rid in live and rid not in gone:
-                continue
-            queried += 1
-            query_tokens += _query_tokens(req, computed, num_sched.get(rid, 0))
-            if computed > 0:
-                candidates.append((rid, computed, self.hit_blocks(rid, computed, block_ids)))
-        return candidates, queried, query_tokens
-
     def register(
-        self, candidates: list[tuple[ReqId, int, list[int]]], num_sched: Mapping[ReqId, int]
+        self, candidates: list[tuple[ReqId, int, int, list[int]]], num_sched: Mapping[ReqId, int]
     ) -> list[PendingHit]:
-        """Make each validated ``(req_id, computed, blocks)`` the request's
-        pending hit, dropping an older one (new_step_starts, state lock)."""
+        """Make each validated ``(req_id, hit_start, hit_end, blocks)`` the
+        request's pending hit, dropping an older one (new_step_starts,
+        state lock): it serves positions ``[hit_start, hit_end)``."""
         new_hits: list[PendingHit] = []
         if not candidates:
             return new_hits
-        all_slots = self.block_slots_many([blocks for _, _, blocks in candidates])
-        for (rid, computed, blocks), slots in zip(candidates, all_slots):
+        all_slots = self.block_slots_many([blocks for _, _, _, blocks in candidates])
+        for (rid, start, end, blocks), slots in zip(candidates, all_slots):
             hit = PendingHit(
                 req_id=rid,
-                num_computed=computed,
+                num_computed=end - start,
                 block_ids=blocks,
-                slots=slots,
+                slots=slots[start:end] if start else slots,
                 num_scheduled=num_sched.get(rid, 0),
+                hit_start=start,
             )
             self.drop_request(rid)
             self.pending[rid] = hit
@@ -324,6 +307,7 @@ class HitPlanner:
         jobs = self.plan_many(list(hits.values()), at_save=True)
         for rid, hit in hits.items():
             ctx.hits[rid] = (hit.num_computed, list(hit.block_ids))
+            ctx.hit_starts[rid] = hit.hit_start
             ctx.hit_prefetch[rid] = hit.futures
             ctx.hit_refs[rid] = hit.refs
             if rid not in ctx.spans:
@@ -360,13 +344,3 @@ def _never_cached(hit: PendingHit, key: TensorName) -> OmniPrefixCacheUnmatchErr
     return OmniPrefixCacheUnmatchError(
         f"prefix hit of request {hit.req_id!r}: key {key!r} was never cached (slots {listed(hit.slots)} are ABSENT)"
     )
-
-
-def _query_tokens(req: Any, computed: int, scheduled: int) -> int:
-    """Prompt tokens a new request looked up in the prefix cache (vLLM's
-    ``prompt_token_ids`` when present, else computed plus first-step tokens)."""
-    prompt = getattr(req, "prompt_token_ids", None)
-    try:
-        return len(prompt) if prompt is not None else computed + scheduled
-    except TypeError:
-        return computed + scheduled

@@ -110,11 +110,13 @@ class Materializer:
                 else:
                     mm_out.setdefault(key, {})[rid] = prefix
         every: tuple[list[ReqId], list[int], torch.Tensor | None] | None = None
+        token_major = {k for k in sources if not is_hidden_key(k)}
         for key, value in ctx.mm_cpu_snapshot.items():
             if key in sources:
                 continue
             out_map = mm_out[key]
             if isinstance(value, torch.Tensor) and value.ndim >= 1 and int(value.shape[0]) == ctx.n:
+                token_major.add(key)
                 # Token-major: one gather and a view per request, as for the pool keys.
                 if every is None:
                     every = self.request_rows(ctx, wanted)
@@ -124,7 +126,33 @@ class Materializer:
             for rid in req_ids:
                 start, rows = ctx.spans[rid]
                 out_map[rid] = payload_for_request(value, start, start + rows, ctx.n)
-        return StageCacheOutputs(hidden_states=hidden_out, mm_outputs=mm_out)
+        return self.outputs(ctx, req_ids, hidden_out, mm_out, token_major)
+
+    @staticmethod
+    def outputs(
+        ctx: StepContext,
+        req_ids: Sequence[ReqId],
+        hidden: dict[ReqId, torch.Tensor] | None,
+        mm: dict[TensorName, dict[ReqId, Any]],
+        token_major: set[TensorName],
+    ) -> StageCacheOutputs:
+        """The outputs with where they sit: each request's rows cover
+        ``[hit start, token end)`` with a hit (the recovered prefix first),
+        else its scheduled range; the tenures they were saved under."""
+        scheduled = ctx.token_ranges
+        starts = ctx.hit_starts
+        ranges = {r: (starts[r], scheduled[r][1]) if r in starts else scheduled[r] for r in req_ids if r in scheduled}
+        cached = frozenset(k for k in ctx.layouts if not is_hidden_key(k) and k in mm)
+        tenures = ctx.tenures
+        return StageCacheOutputs(
+            hidden_states=hidden,
+            mm_outputs=mm,
+            token_ranges=ranges,
+            scheduled_token_ranges={r: scheduled[r] for r in ranges},
+            cached_mm_keys=cached,
+            token_mm_keys=frozenset(token_major),
+            _progress={r: tenures[r] for r in ranges if r in tenures},
+        )
 
     @staticmethod
     def request_rows(ctx: StepContext, wanted: set[ReqId]) -> tuple[list[ReqId], list[int], torch.Tensor | None]:

@@ -51,7 +51,10 @@ def render_module(spec: MachineSpec) -> str:
     """The generated module's text for ``spec``."""
     enum, trig = spec.enum_name, trigger_enum_name(spec)
     out = [_HEADER.format(name=spec.name)]
-    out.append(f'"""Typed names of the ``{spec.name}`` spec: the ``{enum}`` states and the ``{trig}`` triggers."""\n\n')
+    doc = f"Typed names of the ``{spec.name}`` spec: the ``{enum}`` states and the ``{trig}`` triggers."
+    if len(doc) > 110:  # ruff's line length, with the quotes
+        doc = f"Typed names of the ``{spec.name}`` spec:\nthe ``{enum}`` states and the ``{trig}`` triggers.\n"
+    out.append(f'"""{doc}"""\n\n')
     out.append("from __future__ import annotations\n\n")
     out.append("from enum import StrEnum\n")
     out.append("from typing import Literal, TypeAlias\n\n")
@@ -96,7 +99,11 @@ def render_init(specs: dict[str, MachineSpec]) -> str:
     names: list[str] = []
     for name, spec in sorted(specs.items()):
         exported = sorted([spec.enum_name, trigger_enum_name(spec), f"{trigger_enum_name(spec)}Name"])
-        lines.append(f"from omni_prefix_cache.specs.types.{name} import {', '.join(exported)}\n")
+        line = f"from omni_prefix_cache.specs.types.{name} import {', '.join(exported)}\n"
+        if len(line) > 121:  # ruff format's wrapping, one name per line
+            inner = "".join(f"    {e},\n" for e in exported)
+            line = f"from omni_prefix_cache.specs.types.{name} import (\n{inner})\n"
+        lines.append(line)
         names += exported
     lines.append("\n__all__ = [\n" + "".join(f"    {_q(n)},\n" for n in sorted(names)) + "]\n")
     return "".join(lines)

@@ -57,8 +57,14 @@ class StepContext:
     layouts: dict[TensorName, KeyLayout] = field(default_factory=dict)
     mm_cpu_snapshot: dict[TensorName, Any] = field(default_factory=dict)
     mm_event: DeviceEvent | None = None  # completes the snapshot's device-to-host copies (None on CPU)
-    # req -> (num_computed_tokens, group-0 block ids of the hit prefix)
+    # req -> (cached rows served, group-0 block ids of the hit prefix)
     hits: dict[ReqId, tuple[int, list[int]]] = field(default_factory=dict)
+    # req -> first cached position served (the recovery start; 0 for a fresh hit)
+    hit_starts: dict[ReqId, int] = field(default_factory=dict)
+    # req -> [start, end) request positions of this step's rows (scheduled range)
+    token_ranges: dict[ReqId, tuple[int, int]] = field(default_factory=dict)
+    # req -> the tenure (PrefixCacheRequestProgress) the rows were saved under
+    tenures: dict[ReqId, Any] = field(default_factory=dict)
     # req -> key -> Future of the [prefix | empty tail] buffer
     hit_prefetch: dict[ReqId, dict[TensorName, Future[torch.Tensor]]] = field(default_factory=dict)
     # req -> key -> the planned read behind each future (cleanup of cancelled ones)

@@ -38,6 +38,7 @@ from omni_prefix_cache.interface import (
     TensorName,
     is_hidden_key,
 )
+from omni_prefix_cache.steps import write_layout
 from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
 from omni_prefix_cache.steps.step_context import KeyLayout, StepContext
 from omni_prefix_cache.steps.validation import check_step_tensors, listed
@@ -47,9 +48,11 @@ from omni_prefix_cache.writes.staging import StepD2HClaim
 
 @dataclass(eq=False)
 class SchedSnapshot:
-    """What save needs from the scheduler output new_step_starts saw."""
+    """What save needs from the scheduler output new_step_starts saw (and,
+    for the event API, the write layout save_outputs was given)."""
 
     num_scheduled: dict[ReqId, int]
+    layout: Any = None  # a PrefixCacheWriteLayout, or None: read the group view
 
 
 @dataclass(eq=False)
@@ -147,7 +150,7 @@ class StepLayout:
     def __init__(
         self,
         config: PrefixCacheConfig,
-        view: GroupViewLike,
+        view: GroupViewLike | None,
         pool: PrefixBlockPool,
         controller: OmniPrefixCacheController,
     ) -> None:
@@ -215,8 +218,16 @@ class StepLayout:
         self, sid: StepId, sched: SchedSnapshot, n: int
     ) -> tuple[list[ReqId], dict[ReqId, tuple[int, int]], torch.Tensor]:
         """Request order, per-request (start, rows) and slot ids of the step,
-        read from the group view (engine thread, no lock). Raises the
-        invalid-argument error if they do not cover ``n`` tokens."""
+        read from the write layout if the save was given one, else from the
+        group view (engine thread, no lock). Raises the invalid-argument
+        error if they do not cover ``n`` tokens."""
+        if sched.layout is not None:
+            return write_layout.layout_spans(sid, sched.layout, n, self._pool.num_slots)
+        if self._view is None:
+            raise OmniPrefixCacheInvalidArgumentError(
+                f"save_outputs (step {sid}): this manager has no group view, so every save needs a write_layout "
+                "(PrefixCacheSchedulerAdapter.build_write_layout)"
+            )
         num_sched = sched.num_scheduled
         order = [r for r in self._view.batch_req_ids() if num_sched.get(r, 0) > 0]
         sizes = list(map(num_sched.__getitem__, order))

@@ -35,6 +35,7 @@ class Mutation:
     protocol: Callable[[dict[str, Any]], None] | None = None
     machines: Mapping[str, Callable[[MachineSpec], MachineSpec]] = field(default_factory=dict)
     at_least: Mapping[str, int] = field(default_factory=dict)  # bounds the bug needs (e.g. two keys)
+    model: str = "write"  # the world that finds it: "write" (the write path) or "lifecycle"
 
 
 def _requeue_claimed(data: dict[str, Any]) -> None:
@@ -82,6 +83,65 @@ def _without_effect(effect: str) -> Callable[[MachineSpec], MachineSpec]:
         return parse_spec(data, origin=f"{spec.origin} (-{effect})")
 
     return patch
+
+
+def _drop_effect(data: dict[str, Any], name: str) -> None:
+    data["effects"] = [e for e in data["effects"] if e["name"] != name]
+
+
+def _view_without_gap_check(data: dict[str, Any]) -> None:
+    seg = _op(data, "delivery_view")["segments"][0]
+    seg["steps"] = seg["steps"][0]["else"]  # the view and the clip, with no gap check before them
+
+
+def _view_without_no_gap(spec: MachineSpec) -> MachineSpec:
+    data = spec_to_dict(spec)
+    for move in data["transitions"]:
+        if move["trigger"] == "view":
+            move["conditions"] = [g for g in move["conditions"] if g != "no_gap"]
+    return parse_spec(data, origin=f"{spec.origin} (view without no_gap)")
+
+
+def _resume_as_extend(data: dict[str, Any]) -> None:
+    steps = _op(data, "request_event")["segments"][0]["steps"][0]["else"][0]["else"]
+    first_of = steps[1]["then"][0]["first_of"]
+    first_of.insert(0, first_of.pop(first_of.index(["request.extend"])))
+
+
+def _commit_without_filter(data: dict[str, Any]) -> None:
+    steps = _op(data, "commit_output")["segments"][0]["steps"]
+    steps.remove({"do": "filter_retired"})
+    _drop_effect(data, "filter_retired")
+    data["orderings"] = [o for o in data["orderings"] if o["operation"] != "commit_output"]
+
+
+def _older_owner_events_apply(data: dict[str, Any]) -> None:
+    seg = _op(data, "request_event")["segments"][0]
+    seg["steps"] = seg["steps"][0]["else"]  # no ignored_event check: every event moves the tenure
+    _drop_effect(data, "ignore_event")
+
+
+def _discard_acks(data: dict[str, Any]) -> None:
+    _op(data, "discard")["segments"][0]["steps"].append("delivery.ack?")
+
+
+def _view_advances(spec: MachineSpec) -> MachineSpec:
+    data = spec_to_dict(spec)
+    for move in data["transitions"]:
+        if move["trigger"] == "view":
+            move["after"] = [*move["after"], "advance_watermark"]
+    return parse_spec(data, origin=f"{spec.origin} (view acknowledges)")
+
+
+def _view_without_clip(data: dict[str, Any]) -> None:
+    _op(data, "delivery_view")["segments"][0]["steps"][0]["else"].remove({"do": "clip_outputs"})
+    _drop_effect(data, "clip_outputs")
+
+
+def _commit_without_ack(data: dict[str, Any]) -> None:
+    _op(data, "commit_output")["segments"][0]["steps"].remove({"do": "ack_live"})
+    _drop_effect(data, "ack_live")
+    data["orderings"] = [o for o in data["orderings"] if o["operation"] != "commit_output"]
 
 
 BROKEN: dict[str, Mutation] = {
@@ -139,6 +199,67 @@ BROKEN: dict[str, Mutation] = {
         "unpin_budget runs twice: at the claim (too early, the clone is still held) and after the copy",
         "staged_bytes",
         _unpin_twice,
+    ),
+    # The request lifecycle and delivery (the lifecycle model's world).
+    "view-without-gap-check": Mutation(
+        "delivery_view selects and clips with no gap check (and the delivery machine's view loses no_gap): "
+        "a consumer behind a discarded step is handed positions past a hole",
+        "gap_raises",
+        _view_without_gap_check,
+        {"delivery": _view_without_no_gap},
+        model="lifecycle",
+    ),
+    "resume-without-lookup": Mutation(
+        "request_lifecycle's resume installs no lookup: a resumed request is not recovered from the lowest "
+        "watermark, so a consumer behind a preemption or a discarded step loses positions",
+        "resumed_hit_recovers",
+        machines={"request_lifecycle": _without_effect("install_lookup")},
+        model="lifecycle",
+    ),
+    "resume-taken-as-extend": Mutation(
+        "request_event tries extend before resume: a RESUMED event is ordinary progress and installs no lookup",
+        "resumed_hit_recovers",
+        _resume_as_extend,
+        model="lifecycle",
+    ),
+    "commit-without-filter": Mutation(
+        "commit_output hands off without filter_retired: a retired tenure's output reaches the consumer "
+        "beside the id's new owner",
+        "old_owner_never_moves_current",
+        _commit_without_filter,
+        model="lifecycle",
+    ),
+    "older-owner-events-apply": Mutation(
+        "request_event without the ignored_event check: a late event of an older owner retires or "
+        "finishes the id's current tenure",
+        "old_owner_never_moves_current",
+        _older_owner_events_apply,
+        model="lifecycle",
+    ),
+    "discard-acks": Mutation(
+        "discard acknowledges its step's positions (delivery.ack? in discard): discarded rows count as delivered",
+        "discard_is_not_delivery",
+        _discard_acks,
+        model="lifecycle",
+    ),
+    "view-acknowledges": Mutation(
+        "the delivery machine's view advances the watermark: a view never acknowledged counts as delivered",
+        "discard_is_not_delivery",
+        machines={"delivery": _view_advances},
+        model="lifecycle",
+    ),
+    "view-without-clip": Mutation(
+        "delivery_view without clip_outputs: a view hands a consumer its output whole, past a retired "
+        "tenure's gap (the shortest trace) or over positions it already received",
+        "gap_raises",
+        _view_without_clip,
+        model="lifecycle",
+    ),
+    "commit-without-ack": Mutation(
+        "commit_output hands off and never acknowledges: the next view delivers the same positions again",
+        "at_most_once_in_order",
+        _commit_without_ack,
+        model="lifecycle",
     ),
 }
 

@@ -438,6 +438,112 @@ def _materialize_keeps_step_page(stack: contextlib.ExitStack) -> None:
     _set(stack, Materializer, "release", release)
 
 
+# ------------------------------------------------------------------ request lifecycle and delivery
+# Each breaks one rule of spec/request_lifecycle.yaml, spec/delivery.yaml or
+# their operations in the runtime (requests/), judged by the generated
+# protocol tests' tenure oracle.
+
+
+@_register(
+    "clip_ignores_watermark",
+    "delivery_view's clip_outputs ignores the watermark: a shrinking or recovered hit re-delivers positions",
+)
+def _clip_ignores_watermark(stack: contextlib.ExitStack) -> None:
+    from omni_prefix_cache.requests import delivery
+
+    def clip(item: Any) -> None:
+        item.result = (item.start, item.end)
+
+    _set(stack, delivery, "_clip", clip)
+
+
+@_register("gap_never_raises", "the no_gap guard always holds: a view or acknowledgement skips positions silently")
+def _gap_never_raises(stack: contextlib.ExitStack) -> None:
+    from omni_prefix_cache.requests import delivery, tenure
+
+    for module in (delivery, tenure):
+        _set(stack, module, "no_gap", lambda *args: True)
+
+
+@_register(
+    "ack_resolves_tenure_by_id",
+    "an acknowledgement moves the id's current tenure, not the tenure its output was saved under",
+)
+def _ack_resolves_tenure_by_id(stack: contextlib.ExitStack) -> None:
+    # The request table's binding applies delivery moves through
+    # lifecycle.apply_delivery_move: an ack's effects land on the id's tenure.
+    from omni_prefix_cache.requests import lifecycle
+    from omni_prefix_cache.requests.tenure import apply_delivery_move as original
+
+    def apply(move: Any, m: Any) -> None:
+        if move.trigger == "ack" and m.table is not None:
+            current = m.table.tenure_of(getattr(m, "req_id", ""))
+            if current is not None and current is not m.tenure:
+                m.tenure.deliveries[m.consumer] = move.dest
+                m.tenure = current
+                for effect in move.effects:
+                    effect(m)
+                return
+        original(move, m)
+
+    _set(stack, lifecycle, "apply_delivery_move", apply)
+
+
+@_register("discard_counts_as_delivery", "discard_step advances each known consumer's watermark to the step's end")
+def _discard_counts_as_delivery(stack: contextlib.ExitStack) -> None:
+    from omni_prefix_cache.manager import OmniPrefixCacheManager
+
+    original = OmniPrefixCacheManager.discard_step
+
+    def discard_step(self: OmniPrefixCacheManager, step_id: int) -> None:
+        ctx = self.components.steps.get(step_id)
+        if ctx is not None:
+            for rid, tenure in ctx.tenures.items():
+                for consumer in tenure.delivered_upto:
+                    tenure.delivered_upto[consumer] = max(tenure.delivered_upto[consumer], ctx.token_ranges[rid][1])
+        original(self, step_id)
+
+    _set(stack, OmniPrefixCacheManager, "discard_step", discard_step)
+
+
+@_register("resume_skips_lookup", "a RESUMED event's hit is not installed: positions no consumer received are lost")
+def _resume_skips_lookup(stack: contextlib.ExitStack) -> None:
+    from omni_prefix_cache.adapter import PrefixCacheEventKind
+    from omni_prefix_cache.requests.lifecycle import RequestTable
+
+    original = RequestTable.install_lookup
+
+    def install_lookup(self: RequestTable, tenure: Any, event: Any) -> None:
+        if event.kind is not PrefixCacheEventKind.RESUMED:
+            original(self, tenure, event)
+
+    _set(stack, RequestTable, "install_lookup", install_lookup)
+
+
+@_register("commit_keeps_retired", "commit_output's filter_retired keeps every request: retired tenures are handed off")
+def _commit_keeps_retired(stack: contextlib.ExitStack) -> None:
+    from omni_prefix_cache.requests.delivery import DeliveryDesk
+
+    def filter_retired(self: DeliveryDesk, ctx: Any) -> None:
+        ctx.live = frozenset(ctx.outputs.token_ranges)
+
+    _set(stack, DeliveryDesk, "_filter_retired", filter_retired)
+
+
+@_register(
+    "replayed_step_applied", "a replayed step sequence applies its events again (the replayed_step guard is lost)"
+)
+def _replayed_step_applied(stack: contextlib.ExitStack) -> None:
+    from omni_prefix_cache.requests.lifecycle import RequestTable
+
+    original = RequestTable.apply
+
+    def apply(self: RequestTable, events: Any, sequence: int | None) -> bool:
+        return original(self, events, None)
+
+    _set(stack, RequestTable, "apply", apply)
+
+
 # ------------------------------------------------------------------ applying
 
 

@@ -124,9 +124,12 @@ class ServingModel:
 
     # ------------------------------------------------------------ lifecycle
 
-    def arrive(self, prefix: int, tail: Sequence[int]) -> str:
-        rid = f"q{self._next}"
-        self._next += 1
+    def arrive(self, prefix: int, tail: Sequence[int], *, rid: str | None = None) -> str:
+        """A request arrives (``rid``: reuse an id whose request ended)."""
+        if rid is None:
+            rid = f"q{self._next}"
+            self._next += 1
+        assert rid not in self.requests, f"request id {rid} is in use"
         tokens = self.prefixes[prefix % len(self.prefixes)] + list(tail)
         hashes = PrefixHashes(len(tokens) + 8)
         hashes.extend(tokens)
@@ -239,6 +242,15 @@ class ServingModel:
                 req.hashes.extend([nxt])
         self.step_no += 1
         return PlannedStep(out, order, hidden, mm, int(hashes.numel()), expects)
+
+    def recovered(self, exp: Expect, first: int) -> Expect:
+        """``exp`` served from ``first`` on (a resumed request's hit that
+        recovers positions a consumer has not received), right after the
+        step was scheduled: the positions before the step are cache rows."""
+        req = self.requests[exp.rid]
+        slots = self._slots(req, first, exp.end)
+        absent = tuple((k, tuple(s not in p for s in slots)) for k, p in self.present.items())
+        return Expect(exp.rid, first, exp.end, req.hashes.span(first, exp.end).clone(), True, absent)
 
     def _slots(self, req: ModelRequest, lo: int, hi: int) -> list[int]:
         bs = self.block_size

@@ -1,5 +1,7 @@
 # Generated from spec/slot_occupancy.yaml by `make typed-specs`; do not edit.
-"""Typed names of the ``slot_occupancy`` spec: the ``SlotState`` states and the ``SlotOccupancyTrigger`` triggers."""
+"""Typed names of the ``slot_occupancy`` spec:
+the ``SlotState`` states and the ``SlotOccupancyTrigger`` triggers.
+"""
 
 from __future__ import annotations
 

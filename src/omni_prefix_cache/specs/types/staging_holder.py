@@ -1,5 +1,7 @@
 # Generated from spec/staging_holder.yaml by `make typed-specs`; do not edit.
-"""Typed names of the ``staging_holder`` spec: the ``HolderState`` states and the ``StagingHolderTrigger`` triggers."""
+"""Typed names of the ``staging_holder`` spec:
+the ``HolderState`` states and the ``StagingHolderTrigger`` triggers.
+"""
 
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ module per spec:
 - ``StepContextAdapter``: ``step_context`` on ``OmniPrefixCacheManager``.
 - ``PlannedReadAdapter``: ``planned_read`` on ``PlannedReads``.
 - ``CopyQueueAdapter``: ``copy_queue`` on ``CopyQueues``.
+- ``RequestLifecycleAdapter``: ``request_lifecycle`` on a ``Tenure`` in a ``RequestTable``.
+- ``DeliveryAdapter``: ``delivery`` on a ``Tenure``'s consumer watermarks.
 
 Each maps a trigger to the runtime call(s) that fire it (several APIs per
 trigger where the runtime has them, drawn at random), reads the runtime's
@@ -17,7 +19,9 @@ spec's named invariants on the runtime.
 from __future__ import annotations
 
 from omni_prefix_cache.testing.adapters.copy_queue import CopyQueueAdapter as CopyQueueAdapter
+from omni_prefix_cache.testing.adapters.delivery import DeliveryAdapter as DeliveryAdapter
 from omni_prefix_cache.testing.adapters.planned_read import PlannedReadAdapter as PlannedReadAdapter
+from omni_prefix_cache.testing.adapters.request_lifecycle import RequestLifecycleAdapter as RequestLifecycleAdapter
 from omni_prefix_cache.testing.adapters.slot_occupancy import SlotOccupancyAdapter as SlotOccupancyAdapter
 from omni_prefix_cache.testing.adapters.staging_holder import StagingHolderAdapter as StagingHolderAdapter
 from omni_prefix_cache.testing.adapters.step_context import StepContextAdapter as StepContextAdapter

@@ -26,9 +26,21 @@ flush's escalate is covered by escalate), shutdown, joins by readers, a
 read of an in-transit slot (reads plan committed cells) and hits on the
 step's own writes (``replan_same_step_hits`` is a no-op).
 
+A second world, the request lifecycle (``LifecycleModel``: ``life_world``,
+``life_binding``, ``life_invariants``, ``life_model``), interprets the
+lifecycle operations (new_step's events, request_event, retire_owner,
+retire_delivery, save's record_saved, materialize, discard, delivery_view,
+ack_delivery, commit_output) over one request id, its tenures and two
+consumers, the write path abstracted as saved positions; the write-path
+world above treats the lifecycle's roles and effects as no-ops. ``scope``
+proves the two together read every step of every operation they run, so
+neither silently ignores what a mutation could change. ``check`` searches
+both (``Bounds.life`` sizes the second).
+
 The system invariants are the protocol's ``invariants_for("model")``, each
-bound to one checker here by name; a name without a checker, or a checker
-without a name, refuses to build the model. The machines' own invariants
+bound to one checker by name in one of the two worlds (``SystemInvariants``,
+``LifeInvariants``); a name without a checker, or a checker without a name,
+refuses to build the model. The machines' own invariants
 are checked too. ``can_settle`` is liveness: every reachable state can
 still reach a settled one. Broken variants (``BROKEN``) are spec mutations:
 patches of the loaded protocol and/or component machines, or a whole
@@ -48,6 +60,8 @@ from omni_prefix_cache.testing.model_mutations import BROKEN as BROKEN  # re-exp
 from omni_prefix_cache.testing.model_mutations import Mutation as Mutation
 from omni_prefix_cache.testing.modelcheck.check import CheckResult as CheckResult
 from omni_prefix_cache.testing.modelcheck.check import check as check
+from omni_prefix_cache.testing.modelcheck.life_model import LifecycleModel as LifecycleModel
+from omni_prefix_cache.testing.modelcheck.life_world import LifeBounds as LifeBounds
 from omni_prefix_cache.testing.modelcheck.model import ComposedModel as ComposedModel
 from omni_prefix_cache.testing.modelcheck.world import BIG_BOUNDS as BIG_BOUNDS
 from omni_prefix_cache.testing.modelcheck.world import CI_BOUNDS as CI_BOUNDS

@@ -1,10 +1,16 @@
-"""The model's ``Binding`` of the protocol: component moves and handlers.
+"""The write-path model's ``Binding`` of the protocol: component moves and handlers.
 
-``ModelBinding`` compiles the component machines with the model's guard and
-effect handlers, finds each role's instances in an action's context
-(``Ctx``), and gives ``compile_protocol`` the ``move`` / ``coupling``
-callables and the protocol's own effect and guard handlers, all acting on
-the scratch world. No component moves except through these.
+``ModelBinding`` compiles the write path's component machines with the
+model's guard and effect handlers, finds each role's instances in an
+action's context (``Ctx``), and gives ``compile_protocol`` the ``move`` /
+``coupling`` callables and the protocol's own effect and guard handlers, all
+acting on the scratch world. No component moves except through these.
+
+The roles, effects and guards of the request lifecycle (``scope.LIFE_SCOPE``)
+are the lifecycle model's: here a move of such a role is a no-op, and so is
+such an effect inside an operation this model runs (its steps carry no
+events: ``apply_events`` applies none, ``record_saved`` records no tenure).
+``scope.check_coverage`` proves the lifecycle model reads each of them.
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from omni_prefix_cache.specs.compiled import CompiledMachine, compile_machine
-from omni_prefix_cache.specs.composition import Fire, ProtocolSpec, ProtocolViolation
+from omni_prefix_cache.specs.composition import Do, Fire, ProtocolSpec, ProtocolViolation
 from omni_prefix_cache.specs.loader import MachineSpec, SpecError
 from omni_prefix_cache.testing.modelcheck.facts import ModelFacts
+from omni_prefix_cache.testing.modelcheck.scope import WRITE_SCOPE
 from omni_prefix_cache.testing.modelcheck.world import (
     DEF,
     DEFQ,
@@ -35,6 +42,10 @@ from omni_prefix_cache.testing.modelcheck.world import (
 # Protocol effects that change nothing in the model's world (rows are abstract).
 NO_OPS = frozenset({"wake_committer", "copy_to_host", "pool_write", "fetch_rows", "merge_outputs"})
 REQUIRED_ROLES = ("task", "position", "task_holder", "step_holder", "step", "slot", "read")
+
+
+def _always(c: Any) -> bool:
+    return True
 
 
 class _Role:
@@ -70,8 +81,9 @@ class ModelBinding:
                 raise SpecError(f"{spec.origin}: the model needs component role {role!r}")
         self._link_fires: dict[tuple[str, str], Callable[[Any], None]] = {}
         handlers = self._machine_handlers()
+        # Only the write path's machines: the lifecycle's are the lifecycle model's.
         self.m: Mapping[str, CompiledMachine] = {
-            role: self._compile(m, handlers) for role, m in spec.components.items()
+            role: self._compile(m, handlers) for role, m in spec.components.items() if role in WRITE_SCOPE.roles
         }
         self.f = ModelFacts(spec, self.m, bounds.keys)
         self.roles = self._roles()
@@ -296,6 +308,9 @@ class ModelBinding:
         """(enabled, fire) over the role's instances in the context. Several
         instances: a move fires on each where enabled; ``enabled`` is all of
         them for a move some operation requires, any of them otherwise."""
+        if role not in self.roles:
+            # A lifecycle role: the lifecycle model fires it (scope.check_coverage).
+            return _always, nothing
         r = self.roles[role]
         machine = r.machine
         need_all = (role, trigger) in self._required
@@ -383,6 +398,13 @@ class ModelBinding:
         # Rows are abstract: a copy's or a pool write's outcome is where a failure is
         # injected, and a fetch's version check is rows_fetched, under the state lock.
         no_ops: dict[str, Callable[[Any], None]] = {name: nothing for name in NO_OPS}
+        # The lifecycle's effects: no-ops in an operation this model runs (its steps carry
+        # no events and record no tenure), outside in one it never starts.
+        ops = [op for op in self.spec.operations if op.name in WRITE_SCOPE.runs]
+        runs = {s.effect for op in ops for s in op.walk() if isinstance(s, Do)}
+        for name in self.spec.effect_names - WRITE_SCOPE.effects - NO_OPS:
+            no_ops[name] = nothing if name in runs else outside(name)
+        self.no_op_effects = frozenset(name for name, run in no_ops.items() if run is nothing)
         return no_ops | {
             "register_task": self._register_task,
             "append_chunk": self._append_chunk,
@@ -396,25 +418,34 @@ class ModelBinding:
             "sticky_failure": lambda c: setattr(c, "sticky", True),
             "plan_hits": self._plan_hits,
             # Reads plan committed slots of earlier steps; a same-step hit is not modelled.
-            "replan_same_step_hits": lambda c: None,
             "dispatch_inline": outside("dispatch_inline"),
             "flush_oldest": outside("flush_oldest"),
             "close_staging": outside("close_staging"),
             "drain_queues": outside("drain_queues"),
+            "replan_same_step_hits": nothing,
         }
 
     def _guards(self) -> dict[str, Callable[[Any], bool]]:
-        return {
-            "immediate": lambda c: c.kind == IMM,
-            "queued_at_submit": lambda c: c.kind == DEFQ,
-            "open_write_accepts": self._open_write_accepts,
-            "over_budget": lambda c: False,
-            "task_failed": lambda c: c.tasks[c.tid].state == self.f.FAILED,
-            "failures_drained": lambda c: c.found_failures,
-            "rows_planned": lambda c: c.slots[c.slot].state in (self.f.IN_TRANSIT, self.f.COMMITTED),
-            "rows_fetched": self._rows_fetched,
-            "eager": lambda c: False,
-        }
+        def outside(name: str) -> Callable[[Any], bool]:
+            def read(c: Any) -> bool:
+                raise Violation("model.outside", f"guard {name} was read; it is the lifecycle model's")
+
+            return read
+
+        lifecycle = {name: outside(name) for name in self.spec.guard_names - WRITE_SCOPE.guards}
+        return (
+            lifecycle
+            | {name: (lambda c, v=value: v) for name, value in WRITE_SCOPE.assumed.items()}
+            | {
+                "immediate": lambda c: c.kind == IMM,
+                "queued_at_submit": lambda c: c.kind == DEFQ,
+                "open_write_accepts": self._open_write_accepts,
+                "task_failed": lambda c: c.tasks[c.tid].state == self.f.FAILED,
+                "failures_drained": lambda c: c.found_failures,
+                "rows_planned": lambda c: c.slots[c.slot].state in (self.f.IN_TRANSIT, self.f.COMMITTED),
+                "rows_fetched": self._rows_fetched,
+            }
+        )
 
     def _open_write_accepts(self, c: Ctx) -> bool:
         # Only a plain deferred save appends (a queued one would be pushed again).

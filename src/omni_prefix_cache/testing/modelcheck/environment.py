@@ -14,8 +14,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from omni_prefix_cache.specs.composition import CompiledOperation, Fire, ProtocolViolation
-from omni_prefix_cache.testing.modelcheck.binding import NO_OPS
+from omni_prefix_cache.specs.composition import (
+    CompiledOperation,
+    Couple,
+    Do,
+    Fire,
+    ProtocolViolation,
+    Segment,
+    walk_steps,
+)
 from omni_prefix_cache.testing.modelcheck.facts import ModelFacts
 from omni_prefix_cache.testing.modelcheck.world import (
     COMMITTER,
@@ -41,11 +48,17 @@ from omni_prefix_cache.testing.modelcheck.world import (
 )
 
 
-def _invisible(seg: Any) -> bool:
-    """A wait on a monotone event, or a segment of no-op effects only."""
+def invisible(seg: Segment, roles: frozenset[str], no_ops: frozenset[str]) -> bool:
+    """A wait on a monotone event, or a segment whose every step is a no-op
+    here: an effect in ``no_ops``, a move of a role not in ``roles``."""
     if seg.wait:
         return seg.wait in ("done", "host_ready")
-    return all(getattr(s, "effect", None) in NO_OPS for s in seg.steps)
+    for s in walk_steps(seg.steps):
+        if isinstance(s, Do) and s.effect not in no_ops:
+            return False
+        if isinstance(s, Fire | Couple) and s.role in roles:
+            return False
+    return True
 
 
 class ModelEnvironment:
@@ -61,12 +74,16 @@ class ModelEnvironment:
         facts: ModelFacts,
         ops: Mapping[str, CompiledOperation],
         guards: Mapping[str, Callable[[Any], bool]],
+        no_ops: frozenset[str],
     ):
         self.bounds = bounds
         self.f = facts
         self.ops = ops
         self.guards = guards
-        self.invisible = {name: tuple(_invisible(seg) for seg in op.spec.segments) for name, op in ops.items()}
+        roles = frozenset(facts.m)
+        self.invisible = {
+            name: tuple(invisible(seg, roles, no_ops) for seg in op.spec.segments) for name, op in ops.items()
+        }
         # Where a save may fail and abandon its step: after the claim, before the step is issued.
         save = ops["save"].spec
         at = {x.label: i for i, sg in enumerate(save.segments) for x in sg.steps if isinstance(x, Fire)}

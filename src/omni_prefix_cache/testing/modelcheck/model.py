@@ -16,10 +16,13 @@ from collections.abc import Callable, Iterator, Mapping
 from omni_prefix_cache.specs.composition import CompiledOperation, ProtocolSpec, compile_protocol
 from omni_prefix_cache.specs.loader import MachineSpec, SpecError
 from omni_prefix_cache.testing.model_mutations import load_variant
+from omni_prefix_cache.testing.modelcheck import render
 from omni_prefix_cache.testing.modelcheck.binding import ModelBinding
 from omni_prefix_cache.testing.modelcheck.environment import ModelEnvironment
 from omni_prefix_cache.testing.modelcheck.facts import ModelFacts
 from omni_prefix_cache.testing.modelcheck.invariants import MachineInvariants, SystemInvariants
+from omni_prefix_cache.testing.modelcheck.life_invariants import LifeInvariants
+from omni_prefix_cache.testing.modelcheck.scope import SCOPES, check_coverage
 from omni_prefix_cache.testing.modelcheck.world import Bounds, Label, World
 
 REQUIRED_OPERATIONS = ("new_step", "save", "escalate", "committer_claim", "committer_copy", "committer_write")
@@ -55,15 +58,20 @@ class ComposedModel:
         self.ops: dict[str, CompiledOperation] = compile_protocol(
             spec, self.binding, self.binding.effects(), self.binding.guards
         )
-        self.environment = ModelEnvironment(bounds, self.facts, self.ops, self.binding.guards)
+        check_coverage(spec, SCOPES)
+        self.environment = ModelEnvironment(
+            bounds, self.facts, self.ops, self.binding.guards, self.binding.no_op_effects
+        )
         self.system = SystemInvariants(self.facts)
         self.machines = MachineInvariants(self.facts)
         self.checkers: dict[str, Callable[[World], None]] = self.system.checkers()
         declared = set(spec.invariants_for("model"))
-        missing, extra = sorted(declared - set(self.checkers)), sorted(set(self.checkers) - declared)
+        # The lifecycle model checks the rest (LifecycleModel); together they check every one.
+        both = set(self.checkers) | set(LifeInvariants.NAMES)
+        missing, extra = sorted(declared - both), sorted(both - declared)
         if missing or extra:
             raise SpecError(
-                f"{spec.origin}: the model checks invariants {sorted(self.checkers)}; "
+                f"{spec.origin}: the model checks invariants {sorted(both)}; "
                 f"declared for the model without a checker: {missing}; checkers with no declared name: {extra}"
             )
         for name in REQUIRED_OPERATIONS:
@@ -93,6 +101,24 @@ class ComposedModel:
             check(w)
         self.machines.check_state(w)
 
-    def check_move(self, before: World, after: World) -> None:
+    def check_move(self, before: World, after: World, label: Label | None = None) -> None:
         """Raise Violation for a move that breaks a per-move invariant."""
         self.machines.check_move(before, after)
+
+    # ------------------------------------------------------------ text
+    name = "write path"
+
+    def describe(self) -> str:
+        return self.bounds.describe()
+
+    def label_text(self, label: Label) -> str:
+        return render.describe_label(self.facts, self.ops, label)
+
+    def change_text(self, a: World, b: World) -> str:
+        return render.describe_change(self.facts, a, b)
+
+    def world_text(self, w: World) -> list[str]:
+        return render.describe_world(self.facts, self.ops, w)
+
+    def unsettled(self, w: World) -> list[str]:
+        return render.unsettled(self.facts, w)

@@ -10,8 +10,10 @@ into a ``World``. ``Bounds`` sizes the world. Nothing here knows a spec.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+from omni_prefix_cache.testing.modelcheck.life_world import LifeBounds
 
 IMM, DEF, DEFQ = 0, 1, 2  # save kinds: immediate, deferred, deferred submitted queued
 KIND_NAMES = {IMM: "imm", DEF: "def", DEFQ: "def queued"}
@@ -103,6 +105,7 @@ class Bounds:
     reads: int = 1
     failures: int = 1
     keys: int = 1  # pool keys per slot: hidden (always written), then mm keys a step may write
+    life: LifeBounds = field(default_factory=LifeBounds)  # the lifecycle model's world
 
     def describe(self) -> str:
         keys = f" ({self.keys} keys each)" if self.keys > 1 else ""
@@ -115,7 +118,8 @@ class Bounds:
 CI_BOUNDS = Bounds()
 # A bigger bound for a manual run: a third step, so a committed slot can be
 # reused while an earlier step is still unconsumed.
-BIG_BOUNDS = Bounds(requests=2, tasks=2, slots=4, pages=2, steps=3, reads=1, failures=1)
+# A fourth lifecycle step, so a resume, a replacement and a late event meet in one run.
+BIG_BOUNDS = Bounds(requests=2, tasks=2, slots=4, pages=2, steps=3, reads=1, failures=1, life=LifeBounds(steps=4))
 
 
 class Violation(Exception):

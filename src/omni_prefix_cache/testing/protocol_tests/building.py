@@ -78,6 +78,17 @@ def _rule_defs(eager: bool) -> dict[str, Callable[[type[ProtocolMachine]], Any]]
         )
         return ready(rule(target=steps, data=st.data())(interim_tenant))
 
+    def resume_rule(cls: type[ProtocolMachine]) -> Any:
+        def resume(self: Any, data: Any) -> Any:
+            sid = self.drive_resume(data)
+            return multiple() if sid is None else sid
+
+        resume.__doc__ = ProtocolMachine.drive_resume.__doc__
+        ready = precondition(
+            lambda self: self.pending is None and len(self.expects) < DEPTH and bool(self.model.running())
+        )
+        return ready(rule(target=steps, data=st.data())(resume))
+
     def save_rule(cls: type[ProtocolMachine]) -> Any:
         def save(self: Any) -> Any:
             sid = self.drive_save()
@@ -90,25 +101,31 @@ def _rule_defs(eager: bool) -> dict[str, Callable[[type[ProtocolMachine]], Any]]
         def make(cls: type[ProtocolMachine]) -> Any:
             driver = getattr(cls, f"drive_{name}")
 
-            def run(self: Any, sid: Any) -> None:
-                driver(self, sid)
+            def run(self: Any, sid: Any, **kw: Any) -> None:
+                driver(self, sid, **kw)
 
             run.__name__ = run.__qualname__ = name
-            return rule(sid=consumes(steps))(run)
+            extra: dict[str, Any] = {"data": st.data()} if name == "materialize" else {}
+            as_rule: Callable[[Any], Any] = rule(sid=consumes(steps), **extra)
+            return as_rule(run)
 
         return make
+
+    def idle(self: Any) -> bool:
+        return self.pending is None and not self.dead
 
     return {
         "new_step": new_step_rule,
         "save": save_rule,
         "interim_tenant": interim_tenant_rule,
+        "resume": resume_rule,
         "finish_or_abort": plain(
             "finish_or_abort",
             lambda self: len(self.model.requests) >= 2 and self.pending is None,
             action=st.sampled_from(["finish", "abort"]),
             data=st.data(),
         ),
-        "drain": plain("drain", lambda self: self.pending is None),
+        "drain": plain("drain", lambda self: self.pending is None, data=st.data()),
         # The committer's operations, each enabled when it has work.
         "committer_claim": plain(
             "committer_claim", lambda self: not self.EAGER and bool(self.ctrl.queues.high or self.ctrl.queues.low)
@@ -130,6 +147,20 @@ def _rule_defs(eager: bool) -> dict[str, Callable[[type[ProtocolMachine]], Any]]
             slot=st.integers(0, NUM_BLOCKS * BLOCK_SIZE - 1),
         ),
         "materialize": consume("materialize"),
+        # The request lifecycle (life_drivers).
+        "client": plain("client", lambda self: bool(self.desk.inbox) and not self.dead, data=st.data()),
+        "replace": plain(
+            "replace", lambda self: idle(self) and any(r.live for r in self.model.requests.values()), data=st.data()
+        ),
+        "reuse_id": plain(
+            "reuse_id",
+            lambda self: idle(self) and len(self.model.requests) < MAX_REQUESTS and bool(self.reusable()),
+            data=st.data(),
+        ),
+        "stale_events": plain(
+            "stale_events", lambda self: idle(self) and bool(self.engine.stale_ids()), data=st.data()
+        ),
+        "replay_step": plain("replay_step", lambda self: idle(self) and self.engine.last is not None),
         "discard": consume("discard"),
         "preempt": plain("preempt", lambda self: self.pending is None and bool(self.model.running()), data=st.data()),
         "prefetch_run": plain("prefetch_run", lambda self: bool(self.prefetch.pending) and self.paused is None),

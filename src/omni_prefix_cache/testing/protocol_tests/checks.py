@@ -21,6 +21,7 @@ from omni_prefix_cache.manager import OmniPrefixCacheManager
 from omni_prefix_cache.specs.composition import ProtocolSpec
 from omni_prefix_cache.specs.types.copy_queue import QueuePosition
 from omni_prefix_cache.steps.slot_occupancy import SlotState
+from omni_prefix_cache.testing.protocol_tests.consumers import Desk
 from omni_prefix_cache.testing.protocol_tests.workload import (
     BLOCK_SIZE,
     ENTRY_OF,
@@ -46,6 +47,7 @@ class CheckedRun(Protocol):
     escalated: set[int]
     dead: bool
     served: list[Served]
+    desk: Desk
     prefetch_errors: list[str]
     pending: PlannedStep | None
     paused: threading.Thread | None
@@ -178,6 +180,10 @@ class ProtocolChecks:
     def _check_served(self, item: Served) -> None:
         sid, outs, planned = item.sid, item.outs, item.planned
         for exp in planned.expects:
+            got_range = outs.token_ranges.get(exp.rid)
+            assert got_range == (exp.start, exp.end), (
+                f"row oracle: step {sid} req {exp.rid} covers positions {got_range}, expected [{exp.start},{exp.end})"
+            )
             for key in WIDTHS:
                 got = outs.hidden_states[exp.rid] if key == HIDDEN_KEY else outs.mm_outputs[key][exp.rid]
                 want = sparse_rows(planned.n, key) if key in item.absent else self.m.model.expected_rows(exp, key)
@@ -217,3 +223,39 @@ class ProtocolChecks:
                         f"row oracle: block {block} key {key}: committed pool rows at slots "
                         f"{slots[committed].tolist()} differ from the block's content"
                     )
+
+    # ------------------------------------------------ request lifecycle and delivery
+    # The drivers (life_drivers, consumers.Desk) judge each call against the
+    # tenure oracle and record breaches by invariant; these report them.
+
+    def _reported(self, name: str) -> None:
+        found, self.m.violations[name] = self.m.violations[name], []
+        assert not found, f"{name}: {found}"
+
+    def delivered_within_saved(self) -> None:
+        """No consumer's watermark passes what its tenure saved or was served."""
+        self._reported("delivered_within_saved")
+        self.m.desk.within_saved()
+
+    def at_most_once_in_order(self) -> None:
+        """Each view starts at the consumer's watermark and holds the
+        output's positions from there; each watermark is the oracle's."""
+        self._reported("at_most_once_in_order")
+
+    def gap_raises(self) -> None:
+        """A view or acknowledgement past the watermark raises, moving nothing;
+        nothing else raises the gap error."""
+        self._reported("gap_raises")
+
+    def old_owner_never_moves_current(self) -> None:
+        """Older owners' events, retired tenures' acknowledgements and
+        commits move no current tenure; commit hands off no retired tenure."""
+        self._reported("old_owner_never_moves_current")
+
+    def discard_is_not_delivery(self) -> None:
+        """A discard, or a view never acknowledged, moves no watermark."""
+        self._reported("discard_is_not_delivery")
+
+    def resumed_hit_recovers(self) -> None:
+        """A RESUMED hit's output starts at the lowest watermark of the consumers seen."""
+        self._reported("resumed_hit_recovers")

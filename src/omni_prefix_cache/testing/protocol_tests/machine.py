@@ -21,12 +21,16 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize
 
+from omni_prefix_cache.adapter import PrefixCacheEventKind, PrefixCacheSchedulerAdapter
 from omni_prefix_cache.controller import TaskState, WriteChunk, WriteTask
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, WriteSchedule
 from omni_prefix_cache.manager import PREFETCH_THREAD_PREFIX
 from omni_prefix_cache.specs.composition import ProtocolSpec
 from omni_prefix_cache.specs.types.copy_queue import QueuePosition
 from omni_prefix_cache.testing.protocol_tests.checks import ProtocolChecks
+from omni_prefix_cache.testing.protocol_tests.consumers import Desk, marks
+from omni_prefix_cache.testing.protocol_tests.life_drivers import LifecycleDrivers
+from omni_prefix_cache.testing.protocol_tests.lifecycle import EventEngine, OracleTenure, TenureOracle, resumable
 from omni_prefix_cache.testing.protocol_tests.workload import (
     BLOCK_SIZE,
     CAPACITY,
@@ -40,7 +44,6 @@ from omni_prefix_cache.testing.protocol_tests.workload import (
     PREFIXES,
     SIDE_KEY,
     WIDTHS,
-    Sched,
     Served,
     leftover_rows,
     sparse_rows,
@@ -55,7 +58,7 @@ from omni_prefix_cache.testing.write_fakes import install_failing_stages, probe_
 from omni_prefix_cache.writes.staging import StagingBufferHolder
 
 
-class ProtocolMachine(RuleBasedStateMachine):
+class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
     """The drivers (``drive_<rule>``), over the real manager, and its
     checkers (``checks``); ``build_machine`` turns them into rules and
     invariants from the spec. Not a test on its own (no rules)."""
@@ -99,6 +102,14 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.paused_reader: str | None = None
         self.paused_fut: Any = None
         self.at_seam, self.go = threading.Event(), threading.Event()
+        # The request lifecycle: the engine's events, their oracle, the consumers.
+        self.oracle = TenureOracle()
+        self.engine = EventEngine(self.model, self.oracle)
+        self.adapter = PrefixCacheSchedulerAdapter()
+        self.desk = Desk(self.mgr, self.oracle, self.violations)
+        self.step_tenures: dict[int, dict[str, OracleTenure]] = {}
+        self.recovering: dict[str, int] = {}  # this step's RESUMED hits: where each must start
+        self.recover_at: dict[int, dict[str, int]] = {}
         self.checks = ProtocolChecks(self)
         self._instrument()
 
@@ -348,6 +359,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         draw = data.draw
         if admit_only is None:
             self._arrivals(data)
+        waiting = resumable(self.model)  # preempted requests: admitted again, they are RESUMED
         # A pool key that is not token-major this step is a leftover: the
         # step's tenant does not write it (hits later get the baseline).
         absent = frozenset(draw(st.sampled_from([(), (), (IMMEDIATE,), (DEFERRED,)]), label="keys as leftovers"))
@@ -359,8 +371,15 @@ class ProtocolMachine(RuleBasedStateMachine):
         )
         if planned is None:
             return None
-        self._facade(self.mgr.new_step_starts, planned.out)
+        step = self.engine.step(planned.out, waiting)
+        hits = self.announce(step)
         if not self.dead:
+            resumed = {e.req_id for e in step.events if e.kind is PrefixCacheEventKind.RESUMED}
+            self.recovering = {rid: start for rid, start in hits.items() if rid in resumed}
+            planned.expects = [
+                self.model.recovered(e, self.recovering[e.rid]) if e.rid in self.recovering else e
+                for e in planned.expects
+            ]
             self.pending, self.pending_absent = planned, absent
         if self.pending is not None and (
             admit_only is not None or draw(st.integers(0, 3), label="forward, then save at once") > 0
@@ -378,13 +397,15 @@ class ProtocolMachine(RuleBasedStateMachine):
             return None
         mm = dict(planned.mm, **{LEFTOVER: leftover_rows(planned.n)})
         mm.update({key: sparse_rows(planned.n, key) for key in absent})
+        layout = self.adapter.build_write_layout(self.model.view, num_scheduled_tokens=planned.out.num_scheduled_tokens)
         sid = self._facade(
             lambda: self.mgr.save_outputs(
-                planned.hidden, mm, num_tokens_unpadded=planned.n, num_tokens_padded=planned.n
+                planned.hidden, mm, num_tokens_unpadded=planned.n, num_tokens_padded=planned.n, write_layout=layout
             )
         )
         if sid is None:
             return None
+        self.saved(int(sid), planned)
         for tid in self.previous_immediate:
             task = self.ctrl.get_task(tid)
             if task is not None and not task.is_terminal:
@@ -406,16 +427,20 @@ class ProtocolMachine(RuleBasedStateMachine):
             pool = sorted(model.requests)
         if not pool or self.pending is not None:
             return
-        model.end(data.draw(st.sampled_from(sorted(pool)), label=action))
+        rid = data.draw(st.sampled_from(sorted(pool)), label=action)
+        model.end(rid)
+        self.engine.kinds[rid] = PrefixCacheEventKind.FINISHED if action == "finish" else PrefixCacheEventKind.ABORTED
         self.drive_drain()
 
-    def drive_drain(self) -> None:
+    def drive_drain(self, data: Any = None) -> None:
         """A facade entry with nothing scheduled: drains the records and
-        announces finished requests."""
+        announces finished requests. Meanwhile the client may take an output."""
+        if data is not None and self.desk.inbox and not self.dead:
+            self.drive_client(data)
         if self.pending is not None:
             return
         finished, self.model.finished_pending = self.model.finished_pending, set()
-        self._facade(self.mgr.new_step_starts, Sched([], finished, {}))
+        self.announce(self.engine.entry(finished))
 
     def _committer_op(self, op: Callable[[], Any]) -> None:
         try:
@@ -468,7 +493,9 @@ class ProtocolMachine(RuleBasedStateMachine):
         )
         self.ctrl.submit(task, queued=True)
 
-    def drive_materialize(self, sid: int | None) -> None:
+    def drive_materialize(self, sid: int | None, data: Any = None) -> None:
+        """materialize (possibly lagged); the talker takes the output at
+        once (``data`` None: views and acknowledges it), the client later."""
         if sid is None or sid not in self.expects:
             return
         self._resume_paused()  # materialize waits for its prefetches
@@ -479,11 +506,15 @@ class ProtocolMachine(RuleBasedStateMachine):
             raise AssertionError(f"row oracle: materialize(step {sid}) refused servable rows: {exc}") from exc
         if outs is not None:
             self.served.append(Served(sid, outs, planned, absent))
+            self.delivered(sid, outs, planned, data)
 
     def drive_discard(self, sid: int | None) -> None:
         if sid is None or sid not in self.expects:
             return
         self.expects.pop(sid)
+        self.step_tenures.pop(sid, None)
+        before = marks(self.oracle.every)
         self.mgr.discard_step(sid)  # works after a failure: it only releases
+        self.desk.unmoved(before, "discard_is_not_delivery", f"discard_step({sid})")
 
     # ------------------------------------------------------------ checkers

@@ -45,6 +45,15 @@ DRIVERS: dict[str, str] = {
     "materialize": "materialize",  # possibly lagged: steps wait in a bundle
     "discard": "discard",
     "shutdown": "teardown",
+    # The request lifecycle: every step's events run request_event; a
+    # replacement retires the old tenure and its consumers' watermarks; the
+    # talker takes each output inside materialize, the client in its rule.
+    "request_event": "new_step",
+    "retire_owner": "replace",
+    "retire_delivery": "replace",
+    "delivery_view": "client",
+    "ack_delivery": "client",
+    "commit_output": "client",
 }
 
 # Rules for the engine's workload, not protocol operations.
@@ -56,6 +65,10 @@ WORKLOAD_RULES = (
     "prefetch_resume",
     "paused_reader_slots_reused",
     "submit_queued",
+    "resume",
+    "reuse_id",
+    "stale_events",
+    "replay_step",
 )
 
 # Invariant name (spec/protocol.yaml, checked_by tests) -> checker method.
@@ -72,6 +85,12 @@ CHECKERS: dict[str, str] = {
     "committer_never_raises": "committer_never_raises",
     "no_join_under_state_lock": "no_join_under_state_lock",
     "rows_match_reference": "rows_match_reference",
+    "delivered_within_saved": "delivered_within_saved",
+    "at_most_once_in_order": "at_most_once_in_order",
+    "gap_raises": "gap_raises",
+    "old_owner_never_moves_current": "old_owner_never_moves_current",
+    "discard_is_not_delivery": "discard_is_not_delivery",
+    "resumed_hit_recovers": "resumed_hit_recovers",
 }
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from omni_prefix_cache.telemetry.registry import TELEMETRY
+from omni_prefix_cache.tools.bench.event_api import format_event_api, run_event_api
 from omni_prefix_cache.tools.bench.goals import judge_report
 from omni_prefix_cache.tools.bench.measure import ManagerFactory, TimedHook, run_scenario
 from omni_prefix_cache.tools.bench.pool_write import time_pool_writes
@@ -222,12 +223,18 @@ def main_bench(args: argparse.Namespace) -> int:
         )
     finally:
         line.close()
+    modes = MODES if args.mode == "both" else (args.mode,)
+    event_api = [] if getattr(args, "no_event_api", False) else run_event_api(args.scenario, modes, iters=args.iters)
     if args.save_baseline:
         with open(args.save_baseline, "w") as f:
             json.dump(rep.to_dict(), f, indent=2)
             f.write("\n")
     if args.json:
-        print(json.dumps({**rep.to_dict(), "metrics": TELEMETRY.summary()}, indent=2, default=str))
+        report = {**rep.to_dict(), "metrics": TELEMETRY.summary(), "event_api": [p.to_dict() for p in event_api]}
+        print(json.dumps(report, indent=2, default=str))
     else:
         print(format_report(rep))
+        if event_api:
+            print()
+            print(format_event_api(event_api))
     return 1 if args.strict and not rep.all_met else 0

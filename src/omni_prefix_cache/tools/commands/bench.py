@@ -107,6 +107,12 @@ def add_parser(sub: Any) -> None:
         "metrics extra)",
     )
     p.add_argument(
+        "--no-event-api",
+        action="store_true",
+        help="skip the event-API table (decode and prefill_hits on the adapter + event calls + delivery, "
+        "beside the seed-era path, back to back)",
+    )
+    p.add_argument(
         "--warm-pool",
         action="store_true",
         help="open every pool slab and write each page once before a scenario's first step, so its pool "

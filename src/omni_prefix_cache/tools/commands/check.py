@@ -32,6 +32,17 @@ BOUND_HELP = {
     "keys": "pool keys per slot (hidden, then mm keys a step may leave out)",
 }
 BOUND_MIN = {"reads": 0, "failures": 0}
+# The lifecycle model's world (Bounds.life): option name -> (LifeBounds field, help).
+LIFE_HELP = {
+    "positions": ("positions", "lifecycle: positions of the request"),
+    "life-steps": ("steps", "lifecycle: engine steps in all"),
+    "consumers": ("consumers", "lifecycle: consumers acknowledging on their own schedules"),
+    "admissions": ("admissions", "lifecycle: admissions of the request id (a second one reuses it)"),
+    "generations": ("generations", "lifecycle: content generations per admission (REPLACED)"),
+    "preemptions": ("preemptions", "lifecycle: preemptions (each followed by RESUMED)"),
+    "stale": ("stale", "lifecycle: late events of an older owner"),
+}
+LIFE_MIN = {"preemptions": 0, "stale": 0}
 
 
 def add_parser(sub: Any, *, full: bool = True) -> None:
@@ -48,12 +59,16 @@ def add_parser(sub: Any, *, full: bool = True) -> None:
         "check",
         help=SUMMARY,
         description=describe(
-            "Breadth-first over every reachable state of the composition spec (spec/protocol.yaml): each "
-            "segment of an operation (save, escalate, committer claim/copy/write, fail, drain, materialize, "
-            "discard, ...) is one atomic action over the component machines, interleaved with the other threads' "
-            "segments. Checks the protocol's model invariants and the machines' own in every state, and that every "
-            "state can still settle; prints states explored, depth and time, or a shortest counterexample in "
-            "operation-level steps.",
+            "Breadth-first over every reachable state of the composition spec (spec/protocol.yaml), in two "
+            "worlds. The write path: each segment of an operation (save, escalate, committer claim/copy/write, "
+            "fail, drain, materialize, discard, ...) is one atomic action over the component machines, "
+            "interleaved with the other threads' segments. The request lifecycle: one request id's tenures "
+            "(admission, preemption and resume with growing or shrinking hits, replacement, id reuse, late events "
+            "of an older owner) and consumers viewing and acknowledging its outputs on their own schedules "
+            "(new_step's events, save's record_saved, materialize, discard, delivery_view, ack_delivery, "
+            "commit_output). Checks the protocol's model invariants and the machines' own in every state, and "
+            "that every state can still settle; prints states explored, depth and time per world, or a shortest "
+            "counterexample in operation-level steps.",
             "A bound left out takes the CI bound's value (the --big bound's with --big). A progress line "
             "(states expanded and found, depth, elapsed) is drawn on stderr when it is a terminal.",
         ),
@@ -66,6 +81,20 @@ def add_parser(sub: Any, *, full: bool = True) -> None:
             default=None,
             help=f"{text} (CI bound {getattr(CI_BOUNDS, name)}, --big {getattr(BIG_BOUNDS, name)})",
         )
+    for option, (name, text) in LIFE_HELP.items():
+        p.add_argument(
+            f"--{option}",
+            dest=f"life_{name}",
+            type=int_at_least(LIFE_MIN.get(name, 1)),
+            default=None,
+            help=f"{text} (CI bound {getattr(CI_BOUNDS.life, name)}, --big {getattr(BIG_BOUNDS.life, name)})",
+        )
+    p.add_argument(
+        "--model",
+        choices=("write", "lifecycle", "both"),
+        default="both",
+        help="which world to search: the write path, the request lifecycle, or both (one after the other)",
+    )
     p.add_argument(
         "--broken",
         type=broken_variant,
@@ -116,7 +145,10 @@ def check_result_dict(result: Any) -> dict[str, Any]:
         "transitions": result.transitions,
         "max_depth": result.depth,
         "seconds": round(result.seconds, 3),
-        "violation": None if violation is None else {"name": violation.name, "message": violation.message},
+        "worlds": [dataclasses.asdict(part) for part in result.parts],
+        "violation": None
+        if violation is None
+        else {"name": violation.name, "message": violation.message, "world": result.model},
         "trace": list(result.trace),
         "final_state": list(result.final_state),
     }
@@ -132,7 +164,10 @@ def run(args: argparse.Namespace) -> int:
 
     base = BIG_BOUNDS if args.big else CI_BOUNDS
     given = {name: getattr(args, name) for name in BOUND_HELP if getattr(args, name) is not None}
-    bounds = dataclasses.replace(base, **given)
+    life = {name: getattr(args, f"life_{name}") for name, _ in LIFE_HELP.values()}
+    life = {k: v for k, v in life.items() if v is not None}
+    bounds = dataclasses.replace(base, **given, life=dataclasses.replace(base.life, **life))
+    models = ("write", "lifecycle") if args.model == "both" else (args.model,)
     line = StepProgress("expanded", enabled=progress_enabled(args))
 
     def progress(expanded: int, found: int, depth: int) -> None:
@@ -141,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     from omni_prefix_cache.specs.loader import SpecError
 
     try:
-        result = check(bounds, args.broken, max_states=args.max_states, progress=progress)
+        result = check(bounds, args.broken, max_states=args.max_states, progress=progress, models=models)
     except SpecError as exc:
         line.close()
         print(f"check: the protocol does not load: {exc}", file=sys.stderr)

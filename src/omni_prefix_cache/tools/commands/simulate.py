@@ -31,7 +31,9 @@ def add_parser(sub: Any) -> None:
         help="drive the manager through a synthetic vLLM-like serving trace and check every row",
         description=describe(
             "Synthetic engine loop (chunked prefill, decode, preemption, streaming, same-step hits, "
-            "aborts, a deferred key) against the real manager; an oracle checks every materialized row.",
+            "aborts, a deferred key) against the real manager; an oracle checks every materialized row. "
+            "With the event API (the default) it also checks that every position of every request tenure "
+            "reaches both consumers exactly once, in order, after preemptions, discards and replacements.",
             "A progress line (steps, elapsed, ETA) is drawn on stderr when it is a terminal.",
         ),
         formatter_class=HelpFormatter,
@@ -56,6 +58,13 @@ def add_parser(sub: Any) -> None:
         choices=["sim", "vllm"],
         default="sim",
         help="scheduler and input batch: the project's look-alikes or vLLM's real ones (needs vLLM: .ci/setup-vllm.sh)",
+    )
+    p.add_argument(
+        "--api",
+        choices=["events", "seed"],
+        default="events",
+        help="events: the adapter, write layouts, two delivery consumers, preempt/resume, replacements "
+        "(--engine vllm through the engine helper); seed: the seed-era scheduler output",
     )
     p.add_argument("--seed", type=non_negative, default=0, help="seed of the trace and the discard choices")
     p.add_argument("--steps", type=positive, default=2000, help="step cap; requests still live there are aborted")
@@ -130,6 +139,7 @@ def sim_config(args: argparse.Namespace) -> Any:
         eager=args.eager,
         lag=args.lag,
         trace_path=None if getattr(args, "trace", None) is None else str(args.trace),
+        api=args.api,
     )
 
 
@@ -161,7 +171,11 @@ def run(args: argparse.Namespace) -> int:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     simulate = run_simulation
     if args.engine == "vllm":
-        from omni_prefix_cache.tools.simulate.vllm_engine import run_vllm_simulation as simulate
+        from functools import partial
+
+        from omni_prefix_cache.tools.simulate.vllm_events import run_vllm_simulation
+
+        simulate = partial(run_vllm_simulation, api=args.api)
     progress = ProgressLine(enabled=progress_enabled(args))
     progress.arrival_steps = args.arrival_steps
     from omni_prefix_cache.telemetry.registry import TELEMETRY

@@ -4,6 +4,8 @@ Per step, on the engine thread: the scheduler decides; the view gets the new
 batch; ``new_step_starts``; a fake forward produces rows that are a function
 of each position's token prefix; ``save_outputs``. Then the step is either
 materialized (and every returned row checked by the oracle) or discarded.
+``api``: ``"events"`` (default; adapter, write layouts, two consumers:
+``event_driver``, ``delivery_oracle``) or ``"seed"`` (``oracle``).
 With ``lag`` the materialize runs on a separate thread one step behind, as
 vLLM's async output builder does. Steps that schedule no tokens call only
 ``new_step_starts`` (vLLM's runner returns before the forward).
@@ -24,6 +26,8 @@ import torch
 
 from omni_prefix_cache.interface import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
 from omni_prefix_cache.tools.simulate.batch import PersistentBatch, SimGroupView
+from omni_prefix_cache.tools.simulate.delivery_oracle import DeliveryOracle
+from omni_prefix_cache.tools.simulate.event_driver import EventDriver
 from omni_prefix_cache.tools.simulate.oracle import Oracle, RowExpectation
 from omni_prefix_cache.tools.simulate.probe import manager_stats, probe_leaks, wait_quiescent
 from omni_prefix_cache.tools.simulate.rows import rows_from_hashes
@@ -61,6 +65,10 @@ class SimConfig:
     eager: bool = True
     lag: bool | None = None  # materialize one step behind on a thread; default: on when threaded
     trace_path: str | None = None  # record the run's trace there (docs/trace.md)
+    api: str = "events"  # "events": adapter, write layouts, two consumers; "seed": the seed-era scheduler output
+    replace_prob: float = 0.02  # events: chance per step that a running request's content is replaced
+    local_ack_every: int = 3  # events: the local consumer views and acknowledges every this many outputs
+    local_drop_prob: float = 0.1  # events: chance the local consumer drops a view unacknowledged
 
     @property
     def lagged(self) -> bool:
@@ -111,6 +119,7 @@ class SimResult:
     aborted_at_end: int = 0
     torch_threads: int = 0
     log_warnings: dict[str, int] = field(default_factory=dict)
+    delivery: dict[str, Any] = field(default_factory=dict)  # events: the delivery oracle's counts
     wall_s: float = 0.0
     error: str | None = None
 
@@ -136,7 +145,7 @@ class SimResult:
         return self.rows_checked == 0
 
 
-class _LogCounter(logging.Handler):
+class LogCounter(logging.Handler):
     """Counts the package's warnings by kind during a run.
 
     Attached to the package logger, it also keeps Python's last-resort
@@ -202,10 +211,19 @@ class Simulation:
             max_num_seqs=cfg.max_num_seqs,
             seed=cfg.seed,
             vocab=cfg.workload.vocab,
+            events=cfg.api == "events",
+            replace_prob=cfg.replace_prob if cfg.api == "events" else 0.0,
         )
         self.view = SimGroupView(cfg.block_size)
         self.batch = PersistentBatch()
         self.oracle = Oracle(cfg.widths(), cfg.torch_dtype, expect_no_hidden=not cfg.cache_hidden)
+        self.events: EventDriver | None = None
+        self.delivery = DeliveryOracle(cfg.widths(), cfg.torch_dtype)
+        if cfg.api not in ("events", "seed"):
+            raise ValueError(f"SimConfig.api must be 'events' or 'seed', got {cfg.api!r}")
+        every, drop = cfg.local_ack_every, cfg.local_drop_prob
+        if cfg.api == "events":
+            self.events = EventDriver(self.delivery, seed=cfg.seed, local_ack_every=every, local_drop_prob=drop)
         self.rng = random.Random(cfg.seed ^ 0x5A5A)
         self.result = SimResult(config=_config_dict(cfg), mode="eager" if cfg.eager else "threaded")
         self._stats_lock = threading.Lock()
@@ -272,20 +290,27 @@ class Simulation:
         t0 = time.perf_counter_ns()
         outs = mgr.materialize(step_id, req_ids)
         dt = (time.perf_counter_ns() - t0) / 1000.0
-        self.oracle.check(step, step_id, exps, outs, leftover)
+        if self.events is not None:
+            self.events.deliver(mgr, step, step_id, exps, outs, leftover)
+        else:
+            self.oracle.check(step, step_id, exps, outs, leftover)
         with self._stats_lock:
             self.result.materialize_us.append(dt)
             self.result.materialized_steps += 1
-            self.result.rows_from_cache += sum(e.hit for e in exps)
+            if self.events is None:
+                self.result.rows_from_cache += sum(e.hit for e in exps)
 
     # ------------------------------------------------------------ run
 
     def run(self) -> SimResult:
         cfg, res = self.cfg, self.result
         started = time.perf_counter()
-        counter = _LogCounter()
+        counter = LogCounter()
         logging.getLogger("omni_prefix_cache").addHandler(counter)
-        mgr = self._factory(cfg.prefix_cache_config(), self.view, cfg.eager)
+        if self.events is not None and not getattr(self.sched, "events", False):
+            self.events, res.config["api"] = None, "seed"  # a scheduler (vLLM's driver) without the event form
+        # The event API needs no group view: the write layout says where each row goes.
+        mgr = self._factory(cfg.prefix_cache_config(), None if self.events else self.view, cfg.eager)
         mgr.register_policy(
             ModelCachePolicy(needs_full_hidden_states=cfg.cache_hidden, deferred_keys=frozenset({DEFERRED_KEY}))
         )
@@ -313,6 +338,9 @@ class Simulation:
                 worker.join()
                 if worker.error is not None:
                     raise worker.error
+            if self.events is not None:
+                self.events.drain_local(mgr, may_drop=False)
+                self.delivery.finish()
             res.leaks = wait_quiescent(mgr, timeout_s=5.0)
             res.manager_stats = manager_stats(mgr)
         except Exception as exc:
@@ -327,9 +355,13 @@ class Simulation:
             except Exception as exc:
                 res.error = res.error or f"shutdown: {type(exc).__name__}: {exc}"
         res.steps = step
-        res.mismatches = self.oracle.mismatches
-        res.rows_checked = self.oracle.checked_rows
-        res.mismatch_details = [str(m) for m in self.oracle.details]
+        oracle: Oracle | DeliveryOracle = self.oracle if self.events is None else self.delivery
+        res.mismatches = oracle.mismatches
+        res.rows_checked = oracle.checked_rows
+        res.mismatch_details = [str(m) for m in oracle.details]
+        if self.events is not None:
+            res.delivery = asdict(self.delivery.counts)
+            res.rows_from_cache = self.delivery.counts.rows_from_cache
         res.scheduler = asdict(self.sched.stats)
         res.allocator = asdict(self.sched.alloc.stats)
         res.view_off_thread_calls = self.view.off_thread_calls
@@ -341,7 +373,10 @@ class Simulation:
 
     def _timed_new_step(self, mgr: Any, out: SchedulerOutput) -> float:
         t0 = time.perf_counter_ns()
-        mgr.new_step_starts(out)
+        if self.events is not None:
+            self.events.new_step(mgr, out)  # the adapter's translation is the engine's cost too
+        else:
+            mgr.new_step_starts(out)
         return (time.perf_counter_ns() - t0) / 1000.0
 
     def _batch_order(self, plan: StepPlan[Any]) -> list[str]:
@@ -363,9 +398,13 @@ class Simulation:
             self.sched.update(plan)
             return
         hidden, mm, n, padded = self._forward(order, plan)
-        exps = self._expectations(order, plan)
+        events = self.events
+        exps: list[Any] = self._expectations(order, plan) if events is None else events.expectations(order, plan)
         t0 = time.perf_counter_ns()
-        step_id = mgr.save_outputs(hidden, mm, num_tokens_unpadded=n, num_tokens_padded=padded)
+        if events is None:
+            step_id = mgr.save_outputs(hidden, mm, num_tokens_unpadded=n, num_tokens_padded=padded)
+        else:
+            step_id = events.save(mgr, self.view, hidden, mm, n, padded)
         engine_us += (time.perf_counter_ns() - t0) / 1000.0
         res.engine_us.append(engine_us)
         res.saved_steps += 1
@@ -373,14 +412,20 @@ class Simulation:
         rot = step % len(order)
         req_ids = order[rot:] + order[:rot]  # materialize maps by id, not by position
         leftover = {LEFTOVER_KEY: [torch.tensor([step, n, padded], dtype=torch.float32)]}
-        job = (mgr, step, step_id, req_ids, exps, leftover, self.rng.random() < self.cfg.discard_prob)
+        discard = self.rng.random() < self.cfg.discard_prob
+        if events is not None:
+            # The scheduler applies the step first: whether it may be discarded depends on who finished.
+            self.sched.update(plan)
+            discard = events.after_update(self.sched, plan, exps, discard)
+        job = (mgr, step, step_id, req_ids, exps, leftover, discard)
         if worker is None:
             self._consume(job)
         else:
             if worker.error is not None:
                 raise worker.error
             worker.jobs.put(job)
-        self.sched.update(plan)
+        if events is None:
+            self.sched.update(plan)
 
 
 def _default_manager(config: PrefixCacheConfig, view: Any, eager: bool) -> Any:

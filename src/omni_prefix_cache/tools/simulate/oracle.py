@@ -102,7 +102,7 @@ class Oracle:
             table = outs.mm_outputs.get(key)
             for exp in exps:
                 got = None if table is None else table.get(exp.req_id)
-                if not _same_payload(got, want_payload):
+                if not same_payload(got, want_payload):
                     detail = f"leftover {got!r}, expected {want_payload!r}"
                     found.append(Mismatch(step, step_id, exp.req_id, key, detail))
         with self._lock:
@@ -134,15 +134,13 @@ def _compare(exp: RowExpectation, ref: torch.Tensor, got: Any) -> str | None:
     return f"first wrong row at position {exp.start + bad} ({part}); {int((~same).sum())} wrong rows of {span}"
 
 
-def _same_payload(got: Any, want: Any) -> bool:
+def same_payload(got: Any, want: Any) -> bool:
     if isinstance(want, torch.Tensor):
         return isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
     if isinstance(want, (list, tuple)):
         return (
-            isinstance(got, type(want))
-            and len(got) == len(want)
-            and all(_same_payload(g, w) for g, w in zip(got, want))
+            isinstance(got, type(want)) and len(got) == len(want) and all(same_payload(g, w) for g, w in zip(got, want))
         )
     if isinstance(want, dict):
-        return isinstance(got, dict) and got.keys() == want.keys() and all(_same_payload(got[k], want[k]) for k in want)
+        return isinstance(got, dict) and got.keys() == want.keys() and all(same_payload(got[k], want[k]) for k in want)
     return bool(got == want)

@@ -67,6 +67,7 @@ def summary(res: SimResult) -> dict[str, Any]:
         "ok": res.ok,
         "checked_nothing": res.checked_nothing,
         "mode": res.mode,
+        "api": res.config.get("api", "seed"),
         "lag": res.config.get("lag"),
         "seed": res.config.get("seed"),
         "steps": res.steps,
@@ -95,6 +96,7 @@ def summary(res: SimResult) -> dict[str, Any]:
         "scheduler": st,
         "allocator": res.allocator,
         "manager_stats": res.manager_stats,
+        "delivery": res.delivery,
         "config": res.config,
     } | res.extra_summary()
 
@@ -107,6 +109,32 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _delivery_rows(res: SimResult) -> list[tuple[str, str]]:
+    """The event API's rows: resumes, recoveries, replacements, delivery per consumer."""
+    d, st = res.delivery, res.scheduler
+    if not d:
+        return []
+    per = d.get("delivered", {})
+    return [
+        (
+            "resumes (growing / shrinking hit)",
+            f"{d.get('resumes_growing', 0) + d.get('resumes_shrinking', 0)} "
+            f"({d.get('resumes_growing', 0)} / {d.get('resumes_shrinking', 0)})",
+        ),
+        (
+            "discard rollbacks / recovered after a discard",
+            f"{st.get('rollbacks', 0)} / {d.get('recovered_discards', 0)}",
+        ),
+        ("replacements (REPLACED owners)", str(st.get("replacements", 0))),
+        ("positions delivered (" + " / ".join(per) + ")", " / ".join(str(v) for v in per.values())),
+        (
+            "views dropped unacked / outputs filtered at commit",
+            f"{d.get('views_dropped', 0)} / {d.get('filtered', 0)}",
+        ),
+        ("finished tenures checked complete", str(d.get("finished_checked", 0))),
+    ]
+
+
 def format_table(res: SimResult) -> str:
     """Human summary: the headline numbers, then the verdict."""
     s = summary(res)
@@ -114,8 +142,10 @@ def format_table(res: SimResult) -> str:
     leaks = res.leaks
     ctrl_mode = (res.manager_stats or {}).get("mode")
     mode = f"{s['mode']} (materialize {'lagged one step on a thread' if s['lag'] else 'inline'})"
+    api = "event API (adapter, write layouts, 2 consumers)" if s["api"] == "events" else "seed-era scheduler output"
     rows: list[tuple[str, str]] = [
         ("mode", mode + (f"; committer {ctrl_mode}" if ctrl_mode else "")),
+        ("api", api),
         ("seed / wall time / torch threads", f"{s['seed']} / {s['wall_s']:.1f} s / {res.torch_threads}"),
         (
             "steps (saved / materialized / discarded)",
@@ -148,6 +178,7 @@ def format_table(res: SimResult) -> str:
         ("deferred budget flushes", str(budget_flushes(res))),
         ("engine us/step p50 / p99", f"{_fmt(s['engine_us_p50'])} / {_fmt(s['engine_us_p99'])}"),
         ("materialize us p50 / p99", f"{_fmt(s['materialize_us_p50'])} / {_fmt(s['materialize_us_p99'])}"),
+        *_delivery_rows(res),
         *res.extra_rows(),
         ("rows checked", str(s["rows_checked"])),
         ("mismatches", str(s["mismatches"])),

@@ -9,6 +9,7 @@ position must have without keeping a copy of what was saved.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -79,6 +80,7 @@ class PrefixHashes:
         return self._buf[start:end]
 
 
+@functools.cache
 def key_salt(key: str) -> int:
     """A stable per-tensor-name salt so hidden and each mm key get different rows."""
     return to_signed64(chain_hash(0xC0FFEE, key.encode()))

@@ -1,106 +1,51 @@
 """A small vLLM-v1-like scheduler: chunked prefill under a token budget, decode,
 preemption under KV pressure, streaming continuations, finishes and aborts.
 
-It owns request state and the block allocator and emits, per step, the three
-things the prefix cache manager reads from vLLM's scheduler output
-(``scheduled_new_reqs``, ``finished_req_ids``, ``num_scheduled_tokens``),
-plus what the oracle needs to know (which rows each request must get back).
+It owns request state and the block allocator and emits, per step, what the
+prefix cache reads from vLLM's scheduler output. The seed-era form
+(``events=False``) has three fields (``scheduled_new_reqs``,
+``finished_req_ids``, ``num_scheduled_tokens``); a preempted request re-enters
+the new-request list. The event form (``events=True``) is the newest upstream
+scheduler's: running and resumed requests are in ``scheduled_cached_reqs``
+(``resumed_req_ids``, ``new_block_ids``, ``num_computed_tokens``), every
+scheduled request's owner in ``prefix_cache_owners`` (a fresh admission id per
+arrival, a new generation per replacement), ``prefix_cache_replacements``
+(REPLACED controls), ``prefix_cache_terminal_owners``, ``aborted_req_ids`` and
+``prefix_cache_step_sequence``. It also says what the oracle needs to know
+(which rows each request must get back).
 """
 
 from __future__ import annotations
 
-import enum
+import random
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar
 
+from omni_prefix_cache.adapter import PrefixCacheEventKind, PrefixCacheRequestEvent, PrefixCacheRequestOwner
 from omni_prefix_cache.tools.simulate.blocks import BlockAllocator
-from omni_prefix_cache.tools.simulate.rows import PrefixHashes, block_hash, chain_hash, mix64
+from omni_prefix_cache.tools.simulate.request import (
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+    SimRequest,
+    Status,
+)
 from omni_prefix_cache.tools.simulate.workload import RequestSpec
 
-
-class Status(enum.Enum):
-    WAITING = "waiting"  # not holding blocks: new, or preempted
-    RUNNING = "running"  # holds blocks, has tokens to compute
-    AWAITING_INPUT = "awaiting_input"  # holds blocks, streamed prompt: next segment not here yet
-    DONE = "done"
-
-
-@dataclass(frozen=True)
-class NewRequestData:
-    """The fields of vLLM's NewRequestData the manager reads."""
-
-    req_id: str
-    num_computed_tokens: int
-    block_ids: tuple[list[int], ...]
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    """The fields of vLLM's SchedulerOutput the manager reads."""
-
-    scheduled_new_reqs: list[NewRequestData]
-    finished_req_ids: set[str]
-    num_scheduled_tokens: dict[str, int]
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
-
-
-class SimRequest:
-    """Engine-side state of one request."""
-
-    def __init__(self, spec: RequestSpec, block_size: int, seed: int, vocab: int) -> None:
-        self.spec = spec
-        self.req_id = spec.req_id
-        self.block_size = block_size
-        self.vocab = vocab
-        self.salt = chain_hash(seed + 1, spec.req_id.encode())
-        self.tokens: list[int] = []
-        self.hashes = PrefixHashes(sum(len(s) for s in spec.segments) + spec.max_output + 8)
-        self.block_hashes: list[int] = []
-        self.segments_revealed = 0
-        self.computed = 0
-        self.blocks: list[int] = []
-        self.num_cached_blocks = 0
-        self.num_output = 0
-        self.status = Status.WAITING
-        self.live = False  # the manager saw it as new and has not been told it finished
-        self.emit_new = True  # next time it is scheduled it goes in scheduled_new_reqs
-        self.next_segment_step: int | None = None
-        self.abort_step = None if spec.abort_after is None else spec.arrival_step + spec.abort_after
-        self.preempted = False
-        self.reveal_segment()
-
-    @property
-    def pending(self) -> int:
-        """Known tokens not computed yet."""
-        return len(self.tokens) - self.computed
-
-    @property
-    def more_segments(self) -> bool:
-        return self.segments_revealed < len(self.spec.segments)
-
-    def reveal_segment(self) -> None:
-        self.append_tokens(self.spec.segments[self.segments_revealed])
-        self.segments_revealed += 1
-        self.next_segment_step = None
-
-    def append_tokens(self, toks: tuple[int, ...] | list[int]) -> None:
-        self.tokens.extend(toks)
-        self.hashes.extend(toks)
-        bs = self.block_size
-        while (len(self.block_hashes) + 1) * bs <= len(self.tokens):
-            i = len(self.block_hashes)
-            parent = self.block_hashes[-1] if self.block_hashes else None
-            self.block_hashes.append(block_hash(parent, self.tokens[i * bs : (i + 1) * bs]))
-
-    def sample(self) -> None:
-        """Append the next output token (a deterministic function of request and position)."""
-        self.append_tokens([mix64(self.salt ^ (len(self.tokens) * 0x9E3779B1)) % self.vocab])
-        self.num_output += 1
+__all__ = [
+    "CachedRequestData",
+    "NewRequestData",
+    "Scheduled",
+    "Scheduler",
+    "SchedulerOutput",
+    "SchedulerStats",
+    "SimRequest",
+    "SimScheduler",
+    "Status",
+    "StepPlan",
+]
 
 
 # The scheduler's request type: SimRequest here, the vLLM driver's DriverRequest in simulate.vllm_engine.
@@ -116,6 +61,8 @@ class Scheduled(Generic[R]):
     start: int  # first position computed this step
     new_entry: NewRequestData | None  # set when it appears in scheduled_new_reqs
     manager_hit: int  # cached rows the manager must prepend (a prefix hit of a request it does not know)
+    resumed: bool = False  # event form: back after a preemption, in scheduled_cached_reqs.resumed_req_ids
+    new_blocks: list[int] | None = None  # event form: blocks allocated this step (all of them when resumed)
 
 
 @dataclass
@@ -146,6 +93,8 @@ class SchedulerStats:
     duplicates: int = 0
     empty_steps: int = 0
     max_running: int = 0
+    replacements: int = 0  # event form: REPLACED controls (a newer content generation of a running request)
+    rollbacks: int = 0  # event form: requests preempted because their step's outputs were discarded
 
 
 class SimScheduler(Protocol):
@@ -180,8 +129,13 @@ class Scheduler:
     seed: int = 0
     vocab: int = 32000
     stats: SchedulerStats = field(default_factory=SchedulerStats)
+    events: bool = False  # emit the event form (see the module docstring)
+    replace_prob: float = 0.0  # event form: chance per step that one running request's content is replaced
 
     def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed ^ 0x7E91ACE)
+        self._admissions = 0
+        self._replacements: list[PrefixCacheRequestEvent] = []
         self.alloc = BlockAllocator(self.num_blocks, self.block_size)
         self._arrivals: deque[RequestSpec] = deque(sorted(self.trace, key=lambda s: s.arrival_step))
         self._followups: list[RequestSpec] = []
@@ -211,6 +165,8 @@ class Scheduler:
             self.stats.rejected += 1  # longer than the whole KV cache: vLLM refuses it at admission
             return
         req = SimRequest(spec, self.block_size, self.seed, self.vocab)
+        self._admissions += 1
+        req.owner = PrefixCacheRequestOwner(self._admissions)
         self.stats.reused_ids += req.req_id in self.requests
         self.requests[req.req_id] = req
         self.waiting.append(req)
@@ -229,6 +185,7 @@ class Scheduler:
         req.status = Status.DONE
         self._finished_pending.append(req)
         if aborted:
+            req.aborted = True
             self.stats.aborted += 1
             return
         self.stats.finished += 1
@@ -263,6 +220,36 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.stats.preemptions += 1
 
+    def rollback(self, reqs: Sequence[SimRequest]) -> None:
+        """Event form: the step that computed ``reqs`` was discarded, so the
+        engine preempts each one still running; it resumes (RESUMED) and its
+        hit recovers what no consumer received."""
+        for req in reqs:
+            if req.status in (Status.RUNNING, Status.AWAITING_INPUT):
+                self._preempt(req)
+                self.stats.rollbacks += 1
+
+    def _replace(self, req: SimRequest) -> None:
+        """A newer content generation of a running request: the first half of
+        its prompt kept, a new tail; requeued to look up its new content."""
+        self.running.remove(req)
+        self.alloc.free(req.blocks)
+        req.blocks = []
+        req.computed = 0
+        req.num_cached_blocks = 0
+        req.status = Status.WAITING
+        req.emit_new = True
+        req.preempted = False
+        req.live = False  # its new tenure's first scheduled step carries the lookup (a new-request entry)
+        keep = req.tokens[: max(1, len(req.tokens) // 2)]
+        req.replace_content(keep + [self._rng.randrange(self.vocab) for _ in range(self._rng.randint(4, 40))])
+        self.waiting.appendleft(req)
+        # A control-only event: it fixes the owner; the lookup comes when the request is scheduled.
+        self._replacements.append(
+            PrefixCacheRequestEvent(req.req_id, PrefixCacheEventKind.REPLACED, owner=req.owner, lookup_complete=False)
+        )
+        self.stats.replacements += 1
+
     def _blocks_needed(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
@@ -289,6 +276,10 @@ class Scheduler:
                 if req.status is Status.AWAITING_INPUT:
                     req.status = Status.RUNNING
                     req.emit_new = True
+        if self.events and self.replace_prob and self._rng.random() < self.replace_prob:
+            candidates = [r for r in self.running if r.status is Status.RUNNING and r.live and r.computed > 0]
+            if candidates:
+                self._replace(self._rng.choice(candidates))
 
     def schedule(self, step: int) -> StepPlan[SimRequest]:
         """Decide this step: running requests first, then admissions (only if nobody was preempted)."""
@@ -312,13 +303,14 @@ class Scheduler:
                     break
             if req.status is not Status.RUNNING:
                 break
-            req.blocks.extend(self.alloc.allocate(max(0, need)) or [])
+            added = self.alloc.allocate(max(0, need)) or []
+            req.blocks.extend(added)
             self._cache_full_blocks(req, req.computed + n, step)
             new_entry = None
             if req.emit_new:
                 new_entry = NewRequestData(req.req_id, req.computed, (list(req.blocks),))
                 self.stats.stream_reentries += 1
-            entries.append(Scheduled(req, n, req.computed, new_entry, 0))
+            entries.append(Scheduled(req, n, req.computed, new_entry, 0, new_blocks=added))
             budget -= n
             i += 1
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -350,13 +342,16 @@ class Scheduler:
                 self.stats.hits += 1
                 self.stats.hit_tokens += hit
                 self.stats.same_step_hits += same_step
-            entries.append(Scheduled(req, n, hit, NewRequestData(req.req_id, hit, (list(req.blocks),)), manager_hit))
+            # Event form: a request the manager still knows resumes through the cached list.
+            resumed = self.events and req.live
+            entry = None if resumed else NewRequestData(req.req_id, hit, (list(req.blocks),))
+            entries.append(Scheduled(req, n, hit, entry, manager_hit, resumed, list(req.blocks)))
             budget -= n
         if not entries:
             self.stats.empty_steps += 1
         self.stats.max_running = max(self.stats.max_running, len(self.running))
         for e in entries:
-            if e.new_entry is not None:
+            if e.new_entry is not None or e.resumed:
                 e.req.live = True
                 e.req.emit_new = False
         finished = self._finished_pending
@@ -368,7 +363,33 @@ class Scheduler:
             finished_req_ids={r.req_id for r in finished},
             num_scheduled_tokens={e.req.req_id: e.n for e in entries},
         )
+        if self.events:
+            out = self._event_form(step, out, entries, finished)
         return StepPlan(step, entries, out)
+
+    def _event_form(
+        self, step: int, out: SchedulerOutput, entries: list[Scheduled[SimRequest]], finished: list[SimRequest]
+    ) -> SchedulerOutput:
+        """``out`` with the newest upstream scheduler's fields: the cached
+        (running and resumed) requests, owners, replacement controls, the
+        terminal owners and aborted ids, and the step sequence."""
+        cached = [e for e in entries if e.new_entry is None]
+        controls, self._replacements = tuple(self._replacements), []
+        return replace(
+            out,
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=[e.req.req_id for e in cached],
+                resumed_req_ids={e.req.req_id for e in cached if e.resumed},
+                new_block_ids=[(list(e.new_blocks),) if e.new_blocks else None for e in cached],
+                num_computed_tokens=[e.start for e in cached],
+                num_output_tokens=[e.req.num_output for e in cached],
+            ),
+            prefix_cache_owners={e.req.req_id: e.req.owner for e in entries},
+            prefix_cache_replacements=controls,
+            prefix_cache_terminal_owners={r.req_id: r.owner for r in finished},
+            aborted_req_ids={r.req_id for r in finished if r.aborted},
+            prefix_cache_step_sequence=step,
+        )
 
     def update(self, plan: StepPlan[SimRequest]) -> None:
         """Apply the forward's results: advance, sample, finish."""

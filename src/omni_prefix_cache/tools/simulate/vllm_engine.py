@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from omni_prefix_cache.tools.simulate.engine import ProgressFn, SimConfig, SimResult, Simulation
@@ -42,7 +42,7 @@ __all__ = [
     "VllmSimResult",
     "VllmSimulation",
     "load_vllm",
-    "run_vllm_simulation",
+    "run_vllm_seed_simulation",
 ]
 
 
@@ -54,11 +54,13 @@ class VllmSimResult(SimResult):
     vllm_version: str = ""
     runner: str = ""
     vllm_import_s: float = 0.0
+    api: str = "seed"  # "events": the adapter, the engine helper and two consumers (vllm_events)
+    events: dict[str, Any] = field(default_factory=dict)  # vllm_delivery.DeliveryCounts of an events run
 
     def extra_rows(self) -> list[tuple[str, str]]:
         st, blocks = self.scheduler, self.allocator
         return [
-            ("engine", f"vLLM {self.vllm_version} scheduler + InputBatch, runner {self.runner}"),
+            ("engine", f"vLLM {self.vllm_version} scheduler + InputBatch, runner {self.runner}, {self.api} API"),
             (
                 "resumed via cached reqs / via new reqs",
                 f"{st.get('resumed_in_cached', 0)} / {st.get('resumed_in_new', 0)}",
@@ -69,10 +71,34 @@ class VllmSimResult(SimResult):
             ),
             ("steps the batch reorder changed", str(st.get("reordered_steps", 0))),
             ("KV blocks fresh / recycled", f"{blocks.get('fresh_blocks', 0)} / {blocks.get('recycled', 0)}"),
+            *self._event_rows(),
+        ]
+
+    def _event_rows(self) -> list[tuple[str, str]]:
+        ev = self.events
+        if not ev:
+            return []
+        delivered = " / ".join(f"{c} {n}" for c, n in ev["delivered"].items())
+        return [
+            (
+                "RESUMED events (with hit / not block aligned)",
+                f"{ev['resumed']} ({ev['resumed_with_hit']} / {ev['resumed_unaligned']})",
+            ),
+            (
+                "resumes recovering (positions) / shrinking (replayed)",
+                f"{ev['recovered']} ({ev['recovered_positions']}) / {ev['shrinking']} ({ev['replayed_positions']})",
+            ),
+            (
+                "discard preemptions / recovered after a discard",
+                f"{ev['discard_preemptions']} / {ev['recovered_after_discard']}",
+            ),
+            ("outputs fenced (owner changed) / same-step reuse", f"{ev['fenced']} / {ev['same_step_reuse_events']}"),
+            ("positions delivered per consumer", f"{delivered} (talker lag up to {ev['max_consumer_lag']} steps)"),
         ]
 
     def extra_summary(self) -> dict[str, Any]:
-        return {"engine": self.engine, "vllm_version": self.vllm_version, "runner": self.runner}
+        out = {"engine": self.engine, "vllm_version": self.vllm_version, "runner": self.runner, "api": self.api}
+        return out | ({"events": self.events} if self.events else {})
 
 
 class VllmSimulation(Simulation):
@@ -142,7 +168,7 @@ class VllmSimulation(Simulation):
         return res
 
 
-def run_vllm_simulation(
+def run_vllm_seed_simulation(
     cfg: SimConfig,
     opts: VllmOptions | None = None,
     *,
@@ -150,7 +176,8 @@ def run_vllm_simulation(
     progress: ProgressFn | None = None,
     trace: list[RequestSpec] | None = None,
 ) -> VllmSimResult:
-    """Run one simulation on vLLM's scheduler and InputBatch (never raises for manager errors; see ``error``)."""
+    """Run the seed-era loop on vLLM's scheduler and InputBatch (never raises for manager errors;
+    see ``error``). ``vllm_events.run_vllm_simulation`` chooses between it and the event API."""
     res = VllmSimulation(cfg, opts, manager_factory=manager_factory, progress=progress, trace=trace).run()
     assert isinstance(res, VllmSimResult)
     return res

@@ -141,6 +141,18 @@ def block_hasher(v: SimpleNamespace, cfg: SimConfig, config: Any) -> Any:
     return v.get_request_block_hasher(cfg.block_size, hash_fn)
 
 
+def preempt_request(sched: Any, request: Any, timestamp: float) -> None:
+    """Preempt a running ``request`` as vLLM's scheduler does when the KV
+    cache is full: out of ``running``, its blocks freed (their hashes stay
+    cached), back at the head of the queue; the next ``schedule()`` lists it
+    in ``preempted_req_ids`` and later resumes it. vLLM has no public entry
+    for this, so its private ``Scheduler._preempt_request`` is called."""
+    import vllm.v1.core.sched.scheduler  # type: ignore[import-not-found]  # only in .venv-vllm
+
+    sched.running.remove(request)
+    vllm.v1.core.sched.scheduler.Scheduler._preempt_request(sched, request, timestamp)
+
+
 # ------------------------------------------------------------ block pool counters
 
 

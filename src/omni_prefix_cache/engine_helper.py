@@ -1,0 +1,241 @@
+"""The engine helper: one object that wires the event API into a model runner.
+
+A runner keeps one ``PrefixCacheEngineHelper`` per stage and calls, per
+scheduler step:
+
+- ``begin_step(scheduler_output)`` on the engine thread, before the runner
+  updates its input batch (vLLM: first thing in ``execute_model``, before
+  ``_update_states`` drops finished requests): the adapter's events go to
+  ``new_step_starts``;
+- ``save(hidden, mm, ...)`` on the engine thread, after the forward, while
+  the input batch is still the step's: the write layout comes from the
+  group view and the rows go to ``save_outputs``; the returned
+  ``SavedStep`` must be consumed exactly once;
+- ``output_builder(saved, build, publish)`` (or ``discard_builder``) on the
+  engine thread, handing the returned callable to the thread that builds
+  outputs (vLLM: the async output thread). Builders run in step order; the
+  callable materializes, takes the delivery view of ``consumer``, builds
+  the payload outside any lock, then commits it (``commit_output``: retired
+  owners filtered, ``publish`` called, the view acknowledged, atomically).
+  A builder whose predecessor failed discards its step and raises
+  ``OmniPrefixCacheStepDiscardedError``.
+
+Other consumers of the same outputs call ``manager.delivery_view`` and
+``manager.ack_delivery`` on their own schedule. Nothing here locks: the
+manager does; the ordering needs only one future per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from omni_prefix_cache.adapter import PrefixCacheSchedulerAdapter, PrefixCacheStep
+from omni_prefix_cache.errors import OmniPrefixCacheUnmatchError
+from omni_prefix_cache.interface import ReqId, StageCacheOutputs, output_progress
+from omni_prefix_cache.manager import OmniPrefixCacheManager
+
+__all__ = [
+    "CommittedStep",
+    "OmniPrefixCacheStepDiscardedError",
+    "PrefixCacheEngineHelper",
+    "SavedStep",
+]
+
+T = TypeVar("T")
+P = TypeVar("P")
+
+
+class OmniPrefixCacheStepDiscardedError(OmniPrefixCacheUnmatchError):
+    """An ordered output builder did not build: an earlier step's builder
+    failed, so this step was discarded. The message names both steps."""
+
+
+@dataclass(frozen=True, slots=True)
+class SavedStep:
+    """A saved step: its id, the requests of its rows in batch order (the
+    save-time snapshot the output path must use, never the live batch) and
+    the adapter's step sequence."""
+
+    step_id: int
+    req_ids: tuple[ReqId, ...]
+    sequence: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CommittedStep(Generic[P]):
+    """What an output builder did: the raw outputs (for other consumers),
+    the delivery view it built from, the payload, and the live requests the
+    commit handed off (retired owners left out)."""
+
+    saved: SavedStep
+    outputs: StageCacheOutputs
+    view: StageCacheOutputs
+    payload: P
+    live: frozenset[ReqId]
+
+
+class PrefixCacheEngineHelper:
+    """Step begin, save, materialize, commit and ordered output builders
+    over one manager, one scheduler adapter and one group view.
+
+    ``consumer`` names the output builder's delivery watermark. Engine
+    thread: ``begin_step``, ``save``, ``output_builder``, ``discard_builder``
+    (in step order). The builders, ``materialize``, ``discard`` and
+    ``commit``: any one thread at a time per consumer (the manager locks).
+    """
+
+    def __init__(
+        self,
+        manager: OmniPrefixCacheManager,
+        group_view: Any,
+        *,
+        consumer: str = "output",
+        adapter: PrefixCacheSchedulerAdapter | None = None,
+    ) -> None:
+        self.manager = manager
+        self.group_view = group_view
+        self.consumer = consumer
+        self.adapter = adapter if adapter is not None else PrefixCacheSchedulerAdapter()
+        self._step: PrefixCacheStep | None = None
+        self._tail: Future[None] | None = None  # the last builder handed out
+
+    # ------------------------------------------------------------ engine thread
+
+    def begin_step(self, scheduler_output: Any) -> PrefixCacheStep:
+        """Translate ``scheduler_output`` and start the step
+        (``new_step_starts``). Engine thread, every step, before the input
+        batch drops finished requests, also for a step that schedules
+        nothing. Raises what the adapter and ``new_step_starts`` raise; the
+        step is then not begun."""
+        step = self.adapter.translate_step(scheduler_output)
+        self._step = None
+        self.manager.new_step_starts(step)
+        self._step = step
+        return step
+
+    def save(
+        self,
+        hidden: Any,
+        mm: Mapping[str, Any] | None,
+        *,
+        num_tokens_unpadded: int,
+        num_tokens_padded: int,
+    ) -> SavedStep | None:
+        """Save the begun step's forward outputs under the write layout the
+        group view gives (the input batch must be this step's). None when
+        the step scheduled no tokens (nothing saved, nothing to consume).
+        Engine thread, once per begun step. Raises the unmatch error
+        without a begun step, else what ``build_write_layout`` and
+        ``save_outputs`` raise."""
+        step = self._step
+        if step is None:
+            raise OmniPrefixCacheUnmatchError("engine helper: save without a begun step (call begin_step first)")
+        self._step = None
+        counts = dict(step.scheduled_tokens)
+        if not any(counts.values()):
+            return None
+        layout = self.adapter.build_write_layout(self.group_view, num_scheduled_tokens=counts)
+        sid = self.manager.save_outputs(
+            hidden,
+            mm,
+            num_tokens_unpadded=num_tokens_unpadded,
+            num_tokens_padded=num_tokens_padded,
+            write_layout=layout,
+        )
+        return SavedStep(sid, tuple(w.req_id for w in layout.writes), step.sequence)
+
+    def output_builder(
+        self,
+        saved: SavedStep,
+        build: Callable[[StageCacheOutputs], P],
+        publish: Callable[[P, frozenset[ReqId]], None],
+    ) -> Callable[[], CommittedStep[P]]:
+        """The step's output builder, ordered after every builder handed
+        out before it. When called (any thread): materialize, take
+        ``consumer``'s delivery view, ``build(view)`` (copies, syncs: no
+        lock held), then ``commit_output`` calling ``publish(payload,
+        live)`` (publish only: no copies, waits or manager calls).
+
+        The view leaves out requests whose owner is already retired: commit
+        would drop their rows anyway, and once it dropped one output of an
+        owner (unacknowledged), a view of that owner's next output would
+        start past its watermark and raise a gap. Engine thread, in step order."""
+
+        def run() -> CommittedStep[P]:
+            outputs = self.materialize(saved)
+            view = self.manager.delivery_view(outputs, _unretired(outputs, saved.req_ids), consumer=self.consumer)
+            payload = build(view)
+            live = self.commit(outputs, view, lambda ids: publish(payload, ids))
+            return CommittedStep(saved, outputs, view, payload, live)
+
+        return self.ordered(run, saved)
+
+    def discard_builder(self, saved: SavedStep) -> Callable[[], None]:
+        """A builder that discards the step, ordered like ``output_builder``
+        (an engine that drops a step's outputs). Engine thread, in step order."""
+        return self.ordered(lambda: self.discard(saved), saved)
+
+    def ordered(self, build: Callable[[], T], saved: SavedStep | None = None) -> Callable[[], T]:
+        """``build`` wrapped to run after the previous wrapped builder
+        finished. If that one failed, ``saved`` (when given) is discarded
+        and the wrapper raises ``OmniPrefixCacheStepDiscardedError``, so a
+        failure fails every later step instead of delivering past it.
+        Engine thread, in step order; call each wrapper exactly once."""
+        before = self._tail
+        done: Future[None] = Future()
+        self._tail = done
+
+        def run() -> T:
+            try:
+                if before is not None:
+                    failure = before.exception()  # waits for the predecessor
+                    if failure is not None:
+                        if saved is not None:
+                            self.manager.discard_step(saved.step_id)
+                        sid = "?" if saved is None else saved.step_id
+                        raise OmniPrefixCacheStepDiscardedError(
+                            f"output builder of step {sid} discarded it: an earlier step's builder failed "
+                            f"({type(failure).__name__}: {failure})"
+                        ) from failure
+                result = build()
+            except BaseException as exc:
+                done.set_exception(exc)
+                raise
+            done.set_result(None)
+            return result
+
+        return run
+
+    # ------------------------------------------------------------ any thread
+
+    def materialize(self, saved: SavedStep) -> StageCacheOutputs:
+        """``materialize`` of the saved step for its save-time requests
+        (consumes it). Any thread, once per step; raises what it raises."""
+        return self.manager.materialize(saved.step_id, list(saved.req_ids))
+
+    def discard(self, saved: SavedStep) -> None:
+        """``discard_step`` of the saved step (consumes it; nothing is
+        delivered). Any thread, once per step."""
+        self.manager.discard_step(saved.step_id)
+
+    def commit(
+        self,
+        outputs: StageCacheOutputs,
+        view: StageCacheOutputs,
+        handoff: Callable[[frozenset[ReqId]], None],
+    ) -> frozenset[ReqId]:
+        """``commit_output(outputs, handoff, delivery=view)``: the live
+        requests handed off and acknowledged. The output builder's thread;
+        raises the delivery-gap error (nothing handed off) as it does."""
+        return self.manager.commit_output(outputs, handoff, delivery=view)
+
+
+def _unretired(outputs: StageCacheOutputs, req_ids: tuple[ReqId, ...]) -> list[ReqId]:
+    """``req_ids`` whose owner (the tenure the rows were saved under) is not
+    retired. Read without the state lock: ``retired`` only ever turns True,
+    and an owner retired after this read is filtered by ``commit_output``."""
+    progress = output_progress(outputs)
+    return [rid for rid in req_ids if not progress[rid].retired]

@@ -1,0 +1,385 @@
+"""The request table: lifecycle events applied to tenures, by the spec.
+
+``RequestTable.apply`` runs one step's events (operation new_step's first
+state segment: ``validate_events`` then ``apply_events``). Each event runs
+the compiled operation ``request_event`` of spec/protocol.yaml, whose moves
+are the request_lifecycle machine's; retiring a tenure runs
+``retire_owner`` and, per consumer, ``retire_delivery``. What the events
+leave for the rest of new_step is taken with ``take_lookups`` (the hits to
+plan) and ``take_detached`` (the writes to escalate, outside the lock).
+
+Threading: engine thread, under the manager's state lock (every method).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+from weakref import WeakValueDictionary
+
+from omni_prefix_cache.adapter import PrefixCacheEventKind, PrefixCacheRequestEvent, PrefixCacheRequestOwner
+from omni_prefix_cache.interface import OmniPrefixCacheInvalidArgumentError, ReqId, Tid
+from omni_prefix_cache.requests.tenure import (
+    DELIVERY_MACHINE,
+    REQUEST_MACHINE,
+    Lookup,
+    RequestState,
+    Tenure,
+    TenureMove,
+    apply_delivery_move,
+    apply_request_move,
+    enabled,
+)
+from omni_prefix_cache.specs.composition import CompiledOperation, compile_operation, load_protocol
+from omni_prefix_cache.specs.loader import SpecError, TriggerName
+from omni_prefix_cache.steps.step_context import StepContext
+
+__all__ = ["RequestBinding", "RequestTable"]
+
+_TERMINAL = frozenset({PrefixCacheEventKind.FINISHED, PrefixCacheEventKind.ABORTED})
+_OPENING = frozenset({PrefixCacheEventKind.STARTED, PrefixCacheEventKind.REPLACED})
+_ACTIVE = frozenset({RequestState.ADMITTED, RequestState.RUNNING})
+
+Pred = Callable[[Any], bool]
+Run = Callable[[Any], None]
+
+
+def older(a: PrefixCacheRequestOwner | None, b: PrefixCacheRequestOwner | None) -> bool:
+    """``a`` is an older owner than ``b`` (owner-less events are never older)."""
+    return a is not None and b is not None and a < b
+
+
+class RequestBinding:
+    """``Binding`` for the roles ``request`` (request_lifecycle, on
+    ``TenureMove.tenure``) and ``delivery`` (delivery, on the tenure's
+    ``TenureMove.consumer`` watermark)."""
+
+    def move(self, role: str, trigger: TriggerName) -> tuple[Pred, Run]:
+        if role == "request":
+            machine, apply_move = REQUEST_MACHINE, apply_request_move
+
+            def state_of(m: TenureMove) -> int:
+                assert m.tenure is not None
+                return int(m.tenure.state)
+
+        elif role == "delivery":
+            machine, apply_move = DELIVERY_MACHINE, apply_delivery_move
+
+            def state_of(m: TenureMove) -> int:
+                assert m.tenure is not None
+                return int(m.tenure.delivery_state(m.consumer))
+
+        else:
+            raise SpecError(f"protocol.yaml: the request table fires no {role}.{trigger}")
+        if trigger not in machine.triggers:
+            raise SpecError(f"protocol.yaml: {role} ({machine.spec.name}) has no trigger {trigger!r}")
+        row = machine.by_state(trigger)
+
+        def can(m: TenureMove) -> bool:
+            return m.tenure is not None and enabled(row[state_of(m)], m)
+
+        def fire(m: TenureMove) -> None:
+            move = row[state_of(m)]
+            assert move is not None
+            apply_move(move, m)
+
+        return can, fire
+
+    def coupling(self, role: str, name: str) -> Run:
+        raise SpecError(f"protocol.yaml: the request table runs no coupling {role}.{name}")
+
+
+class RequestTable:
+    """Every request id's current tenure (ADMITTED or RUNNING) and its most
+    recent finished one (kept while outputs still refer to it).
+
+    ``detach(req_id)`` is the write ledger's: it closes the id's open
+    writes and returns those to escalate. ``check_hit(req_id, hit_end,
+    block_ids)`` validates a lookup's hit (raises the invalid-argument error).
+    """
+
+    def __init__(
+        self,
+        detach: Callable[[ReqId], list[Tid]],
+        check_hit: Callable[[ReqId, int, Any], object],
+        live: set[ReqId],
+    ) -> None:
+        self._detach = detach
+        self._check_hit = check_hit
+        self._live = live  # the facade's live ids: those with an announced current tenure
+        self.current: dict[ReqId, Tenure] = {}
+        # A finished tenure lives while a step snapshot or an output holds it.
+        self.finished: WeakValueDictionary[ReqId, Tenure] = WeakValueDictionary()
+        self.last_sequence = -1
+        self._lookups: list[Lookup] = []
+        self._detached: list[Tid] = []
+        self.ignored = 0
+        # Every consumer that took a delivery view: a recovered hit counts
+        # one that never received a tenure's rows at 0 (DeliveryDesk adds).
+        self.consumers: set[str] = set()
+        ops = load_protocol().ops
+        binding = RequestBinding()
+        self._retire_delivery = compile_operation(ops["retire_delivery"], binding, {}, {})
+        self._retire_owner = compile_operation(
+            ops["retire_owner"], binding, {"retire_deliveries": self._retire_deliveries}, {}
+        )
+        self._request_event: CompiledOperation = compile_operation(
+            ops["request_event"],
+            binding,
+            {
+                "ignore_event": self._ignore_event,
+                "retire_current": self._retire_current,
+                "open_tenure": self._open_tenure,
+            },
+            {
+                "ignored_event": self._ignored_event,
+                "terminal_event": _terminal_event,
+                "newer_owner": _newer_owner,
+                "opens_tenure": _opens_tenure,
+                "lookup_complete": _lookup_complete,
+            },
+        )
+
+    # ------------------------------------------------------------ new_step
+
+    def apply(self, events: Sequence[PrefixCacheRequestEvent], sequence: int | None) -> bool:
+        """Apply one step's events in order (state lock). A step whose
+        ``sequence`` is at or below the last applied one is a replay and
+        applies nothing: returns False. Every event is validated before the
+        first one moves anything (``validate``)."""
+        if sequence is not None:
+            if sequence <= self.last_sequence:
+                return False
+        self.validate(events)
+        if sequence is not None:
+            self.last_sequence = sequence
+        current = self.current
+        run = self._request_event.run
+        quiet = REQUEST_MACHINE.recorder is None
+        for event in events:
+            if quiet and event.kind is PrefixCacheEventKind.EXTENDED:
+                # The usual decode event: ``extend`` on the RUNNING tenure of
+                # the same owner, a self-loop without effects. Unobservable
+                # unless the machine records moves, so it is not run.
+                cur = current.get(event.req_id)
+                if cur is not None and cur.state is RequestState.RUNNING and event.owner == cur.owner:
+                    continue
+            run(TenureMove(self.tenure_of(event.req_id), self, event))
+        return True
+
+    def validate(self, events: Sequence[PrefixCacheRequestEvent]) -> None:
+        """Raise the invalid-argument error, before anything moves, for an
+        owner change without STARTED or REPLACED, a new content generation
+        without REPLACED, a REPLACED without an owner, a conflicting initial
+        lookup, or a lookup whose hit the hit planner refuses. Owners are
+        followed through the step's own opening events."""
+        owners: dict[ReqId, PrefixCacheRequestOwner | None] = {}
+        admitted: set[ReqId] = set()  # opened this step without a lookup yet
+        for event in events:
+            kind, rid, owner = event.kind, event.req_id, event.owner
+            if kind is PrefixCacheEventKind.EXTENDED and rid not in owners:
+                cur = self.current.get(rid)
+                if cur is not None and cur.state is RequestState.RUNNING and (owner is None or owner == cur.owner):
+                    continue  # the usual decode event: nothing to check
+            if kind is PrefixCacheEventKind.REPLACED and owner is None:
+                raise OmniPrefixCacheInvalidArgumentError(f"REPLACED event for request {rid!r} carries no owner")
+            if rid in owners:
+                known: PrefixCacheRequestOwner | None = owners[rid]
+                active = True
+            else:
+                tenure = self.current.get(rid)
+                known = tenure.owner if tenure is not None else None
+                active = tenure is not None
+            if kind in _TERMINAL or older(owner, known):
+                continue
+            if active and known is not None and owner is not None and owner > known:
+                if kind not in _OPENING:
+                    raise OmniPrefixCacheInvalidArgumentError(
+                        f"request {rid!r} changed owner {known} -> {owner} with a {kind.name} event "
+                        "(only STARTED or REPLACED open a new owner)"
+                    )
+                if kind is PrefixCacheEventKind.STARTED and owner.admission_id == known.admission_id:
+                    raise OmniPrefixCacheInvalidArgumentError(
+                        f"request {rid!r} changed content generation {known.generation} -> {owner.generation} "
+                        "without a REPLACED event"
+                    )
+            opens = kind in _OPENING and (not active or owner is None or owner != known)
+            if kind in _OPENING and not opens and rid not in owners:
+                tenure = self.current.get(rid)
+                lookup = (event.hit_end, event.block_ids)
+                if (
+                    tenure is not None
+                    and event.lookup_complete
+                    and tenure.lookup is not None
+                    and tenure.lookup != lookup
+                ):
+                    raise OmniPrefixCacheInvalidArgumentError(
+                        f"request {rid!r} (owner {owner}): conflicting initial lookup {lookup[0]} tokens, "
+                        f"first lookup was {tenure.lookup[0]} tokens"
+                    )
+            pending = self._pending_lookup(rid, owners) or rid in admitted
+            if opens:
+                owners[rid] = owner
+                admitted.discard(rid)
+                if not event.lookup_complete:
+                    admitted.add(rid)  # opened by a control: its lookup comes with a later event
+            elif pending and event.lookup_complete:
+                admitted.discard(rid)
+            installs = opens or kind is PrefixCacheEventKind.RESUMED or pending
+            if installs and event.lookup_complete and event.hit_end > self._recovery_start(rid, opens):
+                self._check_hit(rid, int(event.hit_end), event.block_ids)
+
+    def _recovery_start(self, rid: ReqId, opens: bool) -> int:
+        """Where a lookup installed for ``rid`` now would start (0 for a new tenure)."""
+        tenure = None if opens else self.current.get(rid)
+        return 0 if tenure is None else tenure.lowest_watermark(self.consumers)
+
+    def _pending_lookup(self, rid: ReqId, opened: dict[ReqId, PrefixCacheRequestOwner | None]) -> bool:
+        tenure = self.current.get(rid)
+        return rid not in opened and tenure is not None and tenure.state is RequestState.ADMITTED
+
+    def tenure_of(self, rid: ReqId) -> Tenure | None:
+        """The id's current tenure, else its most recent finished one."""
+        tenure = self.current.get(rid)
+        return tenure if tenure is not None else self.finished.get(rid)
+
+    def take_lookups(self) -> list[Lookup]:
+        """The hits the applied events installed (each a recovery range)."""
+        out, self._lookups = self._lookups, []
+        return out
+
+    def take_detached(self) -> list[Tid]:
+        """The writes the applied finish and retire moves detached."""
+        out, self._detached = self._detached, []
+        return out
+
+    # -------------------------------------------------- save and materialize
+
+    def for_save(self, rid: ReqId) -> Tenure:
+        """The tenure a save of ``rid`` writes under: the current one, else
+        a fresh owner-less RUNNING tenure (a request saved without a
+        STARTED event, as the seed-era engines do for rows they never
+        announced)."""
+        tenure = self.current.get(rid)
+        if tenure is None:
+            tenure = self.current[rid] = Tenure(req_id=rid, state=RequestState.RUNNING)
+        return tenure
+
+    def record_saved(
+        self, ctx: StepContext, token_ranges: Mapping[ReqId, tuple[int, int]] | None, cached: bool
+    ) -> None:
+        """Protocol effect ``record_saved`` (save's state segment): each
+        scheduled request's rows advance its tenure's ``computed_upto`` (and,
+        when the step wrote cached keys, ``saved_upto``) to their token end;
+        the step keeps the tenures and token ranges it saved. Without a
+        write layout the range starts at the tenure's ``computed_upto``. A
+        hit request the step did not schedule reports an empty range at its
+        hit end."""
+        tenures, ranges = ctx.tenures, ctx.token_ranges
+        for rid in ctx.order:
+            tenure = self.for_save(rid)
+            if token_ranges is None:
+                start = tenure.computed_upto
+                end = start + ctx.spans[rid][1]
+            else:
+                start, end = token_ranges[rid]
+            tenure.computed_upto = end
+            if cached and end > tenure.saved_upto:
+                tenure.saved_upto = end
+            ranges[rid] = (start, end)
+            tenures[rid] = tenure
+        for rid, (rows, _) in ctx.hits.items():
+            if rid not in tenures:
+                tenure = self.for_save(rid)
+                end = ctx.hit_starts.get(rid, 0) + rows
+                ranges[rid] = (end, end)
+                tenures[rid] = tenure
+
+    # ---------------------------------------------- the machines' effects
+
+    def install_lookup(self, tenure: Tenure, event: PrefixCacheRequestEvent) -> None:
+        """Effect ``install_lookup``: the event's hit recovers every position
+        the slowest consumer has not received, ``[lowest watermark, hit_end)``
+        (a known consumer this tenure never delivered to counts at 0)."""
+        end = int(event.hit_end)
+        tenure.lookup = (end, event.block_ids)
+        tenure.computed_upto = end
+        start = tenure.lowest_watermark(self.consumers)
+        if end > start:
+            self._lookups = [lk for lk in self._lookups if lk.req_id != tenure.req_id]
+            self._lookups.append(Lookup(tenure.req_id, start, end, event.block_ids, tenure))
+
+    def detach_writes(self, tenure: Tenure) -> None:
+        """Effect ``detach_writes``: the tenure leaves the current table
+        (a finished one stays reachable while referenced); if it was the
+        id's current tenure its open writes are detached for escalation."""
+        rid = tenure.req_id
+        if self.current.get(rid) is tenure:
+            del self.current[rid]
+            self._live.discard(rid)
+            self._detached.extend(self._detach(rid))
+            self._lookups = [lk for lk in self._lookups if lk.tenure is not tenure]
+        if tenure.state is RequestState.FINISHED:
+            self.finished[rid] = tenure
+        elif self.finished.get(rid) is tenure:
+            del self.finished[rid]
+
+    # --------------------------------------------- request_event's handlers
+
+    def _ignored_event(self, m: TenureMove) -> bool:
+        event, cur = m.event, m.tenure
+        assert event is not None
+        if cur is not None and older(event.owner, cur.owner):
+            return True
+        if event.kind in _TERMINAL:
+            return cur is None
+        if _opens_tenure(m):
+            return False
+        if cur is None or cur.state not in _ACTIVE:
+            return True
+        # An owner-less event cannot move an owned tenure.
+        return event.owner is None and cur.owner is not None
+
+    def _ignore_event(self, m: TenureMove) -> None:
+        self.ignored += 1
+
+    def _retire_current(self, m: TenureMove) -> None:
+        rid = m.event.req_id if m.event is not None else ""
+        for tenure in (self.current.get(rid), self.finished.get(rid)):
+            if tenure is not None and tenure.state is not RequestState.RETIRED:
+                self._retire_owner.run(TenureMove(tenure, self, m.event))
+
+    def _retire_deliveries(self, m: TenureMove) -> None:
+        assert m.tenure is not None
+        for consumer in list(m.tenure.delivered_upto) + [
+            c for c in m.tenure.deliveries if c not in m.tenure.delivered_upto
+        ]:
+            self._retire_delivery.run(TenureMove(m.tenure, self, m.event, consumer))
+
+    def _open_tenure(self, m: TenureMove) -> None:
+        event = m.event
+        assert event is not None
+        tenure = Tenure(owner=event.owner, req_id=event.req_id)
+        self.current[event.req_id] = tenure
+        self._live.add(event.req_id)
+        m.tenure = tenure
+
+
+def _terminal_event(m: TenureMove) -> bool:
+    return m.event is not None and m.event.kind in _TERMINAL
+
+
+def _newer_owner(m: TenureMove) -> bool:
+    event, cur = m.event, m.tenure
+    return event is not None and cur is not None and older(cur.owner, event.owner)
+
+
+def _opens_tenure(m: TenureMove) -> bool:
+    event, cur = m.event, m.tenure
+    if event is None or event.kind not in _OPENING:
+        return False
+    return cur is None or cur.state not in _ACTIVE or event.owner is None or event.owner != cur.owner
+
+
+def _lookup_complete(m: TenureMove) -> bool:
+    return m.event is not None and bool(m.event.lookup_complete)

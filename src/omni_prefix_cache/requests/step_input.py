@@ -1,0 +1,132 @@
+"""What new_step_starts was given, as one step of lifecycle events.
+
+The facade takes three forms, all run by the same core (``StepInput``):
+
+- a ``PrefixCacheStep`` from ``PrefixCacheSchedulerAdapter.translate_step``
+  (the newest upstream runner's form), with its sequence number;
+- an iterable of ``PrefixCacheRequestEvent`` (``num_scheduled_tokens`` given
+  beside it, or each event's ``scheduled_tokens``);
+- a seed-era scheduler output (``scheduled_new_reqs``, ``finished_req_ids``,
+  ``num_scheduled_tokens``). ``seed_step`` translates it as the seed-era
+  protocol meant it: a new request that is not live gets STARTED with its
+  hit, a live one re-entering the new list is ordinary progress, finished
+  ids get FINISHED. Resumed requests stay in their tenure without a
+  lookup, so a seed-era engine sees exactly the rows it always saw.
+
+Threading: engine thread; reads ``live`` (the facade's live ids) under the
+state lock's protection of the caller (the engine thread is its only writer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from omni_prefix_cache.adapter import PrefixCacheEventKind, PrefixCacheRequestEvent, PrefixCacheStep
+from omni_prefix_cache.interface import OmniPrefixCacheInvalidTypeError, ReqId
+from omni_prefix_cache.steps import validation as check
+
+__all__ = ["StepInput", "events_step", "is_event_form", "seed_step"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepInput:
+    """One step's events (terminal ones first: they report the previous
+    step), its sequence (None: not sequenced), the scheduled token counts,
+    and the prefix queries it carries (for the operator counters)."""
+
+    events: tuple[PrefixCacheRequestEvent, ...]
+    sequence: int | None
+    num_scheduled: dict[ReqId, int]
+    queried: int = 0
+    query_tokens: int = 0
+
+
+_TERMINAL = (PrefixCacheEventKind.FINISHED, PrefixCacheEventKind.ABORTED)
+_QUERIES = (PrefixCacheEventKind.STARTED, PrefixCacheEventKind.REPLACED, PrefixCacheEventKind.RESUMED)
+
+
+def is_event_form(value: object) -> bool:
+    """A ``PrefixCacheStep`` or a list or tuple of events, as opposed to a
+    seed-era scheduler output."""
+    if isinstance(value, PrefixCacheStep):
+        return True
+    return isinstance(value, (list, tuple)) and all(isinstance(e, PrefixCacheRequestEvent) for e in value)
+
+
+def _terminal_first(events: Iterable[PrefixCacheRequestEvent]) -> tuple[PrefixCacheRequestEvent, ...]:
+    every = tuple(events)
+    terminal = [e for e in every if e.kind in _TERMINAL]
+    if not terminal:
+        return every
+    return (*terminal, *(e for e in every if e.kind not in _TERMINAL))
+
+
+def events_step(
+    given: PrefixCacheStep | Iterable[PrefixCacheRequestEvent], num_scheduled_tokens: Mapping[ReqId, int] | None
+) -> StepInput:
+    """The event forms. Raises the invalid-type error for anything that is
+    not an event (naming it) or a bad count."""
+    if isinstance(given, PrefixCacheStep):
+        events, sequence = given.events, given.sequence
+        raw: Any = dict(given.scheduled_tokens) if num_scheduled_tokens is None else num_scheduled_tokens
+    else:
+        events, sequence = tuple(given), None
+        raw = num_scheduled_tokens
+    for e in events:
+        if not isinstance(e, PrefixCacheRequestEvent):
+            raise OmniPrefixCacheInvalidTypeError(
+                f"new_step_starts: {type(e).__name__} {e!r} is not a PrefixCacheRequestEvent"
+            )
+        check.as_req_id("new_step_starts: event req_id", e.req_id)
+        check.as_count(f"new_step_starts: hit_end of request {e.req_id!r}", e.hit_end)
+    if sequence is not None:
+        check.as_int("new_step_starts: step sequence", sequence)
+    if raw is None:
+        raw = {e.req_id: e.scheduled_tokens for e in events if e.scheduled_tokens}
+    num_sched = check.as_num_scheduled(raw)
+    queried = query_tokens = 0
+    for e in events:
+        if e.kind in _QUERIES and e.lookup_complete:
+            queried += 1
+            query_tokens += int(e.hit_end) + num_sched.get(e.req_id, 0)
+    return StepInput(_terminal_first(events), sequence, num_sched, queried, query_tokens)
+
+
+def seed_step(scheduler_output: Any, live: Collection[ReqId]) -> StepInput:
+    """A seed-era scheduler output as events (see the module docstring).
+    Raises the invalid-type or invalid-argument error naming the field."""
+    finished = check.as_req_ids("finished_req_ids", getattr(scheduler_output, "finished_req_ids", None))
+    new_reqs = check.new_requests(getattr(scheduler_output, "scheduled_new_reqs", None))
+    num_sched = check.as_num_scheduled(getattr(scheduler_output, "num_scheduled_tokens", None))
+    gone = set(finished)
+    events = [PrefixCacheRequestEvent(rid, PrefixCacheEventKind.FINISHED) for rid in finished]
+    queried = query_tokens = 0
+    for rid, computed, block_ids, req in new_reqs:
+        if rid in live and rid not in gone:
+            continue  # a live request re-entering the new list is no query
+        queried += 1
+        query_tokens += _query_tokens(req, computed, num_sched.get(rid, 0))
+        blocks = block_ids if computed > 0 else ()
+        events.append(
+            PrefixCacheRequestEvent(
+                rid,
+                PrefixCacheEventKind.STARTED,
+                0,
+                computed,
+                blocks,
+                num_sched.get(rid, 0),
+            )
+        )
+    return StepInput(tuple(events), None, num_sched, queried, query_tokens)
+
+
+def _query_tokens(req: Any, computed: int, scheduled: int) -> int:
+    """Prompt tokens a new request looked up in the prefix cache (vLLM's
+    ``prompt_token_ids`` when present, else computed plus first-step tokens)."""
+    prompt = getattr(req, "prompt_token_ids", None)
+    try:
+        return len(prompt) if prompt is not None else computed + scheduled
+    except TypeError:
+        return computed + scheduled

@@ -1,0 +1,209 @@
+"""A request tenure and its two machines: request_lifecycle and delivery.
+
+A *tenure* is one request id under one owner (``PrefixCacheRequestOwner``:
+scheduler admission and content generation). ``Tenure`` is the public
+``PrefixCacheRequestProgress`` of that tenure (the watermarks
+``computed_upto``, ``saved_upto`` and ``delivered_upto[consumer]``) plus its
+``request_lifecycle`` state (spec/request_lifecycle.yaml) and one
+``delivery`` state per consumer (spec/delivery.yaml). Outputs keep the
+tenure they were saved under (``StageCacheOutputs._progress``), so an
+acknowledgement advances that tenure even after the id was reused.
+
+The machines' handlers take a ``TenureMove`` (the tenure plus what the move
+needs: the event, the consumer and its range, the table to detach writes
+through). Everything here runs under the manager's state lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from omni_prefix_cache.adapter import PrefixCacheEventKind, PrefixCacheRequestEvent
+from omni_prefix_cache.interface import PrefixCacheRequestProgress, ReqId
+from omni_prefix_cache.specs import CompiledMove, SpecState, compile_machine, load_spec
+from omni_prefix_cache.specs.types.delivery import DeliveryState
+from omni_prefix_cache.specs.types.request_lifecycle import RequestState
+
+
+class LifecycleHost(Protocol):
+    """What the lifecycle machine's effects call (``RequestTable``)."""
+
+    def install_lookup(self, tenure: Tenure, event: PrefixCacheRequestEvent) -> None: ...
+    def detach_writes(self, tenure: Tenure) -> None: ...
+
+
+__all__ = [
+    "DELIVERY_MACHINE",
+    "REQUEST_MACHINE",
+    "DeliveryState",
+    "Lookup",
+    "RequestState",
+    "Tenure",
+    "TenureMove",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """A prefix hit an event installed: serve positions ``[start, end)`` of
+    ``req_id`` from the cache. ``start`` is the lowest consumer watermark
+    (0 for a fresh tenure), ``end`` the event's ``hit_end``."""
+
+    req_id: ReqId
+    start: int
+    end: int
+    block_ids: Any  # the event's per-group block ids (validated by the hit planner)
+    tenure: Tenure
+
+
+@dataclass(eq=False)
+class Tenure(PrefixCacheRequestProgress):
+    """One request id under one owner: its progress, its lifecycle state
+    and its delivery state per consumer. Identity, not value, matters:
+    outputs and acknowledgements refer to the object."""
+
+    req_id: ReqId = ""
+    state: SpecState = RequestState.UNKNOWN
+    deliveries: dict[str, SpecState] = field(default_factory=dict)
+
+    # Identity semantics (the dataclass base compares by value).
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    def delivery_state(self, consumer: str) -> SpecState:
+        """The consumer's delivery state (OPEN until the tenure retires;
+        state lock)."""
+        st = self.deliveries.get(consumer)
+        if st is None:
+            # Every watermark starts OPEN; one first seen on a retired tenure
+            # is retired by the machine's own move (recorded like any other).
+            st = self.deliveries[consumer] = DELIVERY_MACHINE.initial
+            if self.retired:
+                retire = DELIVERY_MACHINE.move(st, "retire")
+                assert retire is not None
+                apply_delivery_move(retire, TenureMove(self, consumer=consumer))
+                st = self.deliveries[consumer]
+        return st
+
+    def watermark(self, consumer: str) -> int:
+        return self.delivered_upto.get(consumer, 0)
+
+    def lowest_watermark(self, consumers: set[str]) -> int:
+        """Where a recovered hit starts: the least any consumer received,
+        counting each of ``consumers`` (every consumer the manager has seen)
+        that this tenure never delivered to at 0."""
+        delivered = self.delivered_upto
+        low = min(delivered.values(), default=0)
+        if low and any(c not in delivered for c in consumers):
+            return 0
+        return low
+
+    def __repr__(self) -> str:
+        return (
+            f"Tenure({self.req_id!r}, owner={self.owner}, {RequestState(self.state).name}, "
+            f"computed={self.computed_upto}, saved={self.saved_upto}, delivered={self.delivered_upto})"
+        )
+
+
+@dataclass(eq=False, slots=True)
+class TenureMove:
+    """The context one lifecycle or delivery move runs on."""
+
+    tenure: Tenure | None
+    table: LifecycleHost | None = None
+    event: PrefixCacheRequestEvent | None = None
+    consumer: str = ""
+    start: int = 0  # the delivery's available range
+    end: int = 0
+
+
+# ---------------------------------------------------------------- request_lifecycle
+
+
+def _resumed_event(m: TenureMove) -> bool:
+    return m.event is not None and m.event.kind is PrefixCacheEventKind.RESUMED
+
+
+def _install_lookup(m: TenureMove) -> None:
+    assert m.table is not None and m.event is not None and m.tenure is not None
+    m.table.install_lookup(m.tenure, m.event)
+
+
+def _detach_writes(m: TenureMove) -> None:
+    assert m.table is not None and m.tenure is not None
+    m.table.detach_writes(m.tenure)
+
+
+REQUEST_MACHINE = compile_machine(
+    load_spec("request_lifecycle"),
+    guards={"resumed_event": _resumed_event},
+    effects={"install_lookup": _install_lookup, "detach_writes": _detach_writes},
+    state_enum=RequestState,
+)
+
+
+# ---------------------------------------------------------------- delivery
+
+
+def no_gap(tenure: Tenure, consumer: str, start: int, end: int) -> bool:
+    """Whether ``[start, end)`` does not start past the consumer's
+    watermark, unless it holds nothing new (``end`` at or below it, or an
+    empty range)."""
+    seen = tenure.delivered_upto.get(consumer, 0)
+    return end <= seen or start <= seen or start >= end
+
+
+def _no_gap(m: TenureMove) -> bool:
+    assert m.tenure is not None
+    return no_gap(m.tenure, m.consumer, m.start, m.end)
+
+
+def _advance_watermark(m: TenureMove) -> None:
+    assert m.tenure is not None
+    delivered = m.tenure.delivered_upto
+    seen = delivered.get(m.consumer, 0)
+    # Only a range that continues the watermark moves it (an empty one past it does not).
+    if m.end > seen and m.start <= seen:
+        delivered[m.consumer] = m.end
+
+
+DELIVERY_MACHINE = compile_machine(
+    load_spec("delivery"),
+    guards={"no_gap": _no_gap},
+    effects={"advance_watermark": _advance_watermark},
+    state_enum=DeliveryState,
+)
+
+
+def enabled(move: CompiledMove | None, m: TenureMove) -> bool:
+    """Whether ``move`` exists and every guard of it holds for ``m``."""
+    return move is not None and all(g(m) for g in move.guards)
+
+
+def apply_request_move(move: CompiledMove, m: TenureMove) -> None:
+    """Move the tenure's lifecycle state, then run the move's effects."""
+    assert m.tenure is not None
+    m.tenure.state = move.dest
+    if move.dest is RequestState.RETIRED:
+        m.tenure.retired = True
+    recorder = REQUEST_MACHINE.recorder
+    if recorder is not None:
+        recorder.moved(move, m.tenure)
+    for effect in move.effects:
+        effect(m)
+
+
+def apply_delivery_move(move: CompiledMove, m: TenureMove) -> None:
+    """Move the consumer's delivery state, then run the move's effects."""
+    assert m.tenure is not None
+    m.tenure.deliveries[m.consumer] = move.dest
+    recorder = DELIVERY_MACHINE.recorder
+    if recorder is not None:
+        recorder.moved(move, (m.tenure, m.consumer))  # one instance per (tenure, consumer)
+    for effect in move.effects:
+        effect(m)
+
+
+MoveFn = Callable[[TenureMove], None]
