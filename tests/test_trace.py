@@ -490,3 +490,27 @@ def test_a_new_spec_machine_is_traced_and_replayed_with_no_code(tmp_path: Path) 
     twice = _edited(recorded, lambda rs: rs.insert(1, copy.deepcopy(rs[0])))  # one send repeated
     res = Replay(view).run(twice)
     assert res.violation is not None and res.violation.rule == "move_legal"
+
+
+def _first_ack(records: Records) -> int:
+    return _find(
+        records,
+        lambda r: _is(r, "mv", m="delivery", tr="ack") and isinstance(r.get("x"), list) and r["x"][1] > r["x"][0],
+    )
+
+
+def test_a_repeated_delivery_breaks_at_most_once_in_order(threaded: TraceFile) -> None:
+    def repeat(records: Records) -> None:
+        i = _first_ack(records)
+        records.insert(i + 1, copy.deepcopy(records[i]))  # the same acknowledgement twice
+
+    assert _rule(_edited(threaded, repeat)) == "at_most_once_in_order"
+
+
+def test_an_acknowledgement_past_the_watermark_breaks_gap_raises(threaded: TraceFile) -> None:
+    def skip(records: Records) -> None:
+        i = _first_ack(records)
+        start, end = records[i]["x"]
+        records[i]["x"] = [start + 1, end + 1]
+
+    assert _rule(_edited(threaded, skip)) == "gap_raises"

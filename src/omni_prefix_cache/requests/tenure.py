@@ -201,7 +201,9 @@ def apply_delivery_move(move: CompiledMove, m: TenureMove) -> None:
     m.tenure.deliveries[m.consumer] = move.dest
     recorder = DELIVERY_MACHINE.recorder
     if recorder is not None:
-        recorder.moved(move, (m.tenure, m.consumer))  # one instance per (tenure, consumer)
+        # One instance per (tenure, consumer); the detail is the move's range
+        # (the trace validator judges delivery from the acknowledged ones).
+        recorder.moved(move, (m.tenure, m.consumer), (m.start, m.end))
     for effect in move.effects:
         effect(m)
 

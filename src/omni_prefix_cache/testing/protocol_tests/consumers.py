@@ -175,7 +175,9 @@ class Desk:
         for rid in rids:
             tenure = out.tenures[rid]
             start, end = view.token_ranges[rid]
-            if end > start and end > tenure.wm.get(consumer, 0):  # an empty view moves nothing
+            # Only a range that continues the watermark moves it (a retired
+            # tenure's empty view past its gap does not).
+            if end > tenure.wm.get(consumer, 0) and start <= tenure.wm.get(consumer, 0):
                 tenure.wm[consumer] = end
 
     def _commit(self, out: Output, view: StageCacheOutputs, rids: list[str], consumer: str, what: str) -> None:

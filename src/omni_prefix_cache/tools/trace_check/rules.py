@@ -27,6 +27,8 @@ JUDGED = (
     "failure_is_sticky",
     "save_waits_previous_writes",
     "queue_by_priority",
+    "at_most_once_in_order",
+    "gap_raises",
 )
 # Facade calls that raise once a write failure is sticky (discard and
 # shutdown still work after one: docs/protocol.md, failure_is_sticky).
@@ -97,6 +99,7 @@ class Invariants:
         # Instances a helper thread moved last: it may still run after
         # shutdown returns (a prefetch finishing its read), so no settled check.
         self.helper_moved: set[tuple[str, Any]] = set()
+        self.watermark: dict[Any, int] = {}  # delivery instance -> its replayed watermark
 
     def coverage(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         names = self.replay.view.invariants
@@ -152,6 +155,8 @@ class Invariants:
                     f"task {iid}: {trigger} for a {'n immediate' if immediate else ' deferred'} write",
                     [("task", iid)],
                 )
+        elif name == self.machine["delivery"] and trigger == "ack":
+            self._delivered(rec, name, iid)
         elif name == self.machine["step"] and trigger == "save":
             call = rec.get("call")
             open_tasks = [t for t, c in self.bound.items() if c != call]  # bound holds unfinished tasks only
@@ -161,6 +166,32 @@ class Invariants:
                     f"step {iid}: save mapped its slots while earlier immediate writes {open_tasks[:8]} were not done",
                     [("task", t) for t in open_tasks[:4]] + [(name, iid)],
                 )
+
+    def _delivered(self, rec: dict[str, Any], name: str, iid: Any) -> None:
+        """An acknowledgement of ``[start, end)`` (the move's detail) by one
+        (tenure, consumer): a non-empty one must start exactly at the
+        watermark the replay holds (earlier: positions delivered twice;
+        later: a gap crossed), and moves it to ``end``."""
+        span = rec.get("x")
+        if not isinstance(span, list) or len(span) != 2:
+            return
+        start, end = int(span[0]), int(span[1])
+        mark = self.watermark.get(iid, 0)
+        if end <= start:
+            return
+        if start < mark:
+            raise self.replay.fail(
+                "at_most_once_in_order",
+                f"delivery {iid}: acknowledged [{start}, {end}) but positions up to {mark} were delivered already",
+                [(name, iid)],
+            )
+        if start > mark:
+            raise self.replay.fail(
+                "gap_raises",
+                f"delivery {iid}: acknowledged [{start}, {end}) past its watermark {mark}: [{mark}, {start}) skipped",
+                [(name, iid)],
+            )
+        self.watermark[iid] = end
 
     def on_rows(self, rec: dict[str, Any], move: Any) -> None:
         self.row_moves += 1
