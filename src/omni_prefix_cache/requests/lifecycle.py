@@ -113,7 +113,6 @@ class RequestTable:
         self.last_sequence = -1
         self._lookups: list[Lookup] = []
         self._detached: list[Tid] = []
-        self.ignored = 0
         # Every consumer that took a delivery view: a recovered hit counts
         # one that never received a tenure's rows at 0 (DeliveryDesk adds).
         self.consumers: set[str] = set()
@@ -169,13 +168,11 @@ class RequestTable:
         run = self._request_event.run
         quiet = REQUEST_MACHINE.recorder is None
         for event in events:
-            if quiet and event.kind is PrefixCacheEventKind.EXTENDED:
-                # The usual decode event: ``extend`` on the RUNNING tenure of
-                # the same owner, a self-loop without effects. Unobservable
+            if quiet and _plain_extend(event, current.get(event.req_id)):
+                # The usual decode event moves nothing (``extend``'s self-loop,
+                # or ``ignore_event`` for an owner-less one): unobservable
                 # unless the machine records moves, so it is not run.
-                cur = current.get(event.req_id)
-                if cur is not None and cur.state is RequestState.RUNNING and event.owner == cur.owner:
-                    continue
+                continue
             run(TenureMove(self.tenure_of(event.req_id), self, event))
 
     def validate(self, events: Sequence[PrefixCacheRequestEvent]) -> None:
@@ -188,10 +185,8 @@ class RequestTable:
         admitted: set[ReqId] = set()  # opened this step without a lookup yet
         for event in events:
             kind, rid, owner = event.kind, event.req_id, event.owner
-            if kind is PrefixCacheEventKind.EXTENDED and rid not in owners:
-                cur = self.current.get(rid)
-                if cur is not None and cur.state is RequestState.RUNNING and (owner is None or owner == cur.owner):
-                    continue  # the usual decode event: nothing to check
+            if rid not in owners and _plain_extend(event, self.current.get(rid)):
+                continue  # the usual decode event: nothing to check
             if kind is PrefixCacheEventKind.REPLACED and owner is None:
                 raise OmniPrefixCacheInvalidArgumentError(f"REPLACED event for request {rid!r} carries no owner")
             if rid in owners:
@@ -352,7 +347,7 @@ class RequestTable:
         return event.owner is None and cur.owner is not None
 
     def _ignore_event(self, m: TenureMove) -> None:
-        self.ignored += 1
+        """Effect ``ignore_event``: the event moves nothing."""
 
     def _retire_current(self, m: TenureMove) -> None:
         rid = m.event.req_id if m.event is not None else ""
@@ -362,9 +357,7 @@ class RequestTable:
 
     def _retire_deliveries(self, m: TenureMove) -> None:
         assert m.tenure is not None
-        for consumer in list(m.tenure.delivered_upto) + [
-            c for c in m.tenure.deliveries if c not in m.tenure.delivered_upto
-        ]:
+        for consumer in dict.fromkeys([*m.tenure.delivered_upto, *m.tenure.deliveries]):
             self._retire_delivery.run(TenureMove(m.tenure, self, m.event, consumer))
 
     def _open_tenure(self, m: TenureMove) -> None:
@@ -374,6 +367,17 @@ class RequestTable:
         self.current[event.req_id] = tenure
         self._live.add(event.req_id)
         m.tenure = tenure
+
+
+def _plain_extend(event: PrefixCacheRequestEvent, cur: Tenure | None) -> bool:
+    """An EXTENDED event of the id's RUNNING tenure, of its owner or
+    owner-less: it moves nothing and needs no check."""
+    return (
+        event.kind is PrefixCacheEventKind.EXTENDED
+        and cur is not None
+        and cur.state is RequestState.RUNNING
+        and (event.owner is None or event.owner == cur.owner)
+    )
 
 
 def _terminal_event(m: TenureMove) -> bool:

@@ -4,8 +4,11 @@ Per mutant, a child process applies it and records short runs: the
 simulation (threaded committer, lagged materialize; the same again eager),
 the simulation again with one immediate write's pool write failing
 (``testing.write_fakes``: the failure record, the sticky failure, shutdown
-failing what is left, paths a clean run never takes), and gpu-check's
-device-fault scenario on the fake CUDA runtime; then it exits; the parent then validates the trace the child
+failing what is left, paths a clean run never takes), gpu-check's
+device-fault scenario on the fake CUDA runtime, and the simulation with an
+on-demand committer (writes run only inside the joins that wait for them,
+so a missing join shows in every run, not only when the committer thread
+happens to lag); then it exits; the parent then validates the trace the child
 left, whatever became of the run (a crash or a hang leaves the trace up to
 its last flush, and the child is killed past ``TIMEOUT_S``). The verdict is
 ``caught by RULE`` or ``not caught``; it is reported beside the kill verdict
@@ -27,7 +30,7 @@ from typing import Any
 
 TIMEOUT_S = 60
 STEPS = 160
-MODES = ("threaded", "eager", "failing", "fault")
+MODES = ("threaded", "eager", "failing", "fault", "on_demand")
 FAILING_TID = 30  # the write whose pool write the "failing" run fails
 
 
@@ -79,10 +82,23 @@ def record_runs(folder: str) -> int:
             trace_path=str(path),
         )
         try:
-            run_simulation(cfg, manager_factory=failing_manager if mode == "failing" else None)
+            factory = {"failing": failing_manager, "on_demand": on_demand_manager}.get(mode)
+            run_simulation(cfg, manager_factory=factory)
         except Exception as exc:  # the run's own failure: the trace still says what happened
             print(f"{mode} run raised {type(exc).__name__}: {exc}", file=sys.stderr)
     return 0
+
+
+def on_demand_manager(config: Any, view: Any, eager: bool) -> Any:
+    """A manager whose writes run only when something joins them. A
+    mutant that skips a join then exhausts the staging pages: a short claim
+    timeout ends that run in seconds (its trace says what happened)."""
+    import dataclasses
+
+    from omni_prefix_cache.manager import OmniPrefixCacheManager
+
+    config = dataclasses.replace(config, staging_claim_timeout_s=2.0)
+    return OmniPrefixCacheManager(config, view, eager=False, committer="on_demand")
 
 
 def failing_manager(config: Any, view: Any, eager: bool) -> Any:

@@ -14,7 +14,6 @@ vLLM's async output builder does. Steps that schedule no tokens call only
 from __future__ import annotations
 
 import logging
-import queue
 import random
 import threading
 import time
@@ -28,6 +27,7 @@ from omni_prefix_cache.interface import HIDDEN_KEY, ModelCachePolicy, PrefixCach
 from omni_prefix_cache.tools.simulate.batch import PersistentBatch, SimGroupView
 from omni_prefix_cache.tools.simulate.delivery_oracle import DeliveryOracle
 from omni_prefix_cache.tools.simulate.event_driver import EventDriver
+from omni_prefix_cache.tools.simulate.lagged import LaggedWorker
 from omni_prefix_cache.tools.simulate.oracle import Oracle, RowExpectation
 from omni_prefix_cache.tools.simulate.probe import manager_stats, probe_leaks, wait_quiescent
 from omni_prefix_cache.tools.simulate.rows import rows_from_hashes
@@ -168,28 +168,6 @@ class LogCounter(logging.Handler):
             self.other += 1
 
 
-class _Materializer(threading.Thread):
-    """Consumes step ids one step behind the engine (bounded queue of one)."""
-
-    def __init__(self, run: Callable[[tuple[Any, ...]], None]) -> None:
-        super().__init__(name="sim-output-builder", daemon=True)
-        self._run = run
-        self.jobs: queue.Queue[tuple[Any, ...] | None] = queue.Queue(maxsize=1)
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            if self.error is not None:
-                continue  # drain without touching the manager again
-            try:
-                self._run(job)
-            except BaseException as exc:  # reported by the engine thread
-                self.error = exc
-
-
 class Simulation:
     """One run of the engine loop against a manager."""
 
@@ -314,7 +292,7 @@ class Simulation:
         mgr.register_policy(
             ModelCachePolicy(needs_full_hidden_states=cfg.cache_hidden, deferred_keys=frozenset({DEFERRED_KEY}))
         )
-        worker = _Materializer(self._consume) if cfg.lagged else None
+        worker = LaggedWorker(self._consume) if cfg.lagged else None
         if worker is not None:
             worker.start()
         step = 0
@@ -334,10 +312,7 @@ class Simulation:
             self._timed_new_step(mgr, plan.output)
             step += 1
             if worker is not None:
-                worker.jobs.put(None)
-                worker.join()
-                if worker.error is not None:
-                    raise worker.error
+                worker.finish()
             if self.events is not None:
                 self.events.drain_local(mgr, may_drop=False)
                 self.delivery.finish()
@@ -345,9 +320,8 @@ class Simulation:
             res.manager_stats = manager_stats(mgr)
         except Exception as exc:
             res.error = f"step {step}: {type(exc).__name__}: {exc}"
-            if worker is not None and worker.is_alive():
-                worker.jobs.put(None)
-                worker.join(timeout=5.0)
+            if worker is not None:
+                worker.abandon()
             res.leaks = probe_leaks(mgr)
         finally:
             try:
@@ -389,7 +363,7 @@ class Simulation:
         )
         return order
 
-    def _one_step(self, mgr: Any, step: int, worker: _Materializer | None) -> None:
+    def _one_step(self, mgr: Any, step: int, worker: LaggedWorker | None) -> None:
         res = self.result
         plan = self.sched.schedule(step)
         order = self._batch_order(plan)
@@ -421,9 +395,7 @@ class Simulation:
         if worker is None:
             self._consume(job)
         else:
-            if worker.error is not None:
-                raise worker.error
-            worker.jobs.put(job)
+            worker.submit(job)
         if events is None:
             self.sched.update(plan)
 

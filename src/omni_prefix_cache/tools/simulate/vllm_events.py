@@ -21,7 +21,6 @@ every incarnation reaches each consumer exactly once, in order.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from omni_prefix_cache.tools.simulate.engine import (
     SimConfig,
     SimResult,
 )
+from omni_prefix_cache.tools.simulate.lagged import LaggedWorker
 from omni_prefix_cache.tools.simulate.oracle import RowExpectation
 from omni_prefix_cache.tools.simulate.probe import manager_stats, probe_leaks, wait_quiescent
 from omni_prefix_cache.tools.simulate.scheduler import StepPlan
@@ -52,23 +52,6 @@ __all__ = ["VllmEventSimulation", "run_vllm_simulation"]
 
 OUTPUT, TALKER = "output", "talker"
 K = PrefixCacheEventKind
-
-
-class _OutputThread(threading.Thread):
-    """vLLM's async output thread: runs each step's builder one step behind."""
-
-    def __init__(self) -> None:
-        super().__init__(name="sim-async-output", daemon=True)
-        self.jobs: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=1)
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            if self.error is None:
-                try:
-                    job()
-                except BaseException as exc:  # reported by the engine thread
-                    self.error = exc
 
 
 class VllmEventSimulation(VllmSimulation):
@@ -98,7 +81,7 @@ class VllmEventSimulation(VllmSimulation):
                 n.req_id for n in so.scheduled_new_reqs if n.req_id in held and n.req_id not in gone
             }
 
-    def _event_step(self, helper: PrefixCacheEngineHelper, step: int, out: _OutputThread | None) -> None:
+    def _event_step(self, helper: PrefixCacheEngineHelper, step: int, out: LaggedWorker | None) -> None:
         plan = self.sched.schedule(step)
         so = plan.output
         self._owners(so)
@@ -135,9 +118,7 @@ class VllmEventSimulation(VllmSimulation):
         if out is None:
             job()
         else:
-            if out.error is not None:
-                raise out.error
-            out.jobs.put(job)
+            out.submit(job)
 
     def _count_events(self, events: Any, so: Any) -> set[str]:
         c = self.tenure_oracle.counts
@@ -281,7 +262,7 @@ class VllmEventSimulation(VllmSimulation):
         self.talker = LaggingConsumer(
             TALKER, mgr.delivery_view, mgr.ack_delivery, self.tenure_oracle, cfg.seed, threaded=cfg.lagged
         )
-        out = _OutputThread() if cfg.lagged else None
+        out = LaggedWorker(_run_job, name="sim-async-output") if cfg.lagged else None
         if out is not None:
             out.start()
         step = 0
@@ -301,10 +282,7 @@ class VllmEventSimulation(VllmSimulation):
             self.runner.update_states(plan.output)
             step += 1
             if out is not None:
-                out.jobs.put(None)
-                out.join()
-                if out.error is not None:
-                    raise out.error
+                out.finish()
             self.talker.close()
             if self.talker.error is not None:
                 raise self.talker.error
@@ -313,9 +291,8 @@ class VllmEventSimulation(VllmSimulation):
             res.manager_stats = manager_stats(mgr)
         except Exception as exc:
             res.error = f"step {step}: {type(exc).__name__}: {exc}"
-            if out is not None and out.is_alive():
-                out.jobs.put(None)
-                out.join(timeout=5.0)
+            if out is not None:
+                out.abandon()
             res.leaks = probe_leaks(mgr)
         finally:
             try:
@@ -356,3 +333,8 @@ def run_vllm_simulation(
     res = sim.run()
     assert isinstance(res, VllmSimResult)
     return res
+
+
+def _run_job(job: Callable[[], None]) -> None:
+    """The async output thread's job: a step's prepared builder."""
+    job()
