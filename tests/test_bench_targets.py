@@ -142,3 +142,24 @@ def test_engine_wait_is_the_per_step_wall_the_engine_thread_spent_off_its_cpu() 
     assert r.engine_us_p50 - r.engine_cpu_us_p50 == 55.0  # what a difference of medians would say
     lines = format_report(BenchReport(("threaded",), 1, [r], []))
     assert "engine wait off-cpu inside new_step_starts + save_outputs p50 10.0 us, p90 300.0 us" in lines
+
+
+@pytest.mark.parametrize("clock", ["wall", "cpu"])
+def test_profile_keeps_the_engine_calls_and_materialize_apart(clock: str) -> None:
+    """``bench --profile``: the engine calls' profile holds new_step_starts
+    and save_outputs and nothing of materialize (its prefetch waits are not
+    the engine thread's), and materialize's profile the other way round."""
+    from omni_prefix_cache.tools.bench.profiling import profile_scenario
+
+    text = profile_scenario("decode_4", eager=False, top=200, iters=3, clock=clock, forward_us=100.0)
+    head, engine, materialize = text.split("\n==== ")
+    assert f"{clock} clock" in head
+    assert engine.startswith("engine calls") and materialize.startswith("materialize")
+    assert "(new_step_starts)" in engine and "(save_outputs)" in engine
+    assert "(materialize)" not in engine and "materializer.py" not in engine
+    assert "(materialize)" in materialize and "(save_outputs)" not in materialize
+    assert "(new_step_starts)" not in materialize
+    # The forward the bench sleeps is in neither profile.
+    assert "{built-in method time.sleep}" not in text
+    with pytest.raises(ValueError, match="unknown profile clock"):
+        profile_scenario("decode_4", clock="gpu")
