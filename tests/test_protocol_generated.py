@@ -146,6 +146,36 @@ def test_a_paused_prefetch_reads_preserved_rows_of_reused_slots(eager: bool, mon
         machine.teardown()
 
 
+def test_a_resumed_request_remapping_a_hit_slot_keeps_the_hit_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A trace the fuzzer found (ManualProtocolMachine, seed 1958410380): q0's
+    # deferred rows [0, 4) are still in its open JOIN_ON_FINISH write when q0 is
+    # preempted; tenant q3 hits them (blocks 7, 6) and aborts; q0 resumes with no
+    # hit onto block 6 and its same write maps slot 12 again with position 0's
+    # row. q3's read, planned before that, must still get position 2's row
+    # (row oracle), not the write's newer chunk row for the slot.
+    _quiet_events(monkeypatch)  # outside Hypothesis
+    machine = build_machine(eager=False)()
+    try:
+        machine.first_arrivals(prefixes=[2, 0, 0], recent_first=True)
+        first = machine.drive_new_step(_Script(**{"admit q0": 4, "admit q1": 1, "admit q2": 1}))
+        machine.drive_discard(first)
+        machine.drive_preempt(_Script(preempt="q1"))
+        steps = machine.drive_interim_tenant(
+            _Script(
+                ("run q2", 1),
+                ("run q2", 1),
+                **{"preempt": "q0", "tenant prefix": 2, "admit q3": 1, "admit q0": 1},
+            )
+        )
+        assert len(steps) == 2, "the trace no longer saves the tenant's step and the resume"
+        assert machine.model.requests["q0"].blocks == [6], "q0 no longer resumes onto the hit's block"
+        machine.drive_materialize(steps[0], _Script(talker="ack", **{"client lag": 1}))
+        for name in invariant_table(load_protocol()):
+            getattr(machine.checks, name)()
+    finally:
+        machine.teardown()
+
+
 # About 20 s per mode alone on 2 cores.
 _budget = settings(settings.default, max_examples=max(120, settings.default.max_examples), stateful_step_count=40)
 

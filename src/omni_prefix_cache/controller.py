@@ -46,7 +46,7 @@ from omni_prefix_cache.writes.committer import Committer
 from omni_prefix_cache.writes.copy_queues import CopyQueues
 from omni_prefix_cache.writes.eager import EagerDispatch, EagerRun
 from omni_prefix_cache.writes.handlers import WriteHandlers, WriteStages
-from omni_prefix_cache.writes.host_rows import HostRows
+from omni_prefix_cache.writes.host_rows import HostRows, Pinned
 from omni_prefix_cache.writes.mode import CommitterKind, WriteMode
 from omni_prefix_cache.writes.op_trace import compile_controller_ops
 from omni_prefix_cache.writes.operations import ControllerBinding, OpRunner, active_protocol
@@ -423,10 +423,9 @@ class OmniPrefixCacheController(UpstreamSeams):
 
     # ------------------------------------------------------------ reads
 
-    def fetch_host(self, task: WriteTask, slots: torch.Tensor, key: TensorName) -> torch.Tensor:
-        """Rows of ``slots`` for ``key`` from a task not yet in the pool (see
-        ``HostRows.fetch``)."""
-        return self._host.fetch(task, slots, key)
+    def fetch_host(self, task: WriteTask, slots: torch.Tensor, key: TensorName, pinned: Pinned = None) -> torch.Tensor:
+        """Rows of ``slots`` for ``key`` from a task not yet in the pool (see ``HostRows.fetch``)."""
+        return self._host.fetch(task, slots, key, pinned)
 
     # ------------------------------------------------------------ metrics
 

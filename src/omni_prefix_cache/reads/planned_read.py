@@ -55,11 +55,17 @@ _MAX_LISTED = 16
 
 @dataclass(eq=False)
 class StagedRows:
-    """Rows of a planned read served by a not-yet-written JOIN_ON_FINISH task."""
+    """Rows of a planned read served by a not-yet-written JOIN_ON_FINISH task.
+
+    ``rows`` pins, at planning, the (chunk, row) of the task that holds each
+    slot's rows then: the same write may map a slot again later (its request
+    preempted and resumed onto the block), and its newer chunk must not
+    answer a read planned for the older rows."""
 
     task: WriteTask
     positions: torch.Tensor  # int64 positions in the read
     slots: torch.Tensor  # the slots at those positions
+    rows: tuple[tuple[int, int], ...] | None = None  # per slot: (chunk index, row) at planning
 
 
 @dataclass(eq=False)
@@ -307,7 +313,10 @@ class HitReads:
                 if task.schedule is WriteSchedule.JOIN_NEXT_STEP:
                     ref.join_tids.append(tid)
                 else:
-                    ref.staged_list.append(StagedRows(task=task, positions=where, slots=slots[where]))
+                    mine = slots[where]
+                    s2r = task.slot_to_row()
+                    pinned = tuple(s2r.get(slot, (-1, -1)) for slot in mine.tolist())
+                    ref.staged_list.append(StagedRows(task=task, positions=where, slots=mine, rows=pinned))
 
     def prefetch(self, ref: PlannedRead, layout: KeyLayout, computed: int, total: int) -> torch.Tensor:
         """Prefetch thread: build ``[prefix | empty tail]`` so materialize
@@ -362,7 +371,7 @@ class HitReads:
             rows = self._pool.rows(src.key, src.slots, out=out)
             staged: torch.Tensor | None = None
             for part in src.staged_list:
-                got = self._controller.fetch_host(part.task, part.slots, src.key)
+                got = self._controller.fetch_host(part.task, part.slots, src.key, pinned=part.rows)
                 rows.index_copy_(0, part.positions, got.reshape(int(got.shape[0]), int(rows.shape[1])).to(rows.dtype))
                 if staged is None:
                     staged = torch.zeros(int(src.slots.numel()), dtype=torch.bool)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -13,6 +14,9 @@ from omni_prefix_cache.specs.batch import Batch, guarded_each
 from omni_prefix_cache.telemetry.registry import TELEMETRY
 from omni_prefix_cache.writes.chunks import HostRow, WriteChunk
 from omni_prefix_cache.writes.write_task import WriteTask
+
+# A planned read's (chunk index, row) per slot, fixed at planning (None: the latest chunk).
+Pinned = Sequence[tuple[int, int]] | None
 
 
 class CopyStage(Protocol):
@@ -100,18 +104,26 @@ class HostRows:
         return rows_out
 
     @torch.inference_mode()
-    def fetch(self, task: WriteTask, slots: torch.Tensor, key: TensorName) -> torch.Tensor:
+    def fetch(
+        self,
+        task: WriteTask,
+        slots: torch.Tensor,
+        key: TensorName,
+        pinned: Pinned = None,
+    ) -> torch.Tensor:
         """Rows of ``slots`` for ``key`` from a task not yet in the pool:
         its host rows once copied, else its device clone (read on the read
         lane). Waits the staging event first. Caller order is preserved.
-        Raises OmniPrefixCacheUnmatchError naming the task, key and slot
-        when the task holds no row for a slot."""
+        ``pinned`` (a planned read's, per slot): the (chunk, row) to read,
+        fixed when the read was planned; else the latest chunk holding the
+        slot. Raises OmniPrefixCacheUnmatchError naming the task, key and
+        slot when the task holds no row for a slot."""
         if task.step_d2h_event is not None:
             task.step_d2h_event.synchronize()
         s2r = task.slot_to_row()
         per_chunk: dict[int, tuple[list[int], list[int]]] = {}
         for pos, slot in enumerate(slots.tolist()):
-            where = s2r.get(slot)
+            where = s2r.get(slot) if pinned is None or pinned[pos][0] < 0 else pinned[pos]
             if where is None:
                 raise OmniPrefixCacheUnmatchError(f"task {task.tid} (req {task.req_id}) has no row for slot {slot}")
             positions, rows = per_chunk.setdefault(where[0], ([], []))

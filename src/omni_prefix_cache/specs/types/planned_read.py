@@ -44,7 +44,11 @@ class PlannedReadTrigger(StrEnum):
     """Trigger names of the planned_read spec."""
 
     REGISTER = "register"
-    """the plan is complete; later reuses of its slots must preserve for it"""
+    """
+    the plan is complete; later reuses of its slots must preserve for it. Rows still in transit with a deferred
+    write are pinned to the chunk row that write holds for each slot now: the same write mapping the slot again
+    later (its request preempted and resumed onto the block) must not answer this read with its newer row
+    """
     REFUSE = "refuse"
     """planning found rows the read can never serve; the hit fails at materialize"""
     PRESERVE = "preserve"
