@@ -76,7 +76,12 @@ class StickyFailure:
     def raise_if_failed(self) -> None:
         """The check at every serving facade entry (takes the state lock):
         drains the failure record, then raises the first write failure
-        again (``OmniPrefixCacheWriteFailedError.again``) if there is one."""
+        again (``OmniPrefixCacheWriteFailedError.again``) if there is one.
+        With no failure recorded or published it returns without the lock
+        (both read lock-free: a failure published meanwhile is raised by the
+        next entry, as if it had come a moment later)."""
+        if self.error is None and not self._controller.registry.failed:
+            return
         with self._state_lock:
             self._drain_failures_locked()
             error = self.error

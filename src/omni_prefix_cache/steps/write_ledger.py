@@ -315,13 +315,20 @@ class WriteLedger:
         """Operation ``drain`` (spec/protocol.yaml), state lock held: take
         the committer's records; failed tasks drop their rows and make the
         failure sticky; written tasks commit theirs (one occupancy move per
-        key group for the whole drain)."""
-        self._drain.run(_Drained(completions=True))
+        key group for the whole drain). Nothing published: the drain would
+        take no record and fire no move, so it is not run (a lock-free read
+        of the records; one published meanwhile is taken by the next drain,
+        as it would be had it come a moment later)."""
+        registry = self._controller.registry
+        if registry.completed or registry.failed:
+            self._drain.run(_Drained(completions=True))
 
     def drain_failures_locked(self) -> None:
         """``drain`` of the failure record only (state lock held): a save
-        that is failing reports the failures nobody drained yet."""
-        self._drain.run(_Drained(completions=False))
+        that is failing reports the failures nobody drained yet. Not run
+        when no failure is published (as ``commit_drained_locked``)."""
+        if self._controller.registry.failed:
+            self._drain.run(_Drained(completions=False))
 
     # The drain operation's bindings: its context is a _Drained.
     def move(self, role: str, trigger: TriggerName) -> tuple[Callable[[Any], bool], Callable[[Any], None]]:
