@@ -166,3 +166,46 @@ def test_a_step_registers_one_write_for_all_its_requests_and_owns_its_rows(seed:
             assert (table.state[slots] == int(SlotState.IN_TRANSIT)).all()
         other: Any = occ.get_slot_status("other")
         assert (other.state[slots] == int(SlotState.ABSENT)).all()
+
+
+def test_a_finished_request_escalates_the_step_write_holding_its_rows() -> None:
+    # A step's rows are one write: finishing any of its requests escalates that write (the
+    # previous step's, the only one the save barrier has not joined), once; a request it
+    # does not hold escalates nothing.
+    from tests.test_manager import BS, NUM_BLOCKS, BlockView, Driver, Req
+
+    from omni_prefix_cache.interface import PrefixCacheConfig
+    from omni_prefix_cache.manager import OmniPrefixCacheManager
+
+    view = BlockView()
+    mgr = OmniPrefixCacheManager(
+        PrefixCacheConfig(num_blocks=NUM_BLOCKS, block_size=BS), view, eager=False, committer="manual"
+    )
+    try:
+        drv = Driver(mgr, view)
+        sid, _ = drv.run({"a": Req([0], 0, 4), "b": Req([1], 0, 2)})
+        ledger = mgr.components.ledger
+        (tid,) = ledger.previous_step_writes
+        with mgr.components.state_lock:
+            assert ledger.finish_request_locked("b") == [tid]
+            assert ledger.finish_request_locked("a") == [tid]
+            assert ledger.finish_request_locked("z") == []
+        escalated: list[list[Tid]] = []
+        ctrl = mgr.components.controller
+        real = ctrl.escalate
+        ctrl.escalate = lambda tids: (escalated.append(list(tids)), real(tids))[1]  # type: ignore[method-assign]
+        mgr.new_step_starts(_finish(["a", "b"]))
+        assert escalated == [[tid, tid]]  # the controller escalates each task once
+        assert ctrl.tasks[tid].state.name != "PENDING"
+        mgr.discard_step(sid)
+    finally:
+        mgr.shutdown()
+
+
+def _finish(rids: list[ReqId]) -> Any:
+    class Out:
+        finished_req_ids = set(rids)
+        scheduled_new_reqs: list[Any] = []
+        num_scheduled_tokens: dict[ReqId, int] = {}
+
+    return Out()
