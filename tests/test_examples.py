@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import subprocess
 import sys
@@ -40,7 +41,7 @@ def test_example_exits_nonzero_on_wrong_rows(path: Path, monkeypatch: pytest.Mon
     def served_as_zeros(self: OmniPrefixCacheManager, step_id: int, req_ids: Any) -> Any:
         out = real(self, step_id, req_ids)
         hidden = {rid: torch.zeros_like(rows) for rid, rows in (out.hidden_states or {}).items()}
-        return out._replace(hidden_states=hidden)
+        return dataclasses.replace(out, hidden_states=hidden)
 
     monkeypatch.setattr(OmniPrefixCacheManager, "materialize", served_as_zeros)
     assert _load(path).main() == 1

@@ -47,6 +47,9 @@ class BlockView:
     def batch_req_ids(self) -> list[str]:
         return list(self.order)
 
+    def token_range(self, req: str, count: int) -> tuple[int, int]:
+        return self.start[req], self.start[req] + count
+
     def slot_ids(self, req: str, lo: int, hi: int) -> list[int]:
         return [self.blocks[req][p // BS] * BS + p % BS for p in range(lo, hi)]
 

@@ -166,3 +166,52 @@ def test_config_gate_on_real_vllm_config(step, v) -> None:
     off = v.CacheConfig(block_size=BLOCK, enable_prefix_caching=False)
     assert stage_prefix_cache_config(cache_config=off, **args) is None
     assert torch.get_num_threads() >= 1
+
+
+def test_adapter_reads_the_real_scheduler_output_and_input_batch(step) -> None:
+    """The adapter's getattr reads find vLLM 0.33's real fields: hits, blocks, counts, the write layout."""
+    from omni_prefix_cache.adapter import PrefixCacheEventKind, PrefixCacheSchedulerAdapter
+
+    so = step.so
+    adapter = PrefixCacheSchedulerAdapter()
+    result = adapter.translate_step(so)
+    assert [(e.req_id, e.kind) for e in result.events] == [
+        ("a", PrefixCacheEventKind.STARTED),
+        ("b", PrefixCacheEventKind.STARTED),
+    ]
+    for event, new in zip(result.events, so.scheduled_new_reqs, strict=True):
+        assert event.hit_end == new.num_computed_tokens
+        assert event.block_ids == tuple(tuple(g) for g in new.block_ids)
+        assert event.scheduled_tokens == so.num_scheduled_tokens[new.req_id]
+    assert dict(result.scheduled_tokens) == dict(so.num_scheduled_tokens)
+    view = FullAttentionGroupView(step.runner.input_batch, BLOCK)
+    layout = adapter.build_write_layout(view, num_scheduled_tokens=so.num_scheduled_tokens)
+    starts = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
+    cursor = 0
+    for write in layout.writes:
+        n = so.num_scheduled_tokens[write.req_id]
+        assert (write.row_start, write.row_end) == (cursor, cursor + n)
+        assert (write.token_start, write.token_end) == (starts[write.req_id], starts[write.req_id] + n)
+        cursor += n
+    assert layout.total_rows == cursor == len(layout.slots_cpu)
+
+
+def test_adapter_reads_real_cached_request_data(v) -> None:
+    """vLLM 0.33's CachedRequestData field names: resumed ids first with their new blocks and computed count."""
+    from omni_prefix_cache.adapter import PrefixCacheEventKind, PrefixCacheSchedulerAdapter
+
+    data = v.CachedRequestData(
+        req_ids=["d", "r"],
+        resumed_req_ids={"r"},
+        new_token_ids=[[], []],
+        all_token_ids={},
+        new_block_ids=[None, ([4, 5],)],
+        num_computed_tokens=[33, 32],
+        num_output_tokens=[2, 0],
+    )
+    so = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=data, num_scheduled_tokens={"d": 1, "r": 3})
+    events = PrefixCacheSchedulerAdapter().translate_scheduler_output(so)
+    assert [(e.req_id, e.kind, e.hit_end, e.block_ids, e.scheduled_tokens, e.num_output_tokens) for e in events] == [
+        ("r", PrefixCacheEventKind.RESUMED, 32, ((4, 5),), 3, 0),
+        ("d", PrefixCacheEventKind.EXTENDED, 33, (), 1, 2),
+    ]

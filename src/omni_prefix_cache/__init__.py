@@ -12,6 +12,22 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     __version__: str
+    from omni_prefix_cache.adapter import (
+        PrefixCacheEventKind,
+        PrefixCacheRequestEvent,
+        PrefixCacheRequestOwner,
+        PrefixCacheSchedulerAdapter,
+        PrefixCacheStep,
+        PrefixCacheWrite,
+        PrefixCacheWriteLayout,
+    )
+    from omni_prefix_cache.block_pool import PrefixBlockPool
+    from omni_prefix_cache.controller import OmniPrefixCacheController
+    from omni_prefix_cache.group_view import (
+        FullAttentionGroupView,
+        check_prefix_cache_kv_groups,
+        stage_prefix_cache_config,
+    )
     from omni_prefix_cache.interface import (
         HIDDEN_KEY,
         ModelCachePolicy,
@@ -23,12 +39,20 @@ if TYPE_CHECKING:
         OmniPrefixCacheUnmatchError,
         OmniPrefixCacheWriteFailedError,
         PrefixCacheConfig,
+        PrefixCacheRequestProgress,
         StageCacheOutputs,
         WriteSchedule,
     )
+    from omni_prefix_cache.manager import OmniPrefixCacheManager
 
 __all__ = [
     "HIDDEN_KEY",
+    "FullAttentionGroupView",
+    "OmniPrefixCacheController",
+    "OmniPrefixCacheManager",
+    "PrefixBlockPool",
+    "check_prefix_cache_kv_groups",
+    "stage_prefix_cache_config",
     "ModelCachePolicy",
     "OmniPrefixCacheInvalidArgumentError",
     "OmniPrefixCacheInvalidTypeError",
@@ -38,10 +62,41 @@ __all__ = [
     "OmniPrefixCacheUnmatchError",
     "OmniPrefixCacheWriteFailedError",
     "PrefixCacheConfig",
+    "PrefixCacheEventKind",
+    "PrefixCacheRequestEvent",
+    "PrefixCacheRequestOwner",
+    "PrefixCacheRequestProgress",
+    "PrefixCacheSchedulerAdapter",
+    "PrefixCacheStep",
+    "PrefixCacheWrite",
+    "PrefixCacheWriteLayout",
     "StageCacheOutputs",
     "WriteSchedule",
     "__version__",
 ]
+
+
+# Where each public name outside interface.py lives (resolved on first use).
+_HOMES = {
+    **dict.fromkeys(
+        (
+            "PrefixCacheEventKind",
+            "PrefixCacheRequestEvent",
+            "PrefixCacheRequestOwner",
+            "PrefixCacheSchedulerAdapter",
+            "PrefixCacheStep",
+            "PrefixCacheWrite",
+            "PrefixCacheWriteLayout",
+        ),
+        "omni_prefix_cache.adapter",
+    ),
+    "PrefixBlockPool": "omni_prefix_cache.block_pool",
+    "OmniPrefixCacheController": "omni_prefix_cache.controller",
+    "OmniPrefixCacheManager": "omni_prefix_cache.manager",
+    "FullAttentionGroupView": "omni_prefix_cache.group_view",
+    "check_prefix_cache_kv_groups": "omni_prefix_cache.group_view",
+    "stage_prefix_cache_config": "omni_prefix_cache.group_view",
+}
 
 
 def _version() -> str:
@@ -61,7 +116,8 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     if name in __all__:
-        value = getattr(import_module("omni_prefix_cache.interface"), name)
+        # The adapter's names resolve without torch.
+        value = getattr(import_module(_HOMES.get(name, "omni_prefix_cache.interface")), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -148,3 +148,14 @@ class GroupViewLike(Protocol):
     def batch_req_ids(self) -> Sequence[ReqId]: ...
 
     def step_slots_cpu(self, req_ids: Sequence[ReqId], num_scheduled: Mapping[ReqId, int]) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class TokenRangeView(Protocol):
+    """A group view that also says which token positions a request computes
+    this step: ``token_range(req_id, n)`` is ``(start, start + n)``, ``start``
+    being the request's computed tokens before the step. The adapter's
+    ``build_write_layout`` needs it; seed-era views lack it, so it is a
+    capability apart from ``GroupViewLike``."""
+
+    def token_range(self, req_id: ReqId, num_scheduled: int) -> tuple[int, int]: ...

@@ -95,6 +95,17 @@ class FullAttentionGroupView:
         """Request ids of the input batch in row order (empty rows skipped)."""
         return [r for r in self._input_batch.req_ids if r is not None]
 
+    def token_range(self, req_id: ReqId, num_scheduled: int) -> tuple[int, int]:
+        """The positions ``[start, start + num_scheduled)`` that ``req_id``
+        computes this step, ``start`` being its ``num_computed_tokens`` in the
+        input batch. Engine thread, after the batch was updated for the step;
+        raises naming a request not in the input batch."""
+        row = self._input_batch.req_id_to_index.get(req_id)
+        if row is None:
+            raise OmniPrefixCacheUnmatchError(f"group view: request {req_id!r} is not in the input batch")
+        start = int(self._input_batch.num_computed_tokens_cpu[row])
+        return start, start + int(num_scheduled)
+
     def step_slots_cpu(self, req_ids: Sequence[ReqId], num_scheduled: Mapping[ReqId, int]) -> torch.Tensor:
         """Slot ids of this step's scheduled tokens, request after request.
 

@@ -7,11 +7,46 @@ engines can switch imports without other edits.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any, TypeAlias
 
 import torch
+
+from omni_prefix_cache.adapter import PrefixCacheRequestOwner
+from omni_prefix_cache.errors import (
+    OmniPrefixCacheInvalidArgumentError,
+    OmniPrefixCacheInvalidTypeError,
+    OmniPrefixCacheJoinTimeoutError,
+    OmniPrefixCacheShutdownError,
+    OmniPrefixCacheStagingTimeoutError,
+    OmniPrefixCacheUnmatchError,
+    OmniPrefixCacheWriteFailedError,
+)
+
+# The errors live in errors.py (no torch, so the adapter can raise them);
+# this is their upstream import path.
+__all__ = [
+    "HIDDEN_KEY",
+    "ModelCachePolicy",
+    "OmniPrefixCacheInvalidArgumentError",
+    "OmniPrefixCacheInvalidTypeError",
+    "OmniPrefixCacheJoinTimeoutError",
+    "OmniPrefixCacheShutdownError",
+    "OmniPrefixCacheStagingTimeoutError",
+    "OmniPrefixCacheUnmatchError",
+    "OmniPrefixCacheWriteFailedError",
+    "PrefixCacheConfig",
+    "PrefixCacheRequestProgress",
+    "ReqId",
+    "StageCacheOutputs",
+    "StepId",
+    "TensorName",
+    "Tid",
+    "WriteSchedule",
+    "is_hidden_key",
+    "without_hidden",
+]
 
 # Identities: plain str/int at runtime, but never interchangeable.
 TensorName: TypeAlias = str  # which cached tensor (hidden or an mm name)
@@ -105,88 +140,46 @@ class PrefixCacheConfig:
         return cls(num_blocks=num_blocks, block_size=block_size, staging_capacity_tokens=max(1, capacity))
 
 
-class StageCacheOutputs(NamedTuple):
-    """Per-request merged outputs of one materialized step."""
+@dataclass
+class PrefixCacheRequestProgress:
+    """One request owner's positions (watermarks), each a token count.
+
+    ``computed_upto``: positions the model has computed; ``saved_upto``:
+    positions whose writes are registered (not necessarily in the CPU pool
+    yet); ``delivered_upto[consumer]``: positions that consumer has received.
+    ``lookup`` is the cache lookup as ``(hit tokens, block ids per group)``;
+    None while it is pending, ``(0, ...)`` for a lookup that found nothing.
+    ``retired``: the owner was replaced or ended, its outputs are dropped.
+    """
+
+    computed_upto: int = 0
+    saved_upto: int = 0
+    delivered_upto: dict[str, int] = field(default_factory=dict)
+    owner: PrefixCacheRequestOwner | None = None
+    lookup: tuple[int, tuple[tuple[int, ...], ...]] | None = None
+    retired: bool = False
+
+
+@dataclass
+class StageCacheOutputs:
+    """Per-request merged outputs of one materialized step, and where they sit.
+
+    ``token_ranges[req]``: the token positions ``[start, end)`` the rows of
+    ``req`` cover; ``scheduled_token_ranges[req]``: the positions this step
+    computed. ``cached_mm_keys``: the mm keys served from the cache;
+    ``token_mm_keys``: those that are token-major (one row per position).
+    ``_progress`` and ``_consumer`` record which request progress and
+    consumer a delivery view was taken from, for its acknowledgement.
+    """
 
     hidden_states: dict[ReqId, torch.Tensor] | None  # None when the policy skips hidden
     mm_outputs: dict[TensorName, dict[ReqId, Any]]
-
-
-class OmniPrefixCacheUnmatchError(RuntimeError):
-    """A contract, configuration or KV-occupancy break. Never a miss.
-
-    Raised for hits on absent slots, step ids consumed twice or never saved,
-    steps larger than a staging page, failed writes, and every other broken
-    rule; the message names the request, key, slots or step involved.
-    """
-
-
-class OmniPrefixCacheInvalidArgumentError(OmniPrefixCacheUnmatchError, ValueError):
-    """A facade call was given a bad value (a negative count, a misaligned
-    hit, a tensor with the wrong shape, dtype or device, ...).
-
-    Raised before the call changes anything: the manager is exactly as it
-    was, so the caller may fix the input and call again.
-    """
-
-
-class OmniPrefixCacheInvalidTypeError(OmniPrefixCacheInvalidArgumentError, TypeError):
-    """A facade call was given a value of the wrong type (a float or bool
-    where a count or step id belongs, a ``str`` where a list of request ids
-    belongs, ...). Raised before the call changes anything."""
-
-
-class OmniPrefixCacheWriteFailedError(OmniPrefixCacheUnmatchError):
-    """A write of cached rows to the CPU pool failed. Sticky: rows behind
-    block hashes vLLM already published never landed, so every later
-    serving entry raises this error again.
-
-    ``tid``, ``req_id``, ``keys`` and ``slots`` name the first failed write
-    (None where unknown); ``req_ids`` every request whose rows it held (a
-    step's write holds all of the step's requests, ``req_id`` the first);
-    the underlying exception is ``__cause__``.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        tid: Tid | None = None,
-        req_id: ReqId | None = None,
-        keys: tuple[TensorName, ...] = (),
-        slots: tuple[int, ...] = (),
-        req_ids: tuple[ReqId, ...] = (),
-    ) -> None:
-        super().__init__(message)
-        self.tid = tid
-        self.req_id = req_id
-        self.req_ids = req_ids if req_ids or req_id is None else (req_id,)
-        self.keys = keys
-        self.slots = slots
-
-    def again(self) -> OmniPrefixCacheWriteFailedError:
-        """A fresh error with the same details and cause, to raise from a
-        later entry (one exception object is never raised on two threads)."""
-        err = OmniPrefixCacheWriteFailedError(
-            str(self), tid=self.tid, req_id=self.req_id, keys=self.keys, slots=self.slots, req_ids=self.req_ids
-        )
-        err.__cause__ = self.__cause__
-        return err
-
-
-class OmniPrefixCacheShutdownError(OmniPrefixCacheUnmatchError):
-    """The manager was shut down before or during the call."""
-
-
-class OmniPrefixCacheStagingTimeoutError(OmniPrefixCacheUnmatchError):
-    """A save waited for a free staging page and timed out."""
-
-
-class OmniPrefixCacheJoinTimeoutError(OmniPrefixCacheUnmatchError):
-    """A join (the save barrier, a budget flush, a hit read of rows not yet
-    in the pool) waited ``staging_claim_timeout_s`` for a write that neither
-    finished nor failed. The message names the task, its state and the
-    writes in flight; nothing was registered by the call that joined."""
+    token_ranges: dict[ReqId, tuple[int, int]] = field(default_factory=dict)
+    scheduled_token_ranges: dict[ReqId, tuple[int, int]] = field(default_factory=dict)
+    cached_mm_keys: frozenset[TensorName] = frozenset()
+    token_mm_keys: frozenset[TensorName] = frozenset()
+    _progress: dict[ReqId, PrefixCacheRequestProgress] = field(default_factory=dict, repr=False)
+    _consumer: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -196,6 +189,19 @@ class ModelCachePolicy:
     needs_full_hidden_states: bool = True
     # Token-major mm keys kept on the device clone until finish/abort.
     deferred_keys: frozenset[TensorName] = frozenset()
+    # The model writes its mm outputs in sample(), after the step was saved,
+    # so the step's snapshot lacks them: the runner drops the snapshot and
+    # builds the payload from the live outputs. Those carry no full-prompt
+    # hidden states, hence the refusal below.
+    mm_outputs_written_in_sample: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mm_outputs_written_in_sample and self.needs_full_hidden_states:
+            raise OmniPrefixCacheInvalidArgumentError(
+                "ModelCachePolicy: mm_outputs_written_in_sample=True needs needs_full_hidden_states=False "
+                "(requires_full_prefix_cached_hidden_states = False on the model): the payload is built "
+                "from the live outputs, which carry no full-prompt hidden states"
+            )
 
     @property
     def hidden_key(self) -> TensorName | None:
@@ -213,7 +219,8 @@ class ModelCachePolicy:
 
     @classmethod
     def from_model(cls, model: Any) -> ModelCachePolicy:
-        """Read the legacy per-model attributes."""
+        """Read the legacy per-model attributes; raises as the constructor."""
         deferred = frozenset(getattr(model, "deferred_prefix_cache_mm_keys", ()) or ())
         needs = bool(getattr(model, "requires_full_prefix_cached_hidden_states", True))
-        return cls(needs_full_hidden_states=needs, deferred_keys=deferred)
+        in_sample = bool(getattr(model, "mm_outputs_written_in_sample", False))
+        return cls(needs_full_hidden_states=needs, deferred_keys=deferred, mm_outputs_written_in_sample=in_sample)

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # One line per layer in the picture, top (calls down) to bottom.
 LAYER_NOTES = {
     "manager": "the engine-facing facade",
+    "adapter": "scheduler output -> request events",
     "compat": "upstream's private names for its tests",
     "ops": "stats, Prometheus collector",
     "reads": "hit planning, planned reads, materialize",
@@ -30,14 +31,15 @@ LAYER_NOTES = {
     "specs": "spec loading, compiling, generated types",
     "device": "copy engine, sync, index tensors",
     "telemetry": "spec-generated metrics, data-path figures",
-    "interface": "config, policy, ids, errors",
+    "interface": "config, policy, ids, outputs",
+    "errors": "the error classes, no torch",
     "tools": "cli, bench, simulate, gpu_check",
     "testing": "generated tests, model check, explorer",
 }
 # Drawn without their out-edges: harness layers that may import any layer.
 HARNESS = {"tools", "testing"}
-# Every layer imports it (ids, config, errors): drawn once, without edges.
-SHARED = {"interface"}
+# Every layer imports them (ids, config, errors): drawn once, without edges.
+SHARED = {"interface", "errors"}
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:

@@ -117,3 +117,7 @@ class SimGroupView:
     def step_slots_cpu(self, req_ids: Sequence[str], num_scheduled: Mapping[str, int]) -> torch.Tensor:
         self._note_thread()
         return self._inner.step_slots_cpu(req_ids, num_scheduled)
+
+    def token_range(self, req_id: str, num_scheduled: int) -> tuple[int, int]:
+        self._note_thread()
+        return self._inner.token_range(req_id, num_scheduled)
