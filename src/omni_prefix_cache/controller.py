@@ -343,7 +343,7 @@ class OmniPrefixCacheController(UpstreamSeams):
         claims under the same lock. Eager: ``eager_run`` for the tasks its
         entry admits, inline (outside the manager's state lock)."""
         registered = self._registry.tasks
-        tasks = [t for tid in tids if (t := registered.get(tid)) is not None]
+        tasks = [t for tid in dict.fromkeys(tids) if (t := registered.get(tid)) is not None]  # requests share a step's
         if self.mode.eager:
             if tasks:
                 with torch.inference_mode():

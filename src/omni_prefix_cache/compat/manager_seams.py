@@ -16,6 +16,22 @@ from omni_prefix_cache.steps.step_layout import StepLayout, StepOutputs
 from omni_prefix_cache.steps.write_ledger import WriteLedger
 
 
+class RequestTasksView:
+    """``RequestTasks`` as upstream's tests read it: ``tasks[req]`` holds
+    every undrained write with the request's rows (its deferred writes
+    and the step writes that hold it, by tid order); ``deferred`` and
+    ``opened`` are the ledger's own tables."""
+
+    def __init__(self, ledger: WriteLedger) -> None:
+        requests: RequestTasks = ledger.requests
+        self.deferred = requests.deferred
+        self.opened = requests.opened
+        self.tasks: dict[ReqId, dict[Tid, None]] = {}
+        for tid in sorted(ledger.records):
+            for rid in ledger.records[tid].task.req_ids:
+                self.tasks.setdefault(rid, {})[tid] = None
+
+
 class UpstreamSeams:
     """Mixin of OmniPrefixCacheManager: ``_request_tasks``, ``_slot_ref`` and friends."""
 
@@ -39,8 +55,10 @@ class UpstreamSeams:
         self._ledger.commit_drained_locked = drain  # type: ignore[method-assign]
 
     @property
-    def _request_tasks(self) -> RequestTasks:
-        return self._ledger.requests
+    def _request_tasks(self) -> RequestTasksView:
+        """Upstream's per-request table: a step's write counts as a write
+        of every request it holds (built on each read, off the hot path)."""
+        return RequestTasksView(self._ledger)
 
     @property
     def _join_next_step_tids(self) -> list[Tid]:

@@ -14,7 +14,10 @@ SPEC_NAME = "write_task"
 class TaskState(SpecState):
     """
     A strict chain PENDING -> QUEUED -> COPYING -> HOST_READY -> WRITTEN, plus FAILED from any non-terminal
-    state. The wait events host_ready / done are set only by the effects declared here.
+    state. The wait events host_ready / done are set only by the effects declared here. A task is a step's write
+    (every immediate row of one save, its requests kept as state arrays on the task: request ids in step order
+    and their row offsets; one copy, one pool write per key, one completion record) or one request's deferred
+    write (growing by a chunk per save, escalated per request on finish or abort).
     """
 
     PENDING = 0
