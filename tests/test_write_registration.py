@@ -21,6 +21,7 @@ from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy, SlotState
 from omni_prefix_cache.steps.step_layout import StepOutputs
 from omni_prefix_cache.steps.write_ledger import WriteLedger
 from omni_prefix_cache.writes.chunks import StepRequests, StepRows, WriteChunk
+from omni_prefix_cache.writes.mode import WriteMode
 from omni_prefix_cache.writes.staging import StepD2HClaim
 from omni_prefix_cache.writes.write_task import TaskEvent, WriteTask
 
@@ -107,8 +108,11 @@ def test_open_many_counts_and_lists_each_requests_writes_in_order(seed: int) -> 
 class _Controller:
     """What registration asks of the controller: CPU tensors, and the registered batch."""
 
-    def __init__(self) -> None:
+    def __init__(self, wrapped: bool = False) -> None:
         self.registered: list[list[WriteTask]] = []
+        self.mode = WriteMode(eager=False, committer="manual")
+        if wrapped:  # compat's record of a wrapped per-request seam
+            self.mode.wrapped_seams.add("_scatter")
 
     def is_device(self, tensor: torch.Tensor) -> bool:
         return False
@@ -166,6 +170,41 @@ def test_a_step_registers_one_write_for_all_its_requests_and_owns_its_rows(seed:
             assert (table.state[slots] == int(SlotState.IN_TRANSIT)).all()
         other: Any = occ.get_slot_status("other")
         assert (other.state[slots] == int(SlotState.ABSENT)).all()
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_wrapped_per_request_seam_makes_each_requests_rows_its_own_step_write(seed: int) -> None:
+    # Compat: while a per-request seam is wrapped, each request's immediate rows are a step
+    # write of their own (one request in its arrays), in step order, each owning its rows.
+    rng = random.Random(seed)
+    occ = SlotOccupancy(64)
+    for key in ("h", "other"):
+        occ.add_key(key)
+    ctrl = _Controller(wrapped=True)
+    ledger = WriteLedger(ctrl, occ, threading.Lock(), set(), Counter())  # type: ignore[arg-type]
+    for step in range(3):
+        req_order: list[ReqId] = [f"r{i}" for i in rng.sample(range(6), rng.randint(1, 6))]
+        sizes = [rng.choice([0, 1, 1, 3]) for _ in req_order]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        spans = {rid: (lo, size) for rid, lo, size in zip(req_order, starts, sizes, strict=True)}
+        n = sum(sizes)
+        slots = torch.tensor(rng.sample(range(64), n), dtype=torch.int64)
+        split = StepOutputs(immediate={"h": torch.randn(n, 2)}, leftover={}, deferred_chunks=[])
+        claimed = StepD2HClaim(step, {"h": split.immediate["h"].clone()}, None)
+        first_tid = max(ledger.records, default=0) + 1
+        registered: list[WriteTask] = []
+        tasks = ledger.register_immediate_locked(split, claimed, req_order, spans, slots, registered)
+        assert registered == tasks == ctrl.registered[-1]
+        assert [t.tid for t in tasks] == list(range(first_tid, first_tid + len(req_order))), f"seed={seed}"
+        assert [t.req_ids for t in tasks] == [(rid,) for rid in req_order], f"seed={seed}"
+        owner = torch.empty(n, dtype=torch.int64)
+        for task, lo, size in zip(tasks, starts, sizes, strict=True):
+            assert type(task) is WriteTask and task.schedule is WriteSchedule.JOIN_NEXT_STEP
+            assert task.requests is not None and task.requests.offsets == (0, size)
+            assert torch.equal(task.chunks[0].slots_cpu, slots[lo : lo + size]), f"seed={seed}"
+            owner[lo : lo + size] = task.tid
+        ledger.take_tenancy_locked(split, slots, req_order, spans, tasks, [])
+        assert torch.equal(occ.get_slot_status("h").tids[slots], owner), f"seed={seed} step={step}"
 
 
 def test_a_finished_request_escalates_the_step_write_holding_its_rows() -> None:

@@ -174,7 +174,13 @@ class WriteLedger:
         requests as state arrays in step order), bound to the page and
         queued (not dispatched). Appends it to ``registered`` as soon as
         the controller may know it; returns ``[task]`` (``[]`` without
-        immediate rows or requests)."""
+        immediate rows or requests).
+
+        While an upstream test wraps a per-request seam (compat: the
+        controller's ``mode.wrapped_seams`` or a WriteTask method patched on
+        the class, ``seams_wrapped``; two flag reads per save), each
+        request's rows are their own step write instead, one request in its
+        arrays, in step order (the same task and path, smaller units)."""
         if not split.immediate or not req_order:
             return []
         ctrl = self._controller
@@ -183,16 +189,33 @@ class WriteLedger:
             host=claimed.views,
             tensors={k: t for k, t in split.immediate.items() if ctrl.is_device(t)},
         )
-        requests = StepRequests.of(req_order, [spans[r][1] for r in req_order])
-        chunk = WriteChunk.of_step(rows, 0, requests.offsets[-1])
-        tid = next(self._tids)
-        task = WriteTask.step_write(tid, requests, chunk, split.freeze_event, claimed.staging_slot, claimed.event)
-        self.records[tid] = TaskRecord(task, None, [(tuple(split.immediate), chunk)])
+        sizes = [spans[r][1] for r in req_order]
+        if ctrl.mode.wrapped_seams or WriteTask.seams_wrapped:
+            units = [([rid], [size]) for rid, size in zip(req_order, sizes, strict=True)]
+        else:
+            units = [(req_order, sizes)]
+        keys, page, freeze_event, d2h_event = (
+            tuple(split.immediate),
+            claimed.staging_slot,
+            split.freeze_event,
+            claimed.event,
+        )
+        tasks: list[WriteTask] = []
+        start = 0
+        for unit_reqs, unit_sizes in units:
+            requests = StepRequests.of(unit_reqs, unit_sizes)
+            end = start + requests.offsets[-1]
+            chunk = WriteChunk.of_step(rows, start, end)
+            tid = next(self._tids)
+            task = WriteTask.step_write(tid, requests, chunk, freeze_event, page, d2h_event)
+            self.records[tid] = TaskRecord(task, None, [(keys, chunk)])
+            tasks.append(task)
+            start = end
         # Queued and bound to the page (not dispatched: the committer cannot
-        # see it yet), so a failed bind is cleaned up by failing it.
-        registered.append(task)
-        ctrl.register_many([task], queued=True)
-        return [task]
+        # see them yet), so a failed bind is cleaned up by failing them.
+        registered.extend(tasks)
+        ctrl.register_many(tasks, queued=True)
+        return tasks
 
     def register_deferred_locked(self, split: StepOutputs, registered: list[WriteTask]) -> list[Tid]:
         """Append each request's deferred chunk to its open JOIN_ON_FINISH
@@ -255,10 +278,12 @@ class WriteLedger:
         # tid); deferred owners are one int64 array shared by the keys (the
         # occupancy takes numpy owners as they are: no conversion per key).
         writes: dict[TensorName, np.ndarray | int] = {}
-        if immediate:
+        sizes = [spans[r][1] for r in req_order] if deferred_tids or len(immediate) > 1 else []
+        if len(immediate) == 1:
             writes.update(dict.fromkeys(split.immediate, immediate[0].tid))
+        elif immediate:  # per-request units (compat): one per request, in step order
+            writes.update(dict.fromkeys(split.immediate, per_row_ids([t.tid for t in immediate], sizes)))
         if deferred_tids:
-            sizes = [spans[r][1] for r in req_order]
             writes.update(dict.fromkeys(split.deferred_clone, per_row_ids(deferred_tids, sizes)))
         self._occupancy.take_tenancy(slots, writes)
 
