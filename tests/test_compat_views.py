@@ -42,9 +42,11 @@ def test_a_class_level_method_patch_is_noticed_until_undone(monkeypatch: pytest.
     assert WriteTask.seams_wrapped
     monkeypatch.undo()
     assert not WriteTask.seams_wrapped and "claim_copy" not in vars(WriteTask)
-    # Neither a plain class attribute (a field default) nor a dunder is a method seam.
+    # Neither a plain class attribute (a field default), a dunder, nor a method off the
+    # copy and pool-write path (a runtime mutant's patch) is a per-request seam.
     monkeypatch.setattr(WriteTask, "staging_slot", 3)
     monkeypatch.setattr(WriteTask, "__doc__", "x")
+    monkeypatch.setattr(WriteTask, "taken_over_intersects", lambda task, chunk: False)
     assert not WriteTask.seams_wrapped
     monkeypatch.undo()
 

@@ -8,14 +8,14 @@ Upstream's tests also wrap a WriteTask method on the class (for example
 request's write. Such a wrapper is only meaningful while each request's
 immediate rows are their own task, so ``_SeamWatch`` (the mixin's metaclass)
 notices the patch when it is made, at no cost per task, and keeps
-``UpstreamTaskSeams.seams_wrapped`` true while any method is patched; the
-write ledger reads that flag once per save and then registers the step's
-immediate rows as one write per request (see ``WriteLedger.register_immediate_locked``).
+``UpstreamTaskSeams.seams_wrapped`` true while one of ``PER_REQUEST_SEAMS``
+is patched; the write ledger reads that flag once per save and then
+registers the step's immediate rows as one write per request (see
+``WriteLedger.register_immediate_locked``).
 """
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -24,8 +24,25 @@ import torch
 from omni_prefix_cache.interface import TensorName
 from omni_prefix_cache.specs.types.write_task import TaskState, WriteTaskTrigger
 
-# What a class attribute that counts as a method looks like (what a wrapper replaces).
-_METHOD_KINDS = (types.FunctionType, classmethod, staticmethod, property)
+# The per-task methods of a write's copy -> host_ready -> pool write path: the
+# ones a wrapper can single one request's write out by. Other methods (chunk
+# appends, takeover bookkeeping, the request arrays) are not seams: a runtime
+# mutant patching one of them keeps the production shape (one step write).
+PER_REQUEST_SEAMS = frozenset(
+    {
+        "claim_copy",
+        "fire",
+        "get_host_tensor",
+        "mark_done",
+        "mark_failed",
+        "mark_host_ready",
+        "scatter_rows",
+        "set_host_tensor",
+        "transition",
+        "try_fire",
+        "try_transition",
+    }
+)
 
 # The class-level methods replaced now: (class, name) -> the original.
 _WRAPPED: dict[tuple[type, str], object] = {}
@@ -40,20 +57,20 @@ def _raw(cls: type, name: str) -> object:
 
 
 class _SeamWatch(type):
-    """Metaclass of ``UpstreamTaskSeams``: replacing (or restoring) a method
-    on a watched class after it is built updates ``seams_wrapped``.
+    """Metaclass of ``UpstreamTaskSeams``: replacing (or restoring) one of
+    ``PER_REQUEST_SEAMS`` on a watched class after it is built updates
+    ``seams_wrapped``.
 
     Only class-level assignments pass here (``setattr(cls, ...)``); instance
     attributes, method calls and task construction do not, so the hot path
-    pays nothing. Dunder names are not watched (the dataclass decorator sets
-    them while it builds the class), nor are non-method attributes (its
-    field defaults)."""
+    pays nothing. Other names are not watched (the dataclass decorator sets
+    dunders and field defaults while it builds the class)."""
 
     def __setattr__(cls, name: str, value: Any) -> None:
         key = (cls, name)
-        if key not in _WRAPPED and not name.startswith("__"):
+        if key not in _WRAPPED and name in PER_REQUEST_SEAMS:
             current = _raw(cls, name)
-            if isinstance(current, _METHOD_KINDS):
+            if current is not None:
                 _WRAPPED[key] = current
         super().__setattr__(name, value)
         _SeamWatch._settle(key)
@@ -74,8 +91,8 @@ class _SeamWatch(type):
 class UpstreamTaskSeams(metaclass=_SeamWatch):
     """Mixin of WriteTask: upstream's names over its ``taken_over`` rows and moves.
 
-    ``seams_wrapped``: true while a method of a WriteTask class is replaced
-    on the class (read by the write ledger once per save)."""
+    ``seams_wrapped``: true while one of ``PER_REQUEST_SEAMS`` is replaced
+    on a WriteTask class (read by the write ledger once per save)."""
 
     seams_wrapped: ClassVar[bool] = False
 
