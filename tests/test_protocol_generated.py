@@ -230,6 +230,30 @@ def test_a_discarded_step_moves_no_watermark(eager: bool, monkeypatch: pytest.Mo
         machine.teardown()
 
 
+def test_a_failed_pool_write_is_charged_to_its_own_task(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A trace of the generated machine's rules (kept for the reason above): q0's
+    # step registers its immediate write and a pending deferred write; the
+    # immediate write's pool write fails. The failure is that write's, never the
+    # other open task's (mutant pool_write_failure_wrong_task).
+    _quiet_events(monkeypatch)  # outside Hypothesis
+    machine = build_machine(eager=False)()
+    try:
+        machine.first_arrivals(prefixes=[0], recent_first=False)
+        first = machine.drive_new_step(_Script(**{"admit q0": 2}))
+        assert first is not None, "the trace no longer saves its first step"
+        immediate = machine.mgr.components.ledger.previous_step_writes
+        others = [t for t, task in machine.ctrl.tasks.items() if t not in immediate and not task.is_terminal]
+        assert len(immediate) == 1 and others, "the trace no longer leaves a second open task"
+        machine.drive_inject_failure("write", _Script(**{"fail write": immediate[0]}))
+        while machine._committer_unit():
+            pass
+        machine.drive_materialize(first)
+        for name in invariant_table(load_protocol()):
+            getattr(machine.checks, name)()
+    finally:
+        machine.teardown()
+
+
 # About 20 s per mode alone on 2 cores.
 _budget = settings(settings.default, max_examples=max(120, settings.default.max_examples), stateful_step_count=40)
 
