@@ -121,3 +121,45 @@ def test_pool_write_paths_count_their_whole_block_rows() -> None:
     assert all(t.us_p50 > 0 and t.gb_per_s > 0 for t in timings)
     lines = pool_write_lines([PoolWriteTiming(**t.to_dict()) for t in timings])
     assert sum(1 for line in lines if line.split()[:2] == ["prefill", "16"]) == 1
+
+
+def test_engine_wait_is_the_per_step_wall_the_engine_thread_spent_off_its_cpu() -> None:
+    """The engine wait readout is the p50 / p90 of each step's own wall minus
+    thread CPU (not the difference of the two medians), clamped at 0, and the
+    report prints it on the row."""
+    from omni_prefix_cache.tools.bench.floors import StepFloors
+    from omni_prefix_cache.tools.bench.measure import Samples, StepTiming
+    from omni_prefix_cache.tools.bench.scenarios import StepInput
+
+    samples = Samples()
+    floors = StepFloors(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+    step = StepInput(output=None, order=["r"], blocks={}, computed={}, n=1)  # type: ignore[arg-type]
+    # walls 100, 50, 400, 300, 10; cpus 10, 45, 100, 290, 12: waits 90, 5, 300, 10, 0 (clamped)
+    for wall, cpu in [(100.0, 10.0), (50.0, 45.0), (400.0, 100.0), (300.0, 290.0), (10.0, 12.0)]:
+        samples.add(StepTiming(wall, 1.0, cpu, 1.0, 0.0, 0.0, 0.0, 0.0), floors, step, {})
+    r = samples.result("decode", "threaded", committer_clocked=False, forward_us=0.0)
+    assert (r.engine_wait_us_p50, r.engine_wait_us_p90) == (10.0, 300.0)
+    assert r.engine_us_p50 - r.engine_cpu_us_p50 == 55.0  # what a difference of medians would say
+    lines = format_report(BenchReport(("threaded",), 1, [r], []))
+    assert "engine wait off-cpu inside new_step_starts + save_outputs p50 10.0 us, p90 300.0 us" in lines
+
+
+@pytest.mark.parametrize("clock", ["wall", "cpu"])
+def test_profile_keeps_the_engine_calls_and_materialize_apart(clock: str) -> None:
+    """``bench --profile``: the engine calls' profile holds new_step_starts
+    and save_outputs and nothing of materialize (its prefetch waits are not
+    the engine thread's), and materialize's profile the other way round."""
+    from omni_prefix_cache.tools.bench.profiling import profile_scenario
+
+    text = profile_scenario("decode_4", eager=False, top=200, iters=3, clock=clock, forward_us=100.0)
+    head, engine, materialize = text.split("\n==== ")
+    assert f"{clock} clock" in head
+    assert engine.startswith("engine calls") and materialize.startswith("materialize")
+    assert "(new_step_starts)" in engine and "(save_outputs)" in engine
+    assert "(materialize)" not in engine and "materializer.py" not in engine
+    assert "(materialize)" in materialize and "(save_outputs)" not in materialize
+    assert "(new_step_starts)" not in materialize
+    # The forward the bench sleeps is in neither profile.
+    assert "{built-in method time.sleep}" not in text
+    with pytest.raises(ValueError, match="unknown profile clock"):
+        profile_scenario("decode_4", clock="gpu")

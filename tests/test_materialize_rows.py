@@ -6,12 +6,14 @@ share a row."""
 from __future__ import annotations
 
 import random
+from itertools import accumulate
 
 import pytest
 import torch
 
 from omni_prefix_cache.interface import HIDDEN_KEY
-from omni_prefix_cache.reads.materializer import gather_index
+from omni_prefix_cache.reads.materializer import StepRows, gather_index
+from omni_prefix_cache.steps.step_context import StepContext
 from test_manager import MODES, Driver, Req, make
 
 
@@ -80,3 +82,59 @@ def test_any_subset_gets_exactly_its_rows(eager: bool, asked: list[str], manager
         assert all(a[1] <= b[0] for a, b in zip(spans_seen, spans_seen[1:]))
     ptrs = [out.mm_outputs["per_step"][rid].data_ptr() for rid in asked]
     assert len(set(ptrs)) == len(ptrs)  # request-invariant entries are cloned per request
+
+
+def _ctx(sizes: list[int]) -> StepContext:
+    """A step context of requests r0, r1, ... with these row counts."""
+    order = [f"r{i}" for i in range(len(sizes))]
+    starts = [0, *accumulate(sizes)]
+    spans = {rid: (start, rows) for rid, start, rows in zip(order, starts, sizes)}
+    return StepContext(step_id=1, controller=None, n=starts[-1], spans=spans, order=order, sizes=list(sizes))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_step_rows_gather_each_subset_once_in_step_order(seed: int) -> None:
+    """Any subset (adjacent requests merged into runs; a few runs copied,
+    many gathered by index) gets its own rows, in step order, in one new
+    tensor its per-request tensors cut without overlap."""
+    rng = random.Random(seed)
+    for _ in range(40):
+        sizes = [rng.choice([1, 1, 2, 5]) for _ in range(rng.randint(1, 30))]
+        ctx = _ctx(sizes)
+        src = torch.arange(ctx.n * 6, dtype=torch.float32).reshape(ctx.n, 2, 3)
+        wanted = {rid for rid in ctx.order if rng.random() < rng.choice([0.3, 0.7, 1.0])}
+        rows = StepRows.of(ctx, wanted)
+        assert rows.names == [rid for rid in ctx.order if rid in wanted]
+        if not wanted:
+            continue
+        got = rows.gather(src)
+        want = [src[ctx.spans[rid][0] : ctx.spans[rid][0] + ctx.spans[rid][1]] for rid in rows.names]
+        assert torch.equal(got, torch.cat(want))
+        assert got.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
+        parts = rows.views(got)
+        assert len(parts) == len(rows.names)
+        ends = 0
+        for part, expect in zip(parts, want):
+            assert torch.equal(part, expect)
+            assert part.data_ptr() == got.data_ptr() + ends * got.stride(0) * got.element_size()
+            ends += int(part.shape[0])
+        assert ends == int(got.shape[0])
+
+
+@pytest.mark.parametrize("eager", MODES)
+def test_many_scattered_requests_get_their_rows(eager: bool, managers: list) -> None:
+    """Twenty one-token requests over three steps, asked for every other
+    one (ten runs: more than are copied one by one, so one index gather),
+    the first half (one run) and one alone."""
+    mgr, drv = make(eager)
+    managers.append(mgr)
+    names = [f"q{i}" for i in range(20)]
+    for step, asked in enumerate((names[::2], names[:10], ["q7"])):
+        reqs = {rid: Req([i], step, 1) for i, rid in enumerate(names)}
+        sid, want = drv.run(reqs, new=names if step == 0 else [])
+        out = mgr.materialize(sid, asked)
+        assert out.hidden_states is not None and list(out.hidden_states) == asked
+        for rid in asked:
+            assert torch.equal(out.hidden_states[rid], want[rid][HIDDEN_KEY]), rid
+            assert torch.equal(out.mm_outputs["m"][rid], want[rid]["m"]), rid
+        assert list(out.token_ranges) == asked and all(out.token_ranges[r] == (step, step + 1) for r in asked)

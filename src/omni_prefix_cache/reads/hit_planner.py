@@ -146,8 +146,9 @@ class HitPlanner:
         bs = self._block_size
         every = np.fromiter((b for blocks in hits for b in blocks), dtype=np.int64)
         slots = np.add.outer(every * bs, np.arange(bs, dtype=np.int64)).reshape(-1)
-        cuts = np.cumsum([len(blocks) * bs for blocks in hits])[:-1]
-        return [torch.from_numpy(part) for part in np.split(slots, cuts)]
+        # One torch split (views) rather than numpy's split: numpy's is a
+        # Python loop of several calls per part, on the engine thread.
+        return list(torch.from_numpy(slots).split([len(blocks) * bs for blocks in hits]))
 
     def register(
         self, candidates: list[tuple[ReqId, int, int, list[int]]], num_sched: Mapping[ReqId, int]

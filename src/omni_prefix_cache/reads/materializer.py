@@ -16,13 +16,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
+import numpy as np
 import torch
 
 from omni_prefix_cache.device.copy_engine import DeviceEvent
-from omni_prefix_cache.device.index_tensors import int64_tensor, per_row
+from omni_prefix_cache.device.index_tensors import int64_tensor, per_row_ids
 from omni_prefix_cache.interface import (
     OmniPrefixCacheShutdownError,
     OmniPrefixCacheUnmatchError,
@@ -54,8 +56,9 @@ class Materializer:
         Raises OmniPrefixCacheUnmatchError for ids outside the save snapshot
         or a hit that cannot be served, the shutdown error for a hit read
         cancelled by shutdown, the write-failed error on a device fault."""
-        outside = [r for r in req_ids if r not in ctx.spans]
-        if outside:
+        wanted = set(req_ids)
+        if not ctx.spans.keys() >= wanted:
+            outside = [r for r in req_ids if r not in ctx.spans]
             raise OmniPrefixCacheUnmatchError(
                 f"materialize(step {ctx.step_id}): request ids {listed(outside)} are outside the save snapshot "
                 f"(saved: {listed(list(ctx.spans))})"
@@ -83,15 +86,13 @@ class Materializer:
         # The plain requests' rows are gathered once per key (one copy of
         # just their rows) and cut into per-request views, in step order;
         # the views are disjoint, so no request aliases another.
-        wanted = set(req_ids)
-        names, sizes, index = self.request_rows(ctx, wanted.difference(hits) if hits else wanted)
+        plain = StepRows.of(ctx, wanted.difference(hits) if hits else wanted)
         for key, src in sources.items():
             out_map = hidden_out if is_hidden_key(key) else mm_out[key]
             if out_map is None:
                 continue
-            if names:
-                picked = src[: ctx.n].clone() if index is None else src.index_select(0, index)
-                out_map.update(zip(names, torch.split(self.restore_shape(ctx, key, picked), sizes)))
+            if plain.names:
+                out_map.update(zip(plain.names, plain.views(self.restore_shape(ctx, key, plain.gather(src)))))
             for rid in hit_reqs:
                 start, rows = ctx.spans[rid]
                 fut = ctx.hit_prefetch.get(rid, {}).get(key)
@@ -109,7 +110,7 @@ class Materializer:
                         hidden_out[rid] = prefix
                 else:
                     mm_out.setdefault(key, {})[rid] = prefix
-        every: tuple[list[ReqId], list[int], torch.Tensor | None] | None = None
+        every: StepRows | None = None
         token_major = {k for k in sources if not is_hidden_key(k)}
         for key, value in ctx.mm_cpu_snapshot.items():
             if key in sources:
@@ -119,18 +120,19 @@ class Materializer:
                 token_major.add(key)
                 # Token-major: one gather and a view per request, as for the pool keys.
                 if every is None:
-                    every = self.request_rows(ctx, wanted)
-                picked = value.clone() if every[2] is None else value.index_select(0, every[2])
-                out_map.update(zip(every[0], torch.split(picked, every[1])))
+                    every = plain if not hit_reqs else StepRows.of(ctx, wanted)
+                if every.names:
+                    out_map.update(zip(every.names, every.views(every.gather(value))))
                 continue
             for rid in req_ids:
                 start, rows = ctx.spans[rid]
                 out_map[rid] = payload_for_request(value, start, start + rows, ctx.n)
-        return self.outputs(ctx, req_ids, hidden_out, mm_out, token_major)
+        return self.outputs(ctx, wanted, req_ids, hidden_out, mm_out, token_major)
 
     @staticmethod
     def outputs(
         ctx: StepContext,
+        wanted: set[ReqId],
         req_ids: Sequence[ReqId],
         hidden: dict[ReqId, torch.Tensor] | None,
         mm: dict[TensorName, dict[ReqId, Any]],
@@ -141,32 +143,29 @@ class Materializer:
         else its scheduled range; the tenures they were saved under."""
         scheduled = ctx.token_ranges
         starts = ctx.hit_starts
-        ranges = {r: (starts[r], scheduled[r][1]) if r in starts else scheduled[r] for r in req_ids if r in scheduled}
-        cached = frozenset(k for k in ctx.layouts if not is_hidden_key(k) and k in mm)
         tenures = ctx.tenures
+        if not starts and scheduled.keys() == wanted and list(req_ids) == ctx.order:
+            # Every request of the step in step order, none with a hit
+            # (decode): the step's own tables, copied whole, in the same
+            # order (no Python per request).
+            ranges = dict(scheduled)
+            sched = dict(scheduled)
+        else:
+            ranges = {
+                r: (starts[r], scheduled[r][1]) if r in starts else scheduled[r] for r in req_ids if r in scheduled
+            }
+            sched = {r: scheduled[r] for r in ranges}
+        progress = dict(tenures) if tenures.keys() == ranges.keys() else {r: tenures[r] for r in ranges if r in tenures}
+        cached = frozenset(k for k in ctx.layouts if not is_hidden_key(k) and k in mm)
         return StageCacheOutputs(
             hidden_states=hidden,
             mm_outputs=mm,
             token_ranges=ranges,
-            scheduled_token_ranges={r: scheduled[r] for r in ranges},
+            scheduled_token_ranges=sched,
             cached_mm_keys=cached,
             token_mm_keys=frozenset(token_major),
-            _progress={r: tenures[r] for r in ranges if r in tenures},
+            _progress=progress,
         )
-
-    @staticmethod
-    def request_rows(ctx: StepContext, wanted: set[ReqId]) -> tuple[list[ReqId], list[int], torch.Tensor | None]:
-        """The requests of ``wanted`` (inside the save snapshot) in step
-        order, their row counts this step and the step rows to gather for
-        them (None: all ``n`` rows, in order)."""
-        if not wanted:
-            return [], [], torch.empty((0,), dtype=torch.int64)
-        if len(wanted) == len(ctx.order) and wanted.issuperset(ctx.order):
-            return ctx.order, ctx.sizes, None
-        spans = ctx.spans
-        names = sorted(wanted, key=lambda r: spans[r][0])
-        sizes = [spans[r][1] for r in names]
-        return names, sizes, gather_index([spans[r][0] for r in names], sizes)
 
     def merge_hit(
         self,
@@ -242,9 +241,73 @@ class Materializer:
 def gather_index(starts: list[int], sizes: list[int]) -> torch.Tensor:
     """The rows ``range(starts[i], starts[i] + sizes[i])`` of every ``i``,
     concatenated (int64). The shift from output row to step row is constant
-    per request: one ``per_row`` of the shifts plus the output row."""
+    per request: one ``per_row_ids`` of the shifts plus the output row."""
     if sizes.count(1) == len(sizes):  # one row each (decode)
         return int64_tensor(starts)
     firsts = accumulate(sizes, initial=0)
-    shifts = per_row([start - first for start, first in zip(starts, firsts)], sizes)
-    return shifts.add_(torch.arange(int(shifts.numel()), dtype=torch.int64))
+    ids = per_row_ids([start - first for start, first in zip(starts, firsts)], sizes)
+    ids += np.arange(ids.size, dtype=np.int64)
+    return torch.from_numpy(ids)
+
+
+# At most this many contiguous runs are gathered by one copy each into the
+# output; more (decode requests picked one by one) by one index_select.
+_COPY_RUNS = 8
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class StepRows:
+    """Some requests of a step, in step order: their names, row counts and
+    where their rows sit in the step, as contiguous runs ``(first step row,
+    rows)`` (adjacent requests merge into one run). ``gather`` copies their
+    rows out of a step tensor once, into one new tensor; ``views`` cuts that
+    tensor into one view per request."""
+
+    names: list[ReqId]
+    sizes: list[int]
+    runs: list[tuple[int, int]]
+
+    @classmethod
+    def of(cls, ctx: StepContext, wanted: set[ReqId]) -> StepRows:
+        """The requests of ``wanted`` (each inside the save snapshot)."""
+        if len(wanted) == len(ctx.order):  # inside the snapshot, as many: all of it, one run
+            return cls(ctx.order, ctx.sizes, [(0, ctx.n)])
+        spans = ctx.spans
+        names = [r for r in ctx.order if r in wanted]
+        sizes = [spans[r][1] for r in names]
+        runs: list[tuple[int, int]] = []
+        end = -1
+        for r in names:
+            start, rows = spans[r]
+            if start == end:
+                first, count = runs[-1]
+                runs[-1] = (first, count + rows)
+            else:
+                runs.append((start, rows))
+            end = start + rows
+        return cls(names, sizes, runs)
+
+    def gather(self, src: torch.Tensor) -> torch.Tensor:
+        """These requests' rows of ``src`` (step rows first), one new tensor:
+        one copy per run into a preallocated output, or one index_select."""
+        runs = self.runs
+        if len(runs) == 1:
+            first, rows = runs[0]
+            return src[first : first + rows].clone()
+        if len(runs) > _COPY_RUNS:
+            return src.index_select(0, gather_index([s for s, _ in runs], [k for _, k in runs]))
+        out = torch.empty((sum(self.sizes), *src.shape[1:]), dtype=src.dtype, device=src.device)
+        at = 0
+        for first, rows in runs:
+            out[at : at + rows].copy_(src[first : first + rows])
+            at += rows
+        return out
+
+    def views(self, rows: torch.Tensor) -> Sequence[torch.Tensor]:
+        """``rows`` (a ``gather``, reshaped) cut into one tensor per request.
+        Not views torch tracks: ``rows`` is private to this output and no
+        autograd runs on it, so the untracked split (a third cheaper per
+        request) shares the storage the same way."""
+        if len(self.sizes) == 1:
+            return (rows,)
+        return rows.unsafe_split_with_sizes(self.sizes)

@@ -86,14 +86,21 @@ def time_step(
     committer_cpu: Clock | None,
     forward_us: float,
     profiler: cProfile.Profile | None,
+    materialize_profiler: cProfile.Profile | None = None,
 ) -> tuple[StepTiming, Any]:
     """Run one step's engine calls and its materialize, timed; its timing and
     what materialize returned. ``hidden`` is the static hidden buffer (its
     first ``st.n`` rows are saved); ``forward_us`` is slept between the two
     engine calls and left out of the engine span; ``profiler`` (when given)
-    runs across the step's spans only."""
+    runs across the step's spans only, ``materialize_profiler`` (when given)
+    takes over materialize's span from it (and the forward is in neither),
+    so each profile shows one span's calls."""
     n = st.n
     k0 = k1 = k2 = 0
+    split = materialize_profiler is not None
+    # Split: the engine profile pauses for the forward and hands over to materialize's.
+    engine_prof = profiler if split else None
+    mat_prof = materialize_profiler if split else None
     if profiler is not None:
         profiler.enable()
     if committer_cpu is not None:
@@ -102,6 +109,8 @@ def time_step(
     c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
     mgr.new_step_starts(st.output)
     if forward_us > 0:
+        if engine_prof is not None:
+            engine_prof.disable()
         fa, ca = time.perf_counter_ns(), time.thread_time_ns()
         ka = committer_cpu() if committer_cpu is not None else 0
         time.sleep(forward_us / 1e6)
@@ -109,8 +118,14 @@ def time_step(
         # The forward is not engine time: shift the span's start by its length.
         cb, fb = time.thread_time_ns(), time.perf_counter_ns()
         t0, c0, k0 = t0 + (fb - fa), c0 + (cb - ca), k0 + (kb - ka)
+        if engine_prof is not None:
+            engine_prof.enable()
     sid = mgr.save_outputs(hidden[:n], mm, num_tokens_unpadded=n, num_tokens_padded=n)
     t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+    if engine_prof is not None:
+        engine_prof.disable()
+    if mat_prof is not None:
+        mat_prof.enable()
     if committer_cpu is not None:
         # Read between the two timed calls: materialize's span starts after it.
         k1 = committer_cpu()
@@ -123,7 +138,9 @@ def time_step(
     f2 = thread_faults()
     if committer_cpu is not None:
         k2 = committer_cpu()
-    if profiler is not None:
+    if mat_prof is not None:
+        mat_prof.disable()
+    elif profiler is not None and not split:
         profiler.disable()
     timing = StepTiming(
         engine_us=(t1 - t0) / 1000.0,
@@ -164,6 +181,8 @@ class Samples:
         e50, m50 = pct(eng, 50), pct(mat, 50)
         ef, mf = pct([f.engine_us for f in fl], 50), pct([f.materialize_us for f in fl], 50)
         ec, mc = pct(eng_cpu, 50), pct(mat_cpu, 50)
+        # Off-CPU time per step; a clock read's jitter can make CPU exceed wall by a hair.
+        waits = [max(0.0, t.engine_us - t.engine_cpu_us) for t in ts]
         efc, mfc = pct([f.engine_cpu_us for f in fl], 50), pct([f.materialize_cpu_us for f in fl], 50)
         total_s = (sum(eng) + sum(mat)) / 1e6
         per_step = self.reqs / steps
@@ -201,6 +220,8 @@ class Samples:
                 pct([t.committer_materialize_us for t in ts], 50) if committer_clocked else None
             ),
             forward_us=float(forward_us),
+            engine_wait_us_p50=pct(waits, 50),
+            engine_wait_us_p90=pct(waits, 90),
             engine_faults_p50=pct([t.engine_faults for t in ts], 50) if faults else None,
             materialize_faults_p50=pct([t.materialize_faults for t in ts], 50) if faults else None,
         )
@@ -257,6 +278,7 @@ def run_scenario(
     warmup: int | None = None,
     seed: int = 0,
     profiler: cProfile.Profile | None = None,
+    materialize_profiler: cProfile.Profile | None = None,
     manager_factory: ManagerFactory | None = None,
     on_step: Callable[[], None] | None = None,
     forward_us: float = 0.0,
@@ -269,7 +291,9 @@ def run_scenario(
     ``save_outputs`` (a forward pass), not counted in the engine time.
     ``during_timed(manager)``: a context entered before the first timed step
     and left after the last (also on an error), before the manager shuts down.
-    ``warm``: the pool's slabs are opened and written once first (``warm_pool``)."""
+    ``warm``: the pool's slabs are opened and written once first (``warm_pool``).
+    ``profiler`` profiles the timed steps' spans; with ``materialize_profiler``
+    too, the engine calls' and materialize's spans each in their own."""
     iters = sc.iters if iters is None else iters
     warmup = sc.warmup if warmup is None else warmup
     steps = plan_steps(sc, warmup + iters, seed)
@@ -290,7 +314,16 @@ def run_scenario(
             timed = i >= warmup
             if i == warmup and during_timed is not None:
                 hook.enter_context(during_timed(mgr))
-            timing, outs = time_step(mgr, st, rig.hidden, mm, committer_cpu, forward_us, profiler if timed else None)
+            timing, outs = time_step(
+                mgr,
+                st,
+                rig.hidden,
+                mm,
+                committer_cpu,
+                forward_us,
+                profiler if timed else None,
+                materialize_profiler if timed else None,
+            )
             if on_step is not None:
                 on_step()
             if timed:

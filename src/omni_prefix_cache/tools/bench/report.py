@@ -112,6 +112,11 @@ def _result_lines(r: ScenarioResult) -> list[str]:
         f"(cpu {r.step_cpu_us_p50:.1f} us; p50 of per-step sums)"
         + ("" if r.step_vs_baseline is None else f", {_vs(r.step_vs_baseline)} the baseline's (raw wall)")
     )
+    lines.append(
+        f"{'':<13} {r.mode:<8} {'engine wait':<11} off-cpu inside new_step_starts + save_outputs "
+        f"p50 {r.engine_wait_us_p50:.1f} us, p90 {r.engine_wait_us_p90:.1f} us (wall - thread cpu per step: "
+        "the save barrier, a lock, a staging claim, the GIL, or another process on the core)"
+    )
     if r.committer_cpu_engine_us_p50 is not None and r.committer_cpu_materialize_us_p50 is not None:
         lines.append(
             f"{'':<13} {r.mode:<8} {'committer':<11} thread cpu inside engine "

@@ -87,6 +87,12 @@ class ScenarioResult:
     # (None: no committer thread, or no per-thread CPU clock on this platform).
     committer_cpu_engine_us_p50: float | None = None
     committer_cpu_materialize_us_p50: float | None = None
+    # The engine thread off its CPU inside new_step_starts + save_outputs (wall - thread CPU,
+    # p50 and p90 per step): a save barrier on the committer, a lock, a staging claim, the GIL,
+    # or the core lent to another process (a loaded machine shows up here, eager too).
+    # With a simulated forward (``--forward-us``) at least the committer's work it should be ~0.
+    engine_wait_us_p50: float = 0.0
+    engine_wait_us_p90: float = 0.0
     # Floor-normalised ratio to the baseline report's same row (None: no baseline row).
     engine_vs_baseline: float | None = None
     materialize_vs_baseline: float | None = None

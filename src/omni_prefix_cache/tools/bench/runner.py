@@ -198,7 +198,16 @@ def main_bench(args: argparse.Namespace) -> int:
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     if args.profile:
-        print(profile_scenario(args.profile, eager=args.mode != "threaded", top=args.top, iters=args.iters))
+        print(
+            profile_scenario(
+                args.profile,
+                eager=args.mode != "threaded",
+                top=args.top,
+                iters=args.iters,
+                clock=getattr(args, "profile_clock", "wall"),
+                forward_us=getattr(args, "forward_us", 0.0),
+            )
+        )
         return 0
     from omni_prefix_cache.tools.progress import StepProgress
 

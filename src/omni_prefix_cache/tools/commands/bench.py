@@ -83,9 +83,18 @@ def add_parser(sub: Any) -> None:
         "--profile",
         metavar="SCENARIO",
         type=profile_scenario,
-        help="cProfile one scenario (a name above or decode_<requests>) and print the top functions",
+        help="cProfile one scenario (a name above or decode_<requests>) and print the top functions, "
+        "the engine calls and materialize each in their own profile (--forward-us applies, the forward "
+        "left out)",
     )
     p.add_argument("--top", type=positive, default=25, help="functions shown by --profile")
+    p.add_argument(
+        "--profile-clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="what --profile times: wall (a wait shows in the function waiting) or cpu (the calling "
+        "thread's CPU time: where the engine cpu target's time goes)",
+    )
     p.add_argument("--json", action="store_true", help="print the machine-readable report (no progress line)")
     p.add_argument(
         "--metrics",
