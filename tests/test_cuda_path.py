@@ -405,9 +405,8 @@ def test_budget_accounting_is_identical_on_host_and_device_engines(caplog: pytes
 
 
 def test_a_steps_device_clones_are_freed_once_its_rows_are_on_the_host() -> None:
-    # A save's immediate writes are windows of one StepRows; its device clones back none of
-    # them once the step's staging copy landed, so the first copy stage frees them for all,
-    # not the drain of the last write.
+    # A save's immediate rows are one write over one StepRows; its device clones back none
+    # of it once the step's staging copy landed, so its copy stage frees them, not its drain.
     from tests.test_manager import BlockView, Driver, Req
 
     engine = FakeDeviceEngine()
@@ -418,7 +417,8 @@ def test_a_steps_device_clones_are_freed_once_its_rows_are_on_the_host() -> None
         sid, want = drv.run({"a": Req([0, 1], 0, 5), "b": Req([2, 3], 0, 3)})
         records = list(mgr._ledger.records.values())
         steps = {id(chunk.step): chunk.step for rec in records for _, chunk in rec.parts}
-        assert len(records) == 2 and len(steps) == 1
+        assert len(records) == 1 and len(steps) == 1
+        assert records[0].task.req_ids == ("a", "b")
         (step,) = steps.values()
         assert set(step.tensors) == {HIDDEN_KEY, "m"}, "the fake device engine treats the outputs as device tensors"
         ctrl = mgr._controller

@@ -146,6 +146,114 @@ def test_a_paused_prefetch_reads_preserved_rows_of_reused_slots(eager: bool, mon
         machine.teardown()
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["manual", "eager"])
+def test_a_replaced_request_hands_its_unconsumed_output_off(eager: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A trace of the generated machine's rules: four requests save one step
+    # (not yet materialized); q0 is REPLACED and q1 preempted and RESUMED in
+    # the next step; then the first step is materialized and the talker
+    # commits it. q0's old tenure is retired, so its output is handed off and
+    # no watermark of it moves (mutant commit_keeps_retired). The generated
+    # machine finds this at random; its draws depend on how many write tasks a
+    # step registers, so the trace is kept here, independent of that.
+    _quiet_events(monkeypatch)  # outside Hypothesis
+    machine = build_machine(eager=eager)()
+    try:
+        machine.first_arrivals(prefixes=[0, 0], recent_first=False)
+        arrivals = [("prefix", 0), ("tail", []), ("pair", False)] * 2
+        admits = {f"admit q{i}": 1 for i in range(4)}
+        first = machine.drive_new_step(_Script(*arrivals, arrivals=2, **admits))
+        assert first is not None, "the trace no longer saves its first step"
+        machine.drive_replace(_Script(replace="q0", prefix=0))
+        machine.drive_resume(_Script(**{"preempt": "q1", "run q2": 1, "run q3": 1, "admit q1": 1}))
+        machine.drive_materialize(first, _Script(talker="commit", **{"client lag": 1}))
+        for name in invariant_table(load_protocol()):
+            getattr(machine.checks, name)()
+    finally:
+        machine.teardown()
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["manual", "eager"])
+def test_a_lagging_ack_moves_the_tenure_its_output_was_saved_under(
+    eager: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A trace of the generated machine's rules (kept for the reason above): q1's
+    # first step is materialized, the talker acknowledges it and the client lags;
+    # q1 is REPLACED and the next step starts its new tenure; the client then
+    # acknowledges the old output. The ack moves the old tenure's watermark, not
+    # the new one's (mutant ack_resolves_tenure_by_id).
+    _quiet_events(monkeypatch)  # outside Hypothesis
+    machine = build_machine(eager=eager)()
+    try:
+        machine.first_arrivals(prefixes=[0, 0], recent_first=False)
+        machine.drive_drain()
+        machine.drive_finish_or_abort("abort", _Script(abort="q0"))
+        arrival = [("prefix", 0), ("tail", []), ("pair", False)]
+        first = machine.drive_new_step(_Script(*arrival, arrivals=1, **{"admit q1": 1, "admit q2": 1}))
+        assert first is not None, "the trace no longer saves its first step"
+        machine.drive_materialize(first, _Script(talker="ack", **{"client lag": 1}))
+        machine.drive_replace(_Script(replace="q1", prefix=0))
+        script = _Script(**{"run q2": 1, "admit q1": 1, "forward, then save at once": 0})
+        machine.drive_new_step(script)
+        assert machine.desk.inbox, "the trace no longer leaves the client an output"
+        machine.drive_client(_Script(**{"client order": 0, "client": "ack"}))
+        for name in invariant_table(load_protocol()):
+            getattr(machine.checks, name)()
+    finally:
+        machine.teardown()
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["manual", "eager"])
+def test_a_discarded_step_moves_no_watermark(eager: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A trace of the generated machine's rules (kept for the reason above): a
+    # step is saved, materialized and acknowledged by both consumers; q0 is
+    # preempted for an interim tenant and resumed; the last step is discarded.
+    # A discard delivers nothing (mutant discard_counts_as_delivery).
+    _quiet_events(monkeypatch)  # outside Hypothesis
+    machine = build_machine(eager=eager)()
+    try:
+        machine.first_arrivals(prefixes=[0, 0], recent_first=True)
+        machine.drive_submit_queued(0)
+        arrival = [("prefix", 0), ("tail", []), ("pair", False)]
+        admits = {"admit q0": 1, "admit q1": 1, "admit q2": 1, "forward, then save at once": 0}
+        machine.drive_new_step(_Script(*arrival, arrivals=1, **admits))
+        first = machine.drive_save()
+        assert first is not None, "the trace no longer saves its first step"
+        machine.drive_materialize(first, _Script(talker="ack", client="ack", **{"client lag": 0}))
+        runs = [("keys as leftovers", ()), ("run q1", 1), ("run q2", 1)]
+        script = _Script(*runs, *runs, **{"preempt": "q0", "tenant prefix": 0, "admit q3": 1, "admit q0": 1})
+        steps = machine.drive_interim_tenant(script)
+        assert len(steps) == 2, "the trace no longer saves two interim steps"
+        machine.drive_discard(steps[1])
+        for name in invariant_table(load_protocol()):
+            getattr(machine.checks, name)()
+    finally:
+        machine.teardown()
+
+
+def test_a_failed_pool_write_is_charged_to_its_own_task(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A trace of the generated machine's rules (kept for the reason above): q0's
+    # step registers its immediate write and a pending deferred write; the
+    # immediate write's pool write fails. The failure is that write's, never the
+    # other open task's (mutant pool_write_failure_wrong_task).
+    _quiet_events(monkeypatch)  # outside Hypothesis
+    machine = build_machine(eager=False)()
+    try:
+        machine.first_arrivals(prefixes=[0], recent_first=False)
+        first = machine.drive_new_step(_Script(**{"admit q0": 2}))
+        assert first is not None, "the trace no longer saves its first step"
+        immediate = machine.mgr.components.ledger.previous_step_writes
+        others = [t for t, task in machine.ctrl.tasks.items() if t not in immediate and not task.is_terminal]
+        assert len(immediate) == 1 and others, "the trace no longer leaves a second open task"
+        machine.drive_inject_failure("write", _Script(**{"fail write": immediate[0]}))
+        while machine._committer_unit():
+            pass
+        machine.drive_materialize(first)
+        for name in invariant_table(load_protocol()):
+            getattr(machine.checks, name)()
+    finally:
+        machine.teardown()
+
+
 def test_a_resumed_request_remapping_a_hit_slot_keeps_the_hit_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     # A trace the fuzzer found (ManualProtocolMachine, seed 1958410380): q0's
     # deferred rows [0, 4) are still in its open JOIN_ON_FINISH write when q0 is

@@ -1,6 +1,7 @@
-"""A save's registration of its immediate writes (WriteLedger.register_immediate_locked,
+"""A save's registration of its immediate write (WriteLedger.register_immediate_locked,
 WriteTask.step_write, RequestTasks.open_many) and its tenancy (take_tenancy_locked) against
-references: the dataclass constructor, one ``open`` per write, one owner per request's rows."""
+references: the dataclass constructor, one ``open`` per write, one write (one owner) for the
+step's rows with every request's rows as state arrays on it."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from omni_prefix_cache.steps.request_tasks import RequestTasks
 from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy, SlotState
 from omni_prefix_cache.steps.step_layout import StepOutputs
 from omni_prefix_cache.steps.write_ledger import WriteLedger
-from omni_prefix_cache.writes.chunks import StepRows, WriteChunk
+from omni_prefix_cache.writes.chunks import StepRequests, StepRows, WriteChunk
+from omni_prefix_cache.writes.mode import WriteMode
 from omni_prefix_cache.writes.staging import StepD2HClaim
 from omni_prefix_cache.writes.write_task import TaskEvent, WriteTask
 
@@ -30,17 +32,19 @@ FACTORY_FIELDS = {f.name for f in dataclasses.fields(WriteTask) if f.default_fac
 def test_step_write_builds_what_the_constructor_builds() -> None:
     chunk = WriteChunk.of_step(StepRows(slots=torch.arange(4), host={}, tensors={}), 1, 3)
     event = object()
-    fast = WriteTask.step_write(7, "r", 2, chunk, "freeze", 3, event)
-    other = WriteTask.step_write(1, "q", 1, chunk, None, 0, None)
+    requests = StepRequests.of(["r", "s"], [1, 1])
+    fast = WriteTask.step_write(7, requests, chunk, "freeze", 3, event)
+    other = WriteTask.step_write(1, StepRequests.of(["q"], [2]), chunk, None, 0, None)
     slow = WriteTask(
         tid=7,
         req_id="r",
-        write_n=2,
+        write_n=1,
         schedule=WriteSchedule.JOIN_NEXT_STEP,
         chunks=[chunk],
         freeze_event="freeze",
         staging_slot=3,
         step_d2h_event=event,
+        requests=requests,
     )
     # Every field, in field order (a field added to the dataclass must be added to step_write).
     assert list(vars(fast)) == list(vars(slow)) == [f.name for f in dataclasses.fields(WriteTask)]
@@ -57,6 +61,7 @@ def test_step_write_builds_what_the_constructor_builds() -> None:
     assert fast.chunks is not slow.chunks and fast.chunks == [chunk]
     assert fast.enqueued_time <= slow.enqueued_time
     assert not fast.host_ready.is_set() and not fast.done.is_set() and fast.taken_over == {}
+    assert fast.req_ids == ("r", "s") and fast.holds_request("s") and not fast.holds_request("q")
 
 
 def test_step_write_takes_its_lock_from_the_sync_seam() -> None:
@@ -65,7 +70,7 @@ def test_step_write_takes_its_lock_from_the_sync_seam() -> None:
 
     chunk = WriteChunk.of_step(StepRows(slots=torch.arange(1), host={}, tensors={}), 0, 1)
     with sync.installed(RLock=SeamRLock):
-        task = WriteTask.step_write(1, "r", 1, chunk, None, 0, None)
+        task = WriteTask.step_write(1, StepRequests.of(["r"], [1]), chunk, None, 0, None)
     assert isinstance(task.lock, SeamRLock)
     assert isinstance(task.host_ready, TaskEvent) and isinstance(task.done, TaskEvent)
 
@@ -103,8 +108,11 @@ def test_open_many_counts_and_lists_each_requests_writes_in_order(seed: int) -> 
 class _Controller:
     """What registration asks of the controller: CPU tensors, and the registered batch."""
 
-    def __init__(self) -> None:
+    def __init__(self, wrapped: bool = False) -> None:
         self.registered: list[list[WriteTask]] = []
+        self.mode = WriteMode(eager=False, committer="manual")
+        if wrapped:  # compat's record of a wrapped per-request seam
+            self.mode.wrapped_seams.add("_scatter")
 
     def is_device(self, tensor: torch.Tensor) -> bool:
         return False
@@ -115,7 +123,7 @@ class _Controller:
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_a_step_registers_one_write_per_request_and_owns_its_rows(seed: int) -> None:
+def test_a_step_registers_one_write_for_all_its_requests_and_owns_its_rows(seed: int) -> None:
     rng = random.Random(seed)
     keys = ("h", "mm")
     occ = SlotOccupancy(64)
@@ -141,15 +149,19 @@ def test_a_step_registers_one_write_per_request_and_owns_its_rows(seed: int) -> 
         registered: list[WriteTask] = []
         tasks = ledger.register_immediate_locked(split, claimed, req_order, spans, slots, registered)
         assert registered == tasks == ctrl.registered[-1]
-        assert [t.tid for t in tasks] == list(range(first_tid, first_tid + len(req_order)))
-        owner = torch.empty(n, dtype=torch.int64)
-        for rid, task in zip(req_order, tasks, strict=True):
+        (task,) = tasks
+        assert task.tid == first_tid
+        assert (task.staging_slot, task.schedule) == (step, WriteSchedule.JOIN_NEXT_STEP)
+        assert torch.equal(task.chunks[0].slots_cpu, slots)
+        assert ledger.records[task.tid].parts == [(keys, task.chunks[0])]
+        # Per request: its rows as offsets on the one write, in step order; nothing per request.
+        assert task.req_ids == tuple(req_order), f"seed={seed}"
+        assert task.requests is not None
+        for i, rid in enumerate(req_order):
             lo, size = spans[rid]
-            assert (task.req_id, task.write_n) == (rid, opened_before.get(rid, 0) + 1), f"seed={seed}"
-            assert (task.staging_slot, task.schedule) == (step, WriteSchedule.JOIN_NEXT_STEP)
-            assert torch.equal(task.chunks[0].slots_cpu, slots[lo : lo + size])
-            assert ledger.records[task.tid].parts == [(keys, task.chunks[0])]
-            owner[lo : lo + size] = task.tid
+            assert task.requests.offsets[i : i + 2] == (lo, lo + size), f"seed={seed}"
+        assert ledger.requests.opened == opened_before and not ledger.requests.tasks
+        owner = torch.full((n,), task.tid, dtype=torch.int64)
         deferred: list[Tid] = []
         ledger.take_tenancy_locked(split, slots, req_order, spans, tasks, deferred)
         for key in keys:
@@ -158,3 +170,81 @@ def test_a_step_registers_one_write_per_request_and_owns_its_rows(seed: int) -> 
             assert (table.state[slots] == int(SlotState.IN_TRANSIT)).all()
         other: Any = occ.get_slot_status("other")
         assert (other.state[slots] == int(SlotState.ABSENT)).all()
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_wrapped_per_request_seam_makes_each_requests_rows_its_own_step_write(seed: int) -> None:
+    # Compat: while a per-request seam is wrapped, each request's immediate rows are a step
+    # write of their own (one request in its arrays), in step order, each owning its rows.
+    rng = random.Random(seed)
+    occ = SlotOccupancy(64)
+    for key in ("h", "other"):
+        occ.add_key(key)
+    ctrl = _Controller(wrapped=True)
+    ledger = WriteLedger(ctrl, occ, threading.Lock(), set(), Counter())  # type: ignore[arg-type]
+    for step in range(3):
+        req_order: list[ReqId] = [f"r{i}" for i in rng.sample(range(6), rng.randint(1, 6))]
+        sizes = [rng.choice([0, 1, 1, 3]) for _ in req_order]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        spans = {rid: (lo, size) for rid, lo, size in zip(req_order, starts, sizes, strict=True)}
+        n = sum(sizes)
+        slots = torch.tensor(rng.sample(range(64), n), dtype=torch.int64)
+        split = StepOutputs(immediate={"h": torch.randn(n, 2)}, leftover={}, deferred_chunks=[])
+        claimed = StepD2HClaim(step, {"h": split.immediate["h"].clone()}, None)
+        first_tid = max(ledger.records, default=0) + 1
+        registered: list[WriteTask] = []
+        tasks = ledger.register_immediate_locked(split, claimed, req_order, spans, slots, registered)
+        assert registered == tasks == ctrl.registered[-1]
+        assert [t.tid for t in tasks] == list(range(first_tid, first_tid + len(req_order))), f"seed={seed}"
+        assert [t.req_ids for t in tasks] == [(rid,) for rid in req_order], f"seed={seed}"
+        owner = torch.empty(n, dtype=torch.int64)
+        for task, lo, size in zip(tasks, starts, sizes, strict=True):
+            assert type(task) is WriteTask and task.schedule is WriteSchedule.JOIN_NEXT_STEP
+            assert task.requests is not None and task.requests.offsets == (0, size)
+            assert torch.equal(task.chunks[0].slots_cpu, slots[lo : lo + size]), f"seed={seed}"
+            owner[lo : lo + size] = task.tid
+        ledger.take_tenancy_locked(split, slots, req_order, spans, tasks, [])
+        assert torch.equal(occ.get_slot_status("h").tids[slots], owner), f"seed={seed} step={step}"
+
+
+def test_a_finished_request_escalates_the_step_write_holding_its_rows() -> None:
+    # A step's rows are one write: finishing any of its requests escalates that write (the
+    # previous step's, the only one the save barrier has not joined), once; a request it
+    # does not hold escalates nothing.
+    from tests.test_manager import BS, NUM_BLOCKS, BlockView, Driver, Req
+
+    from omni_prefix_cache.interface import PrefixCacheConfig
+    from omni_prefix_cache.manager import OmniPrefixCacheManager
+
+    view = BlockView()
+    mgr = OmniPrefixCacheManager(
+        PrefixCacheConfig(num_blocks=NUM_BLOCKS, block_size=BS), view, eager=False, committer="manual"
+    )
+    try:
+        drv = Driver(mgr, view)
+        sid, _ = drv.run({"a": Req([0], 0, 4), "b": Req([1], 0, 2)})
+        ledger = mgr.components.ledger
+        (tid,) = ledger.previous_step_writes
+        with mgr.components.state_lock:
+            assert ledger.finish_request_locked("b") == [tid]
+            assert ledger.finish_request_locked("a") == [tid]
+            assert ledger.finish_request_locked("z") == []
+        escalated: list[list[Tid]] = []
+        ctrl = mgr.components.controller
+        real = ctrl.escalate
+        ctrl.escalate = lambda tids: (escalated.append(list(tids)), real(tids))[1]  # type: ignore[method-assign]
+        mgr.new_step_starts(_finish(["a", "b"]))
+        assert escalated == [[tid, tid]]  # the controller escalates each task once
+        assert ctrl.tasks[tid].state.name != "PENDING"
+        mgr.discard_step(sid)
+    finally:
+        mgr.shutdown()
+
+
+def _finish(rids: list[ReqId]) -> Any:
+    class Out:
+        finished_req_ids = set(rids)
+        scheduled_new_reqs: list[Any] = []
+        num_scheduled_tokens: dict[ReqId, int] = {}
+
+    return Out()

@@ -202,11 +202,7 @@ class OmniPrefixCacheController(UpstreamSeams):
     # ------------------------------------------------------------ staging
 
     def stage_step_host(
-        self,
-        tensors: dict[TensorName, torch.Tensor],
-        n: int,
-        freeze_event: Any,
-        step_holder: StagingBufferHolder,
+        self, tensors: dict[TensorName, torch.Tensor], n: int, freeze_event: Any, step_holder: StagingBufferHolder
     ) -> StepD2HClaim:
         """Claim a staging page for ``step_holder`` and launch one whole-step
         device-to-host copy of ``tensors`` (see ``StagingBufferPool.stage_step``)."""
@@ -343,7 +339,7 @@ class OmniPrefixCacheController(UpstreamSeams):
         claims under the same lock. Eager: ``eager_run`` for the tasks its
         entry admits, inline (outside the manager's state lock)."""
         registered = self._registry.tasks
-        tasks = [t for tid in tids if (t := registered.get(tid)) is not None]
+        tasks = [t for tid in dict.fromkeys(tids) if (t := registered.get(tid)) is not None]  # requests share a step's
         if self.mode.eager:
             if tasks:
                 with torch.inference_mode():
@@ -389,7 +385,12 @@ class OmniPrefixCacheController(UpstreamSeams):
         return out
 
     def get_task(self, tid: Tid) -> WriteTask | None:
-        return self._registry.tasks.get(tid)
+        """The registered task ``tid`` (None once drained). Only a miss looks further: a negative
+        tid is a per-request view id of compat's seams (``UpstreamSeams.request_view``)."""
+        task = self._registry.tasks.get(tid)
+        if task is None and tid is not None and tid < 0:
+            return self.request_view(tid)
+        return task
 
     def registered(self) -> list[WriteTask]:
         """Every registered task (not yet drained)."""

@@ -38,7 +38,9 @@ class OmniPrefixCacheWriteFailedError(OmniPrefixCacheUnmatchError):
     serving entry raises this error again.
 
     ``tid``, ``req_id``, ``keys`` and ``slots`` name the first failed write
-    (None where unknown); the underlying exception is ``__cause__``.
+    (None where unknown); ``req_ids`` every request whose rows it held (a
+    step's write holds all of the step's requests, ``req_id`` the first);
+    the underlying exception is ``__cause__``.
     """
 
     def __init__(
@@ -49,10 +51,12 @@ class OmniPrefixCacheWriteFailedError(OmniPrefixCacheUnmatchError):
         req_id: str | None = None,
         keys: tuple[str, ...] = (),
         slots: tuple[int, ...] = (),
+        req_ids: tuple[str, ...] = (),
     ) -> None:
         super().__init__(message)
         self.tid = tid
         self.req_id = req_id
+        self.req_ids = req_ids if req_ids or req_id is None else (req_id,)
         self.keys = keys
         self.slots = slots
 
@@ -60,7 +64,7 @@ class OmniPrefixCacheWriteFailedError(OmniPrefixCacheUnmatchError):
         """A fresh error with the same details and cause, to raise from a
         later entry (one exception object is never raised on two threads)."""
         err = OmniPrefixCacheWriteFailedError(
-            str(self), tid=self.tid, req_id=self.req_id, keys=self.keys, slots=self.slots
+            str(self), tid=self.tid, req_id=self.req_id, keys=self.keys, slots=self.slots, req_ids=self.req_ids
         )
         err.__cause__ = self.__cause__
         return err

@@ -1,21 +1,34 @@
 """The controller's private names that upstream tests read or wrap (the
 seed suite): aliases of the components that now own them. A wrapped seam
 (``_scatter``, ``_run_eager``) is served by installing a wrapping
-collaborator; the runtime itself never looks these names up."""
+collaborator; the runtime itself never looks these names up.
+
+Upstream's tests think of one write task per request. The runtime keeps a
+step's immediate rows as one write (its requests as state arrays), so:
+
+- reading seams serve per-request views, built on read: ``request_write_ids``
+  names each request's share of a step's write by a view id (the task's own
+  tid when it holds one request), and ``get_task`` of a view id returns a
+  ``RequestWriteView`` (``request_view``);
+- wrapping a per-request seam (``_scatter``, ``_run_eager``) records it in
+  ``WriteMode.wrapped_seams``; while it is set, each request's immediate rows
+  are their own write (the same step write, one request in its arrays), so
+  the wrapper sees one request per task.
+"""
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from omni_prefix_cache.device.copy_engine import CopyEngine
-from omni_prefix_cache.interface import Tid
+from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, ReqId, Tid
 from omni_prefix_cache.specs.batch import Batch, guarded_each
 from omni_prefix_cache.writes.budget import GpuBudget
 from omni_prefix_cache.writes.chunks import BudgetTicket, WriteChunk
 from omni_prefix_cache.writes.copy_queues import CopyQueues
-from omni_prefix_cache.writes.eager import EagerDispatch, RunEager
+from omni_prefix_cache.writes.eager import EagerDispatch, EagerRun, RunEager
 from omni_prefix_cache.writes.handlers import WriteHandlers
 from omni_prefix_cache.writes.host_rows import HostRows
 from omni_prefix_cache.writes.mode import WriteMode
@@ -29,6 +42,52 @@ _BudgetTicket = BudgetTicket
 _WriteChunk = WriteChunk
 
 Scatter = Callable[[WriteTask], Any]
+
+# View ids: -((step tid + 1) * _VIEW_STRIDE + request index), so every view id
+# is <= -_VIEW_STRIDE (never a tid, never an owner array's -1) and a step's
+# write may have up to _VIEW_STRIDE requests.
+_VIEW_STRIDE = 1 << 20
+
+
+def request_write_ids(task: WriteTask) -> list[tuple[ReqId, Tid]]:
+    """``(request, id)`` for each request whose rows ``task`` holds, in step
+    order: the task's own tid when it holds one request (a deferred write,
+    a per-request immediate write), else a view id per request."""
+    requests = task.requests
+    if requests is None or len(requests.req_ids) == 1:
+        return [(task.req_id, task.tid)]
+    if len(requests.req_ids) > _VIEW_STRIDE:
+        raise OmniPrefixCacheUnmatchError(
+            f"task {task.tid}: {len(requests.req_ids)} requests have no per-request view ids (at most {_VIEW_STRIDE})"
+        )
+    base = -(task.tid + 1) * _VIEW_STRIDE
+    return [(rid, base - i) for i, rid in enumerate(requests.req_ids)]
+
+
+class RequestWriteView:
+    """One request's share of a step's write, as upstream's tests read a
+    per-request task: ``tid`` (its view id), ``req_id``, ``rows`` (its
+    ``[start, end)`` in the write's chunk) and ``slots``; every other name
+    (``state``, ``done``, ``schedule``...) reads the step's write itself,
+    live. Read-only: moving it means moving the step's write (``task``)."""
+
+    def __init__(self, task: WriteTask, index: int, tid: Tid) -> None:
+        assert task.requests is not None
+        self.task = task
+        self.tid = tid
+        self.req_id = task.requests.req_ids[index]
+        self.rows = (task.requests.offsets[index], task.requests.offsets[index + 1])
+
+    @property
+    def slots(self) -> Any:
+        start, end = self.rows
+        return self.task.chunks[0].slots_cpu[start:end]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.task, name)
+
+    def __repr__(self) -> str:
+        return f"RequestWriteView(tid={self.tid}, req={self.req_id!r}, rows {list(self.rows)} of {self.task!r})"
 
 
 class _ScatterStage:
@@ -61,6 +120,7 @@ class UpstreamSeams:
     fail_task: Callable[[WriteTask, BaseException | None], bool]
     fail_tasks: Callable[[list[WriteTask], BaseException | None], None]
     committer_write: Callable[[], list[Tid]]
+    get_task: Callable[[Tid], WriteTask | None]
 
     @property
     def _queue_hi(self) -> deque[Tid]:
@@ -114,9 +174,26 @@ class UpstreamSeams:
         """Effect ``unpin_budget`` for ``task``."""
         self._budget.unpin(task)
 
+    def request_view(self, tid: Tid) -> WriteTask | None:
+        """``get_task``'s miss path: the ``RequestWriteView`` a view id names
+        (None when it names none: its step's write is drained, or it is no
+        view id). Typed as a WriteTask for ``get_task``'s callers; it
+        answers the names a per-request task has, read-only."""
+        if tid > -_VIEW_STRIDE:
+            return None
+        step_tid, index = divmod(-tid, _VIEW_STRIDE)
+        task = self._registry.tasks.get(step_tid - 1)
+        held = 0 if task is None or task.requests is None else len(task.requests.req_ids)
+        if task is None or held < 2 or index >= held:  # one request: its view id is the tid
+            return None
+        return cast(WriteTask, RequestWriteView(task, index, tid))
+
     def _fail_task(self, tid: Tid | None) -> None:
-        """Operation ``fail`` by tid, with no cause."""
-        task = self._registry.get(tid) if tid is not None else None
+        """Operation ``fail`` by tid, with no cause (a view id fails the
+        step's write that holds the request)."""
+        task = self.get_task(tid) if tid is not None else None
+        if isinstance(task, RequestWriteView):
+            task = task.task
         if task is not None:
             self.fail_task(task, None)
 
@@ -136,7 +213,9 @@ class UpstreamSeams:
         # Setting back the writer's own write (a monkeypatch undone)
         # restores the real stage.
         real = self._writer
-        self._handlers.stages.use(pool_write=real if scatter == real.write else _ScatterStage(scatter))
+        restored = scatter == real.write
+        self._handlers.stages.use(pool_write=real if restored else _ScatterStage(scatter))
+        self._note_wrapped("_scatter", not restored)
 
     @property
     def _run_eager(self) -> RunEager:
@@ -145,5 +224,14 @@ class UpstreamSeams:
 
     @_run_eager.setter
     def _run_eager(self, run: RunEager) -> None:
-        # A dispatch that runs its tasks through ``run`` instead.
+        # A dispatch that runs its tasks through ``run`` instead (an EagerRun
+        # is the real one, set back).
         self._eager_dispatch = EagerDispatch(run, self._writer, self.ops.eager, self.fail_tasks)
+        self._note_wrapped("_run_eager", not isinstance(run, EagerRun))
+
+    def _note_wrapped(self, seam: str, wrapped: bool) -> None:
+        """Per-request write units while ``seam`` is wrapped (see the module doc)."""
+        if wrapped:
+            self.mode.wrapped_seams.add(seam)
+        else:
+            self.mode.wrapped_seams.discard(seam)

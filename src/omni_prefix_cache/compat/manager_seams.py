@@ -9,11 +9,29 @@ from typing import Any
 
 import torch
 
+from omni_prefix_cache.compat.controller_seams import request_write_ids
 from omni_prefix_cache.interface import ModelCachePolicy, ReqId, TensorName, Tid
 from omni_prefix_cache.reads.planned_read import HitReads, PlannedRead
 from omni_prefix_cache.steps.request_tasks import RequestTasks
 from omni_prefix_cache.steps.step_layout import StepLayout, StepOutputs
 from omni_prefix_cache.steps.write_ledger import WriteLedger
+
+
+class RequestTasksView:
+    """``RequestTasks`` as upstream's tests read it, one write per request:
+    ``tasks[req]`` holds the id of every undrained write with the request's
+    rows, by tid order (its deferred writes, and its share of each step's
+    write: a view id, ``request_write_ids``); ``deferred`` and ``opened``
+    are the ledger's own tables. Built on each read, off the hot path."""
+
+    def __init__(self, ledger: WriteLedger) -> None:
+        requests: RequestTasks = ledger.requests
+        self.deferred = requests.deferred
+        self.opened = requests.opened
+        self.tasks: dict[ReqId, dict[Tid, None]] = {}
+        for tid in sorted(ledger.records):
+            for rid, view_tid in request_write_ids(ledger.records[tid].task):
+                self.tasks.setdefault(rid, {})[view_tid] = None
 
 
 class UpstreamSeams:
@@ -39,12 +57,21 @@ class UpstreamSeams:
         self._ledger.commit_drained_locked = drain  # type: ignore[method-assign]
 
     @property
-    def _request_tasks(self) -> RequestTasks:
-        return self._ledger.requests
+    def _request_tasks(self) -> RequestTasksView:
+        """Upstream's per-request table: each request's share of a step's
+        write under its own view id (built on each read, off the hot path)."""
+        return RequestTasksView(self._ledger)
 
     @property
     def _join_next_step_tids(self) -> list[Tid]:
-        return self._ledger.previous_step_writes
+        """The save barrier's writes, one id per request (view ids of the
+        previous step's write; see ``request_write_ids``)."""
+        ledger = self._ledger
+        ids: list[Tid] = []
+        for tid in ledger.previous_step_writes:
+            rec = ledger.records.get(tid)
+            ids.extend([tid] if rec is None else [view for _, view in request_write_ids(rec.task)])
+        return ids
 
     @property
     def _pending_reads(self) -> set[PlannedRead]:

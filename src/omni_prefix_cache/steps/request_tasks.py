@@ -1,9 +1,10 @@
 """Per-request write bookkeeping of the write ledger.
 
-``RequestTasks`` keeps, for every request with writes, the tids of its
-undrained writes, its open JOIN_ON_FINISH write and how many writes it has
-opened; ``TaskRecord`` is what the ledger remembers about one write until it
-is drained. Every table is bounded by the working set (live requests and
+``RequestTasks`` keeps, for every request with deferred writes, the tids of
+its undrained JOIN_ON_FINISH writes, its open one and how many it has
+opened (a step's JOIN_NEXT_STEP write is one task for all of its requests
+and is kept per step, not here); ``TaskRecord`` is what the ledger
+remembers about one write until it is drained. Every table is bounded by the working set (live requests and
 undrained writes), never by the requests ever seen.
 
 Threading: no lock of its own; the ledger calls it under the manager's state
@@ -22,19 +23,21 @@ from omni_prefix_cache.writes.chunks import WriteChunk
 @dataclass(eq=False)
 class TaskRecord:
     """What the ledger must remember about a write until it is drained:
-    the task, whose it is, and which (keys, slots) it maps."""
+    the task, whose it is (None: a step's write, its requests on the
+    task), and which (keys, slots) it maps."""
 
     task: WriteTask
-    req_id: ReqId
+    req_id: ReqId | None
     parts: list[tuple[tuple[TensorName, ...], WriteChunk]]
 
 
 class RequestTasks:
     """Per-request write bookkeeping (under the state lock).
 
-    ``tasks[req]``: tids of the request's undrained writes, in opening order.
-    ``deferred[req]``: its open JOIN_ON_FINISH write (chunks append to it).
-    ``opened[req]``: how many writes the request has opened (``write_n``).
+    ``tasks[req]``: tids of the request's undrained deferred writes, in
+    opening order. ``deferred[req]``: its open JOIN_ON_FINISH write (chunks
+    append to it). ``opened[req]``: how many deferred writes the request
+    has opened (``write_n``).
     An entry lives while the request is live or has undrained writes
     (``drop_if_idle``), so every table is bounded by the working set, not
     by the requests ever seen.
@@ -72,6 +75,8 @@ class RequestTasks:
         tasks, deferred = self.tasks, self.deferred
         for rec in drained:
             rid, task = rec.req_id, rec.task
+            if rid is None:  # a step's write: nothing kept per request
+                continue
             tids = tasks.get(rid)
             if tids is not None:
                 tids.pop(task.tid, None)

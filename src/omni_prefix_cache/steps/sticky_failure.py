@@ -47,13 +47,13 @@ class StickyFailure:
         self._drain_failures_locked = drain_failures_locked
         self.error: OmniPrefixCacheWriteFailedError | None = None
 
-    def note_locked(self, failed: list[Tid], req_of: Mapping[Tid, ReqId]) -> None:
-        """The drain found ``failed`` writes (``req_of``: the request of
-        each one the ledger still knew). Logs them; the first failure ever
+    def note_locked(self, failed: list[Tid], req_of: Mapping[Tid, tuple[ReqId, ...]]) -> None:
+        """The drain found ``failed`` writes (``req_of``: the requests of
+        each one the ledger still knew; a step's write holds several). Logs them; the first failure ever
         becomes ``error``, naming the first cause the controller recorded
         (its task, request, keys and slots). State lock held."""
         self._counters["failed_writes"] += len(failed)
-        names = [f"task {tid} (req {req_of[tid]!r})" if tid in req_of else f"task {tid}" for tid in failed]
+        names = [f"task {tid} ({_requests(req_of[tid])})" if tid in req_of else f"task {tid}" for tid in failed]
         causes = [c for tid in failed if (c := self._controller.failure_of(tid)) is not None]
         first = causes[0] if causes else None
         message = (
@@ -65,7 +65,8 @@ class StickyFailure:
             error = OmniPrefixCacheWriteFailedError(
                 message,
                 tid=first.tid if first is not None else failed[0],
-                req_id=first.req_id if first is not None else req_of.get(failed[0]),
+                req_id=first.req_id if first is not None else req_of.get(failed[0], (None,))[0],
+                req_ids=first.req_ids if first is not None else req_of.get(failed[0], ()),
                 keys=first.keys if first is not None else (),
                 slots=first.slots if first is not None else (),
             )
@@ -75,7 +76,12 @@ class StickyFailure:
     def raise_if_failed(self) -> None:
         """The check at every serving facade entry (takes the state lock):
         drains the failure record, then raises the first write failure
-        again (``OmniPrefixCacheWriteFailedError.again``) if there is one."""
+        again (``OmniPrefixCacheWriteFailedError.again``) if there is one.
+        With no failure recorded or published it returns without the lock
+        (both read lock-free: a failure published meanwhile is raised by the
+        next entry, as if it had come a moment later)."""
+        if self.error is None and not self._controller.registry.failed:
+            return
         with self._state_lock:
             self._drain_failures_locked()
             error = self.error
@@ -89,3 +95,8 @@ class StickyFailure:
         with self._state_lock:
             if self.error is None:
                 self.error = error
+
+
+def _requests(req_ids: tuple[ReqId, ...]) -> str:
+    """``req 'a'`` for one request, ``reqs ['a', 'b']`` for a step's write."""
+    return f"req {req_ids[0]!r}" if len(req_ids) == 1 else f"reqs {list(req_ids)!r}"

@@ -1,7 +1,8 @@
-"""The write ledger: every write the manager opened, per request, until drained.
+"""The write ledger: every write the manager opened, until drained.
 
 ``WriteLedger`` registers a save's writes with the controller (one
-JOIN_NEXT_STEP write per request viewing the staging page; deferred chunks
+JOIN_NEXT_STEP write per step, holding every request's immediate rows and
+viewing the staging page; deferred chunks
 appended to the request's open JOIN_ON_FINISH write or a new one), makes the
 step the tenant of its slots, and settles drained writes into the slot
 occupancy: written rows commit, failed rows drop and the first failure
@@ -46,7 +47,7 @@ from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
 from omni_prefix_cache.steps.step_layout import StepOutputs
 from omni_prefix_cache.steps.sticky_failure import StickyFailure
 from omni_prefix_cache.telemetry.registry import TELEMETRY
-from omni_prefix_cache.writes.chunks import BudgetTicket, ChunkRuns, StepRows, WriteChunk
+from omni_prefix_cache.writes.chunks import BudgetTicket, ChunkRuns, StepRequests, StepRows, WriteChunk
 from omni_prefix_cache.writes.operations import active_protocol
 
 
@@ -116,12 +117,20 @@ class WriteLedger:
 
     def finish_request_locked(self, rid: ReqId) -> list[Tid]:
         """The request finished or was aborted: close its open deferred write
-        and return its writes still to escalate (state lock held)."""
+        and return its writes still to escalate (state lock held): its
+        deferred writes, and the previous step's write if it holds the
+        request's rows. That is the only step write that can still be
+        open (the save barrier joined every older one), and escalating it
+        moves up the join the next save makes anyway."""
         self.requests.deferred.pop(rid, None)
         escalate: list[Tid] = []
         for tid in self.requests.tasks.get(rid, ()):
             rec = self.records.get(tid)
             if rec is not None and not rec.task.is_terminal:
+                escalate.append(tid)
+        for tid in self.previous_step_writes:
+            rec = self.records.get(tid)
+            if rec is not None and not rec.task.is_terminal and rec.task.holds_request(rid):
                 escalate.append(tid)
         self.requests.drop_if_idle(rid)
         return escalate
@@ -160,9 +169,18 @@ class WriteLedger:
         slots: torch.Tensor,
         registered: list[WriteTask],
     ) -> list[WriteTask]:
-        """One JOIN_NEXT_STEP task per request, its host rows viewing the
-        staging page, bound to the page and queued (not dispatched). Appends
-        each task to ``registered`` as soon as the controller may know it."""
+        """The step's JOIN_NEXT_STEP write: one task for every request's
+        immediate rows (its host rows viewing the staging page, its
+        requests as state arrays in step order), bound to the page and
+        queued (not dispatched). Appends it to ``registered`` as soon as
+        the controller may know it; returns ``[task]`` (``[]`` without
+        immediate rows or requests).
+
+        While an upstream test wraps a per-request seam (compat: the
+        controller's ``mode.wrapped_seams`` or a WriteTask method patched on
+        the class, ``seams_wrapped``; two flag reads per save), each
+        request's rows are their own step write instead, one request in its
+        arrays, in step order (the same task and path, smaller units)."""
         if not split.immediate or not req_order:
             return []
         ctrl = self._controller
@@ -171,25 +189,30 @@ class WriteLedger:
             host=claimed.views,
             tensors={k: t for k, t in split.immediate.items() if ctrl.is_device(t)},
         )
-        keys = tuple(split.immediate)
-        page = claimed.staging_slot
+        sizes = [spans[r][1] for r in req_order]
+        if ctrl.mode.wrapped_seams or WriteTask.seams_wrapped:
+            units = [([rid], [size]) for rid, size in zip(req_order, sizes, strict=True)]
+        else:
+            units = [(req_order, sizes)]
+        keys, page, freeze_event, d2h_event = (
+            tuple(split.immediate),
+            claimed.staging_slot,
+            split.freeze_event,
+            claimed.event,
+        )
         tasks: list[WriteTask] = []
-        records = self.records
-        of_step, step_write = WriteChunk.of_step, WriteTask.step_write
-        freeze_event, d2h_event = split.freeze_event, claimed.event
-        tids = list(itertools.islice(self._tids, len(req_order)))
-        write_ns = self.requests.open_many(req_order, tids)
         start = 0
-        for rid, tid, write_n in zip(req_order, tids, write_ns):
-            end = start + spans[rid][1]
-            chunk = of_step(rows, start, end)
-            task = step_write(tid, rid, write_n, chunk, freeze_event, page, d2h_event)
-            records[tid] = TaskRecord(task, rid, [(keys, chunk)])
+        for unit_reqs, unit_sizes in units:
+            requests = StepRequests.of(unit_reqs, unit_sizes)
+            end = start + requests.offsets[-1]
+            chunk = WriteChunk.of_step(rows, start, end)
+            tid = next(self._tids)
+            task = WriteTask.step_write(tid, requests, chunk, freeze_event, page, d2h_event)
+            self.records[tid] = TaskRecord(task, None, [(keys, chunk)])
             tasks.append(task)
             start = end
-        # One controller lock and one staging lock for the whole step; each
-        # task is queued and bound to the page (not dispatched: the committer
-        # cannot see them yet), so a failed bind is cleaned up by failing them.
+        # Queued and bound to the page (not dispatched: the committer cannot
+        # see them yet), so a failed bind is cleaned up by failing them.
         registered.extend(tasks)
         ctrl.register_many(tasks, queued=True)
         return tasks
@@ -244,17 +267,21 @@ class WriteLedger:
     ) -> None:
         """The step becomes the tenant of its slots (occupancy coupling
         ``take_tenancy``), one move per key for the whole step: a key the
-        step writes goes IN_TRANSIT, owned by its request's write; every
+        step writes goes IN_TRANSIT, owned by the step's write (immediate
+        keys) or its request's write (deferred keys); every
         other open key of those slots is reset to ABSENT, so it can never
         serve a previous tenant's rows. State and reads locks held (version
         bumps and preserved copies change together)."""
         if not req_order:
             return
-        sizes = [spans[r][1] for r in req_order]
-        # Owners per row as one int64 array each, shared by the keys (the
+        # Owners per row: the step's write owns every immediate row (one
+        # tid); deferred owners are one int64 array shared by the keys (the
         # occupancy takes numpy owners as they are: no conversion per key).
-        writes: dict[TensorName, np.ndarray] = {}
-        if immediate:
+        writes: dict[TensorName, np.ndarray | int] = {}
+        sizes = [spans[r][1] for r in req_order] if deferred_tids or len(immediate) > 1 else []
+        if len(immediate) == 1:
+            writes.update(dict.fromkeys(split.immediate, immediate[0].tid))
+        elif immediate:  # per-request units (compat): one per request, in step order
             writes.update(dict.fromkeys(split.immediate, per_row_ids([t.tid for t in immediate], sizes)))
         if deferred_tids:
             writes.update(dict.fromkeys(split.deferred_clone, per_row_ids(deferred_tids, sizes)))
@@ -313,13 +340,20 @@ class WriteLedger:
         """Operation ``drain`` (spec/protocol.yaml), state lock held: take
         the committer's records; failed tasks drop their rows and make the
         failure sticky; written tasks commit theirs (one occupancy move per
-        key group for the whole drain)."""
-        self._drain.run(_Drained(completions=True))
+        key group for the whole drain). Nothing published: the drain would
+        take no record and fire no move, so it is not run (a lock-free read
+        of the records; one published meanwhile is taken by the next drain,
+        as it would be had it come a moment later)."""
+        registry = self._controller.registry
+        if registry.completed or registry.failed:
+            self._drain.run(_Drained(completions=True))
 
     def drain_failures_locked(self) -> None:
         """``drain`` of the failure record only (state lock held): a save
-        that is failing reports the failures nobody drained yet."""
-        self._drain.run(_Drained(completions=False))
+        that is failing reports the failures nobody drained yet. Not run
+        when no failure is published (as ``commit_drained_locked``)."""
+        if self._controller.registry.failed:
+            self._drain.run(_Drained(completions=False))
 
     # The drain operation's bindings: its context is a _Drained.
     def move(self, role: str, trigger: TriggerName) -> tuple[Callable[[Any], bool], Callable[[Any], None]]:
@@ -348,7 +382,7 @@ class WriteLedger:
 
     def _sticky_failure(self, ctx: _Drained) -> None:
         dropped = ctx.settled.get(SlotOccupancyTrigger.DROP, [])
-        self.sticky.note_locked(ctx.failed, {rec.task.tid: rec.req_id for rec in dropped})
+        self.sticky.note_locked(ctx.failed, {rec.task.tid: rec.task.req_ids for rec in dropped})
 
     def settle_locked(self, tids: list[Tid], trigger: SlotOccupancyTrigger) -> list[TaskRecord]:
         """``commit`` or ``drop`` the rows of drained writes and forget them

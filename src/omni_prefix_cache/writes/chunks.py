@@ -2,7 +2,8 @@
 
 ``WriteChunk`` is one save's slots and tensors appended onto a write; an
 immediate write's chunk is a window of its step's ``StepRows`` (a struct of
-arrays), viewed lazily. ``BudgetTicket`` is the GPU-byte charge of one
+arrays), viewed lazily. ``StepRequests`` names the requests a step's write covers (state arrays
+in step order). ``BudgetTicket`` is the GPU-byte charge of one
 device clone that several chunks view. ``step_runs`` / ``ChunkRuns`` merge
 back-to-back windows of one step, so a step is written and settled without
 a per-request copy.
@@ -10,12 +11,13 @@ a per-request copy.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from omni_prefix_cache.interface import TensorName, Tid
+from omni_prefix_cache.interface import ReqId, TensorName, Tid
 
 
 @dataclass(eq=False)
@@ -38,6 +40,44 @@ class BudgetTicket:
             return 0
         self.freed = True
         return self.nbytes
+
+
+@dataclass(eq=False, slots=True)
+class StepRequests:
+    """The requests one step's write covers, as state arrays in step order:
+    ``req_ids[i]`` owns rows ``[offsets[i], offsets[i + 1])`` of the step's
+    ``StepRows``. Nothing on the hot path reads them per request: they are
+    for finish/abort escalation (``in``) and for failure messages, which
+    name every request, its rows and its slot range."""
+
+    req_ids: tuple[ReqId, ...]
+    offsets: tuple[int, ...]  # len(req_ids) + 1 row offsets, offsets[0] == 0
+    _members: frozenset[ReqId] | None = None
+
+    @classmethod
+    def of(cls, req_ids: Sequence[ReqId], sizes: Sequence[int]) -> StepRequests:
+        """``req_ids`` in step order with their row counts."""
+        return cls(tuple(req_ids), tuple(itertools.accumulate(sizes, initial=0)))
+
+    def __contains__(self, req_id: object) -> bool:
+        members = self._members
+        if members is None:
+            members = self._members = frozenset(self.req_ids)
+        return req_id in members
+
+    def describe(self, slots: torch.Tensor | None) -> str:
+        """Every request with its rows and (given the step's ``slots``) its
+        slot range, e.g. ``req 'a' rows [0, 4) slots 0..3; req 'b' ...``."""
+        listed = None if slots is None else slots.tolist()
+        parts: list[str] = []
+        for i, rid in enumerate(self.req_ids):
+            start, end = self.offsets[i], self.offsets[i + 1]
+            text = f"req {rid!r} rows [{start}, {end})"
+            if listed is not None and end > start:
+                mine = listed[start:end]
+                text += f" slots {min(mine)}..{max(mine)}"
+            parts.append(text)
+        return "; ".join(parts)
 
 
 @dataclass(eq=False, slots=True)

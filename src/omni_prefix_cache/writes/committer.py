@@ -136,7 +136,9 @@ class Committer:
                 self._fail(task, write_error(task, interrupt, "copy"))
             raise
         for task, exc in batch.errors:
-            logger.error("omni prefix cache: copy failed for task %s (req %s)", task.tid, task.req_id, exc_info=exc)
+            logger.error(
+                "omni prefix cache: copy failed for task %s (%s)", task.tid, task.describe_requests(), exc_info=exc
+            )
             self._fail(task, write_error(task, exc, "copy"))
 
     def write(self) -> list[Tid]:

@@ -125,7 +125,9 @@ class HostRows:
         for pos, slot in enumerate(slots.tolist()):
             where = s2r.get(slot) if pinned is None or pinned[pos][0] < 0 else pinned[pos]
             if where is None:
-                raise OmniPrefixCacheUnmatchError(f"task {task.tid} (req {task.req_id}) has no row for slot {slot}")
+                raise OmniPrefixCacheUnmatchError(
+                    f"task {task.tid} ({task.describe_requests()}) has no row for slot {slot}"
+                )
             positions, rows = per_chunk.setdefault(where[0], ([], []))
             positions.append(pos)
             rows.append(where[1])
@@ -134,7 +136,7 @@ class HostRows:
             src = task.get_host_tensor(si, key)
             if src is None:
                 raise OmniPrefixCacheUnmatchError(
-                    f"task {task.tid} (req {task.req_id}) has no {key!r} rows for slots {slots.tolist()}"
+                    f"task {task.tid} ({task.describe_requests()}) has no {key!r} rows for slots {slots.tolist()}"
                 )
             picked = self._pick_rows(task, src, rows)
             if len(per_chunk) == 1:

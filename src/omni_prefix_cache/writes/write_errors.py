@@ -71,7 +71,8 @@ def write_error(
     """The error to raise for ``task`` failing at ``stage`` (``copy`` or
     ``pool write``): ``cause`` itself when it is already one (or not an
     Exception), else a write-failed error naming the task, request, keys
-    and slots, with ``cause`` as its ``__cause__``."""
+    and slots (a step's write: every request with its rows and slot
+    range), with ``cause`` as its ``__cause__``."""
     if isinstance(cause, OmniPrefixCacheWriteFailedError) or not isinstance(cause, Exception):
         return cause
     keys, listed = _keys_and_slots(task)
@@ -81,10 +82,11 @@ def write_error(
         listed = tuple(int(x) for x in slots.tolist())
     shown = f"{listed[:16]}" + (f" (+{len(listed) - 16} more)" if len(listed) > 16 else "")
     error = OmniPrefixCacheWriteFailedError(
-        f"omni prefix cache write failed: {stage} of task {task.tid} (req {task.req_id!r}, "
+        f"omni prefix cache write failed: {stage} of task {task.tid} ({task.describe_requests()}, "
         f"{task.schedule.value}) keys {list(keys)} slots {shown}: {cause!r}",
         tid=task.tid,
         req_id=task.req_id,
+        req_ids=task.req_ids,
         keys=keys,
         slots=listed,
     )
@@ -116,10 +118,11 @@ def join_error(
     if cause is not None:
         keys, slots = (cause.keys, cause.slots) if cause.tid == task.tid else _keys_and_slots(task)
     error = OmniPrefixCacheWriteFailedError(
-        f"task {task.tid} ({task.schedule.value}) write failed before {event}"
+        f"task {task.tid} ({task.describe_requests()}, {task.schedule.value}) write failed before {event}"
         + (f": {cause}" if cause is not None else ""),
         tid=task.tid,
         req_id=task.req_id,
+        req_ids=task.req_ids,
         keys=keys,
         slots=slots,
     )

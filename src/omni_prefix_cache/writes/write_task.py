@@ -1,4 +1,5 @@
-"""WriteTask: one write of (slot, key) rows for a single request.
+"""WriteTask: one write of (slot, key) rows: a step's immediate rows, or
+one request's deferred rows.
 
 Its lifecycle is the ``write_task`` spec (spec/write_task.yaml): the state
 enum ``TaskState`` is generated from it and every move goes through the
@@ -23,7 +24,7 @@ from omni_prefix_cache.specs import CompiledMove, compile_machine, load_spec
 from omni_prefix_cache.specs.types.copy_queue import QueuePosition
 from omni_prefix_cache.specs.types.write_task import TaskState as TaskState  # re-exported
 from omni_prefix_cache.specs.types.write_task import WriteTaskTrigger
-from omni_prefix_cache.writes.chunks import BudgetTicket, HostRow, WriteChunk
+from omni_prefix_cache.writes.chunks import BudgetTicket, HostRow, StepRequests, WriteChunk
 
 # Guards the one-time creation of a TaskEvent's condition (see TaskEvent.wait).
 _EVENT_COND_INIT = threading.Lock()
@@ -113,9 +114,12 @@ def illegal_move(task: WriteTask, to: TaskState | WriteTaskTrigger) -> OmniPrefi
 
 @dataclass(eq=False, repr=False)
 class WriteTask(UpstreamTaskSeams):
-    """One write of (slot, key) rows for one request (``req_id``'s
-    ``write_n``-th write). May cover several keys and, for deferred writes,
-    several chunks (one per save).
+    """One write of (slot, key) rows. A JOIN_NEXT_STEP write is a whole
+    step's immediate rows (``step_write``): one task, one chunk, every
+    request of the step named by ``requests`` (state arrays in step order;
+    ``req_id`` is then its first request and ``write_n`` 1). A
+    JOIN_ON_FINISH write is one request's (``req_id``'s ``write_n``-th
+    write), growing by a chunk per save. May cover several keys.
 
     ``state`` is the single source of truth; it moves only through the
     compiled ``write_task`` spec. ``lock`` (reentrant: an operation's
@@ -154,26 +158,27 @@ class WriteTask(UpstreamTaskSeams):
     _slot_to_row: dict[int, tuple[int, int]] | None = None
     # Effects a deferred ``fail`` still owes (run by wake_failed_waiters).
     _owed_wakes: tuple[Callable[[WriteTask], None], ...] = ()
+    # A step's write: the requests whose rows it holds (None: one request's).
+    requests: StepRequests | None = None
 
     @classmethod
     def step_write(
         cls,
         tid: Tid,
-        req_id: ReqId,
-        write_n: int,
+        requests: StepRequests,
         chunk: WriteChunk,
         freeze_event: Any,
         staging_slot: int,
         step_d2h_event: Any,
     ) -> WriteTask:
-        """An immediate (JOIN_NEXT_STEP) write of one step window: the same
-        task as the dataclass constructor with these arguments builds (every
-        field, in field order, fresh factory defaults), without its keyword
-        matching (a save builds one per request per step)."""
+        """A step's immediate (JOIN_NEXT_STEP) write: ``chunk`` holds the
+        rows of every request in ``requests``. The same task as the
+        dataclass constructor with these arguments builds (every field, in
+        field order, fresh factory defaults)."""
         task = cls.__new__(cls)
         task.tid = tid
-        task.req_id = req_id
-        task.write_n = write_n
+        task.req_id = requests.req_ids[0]
+        task.write_n = 1
         task.schedule = WriteSchedule.JOIN_NEXT_STEP
         task.chunks = [chunk]
         task.freeze_event = freeze_event
@@ -190,13 +195,27 @@ class WriteTask(UpstreamTaskSeams):
         task.step_d2h_event = step_d2h_event
         task._slot_to_row = None
         task._owed_wakes = ()
+        task.requests = requests
         return task
 
     def __repr__(self) -> str:
+        who = f"req={self.req_id!r}" if self.requests is None else f"reqs={list(self.requests.req_ids)!r}"
         return (
-            f"WriteTask(tid={self.tid}, req={self.req_id!r}, {self.schedule.value}, "
+            f"WriteTask(tid={self.tid}, {who}, {self.schedule.value}, "
             f"{TaskState(self.state).name}, position {QueuePosition(self.position).name})"
         )
+
+    @property
+    def req_ids(self) -> tuple[ReqId, ...]:
+        """Every request whose rows this write holds, in step order."""
+        return (self.req_id,) if self.requests is None else self.requests.req_ids
+
+    def holds_request(self, req_id: ReqId) -> bool:
+        return req_id == self.req_id if self.requests is None else req_id in self.requests
+
+    def describe_requests(self) -> str:
+        """``req 'a'``; a step's write: every request, its rows and slot range."""
+        return f"req {self.req_id!r}" if self.requests is None else self.requests.describe(self.chunks[0].slots_cpu)
 
     # ------------------------------------------------------------ lifecycle
 

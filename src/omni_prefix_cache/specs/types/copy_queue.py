@@ -21,7 +21,7 @@ class QueuePosition(SpecState):
     UNQUEUED = 0
     """registered, on no queue (deferred and not escalated, or queued but not yet dispatched) (initial)"""
     HIGH = 1
-    """on the high-priority copy queue (immediate writes, escalated writes) (tag waits)"""
+    """on the high-priority copy queue (steps' immediate writes, escalated writes) (tag waits)"""
     LOW = 2
     """on the low-priority copy queue (deferred writes submitted queued) (tag waits)"""
     CLAIMED = 3

@@ -15,8 +15,9 @@ SPEC_NAME = "staging_holder"
 
 class HolderState(SpecState):
     """
-    One holder of a staging page: the step that claimed it (until materialize or discard) or an immediate write
-    task viewing it (until its pool write).
+    One holder of a staging page: the step that claimed it (until materialize or discard) or the step's
+    immediate write viewing it (until its pool write). A page has at most these two holders: a step's immediate
+    rows are one write, not one per request.
     """
 
     UNHELD = 0

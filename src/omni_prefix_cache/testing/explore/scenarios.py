@@ -440,7 +440,7 @@ def _failure_while_joining(sched: Scheduler, stage: str) -> None:
     poisoned: set[int] = set()
 
     def is_a(task: Any) -> bool:
-        if task.req_id == "a":
+        if "a" in task.req_ids:  # a's step write (a step's write holds all its requests)
             poisoned.add(task.tid)
             return True
         return False
