@@ -39,7 +39,9 @@ class Tasks:
         for tid in range(1, 7):
             schedule = WriteSchedule.JOIN_NEXT_STEP if tid % 2 else WriteSchedule.JOIN_ON_FINISH
             state = TaskState.FAILED if rng.random() < 0.15 else TaskState.QUEUED
-            self.tasks[tid] = SimpleNamespace(tid=tid, schedule=schedule, state=state)
+            # A deferred owner's rows: chunk tid % 3, row = slot + tid (what a read pins).
+            rows = {slot: (tid % 3, slot + tid) for slot in range(BLOCKS * BS)}
+            self.tasks[tid] = SimpleNamespace(tid=tid, schedule=schedule, state=state, slot_to_row=lambda r=rows: r)
 
     def get_task(self, tid: int) -> Any:
         return self.tasks.get(tid)  # tid 7 is unknown
@@ -102,7 +104,7 @@ def read_view(ref: PlannedRead) -> tuple[Any, ...]:
         ref.slots.tolist(),
         ref.planned_version.tolist(),
         list(ref.join_tids),
-        [(s.task.tid, s.positions.tolist(), s.slots.tolist()) for s in ref.staged_list],
+        [(s.task.tid, s.positions.tolist(), s.slots.tolist(), s.rows) for s in ref.staged_list],
         sorted((slot, row.tolist()) for slot, row in ref.preserved.items()),
         ref.state,
     )
