@@ -208,7 +208,9 @@ class Scheduler:
         self._arrivals.clear()
         self._followups.clear()
 
-    def _preempt(self, req: SimRequest) -> None:
+    def _unschedule(self, req: SimRequest, *, preempted: bool) -> None:
+        """Take a running request off the running list and its blocks: it
+        waits again from position 0 and re-enters the new list when scheduled."""
         self.running.remove(req)
         self.alloc.free(req.blocks)
         req.blocks = []
@@ -216,7 +218,10 @@ class Scheduler:
         req.num_cached_blocks = 0
         req.status = Status.WAITING
         req.emit_new = True
-        req.preempted = True
+        req.preempted = preempted
+
+    def _preempt(self, req: SimRequest) -> None:
+        self._unschedule(req, preempted=True)
         self.waiting.appendleft(req)
         self.stats.preemptions += 1
 
@@ -232,14 +237,7 @@ class Scheduler:
     def _replace(self, req: SimRequest) -> None:
         """A newer content generation of a running request: the first half of
         its prompt kept, a new tail; requeued to look up its new content."""
-        self.running.remove(req)
-        self.alloc.free(req.blocks)
-        req.blocks = []
-        req.computed = 0
-        req.num_cached_blocks = 0
-        req.status = Status.WAITING
-        req.emit_new = True
-        req.preempted = False
+        self._unschedule(req, preempted=False)
         req.live = False  # its new tenure's first scheduled step carries the lookup (a new-request entry)
         keep = req.tokens[: max(1, len(req.tokens) // 2)]
         req.replace_content(keep + [self._rng.randrange(self.vocab) for _ in range(self._rng.randint(4, 40))])
