@@ -31,6 +31,7 @@ import shlex
 import sys
 import time
 import traceback
+import unittest
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -332,6 +333,13 @@ class Run:
         """Run one chunk; on failure print the summary, the seed and the replay command."""
         try:
             run_chunk(t, chunk_seed, run_settings)
+        except unittest.SkipTest:
+            if chunk_seed is not None:
+                raise
+            # Hypothesis keys stored examples by the machine's source: after the
+            # machine changes, its folder holds only entries no rule replays.
+            print(f"{t.name}: its database holds no example for the machine as it is now; nothing to replay")
+            return True
         except Exception:
             traceback.print_exc()
             elapsed = time.monotonic() - self.start

@@ -66,3 +66,16 @@ def test_failure_prints_a_replay_that_fails_and_the_database_replays_it_first(
     err = capsys.readouterr().err
     assert "FAILED spec-write_task (replaying its example database" in err
     assert "--replay-db" in err.split("Replay exactly with:\n")[1]
+
+
+def test_a_database_holding_only_entries_of_an_older_machine_replays_nothing_and_passes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Hypothesis keys entries by the machine's source; a changed machine leaves its old keys behind.
+    stale = tmp_path / "db" / "spec-write_task" / "0123456789abcdef"
+    stale.mkdir(parents=True)
+    (stale / "fedcba9876543210").write_bytes(b"\x00\x01")
+    args = ["--machine", "spec-write_task", "--db", str(tmp_path / "db")]
+    assert fuzz.main([*args, "--replay-db"]) == 0
+    assert "holds no example for the machine as it is now" in capsys.readouterr().out
+    assert fuzz.main([*args, "--duration", "0"]) == 0
