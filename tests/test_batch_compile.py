@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from omni_prefix_cache.specs.batch import Batch, compile_batch_operation
 from omni_prefix_cache.specs.composition import Do, OperationSpec, ProtocolViolation, compile_operation, load_protocol
-from omni_prefix_cache.writes.operations import CONTROLLER_EFFECTS, CONTROLLER_ROLES
+from omni_prefix_cache.writes.operations import CONTROLLER_EFFECTS, CONTROLLER_ROLES, RuntimeOp
 
 SPEC = load_protocol()
 MACHINES = {role: SPEC.components[role] for role in CONTROLLER_ROLES}
@@ -178,3 +178,31 @@ def test_truncate_keeps_the_earliest_failure_across_a_when() -> None:
     assert [x.ident for x in failed] == [0] and [x.ident for x in cut] == [1]
     assert [x.ident for x, _ in batch.errors] == [0]
     assert [x.ident for x in batch.cut] == [1]
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_a_batch_of_one_through_run_segment_ends_as_the_batch_segments_leave_it(name: str, data: st.DataObject) -> None:
+    # The runtime's fast path (specs.batch.run_segment): one item runs the per-instance closures.
+    op = OPS[name]
+    [item] = data.draw(items_strategy(op).filter(lambda xs: len(xs) == 1), label="item")
+    (twin,) = _copy([item])
+    reference = run_batched(op, [twin], truncate=True)
+    effects, guards = _handlers(op)
+    runtime = RuntimeOp(
+        compile_operation(op, ToyBinding(), effects, guards),
+        compile_batch_operation(op, ToyBinding(), effects, guards),
+        tuple(seg.lock or "none" for seg in op.segments),
+        tail=0,
+    )
+    batch = Batch([item] if runtime.batch.admits_many([item])[0] else [], truncate=True)
+    for index in range(len(op.segments)):
+        if not batch.items:
+            break
+        runtime.run_segment(index, batch)
+    assert [(x.ident, type(e), str(e)) for x, e in batch.errors] == [
+        (x.ident, type(e), str(e)) for x, e in reference.errors
+    ]
+    assert [x.ident for x in batch.items] == [x.ident for x in reference.items]
+    assert (item.log, item.states) == (twin.log, twin.states)

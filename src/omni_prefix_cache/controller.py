@@ -233,11 +233,10 @@ class OmniPrefixCacheController(UpstreamSeams):
         immediate write is queued and binds to its step's staging page; a
         deferred one is queued when ``queued``. Runs no copy (safe under the
         manager's state lock); queued writes then go through ``dispatch``."""
-        register = self.ops.register.batch.segments[0]
         batch = Batch(list(tasks), truncate=True)
         with self.lock, self._staging_pool.lock:
             self._handlers.registering_queued = queued
-            register(batch)
+            self.ops.register.run_segment(0, batch)
         if batch.errors:
             raise batch.errors[0][1]
 
@@ -247,12 +246,11 @@ class OmniPrefixCacheController(UpstreamSeams):
         state lock; see ``EagerDispatch.dispatch`` for its failure rule)."""
         if not tasks:
             return
-        segment = self.ops.dispatch.batch.segments[0]
         batch = Batch(list(tasks), truncate=True)
         inlined = self._handlers.inline
         with self.lock:
             try:
-                segment(batch)
+                self.ops.dispatch.run_segment(0, batch)
             finally:
                 inline = inlined.copy()
                 inlined.clear()

@@ -311,6 +311,21 @@ def compile_batch_operation(
     return CompiledBatchOperation(op, segments, admits)
 
 
+def run_segment(one: Callable[[Any], None], many: BatchRun, batch: Batch) -> None:
+    """One segment of an operation for ``batch``: ``many`` (the batched
+    closure), or for a batch of one ``one`` (the per-instance closure of
+    the same segment: the same moves, guards and effects, without the
+    partitioning and masks). A move ``one`` refuses or a handler that
+    raises drops the item with its exception, as ``many`` would."""
+    if len(batch.items) != 1:
+        many(batch)
+        return
+    try:
+        one(batch.items[0])
+    except Exception as exc:
+        batch.drop(0, exc)
+
+
 def _all(items: list[Any]) -> list[bool]:
     return [True] * len(items)
 

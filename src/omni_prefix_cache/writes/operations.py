@@ -36,6 +36,7 @@ from omni_prefix_cache.specs.batch import (
     RunMany,
     attempt_each,
     compile_batch_operation,
+    run_segment,
 )
 from omni_prefix_cache.specs.composition import (
     CompiledOperation,
@@ -286,6 +287,10 @@ class RuntimeOp:
     def admits(self) -> Pred:
         return self.op.admits
 
+    def run_segment(self, index: int, batch: Batch) -> None:
+        """Segment ``index`` for ``batch`` (``specs.batch.run_segment``)."""
+        run_segment(self.op.segments[index], self.batch.segments[index], batch)
+
 
 _NO_LOCK = contextlib.nullcontext()
 
@@ -326,26 +331,24 @@ class OpRunner:
         truncate: bool = False,
     ) -> Batch:
         """Segments ``[start, stop)`` of ``op`` for a batch of tasks, each
-        segment once for the whole batch under the lock it declares (a
-        controller segment takes the staging lock with it, in that order,
-        since its holder moves need it; a task segment's moves take each
-        task's lock themselves). From segment 0 the entry move is checked
+        segment once for the whole batch (``RuntimeOp.run_segment``) under
+        the lock it declares (a controller segment takes the staging lock
+        with it, in that order, since its holder moves need it; a task
+        segment's moves take each task's lock themselves). From segment 0 the entry move is checked
         under the first lock: a task it does not admit is skipped, as
         ``run`` skips it. Returns the batch: what went on, and what left it
         (``errors``, and with ``truncate`` the ``cut`` after the first)."""
         batch = Batch(list(tasks), truncate=truncate)
         stop = len(op.segments) if stop is None else stop
-        segments, locks = op.batch.segments, op.locks
         controller, staging = self._locks["controller"], self._locks["staging"]
         for index in range(start, stop):
-            name = locks[index]
-            both = name == "controller"
+            both = (name := op.locks[index]) == "controller"
             with controller if both else self._locks.get(name, _NO_LOCK), staging if both else _NO_LOCK:
                 if index == 0 and op.op.spec.entry is not None:
                     admitted = op.batch.admits_many(batch.items)
                     if not all(admitted):
                         batch.items = [t for t, ok in zip(batch.items, admitted) if ok]
-                segments[index](batch)
+                op.run_segment(index, batch)
             if not batch.items:
                 break
         return batch
