@@ -49,6 +49,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from omni_prefix_cache.device import sync
@@ -290,7 +291,7 @@ class PrefixBlockPool:
                 return torch.index_select(slab, 0, index, out=out)
             return slab.index_select(0, index)
         except (IndexError, RuntimeError) as exc:
-            self._check_range(key, index)
+            self._check_range(key, index.numpy())
             raise OmniPrefixCacheUnmatchError(f"prefix block pool: reading key {key!r} failed: {exc}") from exc
 
     def baseline(self, key: TensorName, n: int) -> torch.Tensor:
@@ -323,23 +324,28 @@ class PrefixBlockPool:
             )
         if n == 0:
             return
-        self._check_range(key, index)
+        rows = index.numpy()  # a CPU int64 index (``_index``)
+        self._check_range(key, rows)
+        if host.device.type != "cpu":
+            host = host.to("cpu", non_blocking=False)
         dp = TELEMETRY.datapath
         if dp is None:
-            self._copy(key, slab, index, host.to("cpu", non_blocking=False))
+            self._copy(key, slab, index, rows, host)
             return
         start = TELEMETRY.cpu_clock()
-        self._copy(key, slab, index, host.to("cpu", non_blocking=False))
+        self._copy(key, slab, index, rows, host)
         dp.pool_written(threading.current_thread().name, int(host.nbytes), start, TELEMETRY.cpu_clock())
 
-    def _copy(self, key: TensorName, slab: torch.Tensor, index: torch.Tensor, host: torch.Tensor) -> None:
+    def _copy(
+        self, key: TensorName, slab: torch.Tensor, index: torch.Tensor, rows: np.ndarray, host: torch.Tensor
+    ) -> None:
         # Through the slab's integer views when both sides have one; else torch's row copy.
         view = self._scatters.get(key)
         source = None if view is None else view.source(host)
         if view is None or source is None:
             slab.index_copy_(0, index, host)
             return
-        view.scatter(index.numpy(), source)
+        view.scatter(rows, source)
 
     def _slab(self, key: TensorName) -> torch.Tensor:
         slab = self._slabs.get(key)
@@ -362,14 +368,12 @@ class PrefixBlockPool:
             slots = slots.to("cpu", torch.int64)
         return slots
 
-    def _check_range(self, key: TensorName, index: torch.Tensor) -> None:
-        if index.numel() == 0:
+    def _check_range(self, key: TensorName, rows: np.ndarray) -> None:
+        if not out_of_range(rows, self._num_slots):  # a view of the CPU int64 index (``_index``)
             return
-        if not out_of_range(index.numpy(), self._num_slots):  # a CPU int64 index (``_index``)
-            return
-        bad = index[(index < 0) | (index >= self._num_slots)]
+        bad = rows[(rows < 0) | (rows >= self._num_slots)]
         shown = bad[:8].tolist()
-        more = "" if bad.numel() <= 8 else f" (+{bad.numel() - 8} more)"
+        more = "" if bad.size <= 8 else f" (+{bad.size - 8} more)"
         raise OmniPrefixCacheUnmatchError(
             f"prefix block pool: slots {shown}{more} for key {key!r} are outside [0, {self._num_slots})"
         )

@@ -312,7 +312,9 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, UpstreamSe
                 call = SaveCall(ctx, split, slots, immediate, deferred_tids, hits, token_ranges)
                 self._ops.save.op.segments[0](call)
                 ledger.previous_step_writes = [t.tid for t in immediate]
-                self._counters.update(steps_saved=1, tokens_saved=n)
+                counters = self._counters  # item increments: Counter.update with keywords is a Python loop
+                counters["steps_saved"] += 1
+                counters["tokens_saved"] += n
                 save.published = True
             # A clone no task views (a step without scheduled requests) is
             # uncharged now; a pinned ticket refunds nothing here.

@@ -363,7 +363,9 @@ class FacadeOps:
         # A step with nothing scheduled has no save: the next snapshot
         # replaces it. Its hits (if any) stay pending for the next save.
         self._pending_sched = SchedSnapshot(given.num_scheduled)
-        self._counters.update(query_requests=given.queried, query_tokens=given.query_tokens)
+        counters = self._counters
+        counters["query_requests"] += given.queried
+        counters["query_tokens"] += given.query_tokens
 
     def _escalate_detached(self, call: NewStepCall) -> None:
         """Effect ``escalate_detached`` (no lock: eager writes run inline).

@@ -18,10 +18,21 @@ def int64_tensor(values: list[int]) -> torch.Tensor:
     return torch.frombuffer(array("q", values), dtype=torch.int64)
 
 
+# Up to this many ids, out_of_range reads them as Python ints.
+_FEW_IDS = 32
+
+
 def out_of_range(rows: np.ndarray, n: int) -> bool:
     """True if an int64 row id is negative or ``>= n``: one reduction (a
-    negative id seen as unsigned is above any ``n``)."""
-    return bool(rows.size) and int(np.maximum.reduce(rows.view(np.uint64), axis=None)) >= n
+    negative id seen as unsigned is above any ``n``); a few ids (a decode
+    step's) as Python ints, cheaper than a ufunc call."""
+    size = rows.size
+    if size == 0:
+        return False
+    if size <= _FEW_IDS and rows.ndim == 1:
+        ids = rows.tolist()
+        return min(ids) < 0 or max(ids) >= n
+    return int(np.maximum.reduce(rows.view(np.uint64), axis=None)) >= n
 
 
 def per_row(values: list[int], counts: list[int]) -> torch.Tensor:
@@ -38,6 +49,8 @@ def per_row(values: list[int], counts: list[int]) -> torch.Tensor:
 def per_row_ids(values: list[int], counts: list[int]) -> np.ndarray:
     """``per_row`` as a 1-D int64 numpy array, for a caller that indexes
     numpy tables with it (no tensor to convert back)."""
+    if len(values) == 1:  # one writer (a step's write): no list to convert
+        return np.full(counts[0], values[0], dtype=np.int64)
     ids = np.array(values, dtype=np.int64)
     if counts.count(1) == len(counts):
         return ids

@@ -68,6 +68,7 @@ class StepOutputs:
     deferred_ticket: BudgetTicket | None = None
     freeze_event: DeviceEvent | None = None
     layouts: dict[TensorName, KeyLayout] = field(default_factory=dict)
+    on_device: tuple[TensorName, ...] = ()  # the immediate keys on a device (frozen clones)
 
 
 def is_step_token_tensor(value: Any, n: int, padded: int) -> bool:
@@ -255,7 +256,8 @@ class StepLayout:
             raise OmniPrefixCacheInvalidArgumentError(
                 f"save_outputs (step {sid}): slot mapping {got} does not cover the step's {n} tokens"
             )
-        slots = slots.to("cpu", torch.int64)
+        if slots.dtype != torch.int64 or slots.device.type != "cpu":
+            slots = slots.to("cpu", torch.int64)
         if out_of_range(slots.numpy(), self._pool.num_slots):
             bad = slots[(slots < 0) | (slots >= self._pool.num_slots)]
             raise OmniPrefixCacheInvalidArgumentError(
@@ -267,19 +269,21 @@ class StepLayout:
         """Rows as a 2-D ``(n, width)`` tensor; records the key's layout in
         ``layouts`` and raises if it differs from the layout the key's slab
         was opened with."""
-        trailing = tuple(int(d) for d in rows.shape[1:])
+        trailing = tuple(rows.shape[1:])  # torch.Size holds ints
+        known = self.known.get(key)
+        if known is not None and known.dtype == rows.dtype and known.trailing == trailing:
+            layouts[key] = known  # the usual save: the key's layout as the pool holds it
+            return rows if len(trailing) == 1 else rows.reshape(int(rows.shape[0]), known.width)
         width = 1
         for d in trailing:
             width *= d
-        layout = KeyLayout(dtype=rows.dtype, width=width, trailing=trailing)
-        known = self.known.get(key)
-        if known is not None and known != layout:
+        if known is not None:
             raise OmniPrefixCacheInvalidArgumentError(
                 f"key {key!r}: step rows are {rows.dtype} {trailing}, the pool holds {known.dtype} {known.trailing}"
             )
         if width <= 0:
             raise OmniPrefixCacheInvalidArgumentError(f"key {key!r}: token rows of shape {trailing} hold no values")
-        layouts[key] = layout
+        layouts[key] = KeyLayout(dtype=rows.dtype, width=width, trailing=trailing)
         return rows.reshape(int(rows.shape[0]), width)
 
     def split(
@@ -329,7 +333,7 @@ class StepLayout:
             else:
                 immediate[key] = rows
         out = StepOutputs(immediate=immediate, leftover=leftover, deferred_chunks=[], layouts=layouts)
-        on_device = [k for k, t in immediate.items() if self._controller.is_device(t)]
+        on_device = out.on_device = tuple(k for k, t in immediate.items() if self._controller.is_device(t))
         # Freeze on the compute stream: the copy stream reads the clone,
         # never the static buffers the next CUDA-graph replay overwrites.
         # Not charged to the budget: it lives until its task's host_ready,

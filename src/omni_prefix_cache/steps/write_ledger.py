@@ -187,7 +187,7 @@ class WriteLedger:
         rows = StepRows(
             slots=slots,
             host=claimed.views,
-            tensors={k: t for k, t in split.immediate.items() if ctrl.is_device(t)},
+            tensors={k: split.immediate[k] for k in split.on_device},
         )
         sizes = [spans[r][1] for r in req_order]
         if ctrl.mode.wrapped_seams or WriteTask.seams_wrapped:
