@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from omni_prefix_cache.device.index_tensors import int64_tensor, out_of_range, per_row, per_row_ids
@@ -28,7 +28,14 @@ def test_gather_index_lists_each_range_in_order(ranges: list[tuple[int, int]]) -
     assert gather_index(starts, sizes).tolist() == want
 
 
-@given(st.integers(1, 50), st.lists(st.integers(-(2**62), 2**62), max_size=12), st.integers(1, 3))
-def test_out_of_range_is_any_negative_or_too_large(n: int, rows: list[int], stride: int) -> None:
-    arr = np.array(rows * 2, dtype=np.int64)[::stride]  # strided views read the same
-    assert out_of_range(arr, n) is any(r < 0 or r >= n for r in (rows * 2)[::stride])
+@given(
+    st.integers(1, 50),
+    st.lists(st.integers(-2, 52) | st.integers(-(2**62), 2**62), max_size=12),  # near n, and far
+    st.integers(1, 3),
+    st.sampled_from([2, 8]),  # up to 24 ids read as ints, up to 96 by one reduction
+)
+@example(5, [0, 1, 2, 3, 4, 5], 1, 8)  # 48 ids: the reduction, its largest id equal to n
+@example(5, [0, 1, 2, 3, 4], 1, 8)
+def test_out_of_range_is_any_negative_or_too_large(n: int, rows: list[int], stride: int, copies: int) -> None:
+    arr = np.array(rows * copies, dtype=np.int64)[::stride]  # strided views read the same
+    assert out_of_range(arr, n) is any(r < 0 or r >= n for r in (rows * copies)[::stride])

@@ -282,11 +282,18 @@ class RequestTable:
         hit request the step did not schedule reports an empty range at its
         hit end."""
         tenures, ranges = ctx.tenures, ctx.token_ranges
-        for rid in ctx.order:
-            tenure = self.for_save(rid)
+        current = self.current.get
+        # One pass over (request, rows) in step order; ``for_save`` only for
+        # an id without a current tenure.
+        if token_ranges is None:
+            rows_of = ctx.sizes if len(ctx.sizes) == len(ctx.order) else [ctx.spans[r][1] for r in ctx.order]
+        else:
+            rows_of = [0] * len(ctx.order)
+        for rid, rows in zip(ctx.order, rows_of):
+            tenure = current(rid) or self.for_save(rid)
             if token_ranges is None:
                 start = tenure.computed_upto
-                end = start + ctx.spans[rid][1]
+                end = start + rows
             else:
                 start, end = token_ranges[rid]
             tenure.computed_upto = end
