@@ -326,7 +326,7 @@ class PrefixBlockPool:
             return
         rows = index.numpy()  # a CPU int64 index (``_index``)
         self._check_range(key, rows)
-        if host.device.type != "cpu":
+        if not host.is_cpu:
             host = host.to("cpu", non_blocking=False)
         dp = TELEMETRY.datapath
         if dp is None:
@@ -364,7 +364,7 @@ class PrefixBlockPool:
                 f"prefix block pool: slots for key {key!r} must be a 1-D integer tensor, "
                 f"got {slots.dtype} {tuple(slots.shape)}"
             )
-        if slots.dtype != torch.int64 or slots.device.type != "cpu":
+        if slots.dtype != torch.int64 or not slots.is_cpu:
             slots = slots.to("cpu", torch.int64)
         return slots
 

@@ -132,7 +132,8 @@ class FullAttentionGroupView:
         # Index math in numpy: vLLM keeps these tables as numpy arrays, and a
         # numpy op on a few hundred ints costs a fraction of a torch op.
         row_np = np.array(rows, dtype=np.int64)
-        starts = self._computed_tokens()[row_np].astype(np.int64)
+        # vLLM's int32 counts: position math stays int32 (``_gather`` widens the slots).
+        starts = self._computed_tokens()[row_np]
         if len(rows) == 1:
             start = int(starts[0])
             return self._gather(rows[0], np.arange(start, start + counts[0], dtype=np.int64))
@@ -155,7 +156,8 @@ class FullAttentionGroupView:
 
     def _computed_tokens(self) -> np.ndarray:
         # vLLM keeps a numpy array here (a tensor is viewed, not copied).
-        return np.asarray(self._input_batch.num_computed_tokens_cpu)
+        counts = self._input_batch.num_computed_tokens_cpu
+        return counts.numpy() if isinstance(counts, torch.Tensor) else np.asarray(counts)
 
     def _table(self) -> np.ndarray:
         # vLLM's table is a CPU tensor; its numpy view shares the memory.
@@ -178,8 +180,8 @@ class FullAttentionGroupView:
             if positions.size == 0:
                 return _empty_slots()
         offsets = positions & (self.block_size - 1) if shift is not None else positions % self.block_size
-        slots = table[rows, columns].astype(np.int64)
-        slots *= self.block_size
+        # block id * block size in int64 (the table may be int32), plus the offset.
+        slots = np.multiply(table[rows, columns], self.block_size, dtype=np.int64)
         slots += offsets
         return torch.from_numpy(slots)
 

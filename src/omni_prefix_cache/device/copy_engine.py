@@ -123,7 +123,7 @@ class CpuCopyEngine:
     pin_memory = False
 
     def is_device(self, t: torch.Tensor) -> bool:
-        return t.device.type != "cpu"
+        return not t.is_cpu
 
     def freeze(self, tensors: Iterable[torch.Tensor]) -> DeviceEvent | None:
         devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})

@@ -60,7 +60,7 @@ def per_row_ids(values: list[int], counts: list[int]) -> np.ndarray:
 def int64_ids(slots: torch.Tensor) -> np.ndarray:
     """Ids (slots, tids) as a 1-D int64 numpy array: a view of a CPU int64
     tensor, else a converted copy."""
-    if slots.dtype != torch.int64 or slots.device.type != "cpu":
+    if slots.dtype != torch.int64 or not slots.is_cpu:
         slots = slots.detach().to("cpu", torch.int64)
     return slots.numpy().reshape(-1)
 

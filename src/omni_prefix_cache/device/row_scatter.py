@@ -93,7 +93,7 @@ class SlabScatter:
         slab's integer type, or None when it cannot be (its offset or
         strides are not a multiple of that type's size)."""
         try:
-            return host.detach().view(self.view_dtype).numpy()
+            return (host.detach() if host.requires_grad else host).view(self.view_dtype).numpy()
         except (RuntimeError, TypeError):
             return None
 

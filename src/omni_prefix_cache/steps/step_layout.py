@@ -256,7 +256,7 @@ class StepLayout:
             raise OmniPrefixCacheInvalidArgumentError(
                 f"save_outputs (step {sid}): slot mapping {got} does not cover the step's {n} tokens"
             )
-        if slots.dtype != torch.int64 or slots.device.type != "cpu":
+        if slots.dtype != torch.int64 or not slots.is_cpu:
             slots = slots.to("cpu", torch.int64)
         if out_of_range(slots.numpy(), self._pool.num_slots):
             bad = slots[(slots < 0) | (slots >= self._pool.num_slots)]

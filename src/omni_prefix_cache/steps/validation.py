@@ -122,8 +122,7 @@ def as_num_scheduled(raw: Any) -> dict[ReqId, int]:
 def check_device(what: str, value: torch.Tensor) -> None:
     """Rows must live where the cache can copy them from: the CPU, or CUDA
     when CUDA is available."""
-    kind = value.device.type
-    if kind == "cpu" or (kind == "cuda" and torch.cuda.is_available()):
+    if value.is_cpu or (value.is_cuda and torch.cuda.is_available()):  # flags: no device object built
         return
     raise OmniPrefixCacheInvalidArgumentError(
         f"{what} is on device {value.device}; the cache copies from the CPU"
