@@ -30,7 +30,7 @@ def out_of_range(rows: np.ndarray, n: int) -> bool:
     if size == 0:
         return False
     if size <= _FEW_IDS and rows.ndim == 1:
-        ids = rows.tolist()
+        ids: list[int] = rows.tolist()
         return min(ids) < 0 or max(ids) >= n
     return int(np.maximum.reduce(rows.view(np.uint64), axis=None)) >= n
 
