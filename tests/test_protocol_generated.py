@@ -12,6 +12,10 @@ command replays it; Hypothesis also prints the shrunk rule trace and a
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 from hypothesis import settings
 
@@ -57,6 +61,24 @@ def _quiet_events(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(module, "event", lambda *a, **k: None)
 
 
+@contextlib.contextmanager
+def _replayed(monkeypatch: pytest.MonkeyPatch, *, eager: bool) -> Iterator[Any]:
+    """A generated machine for replaying a trace by hand, outside Hypothesis;
+    torn down however the trace ends."""
+    _quiet_events(monkeypatch)
+    machine = build_machine(eager=eager)()
+    try:
+        yield machine
+    finally:
+        machine.teardown()
+
+
+def _check_invariants(machine: Any) -> None:
+    """Every invariant of the composition the tests check, on ``machine`` now."""
+    for name in invariant_table(load_protocol()):
+        getattr(machine.checks, name)()
+
+
 @pytest.mark.parametrize("eager", [False, True], ids=["manual", "eager"])
 def test_a_resumed_request_rewrites_rows_its_open_write_lost(eager: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     # A trace of the generated machine's rules: q0 opens a deferred write on
@@ -64,9 +86,7 @@ def test_a_resumed_request_rewrites_rows_its_open_write_lost(eager: bool, monkey
     # block for one step and aborts, q0 resumes onto it. The rewrite must go
     # to a new write, not be appended to the one that lost those slots
     # (mutant tombstone_drops_fresh_rows: the pool keeps stale rows).
-    _quiet_events(monkeypatch)  # outside Hypothesis
-    machine = build_machine(eager=eager)()
-    try:
+    with _replayed(monkeypatch, eager=eager) as machine:
         machine.first_arrivals(prefixes=[2], recent_first=True)
         first = machine.drive_new_step(_Script(**{"admit q0": 4}))
         machine.drive_materialize(first)
@@ -81,10 +101,7 @@ def test_a_resumed_request_rewrites_rows_its_open_write_lost(eager: bool, monkey
             pass
         machine.drive_drain()  # publishes them
         assert machine.model.cached_blocks(), "the trace no longer leaves cached blocks to check"
-        for name in invariant_table(load_protocol()):
-            getattr(machine.checks, name)()
-    finally:
-        machine.teardown()
+        _check_invariants(machine)
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["manual", "eager"])
@@ -94,9 +111,7 @@ def test_a_same_step_hit_on_a_reused_block_gets_this_steps_rows(eager: bool, mon
     # recent-first allocator; the next step admits identical prompts whose
     # prefix hit lands on a block that very step reallocates. The hit must be
     # re-planned against this step's rows (mutant reused_block_hit_not_replanned).
-    _quiet_events(monkeypatch)  # outside Hypothesis
-    machine = build_machine(eager=eager)()
-    try:
+    with _replayed(monkeypatch, eager=eager) as machine:
         machine.first_arrivals(prefixes=[2, 0], recent_first=True)
         s0 = machine.drive_new_step(_Script(**{"admit q0": 1, "admit q1": 3}))
         machine.drive_materialize(s0)
@@ -113,8 +128,6 @@ def test_a_same_step_hit_on_a_reused_block_gets_this_steps_rows(eager: bool, mon
         assert s2 is not None, "the trace no longer reaches its third step"
         machine.drive_materialize(s2)
         machine.checks.rows_match_reference()
-    finally:
-        machine.teardown()
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["manual", "eager"])
@@ -123,9 +136,7 @@ def test_a_paused_prefetch_reads_preserved_rows_of_reused_slots(eager: bool, mon
     # its prefetch pauses at its version check; q1 aborts and a new tenant
     # reuses those blocks; the prefetch resumes and must serve the preserved
     # copies (mutant cow_copy_missed_before_reads_lock).
-    _quiet_events(monkeypatch)  # outside Hypothesis
-    machine = build_machine(eager=eager)()
-    try:
+    with _replayed(monkeypatch, eager=eager) as machine:
         machine.first_arrivals(prefixes=[0], recent_first=True)
         machine.drive_materialize(machine.drive_new_step(_Script(**{"admit q0": 4})))
         machine.model.end("q0")
@@ -142,8 +153,6 @@ def test_a_paused_prefetch_reads_preserved_rows_of_reused_slots(eager: bool, mon
         machine.drive_prefetch_resume()
         machine.checks.rows_match_reference()
         machine.drive_discard(s1)
-    finally:
-        machine.teardown()
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["manual", "eager"])
@@ -155,9 +164,7 @@ def test_a_replaced_request_hands_its_unconsumed_output_off(eager: bool, monkeyp
     # no watermark of it moves (mutant commit_keeps_retired). The generated
     # machine finds this at random; its draws depend on how many write tasks a
     # step registers, so the trace is kept here, independent of that.
-    _quiet_events(monkeypatch)  # outside Hypothesis
-    machine = build_machine(eager=eager)()
-    try:
+    with _replayed(monkeypatch, eager=eager) as machine:
         machine.first_arrivals(prefixes=[0, 0], recent_first=False)
         arrivals = [("prefix", 0), ("tail", []), ("pair", False)] * 2
         admits = {f"admit q{i}": 1 for i in range(4)}
@@ -166,10 +173,7 @@ def test_a_replaced_request_hands_its_unconsumed_output_off(eager: bool, monkeyp
         machine.drive_replace(_Script(replace="q0", prefix=0))
         machine.drive_resume(_Script(**{"preempt": "q1", "run q2": 1, "run q3": 1, "admit q1": 1}))
         machine.drive_materialize(first, _Script(talker="commit", **{"client lag": 1}))
-        for name in invariant_table(load_protocol()):
-            getattr(machine.checks, name)()
-    finally:
-        machine.teardown()
+        _check_invariants(machine)
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["manual", "eager"])
@@ -181,9 +185,7 @@ def test_a_lagging_ack_moves_the_tenure_its_output_was_saved_under(
     # q1 is REPLACED and the next step starts its new tenure; the client then
     # acknowledges the old output. The ack moves the old tenure's watermark, not
     # the new one's (mutant ack_resolves_tenure_by_id).
-    _quiet_events(monkeypatch)  # outside Hypothesis
-    machine = build_machine(eager=eager)()
-    try:
+    with _replayed(monkeypatch, eager=eager) as machine:
         machine.first_arrivals(prefixes=[0, 0], recent_first=False)
         machine.drive_drain()
         machine.drive_finish_or_abort("abort", _Script(abort="q0"))
@@ -196,10 +198,7 @@ def test_a_lagging_ack_moves_the_tenure_its_output_was_saved_under(
         machine.drive_new_step(script)
         assert machine.desk.inbox, "the trace no longer leaves the client an output"
         machine.drive_client(_Script(**{"client order": 0, "client": "ack"}))
-        for name in invariant_table(load_protocol()):
-            getattr(machine.checks, name)()
-    finally:
-        machine.teardown()
+        _check_invariants(machine)
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["manual", "eager"])
@@ -208,9 +207,7 @@ def test_a_discarded_step_moves_no_watermark(eager: bool, monkeypatch: pytest.Mo
     # step is saved, materialized and acknowledged by both consumers; q0 is
     # preempted for an interim tenant and resumed; the last step is discarded.
     # A discard delivers nothing (mutant discard_counts_as_delivery).
-    _quiet_events(monkeypatch)  # outside Hypothesis
-    machine = build_machine(eager=eager)()
-    try:
+    with _replayed(monkeypatch, eager=eager) as machine:
         machine.first_arrivals(prefixes=[0, 0], recent_first=True)
         machine.drive_submit_queued(0)
         arrival = [("prefix", 0), ("tail", []), ("pair", False)]
@@ -224,10 +221,7 @@ def test_a_discarded_step_moves_no_watermark(eager: bool, monkeypatch: pytest.Mo
         steps = machine.drive_interim_tenant(script)
         assert len(steps) == 2, "the trace no longer saves two interim steps"
         machine.drive_discard(steps[1])
-        for name in invariant_table(load_protocol()):
-            getattr(machine.checks, name)()
-    finally:
-        machine.teardown()
+        _check_invariants(machine)
 
 
 def test_a_failed_pool_write_is_charged_to_its_own_task(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -235,9 +229,7 @@ def test_a_failed_pool_write_is_charged_to_its_own_task(monkeypatch: pytest.Monk
     # step registers its immediate write and a pending deferred write; the
     # immediate write's pool write fails. The failure is that write's, never the
     # other open task's (mutant pool_write_failure_wrong_task).
-    _quiet_events(monkeypatch)  # outside Hypothesis
-    machine = build_machine(eager=False)()
-    try:
+    with _replayed(monkeypatch, eager=False) as machine:
         machine.first_arrivals(prefixes=[0], recent_first=False)
         first = machine.drive_new_step(_Script(**{"admit q0": 2}))
         assert first is not None, "the trace no longer saves its first step"
@@ -248,10 +240,7 @@ def test_a_failed_pool_write_is_charged_to_its_own_task(monkeypatch: pytest.Monk
         while machine._committer_unit():
             pass
         machine.drive_materialize(first)
-        for name in invariant_table(load_protocol()):
-            getattr(machine.checks, name)()
-    finally:
-        machine.teardown()
+        _check_invariants(machine)
 
 
 def test_a_resumed_request_remapping_a_hit_slot_keeps_the_hit_rows(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -261,9 +250,7 @@ def test_a_resumed_request_remapping_a_hit_slot_keeps_the_hit_rows(monkeypatch: 
     # hit onto block 6 and its same write maps slot 12 again with position 0's
     # row. q3's read, planned before that, must still get position 2's row
     # (row oracle), not the write's newer chunk row for the slot.
-    _quiet_events(monkeypatch)  # outside Hypothesis
-    machine = build_machine(eager=False)()
-    try:
+    with _replayed(monkeypatch, eager=False) as machine:
         machine.first_arrivals(prefixes=[2, 0, 0], recent_first=True)
         first = machine.drive_new_step(_Script(**{"admit q0": 4, "admit q1": 1, "admit q2": 1}))
         machine.drive_discard(first)
@@ -278,10 +265,7 @@ def test_a_resumed_request_remapping_a_hit_slot_keeps_the_hit_rows(monkeypatch: 
         assert len(steps) == 2, "the trace no longer saves the tenant's step and the resume"
         assert machine.model.requests["q0"].blocks == [6], "q0 no longer resumes onto the hit's block"
         machine.drive_materialize(steps[0], _Script(talker="ack", **{"client lag": 1}))
-        for name in invariant_table(load_protocol()):
-            getattr(machine.checks, name)()
-    finally:
-        machine.teardown()
+        _check_invariants(machine)
 
 
 # About 20 s per mode alone on 2 cores.
