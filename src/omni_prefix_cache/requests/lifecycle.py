@@ -283,13 +283,9 @@ class RequestTable:
         hit end."""
         tenures, ranges = ctx.tenures, ctx.token_ranges
         current = self.current.get
-        # One pass over (request, rows) in step order; ``for_save`` only for
-        # an id without a current tenure.
-        if token_ranges is None:
-            rows_of = ctx.sizes if len(ctx.sizes) == len(ctx.order) else [ctx.spans[r][1] for r in ctx.order]
-        else:
-            rows_of = [0] * len(ctx.order)
-        for rid, rows in zip(ctx.order, rows_of):
+        # (request, rows) in step order (``ctx.sizes``); ``for_save`` only
+        # for an id without a current tenure.
+        for rid, rows in zip(ctx.order, ctx.sizes, strict=True):
             tenure = current(rid) or self.for_save(rid)
             if token_ranges is None:
                 start = tenure.computed_upto
