@@ -6,6 +6,8 @@ derive from its rows, never speeds."""
 from __future__ import annotations
 
 import json
+import os
+import threading
 
 import pytest
 
@@ -163,3 +165,25 @@ def test_profile_keeps_the_engine_calls_and_materialize_apart(clock: str) -> Non
     assert "{built-in method time.sleep}" not in text
     with pytest.raises(ValueError, match="unknown profile clock"):
         profile_scenario("decode_4", clock="gpu")
+
+
+def test_the_wake_probe_runs_each_side_with_its_thread_and_leaves_none_behind() -> None:
+    from omni_prefix_cache.tools.bench.wake_probe import THREAD_NAME, WakeProbe, probe_wake, wake_probe_lines
+
+    cpus = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    # probe_wake raises unless each woken side's thread served its wakes.
+    probe = probe_wake(iters=4, warmup=2, pairs=2)
+    assert not [t for t in threading.enumerate() if t.name == THREAD_NAME]
+    if cpus is not None:
+        assert set(os.sched_getaffinity(0)) == cpus  # the one-CPU side gave this thread its CPUs back
+        assert (probe.one_cpu_us is not None) == (len(cpus) > 1)
+    assert probe.alone_us > 0 and probe.woken_us > 0
+    assert probe.extra_us == probe.woken_us - probe.alone_us
+    d = json.loads(json.dumps(probe.to_dict()))
+    assert WakeProbe(**d) == probe
+    (line,) = [s for s in wake_probe_lines(probe) if s.startswith("wake probe")]
+    assert f"alone {probe.alone_us:.0f} us" in line and f"({probe.extra_us:+.0f} us)" in line
+    rep = run_bench(["decode"], iters=2, warmup=1, modes=("eager",), sweep=False)
+    assert rep.wake_probe is None and "wake probe" not in format_report(rep)
+    rep.wake_probe = probe.to_dict()
+    assert "wake probe (eager decode x1" in format_report(rep)

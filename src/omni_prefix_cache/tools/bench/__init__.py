@@ -64,7 +64,9 @@ inside ``save_outputs``, on a machine with fewer free cores than threads.
 ``--warm-pool`` writes every pool slab's pages once when it opens (a
 warmup step), so the timed steps carry no first-touch faults; the default
 is cold, as the baseline. The CLI also times the pool write's paths alone
-(``pool_write``: ``index_copy_``, numpy by row, whole blocks).
+(``pool_write``: ``index_copy_``, numpy by row, whole blocks) and runs the
+wake probe (``wake_probe``): eager decode alone and with a no-op thread
+woken after every step, the machine's share of a threaded row's engine time.
 
 Modules: ``scenarios`` (the traces, their targets and planning), ``floors``
 (the memcpy floors and the static buffers), ``measure`` (timing one
@@ -72,7 +74,9 @@ scenario), ``results`` (rows, targets' verdicts, the report and the
 baseline), ``goals`` (the targets judged across rows), ``pool_write`` (the
 pool write's paths alone), ``sweep`` (the batch sweep's spread and fit), ``sides`` (the
 ``--metrics both`` and ``--scrape`` pairs and their tables), ``scrape``
-(the scrape thread), ``report`` (the tables), ``profiling``
+(the scrape thread), ``wake_probe`` (what waking an idle thread once a
+step costs the engine thread on this host, beside the threaded rows),
+``report`` (the tables), ``profiling``
 (``--profile``), ``runner`` (a whole run, the CLI entry).
 """
 

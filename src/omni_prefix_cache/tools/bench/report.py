@@ -7,6 +7,7 @@ from __future__ import annotations
 from omni_prefix_cache.tools.bench.pool_write import PoolWriteTiming, pool_write_lines
 from omni_prefix_cache.tools.bench.results import STEP_SIDE, BenchReport, ScenarioResult
 from omni_prefix_cache.tools.bench.sides import scrape_lines, side_by_side_lines
+from omni_prefix_cache.tools.bench.wake_probe import WakeProbe, wake_probe_lines
 
 
 def _verdict(met: bool | None) -> str:
@@ -75,6 +76,8 @@ def format_report(rep: BenchReport) -> str:
         lines += _sweep_lines(rep, "threaded", rep.sweep_threaded)
     if rep.pool_write:
         lines += pool_write_lines([PoolWriteTiming(**t) for t in rep.pool_write])
+    if rep.wake_probe is not None:
+        lines += wake_probe_lines(WakeProbe(**rep.wake_probe))
     if rep.baseline:
         lines += _baseline_lines(rep)
     lines.append("all targets met" if rep.all_met else "some targets MISSED")

@@ -260,6 +260,8 @@ class BenchReport:
     # The pool write's row and block paths timed alone (``pool_write.PoolWriteTiming.to_dict``).
     pool_write: list[dict[str, Any]] = field(default_factory=list)
     warm_pool: bool = False  # ``--warm-pool``: the scenarios ran on pre-written pools
+    # The machine's wake cost (``wake_probe.WakeProbe.to_dict``; None: not run).
+    wake_probe: dict[str, Any] | None = None
 
     @property
     def mode(self) -> str:
@@ -351,6 +353,7 @@ class BenchReport:
             "report_targets": [asdict(v) for v in self.report_verdicts],
             "pool_write": self.pool_write,
             "warm_pool": self.warm_pool,
+            "wake_probe": self.wake_probe,
         }
 
 

@@ -32,6 +32,7 @@ from omni_prefix_cache.tools.bench.results import (
 from omni_prefix_cache.tools.bench.scenarios import MODES, SCENARIOS, Scenario, decode_scenario
 from omni_prefix_cache.tools.bench.sides import METRICS_CHOICES, run_pair, run_scrape_pair, with_metrics
 from omni_prefix_cache.tools.bench.sweep import SWEEP_SIZES, spread
+from omni_prefix_cache.tools.bench.wake_probe import probe_wake
 
 
 def _check_choices(names: list[str], modes: tuple[str, ...], metrics: str, scrape_hz: float) -> None:
@@ -93,6 +94,7 @@ def run_bench(
     scrape_hz: float = 0.0,
     warm: bool = False,
     pool_write: bool = False,
+    wake_probe: bool = False,
 ) -> BenchReport:
     """Run the named scenarios (default all) in each of ``modes`` (default
     both; ``eager`` picks one, for old callers), then the decode sweep
@@ -100,6 +102,8 @@ def run_bench(
     ``warm``: every run's pool slabs are written once before its first step
     (``measure.warm_pool``). ``pool_write``: also time the pool write's
     paths alone (``pool_write.time_pool_writes``, a fraction of a second).
+    ``wake_probe``: also measure what waking an idle thread once a step
+    costs the engine thread here (``wake_probe.probe_wake``, a few seconds).
     ``progress(done, total)`` is called after every step of every run.
     ``forward_us``: a simulated forward pass per step (see ``run_scenario``).
     ``metrics``: ``off`` (managers as ``manager_factory`` builds them; the
@@ -187,6 +191,7 @@ def run_bench(
         sweep_threaded=sweeps.get("threaded", []),
         pool_write=[t.to_dict() for t in time_pool_writes()] if pool_write else [],
         warm_pool=warm,
+        wake_probe=probe_wake().to_dict() if wake_probe else None,
     )
     rep.report_verdicts = judge_report(rep)
     return rep
@@ -229,6 +234,7 @@ def main_bench(args: argparse.Namespace) -> int:
             scrape_hz=getattr(args, "scrape", 0.0),
             warm=getattr(args, "warm_pool", False),
             pool_write=True,
+            wake_probe=True,
         )
     finally:
         line.close()
