@@ -648,8 +648,9 @@ def test_stats_count_hits_steps_rows_and_holders(eager: bool, managers: list) ->
     assert (stats["steps_saved"], stats["steps_materialized"], stats["steps_discarded"]) == (2, 1, 1)
     assert stats["tokens_saved"] == 13
     keys = len(want["b"])
-    # Written rows count once the manager drains them (at its next entry).
-    assert stats["rows_committed"] == 10 * keys
+    # Written rows count once drained: at the manager's next entry, or, with
+    # the committer thread, by it right after its pass (its state lock try won).
+    assert stats["rows_committed"] in ((10 * keys,) if eager else (10 * keys, 13 * keys))
     mgr.new_step_starts(SimpleNamespace(scheduled_new_reqs=[], finished_req_ids={"b"}, num_scheduled_tokens={}))
     stats = mgr.stats()
     assert stats["rows_committed"] == 13 * keys

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -90,6 +90,7 @@ class OmniPrefixCacheController(UpstreamSeams):
         *,
         engine: CopyEngine | None = None,
         committer: CommitterKind = "thread",
+        after_write: Callable[[], None] | None = None,
     ):
         if committer not in ("thread", "manual", "on_demand"):
             raise OmniPrefixCacheUnmatchError(f"committer must be 'thread', 'manual' or 'on_demand', got {committer!r}")
@@ -139,6 +140,7 @@ class OmniPrefixCacheController(UpstreamSeams):
             wake=self.wake,
             fail=self.fail_task,
             timeout_s=config.staging_claim_timeout_s,
+            after_write=after_write,
         )
         self._worker: threading.Thread | None = None
         if not self.mode.eager and committer == "thread":

@@ -122,7 +122,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, UpstreamSe
         # ``engine``: where rows leave the device (default: CUDA lanes when
         # CUDA exists and eager is off, else host copies; a fake injects faults).
         self._controller = OmniPrefixCacheController(
-            self._pool, config, eager=eager, committer=committer, engine=engine
+            self._pool, config, eager=eager, committer=committer, engine=engine, after_write=self._drain_off_engine
         )
         self._policy = ModelCachePolicy()
         self._state_lock = timed_lock(sync.Lock(), "state_lock")
@@ -333,6 +333,20 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, UpstreamSe
             if not self._closed:
                 self._hits.start_prefetch(call.jobs)
         return sid
+
+    def _drain_off_engine(self) -> None:
+        """The committer thread, after a pass that wrote (no lock held):
+        operation drain if the state lock is free, so the engine thread's
+        next entry finds nothing to settle. Only a try: the committer's
+        next claim never waits behind a facade's state segment."""
+        lock = self._state_lock
+        if not lock.acquire(False):
+            return  # the engine thread's next facade entry drains
+        try:
+            # Writes come from saves, so the manager is whole by now.
+            self._ledger.commit_drained_locked()
+        finally:
+            lock.release()
 
     def materialize(self, step_id: StepId, req_ids: Sequence[ReqId]) -> StageCacheOutputs:
         """Consume ``step_id`` and return each request's merged outputs:

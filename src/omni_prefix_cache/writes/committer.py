@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -69,6 +70,7 @@ class Committer:
         wake: Any,
         fail: FailTask,
         timeout_s: float,
+        after_write: Callable[[], None] | None = None,
     ) -> None:
         self._registry = registry
         self._lock = registry.lock
@@ -84,6 +86,9 @@ class Committer:
         # Enabled while a claimed task's copy stage has not finished.
         self._copying = binding.move("position", "copied")[0]
         self.stopping = False  # set once by ``drain`` (shutdown), under ``wake``
+        # The thread's call after a pass that wrote (no lock held): the
+        # manager's operation drain, when its state lock is free.
+        self._after_write = after_write
 
     def claim(self) -> Tid | None:
         """``committer_claim``: pop the next entry (high first) and claim its
@@ -256,7 +261,9 @@ class Committer:
                     return
             try:
                 with torch.inference_mode():
-                    self.step()
+                    done = self.step()
+                if done == "write" and self._after_write is not None:
+                    self._after_write()
             except BaseException:  # a stage that raises has already failed its tasks
                 logger.exception("omni prefix cache committer step failed")
 

@@ -29,6 +29,7 @@ from omni_prefix_cache.interface import (
     PrefixCacheConfig,
 )
 from omni_prefix_cache.manager import OmniPrefixCacheManager
+from omni_prefix_cache.specs.loader import SpecError, load_spec
 from omni_prefix_cache.steps.slot_occupancy import SlotState
 from omni_prefix_cache.testing.explore.scheduler import Scheduler
 from omni_prefix_cache.testing.write_fakes import install_failing_stages, probe_joins
@@ -185,6 +186,32 @@ class Engine:
 # ---------------------------------------------------------------- probes and invariants
 
 
+def _past_queued() -> frozenset[TaskState]:
+    """The states a task reaches once its copy was claimed (spec
+    write_task: what QUEUED leads to, failure excluded). Raises if the
+    spec lets one of them lead back to QUEUED."""
+    spec = load_spec("write_task")
+    failure = set(spec.tagged("failure"))
+    succ: dict[str, set[str]] = {}
+    for move in spec.moves:
+        for source in move.source:
+            if move.dest != source and move.dest not in failure:
+                succ.setdefault(source, set()).add(move.dest)
+    past, todo = set[str](), list(succ.get("QUEUED", ()))
+    while todo:
+        state = todo.pop()
+        if state not in past:
+            past.add(state)
+            todo.extend(succ.get(state, ()))
+    if "QUEUED" in past:
+        raise SpecError("write_task: a claimed task can be QUEUED again; the single-claim check assumes a chain")
+    return frozenset(TaskState[name] for name in past)
+
+
+# The states after a copy claim: none of them leads back to QUEUED.
+_PAST_QUEUED = _past_queued()
+
+
 class Watch:
     """Probes on one manager and the invariants checked at every sync point
     (each only while the lock that protects its data is free)."""
@@ -195,6 +222,7 @@ class Watch:
         self.ever_failed: set[int] = set()
         self.poison: dict[str, Callable[[Any], bool]] = {}
         self.violations: list[str] = []
+        self.claimed: set[int] = set()  # tasks seen past QUEUED (their copy claimed)
         drain_failed = ctrl.drain_failed
 
         def drained() -> list[int]:
@@ -221,6 +249,18 @@ class Watch:
         ctrl = self.ctrl
         if self.violations:
             raise _fail("no_join_under_state_lock_and_save_waits_previous_writes", self.violations[0])
+        # The strict chain QUEUED -> COPYING -> HOST_READY -> WRITTEN (spec
+        # write_task): a task seen past QUEUED is never QUEUED again. A
+        # task's state is under its own lock, so this is read whenever that
+        # lock is free, whoever holds the controller's (where an escalate
+        # requeues).
+        for tid, task in list(ctrl.tasks.items()):
+            if task.lock.locked():
+                continue
+            if task.state in _PAST_QUEUED:
+                self.claimed.add(tid)
+            elif task.state is TaskState.QUEUED and tid in self.claimed:
+                raise _fail("write_task.single_copy_claim", f"task {tid} is queued again after its copy was claimed")
         if ctrl.lock.locked():
             return
         queued = [*ctrl.queues.high, *ctrl.queues.low]

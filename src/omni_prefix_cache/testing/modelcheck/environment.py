@@ -178,6 +178,10 @@ class ModelEnvironment:
             head = w.hi[0] if w.hi else w.lo[0] if w.lo else -1
             if head >= 0:
                 yield from self._start(w, COMMITTER, "committer_claim", op_args(tid=head))
+            if w.completed or w.failed:
+                # The threaded committer drains too, between any two of the
+                # other threads' segments (its try at the state lock won).
+                yield from self._start(w, COMMITTER, "drain", NO_ARGS)
         # a failure on another thread (dispatch, shutdown) of a task no operation has in hand
         if th[FAILER]:
             yield from self._continue(w, FAILER)
