@@ -610,3 +610,44 @@ def test_a_committer_pass_takes_the_high_queue_whole_and_deferred_writes_one_at_
     for tid in (1, 2, 3, 4):
         assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([tid])), rows_for([tid]))
     ctrl.shutdown()
+
+
+def test_the_committer_thread_calls_after_write_once_a_pass_wrote_with_no_lock_held():
+    cfg = PrefixCacheConfig(
+        num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, staging_depth=2, staging_capacity_tokens=NUM_SLOTS
+    )
+    pool = FlakyPool(cfg)
+    pool.ensure_key(HIDDEN_KEY, torch.float32, WIDTH)
+    seen: list[tuple[str, bool, list[TaskState]]] = []
+    called = threading.Event()
+    tasks: list[WriteTask] = []
+
+    def free_elsewhere() -> bool:
+        # The controller lock is free if another thread can take it now.
+        took: list[bool] = []
+
+        def take() -> None:
+            took.append(ctrl.lock.acquire(timeout=2))
+            if took[0]:
+                ctrl.lock.release()
+
+        other = threading.Thread(target=take)
+        other.start()
+        other.join()
+        return took == [True]
+
+    def after_write() -> None:
+        # What the manager's drain would see: the pass's tasks written, their records public.
+        seen.append((threading.current_thread().name, free_elsewhere(), [t.state for t in tasks]))
+        called.set()
+
+    ctrl = OmniPrefixCacheController(pool, cfg, eager=False, committer="thread", after_write=after_write)
+    try:
+        tasks.append(deferred_task(ctrl, 1, [1]))
+        ctrl.submit(tasks[0])
+        assert called.wait(10), "the committer never called after_write"
+        name, free, states = seen[0]
+        assert name == "omni-prefix-cache-committer" and free
+        assert states == [TaskState.WRITTEN] and 1 in ctrl.completed
+    finally:
+        ctrl.shutdown()

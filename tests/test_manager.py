@@ -657,3 +657,34 @@ def test_stats_count_hits_steps_rows_and_holders(eager: bool, managers: list) ->
     assert stats["failed_writes"] == 0 and not stats["sticky_failure"]
     assert stats["open_steps"] == 0 and stats["holders"] == {"step": 0, "task": 0}
     assert stats["staged_bytes"] == 0 and sum(stats["tasks_by_state"].values()) == 0
+
+
+def test_the_committer_thread_drains_only_when_the_state_lock_is_free_and_never_waits_for_it(managers: list) -> None:
+    mgr, drv = make(False)
+    managers.append(mgr)
+    ctrl, pool = mgr._controller, mgr.components.pool
+    gate = threading.Event()
+    write = pool.write
+
+    def gated(*args: Any) -> None:
+        gate.wait(10)
+        write(*args)
+
+    pool.write = gated  # the committer's pool writes wait for the gate
+    sid, want = drv.run({"a": Req([0, 1, 2], 0, 4)})
+    drv.check(sid, want)
+    lock = mgr.components.state_lock
+    lock.acquire()  # a facade's state segment, while the write lands
+    try:
+        gate.set()
+        quiesce(mgr)
+        tried = threading.Thread(target=mgr._drain_off_engine)
+        tried.start()
+        tried.join(5)
+        assert not tried.is_alive(), "the committer's drain waited for the state lock"
+        assert list(ctrl.completed), "a drain ran while the state lock was held"
+    finally:
+        lock.release()
+    mgr._drain_off_engine()
+    assert not list(ctrl.completed)
+    assert mgr.stats()["rows_committed"] == 4 * len(want["a"])
