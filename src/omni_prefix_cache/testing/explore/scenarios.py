@@ -254,12 +254,12 @@ class Watch:
         # task's state is under its own lock, so this is read whenever that
         # lock is free, whoever holds the controller's (where an escalate
         # requeues).
-        for tid, task in list(ctrl.tasks.items()):
-            if task.lock.locked():
+        for tid, seen in list(ctrl.tasks.items()):
+            if seen.lock.locked():
                 continue
-            if task.state in _PAST_QUEUED:
+            if seen.state in _PAST_QUEUED:
                 self.claimed.add(tid)
-            elif task.state is TaskState.QUEUED and tid in self.claimed:
+            elif seen.state is TaskState.QUEUED and tid in self.claimed:
                 raise _fail("write_task.single_copy_claim", f"task {tid} is queued again after its copy was claimed")
         if ctrl.lock.locked():
             return
