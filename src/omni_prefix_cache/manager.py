@@ -22,7 +22,8 @@ those can wait on another thread that may itself need the lock. A second,
 leaf lock, the reads lock (``HitReads.lock``), covers pending hit reads and
 the slot versions a delayed read is checked against; writers take it inside
 ``_state_lock``, the prefetch thread takes only it, so a prefetch never
-stalls the engine behind a gather.
+stalls the engine behind a gather. The committer thread only ever tries
+``_state_lock``, after a pass that wrote, to drain what it wrote.
 """
 
 from __future__ import annotations

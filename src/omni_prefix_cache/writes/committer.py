@@ -55,6 +55,8 @@ class Committer:
 
     ``wake`` is the condition over the controller lock (``registry.lock``)
     that a dispatch notifies and the committer thread waits on.
+    ``after_write`` (optional) is what the thread calls, with no lock held,
+    after a pass that wrote: the manager's drain.
     """
 
     def __init__(
