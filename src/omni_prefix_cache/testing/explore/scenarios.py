@@ -29,9 +29,10 @@ from omni_prefix_cache.interface import (
     PrefixCacheConfig,
 )
 from omni_prefix_cache.manager import OmniPrefixCacheManager
-from omni_prefix_cache.specs.loader import SpecError, load_spec
+from omni_prefix_cache.specs.loader import load_spec
 from omni_prefix_cache.steps.slot_occupancy import SlotState
 from omni_prefix_cache.testing.explore.scheduler import Scheduler
+from omni_prefix_cache.testing.specfacts import states_after
 from omni_prefix_cache.testing.write_fakes import install_failing_stages, probe_joins
 from omni_prefix_cache.writes.staging import StagingBufferHolder, StagingBufferPool
 
@@ -186,30 +187,11 @@ class Engine:
 # ---------------------------------------------------------------- probes and invariants
 
 
-def _past_queued() -> frozenset[TaskState]:
-    """The states a task reaches once its copy was claimed (spec
-    write_task: what QUEUED leads to, failure excluded). Raises if the
-    spec lets one of them lead back to QUEUED."""
-    spec = load_spec("write_task")
-    failure = set(spec.tagged("failure"))
-    succ: dict[str, set[str]] = {}
-    for move in spec.moves:
-        for source in move.source:
-            if move.dest != source and move.dest not in failure:
-                succ.setdefault(source, set()).add(move.dest)
-    past, todo = set[str](), list(succ.get("QUEUED", ()))
-    while todo:
-        state = todo.pop()
-        if state not in past:
-            past.add(state)
-            todo.extend(succ.get(state, ()))
-    if "QUEUED" in past:
-        raise SpecError("write_task: a claimed task can be QUEUED again; the single-claim check assumes a chain")
-    return frozenset(TaskState[name] for name in past)
-
-
-# The states after a copy claim: none of them leads back to QUEUED.
-_PAST_QUEUED = _past_queued()
+# The states every path reaches through a copy claim (spec write_task:
+# COPYING onward, failure aside), as the model check's facts read them.
+_PAST_QUEUED = frozenset(
+    TaskState[name] for name in states_after(load_spec("write_task"), lambda m: m.trigger == "claim_copy")[0]
+)
 
 
 class Watch:
