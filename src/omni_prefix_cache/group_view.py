@@ -169,19 +169,23 @@ class FullAttentionGroupView:
         row, or one per token), as a 1-D int64 tensor. Positions past the
         table's last column are dropped."""
         table = self._table()
-        width = int(table.shape[1])
         shift = self._shift
         columns = positions >> shift if shift is not None else positions // self.block_size
-        if int(columns.max()) >= width:
-            inside = columns < width
+        try:
+            # Positions are never negative, so the index's own bounds check
+            # is the "past the last column" test (no separate max).
+            blocks = table[rows, columns]
+        except IndexError:
+            inside = columns < int(table.shape[1])
             positions, columns = positions[inside], columns[inside]
             if not isinstance(rows, int):
                 rows = rows[inside]
             if positions.size == 0:
                 return _empty_slots()
+            blocks = table[rows, columns]
         offsets = positions & (self.block_size - 1) if shift is not None else positions % self.block_size
         # block id * block size in int64 (the table may be int32), plus the offset.
-        slots = np.multiply(table[rows, columns], self.block_size, dtype=np.int64)
+        slots = np.multiply(blocks, self.block_size, dtype=np.int64)
         slots += offsets
         return torch.from_numpy(slots)
 
