@@ -5,9 +5,8 @@ Each pool key has three tables with one row per KV slot: ``state`` (int8, a
 ``slot_version`` (bumped each time a committed slot is reused). A move is
 applied to a whole slot tensor at once: the source states are gathered, the
 spec's move table says where each group goes, guards filter rows and effects
-run once per source-state group. Nothing here loops over slots in Python on
-the common path. Moves work on numpy views of the tables (the same memory):
-a numpy op on a step's few hundred slots costs a fraction of a torch op.
+run once per source-state group, with no Python loop over slots on the
+common path, on numpy views of the tables (cheaper than torch ops here).
 
 Threading: a ``SlotOccupancy`` has no lock of its own. The manager calls it
 under its state lock only (the hooks it installs run under that lock too).
@@ -38,12 +37,13 @@ class SlotGroup(NamedTuple):
     """The rows of one vectorised move that share a source state.
 
     ``owners`` is per row: the new owner for ``map``, the writer whose pool
-    write is being settled for ``commit`` / ``drop``.
+    write is being settled for ``commit`` / ``drop``; or 0-d, one owner for
+    every row (a step's write), which numpy broadcasts.
     """
 
     key: TensorName
     slots: np.ndarray  # int64 KV slot ids
-    owners: np.ndarray  # int64 tids, same length as slots
+    owners: np.ndarray  # int64 tids, same length as slots, or 0-d (one for all)
 
 
 @dataclass(eq=False)
@@ -258,7 +258,7 @@ class SlotOccupancy:
             for guard in move.guards:
                 ok = guard(self, group)
                 if not ok.all():
-                    group = SlotGroup(key, group.slots[ok], group.owners[ok])
+                    group = SlotGroup(key, group.slots[ok], group.owners[ok] if group.owners.ndim else group.owners)
             if group.slots.size == 0:
                 continue
             state[group.slots] = int(move.dest)
@@ -299,7 +299,7 @@ class SlotOccupancy:
         order = np.argsort(src, kind="stable")  # stable: a slot listed twice keeps its row order
         cuts = np.cumsum(counts)[:-1]
         slot_parts = np.split(slots[order], cuts)
-        owner_parts = np.split(owners[order], cuts)
+        owner_parts = [owners] * len(slot_parts) if owners.ndim == 0 else np.split(owners[order], cuts)
         return [
             (move, SlotGroup(key, slot_parts[state], owner_parts[state]))
             for state, move in enumerate(moves)
@@ -437,14 +437,14 @@ class SlotOccupancy:
 
     @staticmethod
     def _as_owners(owners: torch.Tensor | np.ndarray | int, n: int) -> np.ndarray:
-        if isinstance(owners, np.ndarray):  # one int64 writer per row (settle_keys)
-            if owners.size != n:
+        if isinstance(owners, np.ndarray):  # per row (settle_keys), or 0-d: one owner of every row
+            if owners.ndim and owners.size != n:
                 raise OmniPrefixCacheUnmatchError(f"slot occupancy: {owners.size} owners for {n} slots")
             return owners
         if isinstance(owners, torch.Tensor):
-            if owners.numel() == 1 and n != 1:
-                return np.full(n, int(owners.reshape(())), dtype=np.int64)
+            if owners.numel() == 1 and n != 1:  # one owner of every row, 0-d
+                return np.array(int(owners.reshape(())), dtype=np.int64)
             if int(owners.numel()) != n:
                 raise OmniPrefixCacheUnmatchError(f"slot occupancy: {owners.numel()} owners for {n} slots")
             return int64_ids(owners)
-        return np.full(n, int(owners), dtype=np.int64)
+        return np.array(int(owners), dtype=np.int64)

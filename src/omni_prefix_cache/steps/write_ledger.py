@@ -407,7 +407,10 @@ class WriteLedger:
         for keys, runs in groups.items():
             if trigger == SlotOccupancyTrigger.COMMIT:
                 self._counters["rows_committed"] += sum(runs.counts) * len(keys)
-            self._occupancy.settle_keys(trigger, keys, runs.slots(), per_row_ids(runs.owners, runs.counts))
+            # One writer (a step's write) settles as one owner of every row: no per-row array.
+            owners = runs.owners
+            writers = owners[0] if len(owners) == 1 else per_row_ids(owners, runs.counts)
+            self._occupancy.settle_keys(trigger, keys, runs.slots(), writers)
         return settled
 
     # ------------------------------------------------------------ sticky failure
