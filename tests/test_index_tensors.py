@@ -32,9 +32,11 @@ def test_gather_index_lists_each_range_in_order(ranges: list[tuple[int, int]]) -
     st.integers(1, 50),
     st.lists(st.integers(-2, 52) | st.integers(-(2**62), 2**62), max_size=12),  # near n, and far
     st.integers(1, 3),
-    st.sampled_from([2, 8]),  # up to 24 ids read as ints, up to 96 by one reduction
+    st.sampled_from([2, 24]),  # up to 24 ids read as ints, up to 288 (over 128: one reduction)
 )
-@example(5, [0, 1, 2, 3, 4, 5], 1, 8)  # 48 ids: the reduction, its largest id equal to n
+@example(5, [0, 1, 2, 3, 4, 5], 1, 24)  # 144 ids: the reduction, its largest id equal to n
+@example(6, [0, 1, 2, 3, 4, 5], 1, 24)  # 144 ids: the reduction, all inside
+@example(5, [0, 1, 2, 3, 4, 5], 1, 8)  # 48 ids as ints, the largest equal to n
 @example(5, [0, 1, 2, 3, 4], 1, 8)
 def test_out_of_range_is_any_negative_or_too_large(n: int, rows: list[int], stride: int, copies: int) -> None:
     arr = np.array(rows * copies, dtype=np.int64)[::stride]  # strided views read the same
