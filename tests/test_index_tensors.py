@@ -7,7 +7,15 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from omni_prefix_cache.device.index_tensors import int64_tensor, out_of_range, per_row, per_row_ids
+from omni_prefix_cache.device.index_tensors import (
+    FEW_IDS,
+    all_set,
+    int64_tensor,
+    out_of_range,
+    per_row,
+    per_row_ids,
+    uniform_value,
+)
 from omni_prefix_cache.reads.materializer import gather_index
 
 
@@ -41,3 +49,29 @@ def test_gather_index_lists_each_range_in_order(ranges: list[tuple[int, int]]) -
 def test_out_of_range_is_any_negative_or_too_large(n: int, rows: list[int], stride: int, copies: int) -> None:
     arr = np.array(rows * copies, dtype=np.int64)[::stride]  # strided views read the same
     assert out_of_range(arr, n) is any(r < 0 or r >= n for r in (rows * copies)[::stride])
+
+
+# A few values read as Python ints, more by numpy: both sides of FEW_IDS.
+SIZES = st.sampled_from([1, 2, FEW_IDS - 1, FEW_IDS, FEW_IDS + 1, 3 * FEW_IDS])
+
+
+@given(SIZES, st.integers(-1, 3), st.data())
+def test_uniform_value_is_the_one_value_every_element_holds(size: int, first: int, data: st.DataObject) -> None:
+    odd = data.draw(st.lists(st.integers(0, size - 1), max_size=3, unique=True))  # rows that differ, maybe none
+    values = np.full(size, first, dtype=np.int8)
+    values[odd] = first + 1
+    got = uniform_value(values)
+    if len(odd) == size:  # every row changed: uniform again
+        assert got == first + 1
+    else:
+        assert got == (None if odd else first)
+    assert got is None or type(got) is int
+
+
+@given(SIZES, st.data())
+def test_all_set_is_true_only_when_every_value_is_set(size: int, data: st.DataObject) -> None:
+    unset = data.draw(st.lists(st.integers(0, size - 1), max_size=3, unique=True))
+    mask = np.ones(size, dtype=bool)
+    mask[unset] = False
+    assert all_set(mask) is (not unset)
+    assert all_set(mask[::2]) is all(mask[::2].tolist())  # a strided view reads the same

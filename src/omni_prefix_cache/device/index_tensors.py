@@ -18,23 +18,42 @@ def int64_tensor(values: list[int]) -> torch.Tensor:
     return torch.frombuffer(array("q", values), dtype=torch.int64)
 
 
-# Up to this many ids, out_of_range reads them as Python ints. Inside a real
-# step numpy's reduction runs with cold caches (about 5 us, against 1 us in a
-# loop): measured with the bench, Python ints win at 64 ids and lose at 256.
-_FEW_IDS = 128
+# Up to this many values, a reduction over them (out_of_range, all_set) reads
+# them as Python ints. Inside a real step numpy's reduction runs with cold
+# caches (about 5 us, against 1 us in a loop): measured with the bench,
+# Python ints win at 64 values and lose at 256.
+FEW_IDS = 128
 
 
 def out_of_range(rows: np.ndarray, n: int) -> bool:
     """True if an int64 row id is negative or ``>= n``: one reduction (a
-    negative id seen as unsigned is above any ``n``); up to ``_FEW_IDS``
+    negative id seen as unsigned is above any ``n``); up to ``FEW_IDS``
     ids (a decode step's) as Python ints, cheaper than a ufunc call."""
     size = rows.size
     if size == 0:
         return False
-    if size <= _FEW_IDS and rows.ndim == 1:
+    if size <= FEW_IDS and rows.ndim == 1:
         ids: list[int] = rows.tolist()
         return min(ids) < 0 or max(ids) >= n
     return int(np.maximum.reduce(rows.view(np.uint64), axis=None)) >= n
+
+
+def all_set(mask: np.ndarray) -> bool:
+    """True if every value of the 1-D bool ``mask`` is set (up to
+    ``FEW_IDS`` values as Python bools)."""
+    if mask.size <= FEW_IDS:
+        return all(mask.tolist())
+    return bool(mask.all())
+
+
+def uniform_value(values: np.ndarray) -> int | None:
+    """The value every element of the non-empty 1-D int ``values`` holds,
+    or None (up to ``FEW_IDS`` values as Python ints)."""
+    if values.size <= FEW_IDS:
+        ints: list[int] = values.tolist()
+        return ints[0] if ints.count(ints[0]) == len(ints) else None
+    first = int(values[0])
+    return first if bool((values == first).all()) else None
 
 
 def per_row(values: list[int], counts: list[int]) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from omni_prefix_cache.device.index_tensors import int64_ids, out_of_range
+from omni_prefix_cache.device.index_tensors import all_set, int64_ids, out_of_range, uniform_value
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, TensorName, Tid
 from omni_prefix_cache.specs import CompiledMove, compile_machine, load_spec
 from omni_prefix_cache.specs.composition import load_protocol
@@ -257,7 +257,7 @@ class SlotOccupancy:
         for move, group in self._groups(key, trigger, moves, src, slots, owner_rows, where_enabled):
             for guard in move.guards:
                 ok = guard(self, group)
-                if not ok.all():
+                if not all_set(ok):
                     group = SlotGroup(key, group.slots[ok], group.owners[ok] if group.owners.ndim else group.owners)
             if group.slots.size == 0:
                 continue
@@ -285,13 +285,13 @@ class SlotOccupancy:
         so a group's move never re-routes another group's rows. A few array
         ops whatever the number of groups: one stable sort by state, then
         views per state."""
-        counts: list[int] = np.bincount(src, minlength=len(moves)).tolist()
-        if max(counts) == len(src):  # the common case: every row starts in one state
-            state = counts.index(len(src))
-            if not where_enabled and state in self._illegal[trigger]:
-                self._refuse(key, trigger, state, slots)
-            move = moves[state]
+        single = uniform_value(src)  # the common case: every row starts in one state
+        if single is not None:
+            if not where_enabled and single in self._illegal[trigger]:
+                self._refuse(key, trigger, single, slots)
+            move = moves[single]
             return [] if move is None else [(move, SlotGroup(key, slots, owners))]
+        counts: list[int] = np.bincount(src, minlength=len(moves)).tolist()
         if not where_enabled:
             for bad in self._illegal[trigger]:
                 if counts[bad]:
