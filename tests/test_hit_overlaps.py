@@ -7,6 +7,7 @@ import random
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,3 +47,23 @@ def test_empty_groups_share_nothing() -> None:
     groups = [torch.tensor([], dtype=torch.int64), torch.tensor([2]), torch.tensor([], dtype=torch.int64)]
     assert marks.overlaps(8, torch.tensor([2, 5]), groups) == [False, True, False]
     assert marks.overlaps(8, torch.tensor([2]), []) == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_disjoint_and_numpy_groups_answer_as_tensors_do(seed: int) -> None:
+    # Reuse of slots no live read holds (the usual case) has its own early
+    # answer; numpy id groups (a planned read's cached ids) mean the same.
+    rng = random.Random(seed)
+    marks = SlotMarks()
+    for _ in range(50):
+        step = rng.sample(range(32), rng.randint(1, 8))
+        others = [s for s in range(64) if s not in step]
+        groups = [rng.sample(others, rng.randint(0, 6)) for _ in range(rng.randint(1, 5))]
+        if rng.random() < 0.5:  # sometimes one group shares a slot
+            groups[rng.randrange(len(groups))].append(rng.choice(step))
+        want = [not set(step).isdisjoint(g) for g in groups]
+        as_tensors = [torch.tensor(g, dtype=torch.int64) for g in groups]
+        as_numpy = [np.array(g, dtype=np.int64) for g in groups]
+        assert marks.overlaps(64, torch.tensor(step), as_tensors) == want
+        assert marks.overlaps(64, torch.tensor(step), as_numpy) == want
+        assert not bool(marks._marks is not None and marks._marks.any())

@@ -95,24 +95,28 @@ class SlotMarks:
     def __init__(self) -> None:
         self._marks: np.ndarray | None = None
 
-    def overlaps(self, num_slots: int, slots: torch.Tensor, groups: Sequence[torch.Tensor]) -> list[bool]:
+    def overlaps(self, num_slots: int, slots: torch.Tensor, groups: Sequence[torch.Tensor | np.ndarray]) -> list[bool]:
         """Per group, whether it holds one of ``slots`` (all ids in
         ``[0, num_slots)``; an id outside raises IndexError and leaves the
-        table clear)."""
+        table clear). A group may be given as its int64 numpy ids already."""
         if not groups:
             return []
         marks = self._marks
         if marks is None or marks.size != num_slots:
             marks = self._marks = np.zeros(num_slots, dtype=np.bool_)
         rows = int64_ids(slots)
-        parts = [int64_ids(g) for g in groups]
+        parts = [g if isinstance(g, np.ndarray) else int64_ids(g) for g in groups]
         marks[rows] = True
         try:
             hit = marks[np.concatenate(parts)]
         finally:
             marks[rows] = False
-        ends = np.cumsum([part.size for part in parts])
+        # The usual answer (a reuse that no live read or planned hit holds):
+        # one reduction, not the per-group sums below.
+        if not hit.any():
+            return [False] * len(parts)
+        sizes = [part.size for part in parts]
+        ends = np.cumsum(sizes)
         counts = np.concatenate(([0], np.cumsum(hit, dtype=np.int64)))
-        sizes = np.diff(ends, prepend=0)
-        touched: list[bool] = (counts[ends] > counts[ends - sizes]).tolist()
+        touched: list[bool] = (counts[ends] > counts[ends - np.array(sizes)]).tolist()
         return touched

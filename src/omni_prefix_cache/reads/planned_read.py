@@ -25,11 +25,12 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.controller import OmniPrefixCacheController, WriteTask
-from omni_prefix_cache.device.index_tensors import SlotMarks
+from omni_prefix_cache.device.index_tensors import SlotMarks, int64_ids
 from omni_prefix_cache.interface import (
     OmniPrefixCacheUnmatchError,
     ReqId,
@@ -90,11 +91,19 @@ class PlannedRead:
     # Why planning refused it (guard rows_planned is false), else None.
     refusal: OmniPrefixCacheUnmatchError | None = None
     _slot_set: set[int] | None = None
+    _slot_ids: np.ndarray | None = None
 
     @property
     def already_staged(self) -> bool:
         """True when every row is in the pool now (nothing to wait for)."""
         return not self.join_tids and not self.staged_list
+
+    @property
+    def slot_ids(self) -> np.ndarray:
+        """``slots`` as int64 numpy ids, converted once (for ``preserve``)."""
+        if self._slot_ids is None:
+            self._slot_ids = int64_ids(self.slots)
+        return self._slot_ids
 
     @property
     def slot_set(self) -> set[int]:
@@ -182,14 +191,13 @@ class PlannedReads:
             effect(self, ref, reused)
 
     def preserve(self, key: TensorName, slots: torch.Tensor) -> None:
-        """Copy on write: committed rows of ``key`` at ``slots`` are about to
-        be overwritten (or reset); every live read of any of them copies
-        them first."""
+        """Copy on write: committed rows of ``key`` at ``slots`` are about to be
+        overwritten (or reset); every live read of any of them copies them first."""
         refs = self.by_key.get(key)
         if not refs:
             return
         live = list(refs)
-        hits = self._marks.overlaps(self.pool.num_slots, slots, [ref.slots for ref in live])
+        hits = self._marks.overlaps(self.pool.num_slots, slots, [ref.slot_ids for ref in live])
         touched = [ref for ref, hit in zip(live, hits) if hit]
         if touched:
             reused = set(slots.tolist())

@@ -283,8 +283,8 @@ class SlotOccupancy:
         ``where_enabled``) if any row is in a state without the move. Every
         group is cut from the state snapshot taken before any group moves,
         so a group's move never re-routes another group's rows. A few array
-        ops whatever the number of groups: one stable sort by state, then
-        views per state."""
+        ops: one count per state, then one mask per state present, whatever
+        the number of rows."""
         single = uniform_value(src)  # the common case: every row starts in one state
         if single is not None:
             if not where_enabled and single in self._illegal[trigger]:
@@ -296,15 +296,13 @@ class SlotOccupancy:
             for bad in self._illegal[trigger]:
                 if counts[bad]:
                     self._refuse(key, trigger, bad, slots[src == bad])
-        order = np.argsort(src, kind="stable")  # stable: a slot listed twice keeps its row order
-        cuts = np.cumsum(counts)[:-1]
-        slot_parts = np.split(slots[order], cuts)
-        owner_parts = [owners] * len(slot_parts) if owners.ndim == 0 else np.split(owners[order], cuts)
-        return [
-            (move, SlotGroup(key, slot_parts[state], owner_parts[state]))
-            for state, move in enumerate(moves)
-            if move is not None and counts[state]
-        ]
+        groups: list[tuple[CompiledMove, SlotGroup]] = []
+        for state, move in enumerate(moves):
+            if move is None or not counts[state]:
+                continue
+            rows = src == state  # a mask keeps row order: a slot listed twice stays in order
+            groups.append((move, SlotGroup(key, slots[rows], owners if owners.ndim == 0 else owners[rows])))
+        return groups
 
     @staticmethod
     def _refuse(key: TensorName, trigger: SlotOccupancyTrigger, state: int, slots: np.ndarray) -> None:
