@@ -83,15 +83,19 @@ class HostRows:
             srcs = [c.tensors[key] for c in chunks]
             total = sum(int(src.shape[0]) for src in srcs)
             host = self.engine.host_empty((total, *srcs[0].shape[1:]), srcs[0].dtype)
+            # One key's chunks share a row shape and dtype: one row size for all.
+            row_bytes = max(1, host[:1].numel() * host.element_size())
+            whole_rows = max(1, piece_bytes // row_bytes)  # the most rows one copy may take
             offset = 0
             for chunk, src in zip(chunks, srcs):
                 rows = int(src.shape[0])
-                row_bytes = max(1, src[:1].numel() * src.element_size())
-                step = max(1, rows if rows * row_bytes <= piece_bytes else piece_bytes // row_bytes)
-                for s in range(0, rows, step):
-                    end = min(rows, s + step)
-                    copies.append((host[offset + s : offset + end], src[s:end]))
-                rows_out.append((chunk, key, host[offset : offset + rows]))
+                dst = host[offset : offset + rows]
+                if 0 < rows <= whole_rows:  # the usual chunk (decode's single row): one copy, no cuts
+                    copies.append((dst, src))
+                elif rows:
+                    for s in range(0, rows, whole_rows):
+                        copies.append((dst[s : s + whole_rows], src[s : s + whole_rows]))
+                rows_out.append((chunk, key, dst))
                 offset += rows
         dp = TELEMETRY.datapath
         start = TELEMETRY.cpu_clock() if dp is not None else 0

@@ -442,8 +442,8 @@ def _keep_last_write(slots: torch.Tensor, host: torch.Tensor) -> tuple[torch.Ten
     """Drop earlier rows of any slot that appears twice (in order of first
     appearance of each slot's last write)."""
     order = slots.tolist()
-    last = {s: i for i, s in enumerate(order)}
-    if len(last) == len(order):
+    if len(set(order)) == len(order):  # the usual write: no slot twice (a set is built in C)
         return slots, host
+    last = {s: i for i, s in enumerate(order)}
     idx = torch.tensor(sorted(last.values()), dtype=torch.int64)
     return slots.index_select(0, idx), host.index_select(0, idx)
