@@ -345,16 +345,18 @@ class StepLayout:
             out.deferred_clone = clone
             out.deferred_ticket = BudgetTicket(nbytes=sum(t.numel() * t.element_size() for t in clone.values()))
             if req_order:
+                # One chunk per request. The splits are untracked views: the
+                # clone is private to its chunks and no autograd runs on it.
                 sizes = [int(num_sched[r]) for r in req_order]
-                slot_parts = torch.split(slots_cpu, sizes)
-                row_parts = {k: torch.split(t, sizes) for k, t in clone.items()}
-                for i, rid in enumerate(req_order):
-                    chunk = WriteChunk(
-                        slots_cpu=slot_parts[i],
-                        tensors={k: parts[i] for k, parts in row_parts.items()},
-                        budget=out.deferred_ticket,
-                    )
-                    out.deferred_chunks.append((rid, chunk))
+                slot_parts = slots_cpu.unsafe_split_with_sizes(sizes)
+                ticket = out.deferred_ticket
+                keys = list(clone)
+                row_parts = [clone[k].unsafe_split_with_sizes(sizes) for k in keys]
+                parts_of = zip(*row_parts)
+                out.deferred_chunks = [
+                    (rid, WriteChunk.of_rows(s, dict(zip(keys, parts)), ticket, rows))
+                    for rid, s, parts, rows in zip(req_order, slot_parts, parts_of, sizes)
+                ]
         # After the clones, on the current stream of their devices (the
         # forward's stream: see docs/cuda.md). None when nothing is on a device.
         out.freeze_event = self._controller.freeze([*immediate.values(), *out.deferred_clone.values()])

@@ -131,6 +131,19 @@ class WriteChunk:
         self.end = 0 if slots_cpu is None else int(slots_cpu.shape[0])
 
     @classmethod
+    def of_rows(
+        cls, slots_cpu: torch.Tensor, tensors: dict[TensorName, torch.Tensor], budget: BudgetTicket | None, rows: int
+    ) -> WriteChunk:
+        """A chunk owning ``rows`` rows (``slots_cpu`` and ``tensors`` hold
+        exactly that many): a save's deferred chunk, built per request
+        without reading the shapes back."""
+        chunk = cls.__new__(cls)
+        chunk._slots, chunk._tensors, chunk._host = slots_cpu, tensors, None
+        chunk.budget = budget
+        chunk.step, chunk.start, chunk.end = None, 0, rows
+        return chunk
+
+    @classmethod
     def of_step(cls, step: StepRows, start: int, end: int) -> WriteChunk:
         """Rows ``[start, end)`` of ``step``, viewed lazily."""
         chunk = cls.__new__(cls)
