@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -58,6 +60,27 @@ def manager_state(mgr: OmniPrefixCacheManager) -> dict[str, Any]:
             "failure": mgr._ledger.failure,
             "occupancy": {k: mgr._slot_status.state[k].clone() for k in mgr._slot_status.keys()},
         }
+
+
+@contextmanager
+def background_drain_paused(mgr: OmniPrefixCacheManager) -> Iterator[None]:
+    """While inside, the committer thread does not drain: after a pass that
+    wrote it runs the manager's ``_drain_off_engine`` (its ``after_write``),
+    which settles published writes in the manager's tables whenever the
+    state lock is free, so a before/after comparison could see a drain the
+    call under test never ran. Entering settles what is published so far; a
+    drain already under way finds nothing new (the committer publishes
+    nothing while it runs one). Writes still run; only their settling waits
+    for the next facade entry, as it does when the state lock is busy."""
+    committer = mgr._controller._committer
+    saved = committer._after_write
+    committer._after_write = lambda: None
+    try:
+        with mgr._state_lock:
+            mgr._ledger.commit_drained_locked()
+        yield
+    finally:
+        committer._after_write = saved
 
 
 def assert_same_state(before: dict[str, Any], after: dict[str, Any]) -> None:
@@ -196,10 +219,11 @@ def test_2_a_rejected_new_step_starts_changes_nothing_and_its_retry_loses_nothin
         sched([good_b], {"a"}, [("b", 4)]),  # not a mapping
     ]
     for call in bad_calls:
-        before = manager_state(mgr)
-        with pytest.raises(OmniPrefixCacheInvalidArgumentError):
-            mgr.new_step_starts(call)
-        assert_same_state(before, manager_state(mgr))
+        with background_drain_paused(mgr):
+            before = manager_state(mgr)
+            with pytest.raises(OmniPrefixCacheInvalidArgumentError):
+                mgr.new_step_starts(call)
+            assert_same_state(before, manager_state(mgr))
     # The retry of the same step, corrected.
     mgr.new_step_starts(sched([good_b], {"a"}, {"b": 4}))
     drv.live = {"b"}
@@ -244,10 +268,11 @@ def test_2_a_rejected_save_keeps_the_snapshot_so_the_corrected_save_follows(eage
         (None, mm, 2, 2),  # the policy caches hidden states
     ]
     for h, m, n, p in bad_saves:
-        before = manager_state(mgr)
-        with pytest.raises(OmniPrefixCacheInvalidArgumentError):
-            mgr.save_outputs(h, m, num_tokens_unpadded=n, num_tokens_padded=p)
-        assert_same_state(before, manager_state(mgr))
+        with background_drain_paused(mgr):
+            before = manager_state(mgr)
+            with pytest.raises(OmniPrefixCacheInvalidArgumentError):
+                mgr.save_outputs(h, m, num_tokens_unpadded=n, num_tokens_padded=p)
+            assert_same_state(before, manager_state(mgr))
     truth = drv.truth
     for key in (HIDDEN_KEY, "m"):
         for s, v in zip(drv.view.slot_ids("b", 8, 10), values):

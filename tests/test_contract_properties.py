@@ -33,7 +33,7 @@ from omni_prefix_cache.interface import (
 )
 from omni_prefix_cache.manager import OmniPrefixCacheManager
 from omni_prefix_cache.testing.serving_model import NewReq, PlannedStep, SchedOut, ServingModel
-from test_contract import assert_same_state, manager_state
+from test_contract import assert_same_state, background_drain_paused, manager_state
 
 NUM_BLOCKS, BLOCK_SIZE, CAPACITY = 12, 2, 16
 WIDTHS = {HIDDEN_KEY: 4, "m": 3}
@@ -182,17 +182,18 @@ def bad_consume(mgr: OmniPrefixCacheManager, sid: int, rids: list[str], draw: An
 def attempt(mgr: OmniPrefixCacheManager, where: str, bad: Bad) -> Any:
     """Run a malformed call and check its outcome; returns the call's result
     when an equivalent call was accepted, else None."""
-    before = manager_state(mgr)
-    try:
-        result = bad.call()
-    except OmniPrefixCacheUnmatchError as exc:
-        if bad.must == "reject":
-            assert isinstance(exc, OmniPrefixCacheInvalidArgumentError), (where, bad.case, exc)
-        if bad.must != "consume":
-            assert_same_state(before, manager_state(mgr))
-        TRIED[(where, bad.case, "refused")] += 1
-        event(f"{where}: {bad.case}: refused")
-        return None
+    with background_drain_paused(mgr):
+        before = manager_state(mgr)
+        try:
+            result = bad.call()
+        except OmniPrefixCacheUnmatchError as exc:
+            if bad.must == "reject":
+                assert isinstance(exc, OmniPrefixCacheInvalidArgumentError), (where, bad.case, exc)
+            if bad.must != "consume":
+                assert_same_state(before, manager_state(mgr))
+            TRIED[(where, bad.case, "refused")] += 1
+            event(f"{where}: {bad.case}: refused")
+            return None
     assert bad.must == "either", f"{where}: malformed call accepted: {bad.case}"
     TRIED[(where, bad.case, "accepted")] += 1
     event(f"{where}: {bad.case}: accepted")

@@ -15,7 +15,7 @@ from omni_prefix_cache import block_pool
 from omni_prefix_cache.block_pool import host_commit_limit
 from omni_prefix_cache.interface import HIDDEN_KEY, OmniPrefixCacheInvalidArgumentError, PrefixCacheConfig
 from omni_prefix_cache.manager import OmniPrefixCacheManager
-from test_contract import assert_same_state, manager_state
+from test_contract import assert_same_state, background_drain_paused, manager_state
 from test_manager import BS, NUM_BLOCKS, WIDTHS, BlockView, Req, assert_nothing_held, start_step
 
 
@@ -60,16 +60,18 @@ def test_first_save_of_an_oversized_pool_is_refused_before_it_changes_anything(
     mgr = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=NUM_BLOCKS, block_size=BS), view, eager=eager)
     managers.append(mgr)
     _, hidden, mm = _step(mgr, view)
-    before = manager_state(mgr)
-    with pytest.raises(OmniPrefixCacheInvalidArgumentError) as info:
-        mgr.save_outputs(hidden, mm, num_tokens_unpadded=8, num_tokens_padded=8)
+    with background_drain_paused(mgr):
+        before = manager_state(mgr)
+        with pytest.raises(OmniPrefixCacheInvalidArgumentError) as info:
+            mgr.save_outputs(hidden, mm, num_tokens_unpadded=8, num_tokens_padded=8)
+        after = manager_state(mgr)
     message = str(info.value)
     assert "save_outputs (step 1)" in message
     assert "5,632 bytes" in message  # what the two slabs need
     assert "4,096 bytes" in message  # what the host allows
     assert f"overcommit_memory={mode}" in message
     assert "num_blocks 32" in message and "float32" in message and "smaller dtype" in message
-    assert_same_state(before, manager_state(mgr))
+    assert_same_state(before, after)
     assert mgr.components.controller.budget.staged_bytes == 0 and not mgr.stats()["sticky_failure"]
     assert_nothing_held(mgr)
     # Refused before it changed anything: once the host allows it, the same
