@@ -118,5 +118,5 @@ class SlotMarks:
         sizes = [part.size for part in parts]
         ends = np.cumsum(sizes)
         counts = np.concatenate(([0], np.cumsum(hit, dtype=np.int64)))
-        touched: list[bool] = (counts[ends] > counts[ends - np.array(sizes)]).tolist()
+        touched: list[bool] = (counts[ends] > counts[ends - sizes]).tolist()
         return touched

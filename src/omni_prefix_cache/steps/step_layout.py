@@ -354,7 +354,7 @@ class StepLayout:
                 row_parts = [clone[k].unsafe_split_with_sizes(sizes) for k in keys]
                 parts_of = zip(*row_parts)
                 out.deferred_chunks = [
-                    (rid, WriteChunk.of_rows(s, dict(zip(keys, parts)), ticket, rows))
+                    (rid, WriteChunk(s, dict(zip(keys, parts)), budget=ticket, rows=rows))
                     for rid, s, parts, rows in zip(req_order, slot_parts, parts_of, sizes)
                 ]
         # After the clones, on the current stream of their devices (the

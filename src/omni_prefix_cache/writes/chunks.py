@@ -121,27 +121,19 @@ class WriteChunk:
         tensors: dict[TensorName, torch.Tensor] | None = None,
         host: dict[TensorName, torch.Tensor] | None = None,
         budget: BudgetTicket | None = None,
+        rows: int | None = None,
     ) -> None:
+        """``rows``: the row count ``slots_cpu`` holds, when the caller
+        knows it (a save's deferred chunks: no shape read back per request)."""
         self._slots: torch.Tensor | None = slots_cpu
         self._tensors: dict[TensorName, torch.Tensor] | None = tensors
         self._host: dict[TensorName, torch.Tensor] | None = {} if host is None else host
         self.budget = budget
         self.step: StepRows | None = None
         self.start = 0
-        self.end = 0 if slots_cpu is None else int(slots_cpu.shape[0])
-
-    @classmethod
-    def of_rows(
-        cls, slots_cpu: torch.Tensor, tensors: dict[TensorName, torch.Tensor], budget: BudgetTicket | None, rows: int
-    ) -> WriteChunk:
-        """A chunk owning ``rows`` rows (``slots_cpu`` and ``tensors`` hold
-        exactly that many): a save's deferred chunk, built per request
-        without reading the shapes back."""
-        chunk = cls.__new__(cls)
-        chunk._slots, chunk._tensors, chunk._host = slots_cpu, tensors, None
-        chunk.budget = budget
-        chunk.step, chunk.start, chunk.end = None, 0, rows
-        return chunk
+        if rows is None:
+            rows = 0 if slots_cpu is None else int(slots_cpu.shape[0])
+        self.end = rows
 
     @classmethod
     def of_step(cls, step: StepRows, start: int, end: int) -> WriteChunk:

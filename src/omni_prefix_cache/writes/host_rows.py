@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -84,7 +85,7 @@ class HostRows:
             total = sum(int(src.shape[0]) for src in srcs)
             host = self.engine.host_empty((total, *srcs[0].shape[1:]), srcs[0].dtype)
             # One key's chunks share a row shape and dtype: one row size for all.
-            row_bytes = max(1, host[:1].numel() * host.element_size())
+            row_bytes = max(1, math.prod(host.shape[1:]) * host.element_size())
             whole_rows = max(1, piece_bytes // row_bytes)  # the most rows one copy may take
             offset = 0
             for chunk, src in zip(chunks, srcs):
