@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PYTEST ?= $(PYTHON) -m pytest
 
-.PHONY: setup diagrams diagrams-check typed-specs typed-specs-check test lint demo simulate bench check examples
+.PHONY: setup diagrams diagrams-check typed-specs typed-specs-check test lint demo simulate bench check examples wheel-check
 
 setup:
 	bash .ci/setup.sh
@@ -38,6 +38,11 @@ test:
 examples:
 	$(PYTHON) examples/minimal_engine.py
 	$(PYTHON) examples/threaded_lagged.py
+
+# The wheel built from this checkout, installed into a clean venv (no -e, no src/ on the path):
+# the seed suite, simulate and the examples run from it (~1 min; CI runs it).
+wheel-check:
+	PYTHON=$(PYTHON) bash .ci/wheel-check.sh
 
 # Fresh machine -> install -> a verified serving simulation with defaults.
 demo:

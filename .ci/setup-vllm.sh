@@ -17,7 +17,9 @@ DEPS=(
     starlette cbor2 psutil pyzmq pillow pybase64 cachetools msgspec uvloop prometheus_client
     partial-json-parser einops
 )
-RECIPE="${NO_DEPS[*]} | ${DEPS[*]} | $(pwd)"
+# The packaging files are part of the recipe: the editable install's entry points (the vLLM
+# plugin) are written at install time, so a change to them reinstalls this checkout.
+RECIPE="${NO_DEPS[*]} | ${DEPS[*]} | $(pwd) | $(cat pyproject.toml setup.py | sha256sum | cut -c1-16)"
 STAMP="$VENV/.omni-vllm-recipe"
 LOG="$VENV/setup.log"
 

@@ -6,10 +6,8 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
 import subprocess
 import sys
-import zipfile
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +21,6 @@ from omni_prefix_cache.specs import (
     MachineSpec,
     SpecError,
     compile_machine,
-    load_all_specs,
     load_spec,
     parse_spec,
     spec_names,
@@ -429,58 +426,3 @@ def test_removed_move_changes_table_and_diagram(name: str) -> None:
             (line,) = removed
             assert f"{source} -> {move['dest']}" in line and move["trigger"] in line
     assert accepted > 0, f"{name}: no single move could be removed without breaking the graph"
-
-
-# --------------------------------------------------------------- packaging
-
-
-@pytest.mark.packaging
-def test_wheel_ships_the_specs_and_loads_them_from_site_packages(tmp_path: Path) -> None:
-    """Build a wheel from a copy of the project, check it carries spec/*.yaml
-    byte for byte, install it into a fresh venv and load every spec there."""
-    proj = tmp_path / "proj"
-    proj.mkdir()
-    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "*.pyc")
-    for folder in ("src", "spec"):
-        shutil.copytree(REPO / folder, proj / folder, ignore=ignore)
-    for file in ("pyproject.toml", "README.md"):
-        shutil.copy2(REPO / file, proj / file)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
-
-    def run(*cmd: str | Path) -> str:
-        proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, cwd=tmp_path)
-        assert proc.returncode == 0, f"{cmd}\n{proc.stdout}\n{proc.stderr}"
-        return proc.stdout
-
-    dist = tmp_path / "dist"
-    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", dist, proj)
-    (wheel,) = dist.glob("omni_prefix_cache-*.whl")
-
-    with zipfile.ZipFile(wheel) as zf:
-        shipped = {
-            Path(n).name: zf.read(n)
-            for n in zf.namelist()
-            if n.startswith("omni_prefix_cache/_spec/") and n.endswith(".yaml")
-        }
-    assert shipped == {p.name: p.read_bytes() for p in SPEC_DIR.glob("*.yaml")}
-
-    venv = tmp_path / "venv"
-    run(sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv)
-    py = venv / "bin" / "python"
-    # --ignore-installed: never touch the editable install visible through system site-packages.
-    run(py, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "--ignore-installed", wheel)
-    probe = (
-        "import json, omni_prefix_cache\n"
-        "from omni_prefix_cache.specs import load_all_specs\n"
-        "from omni_prefix_cache.specs.loader import spec_dir\n"
-        "from omni_prefix_cache.specs.diagrams import render_dot\n"
-        "print(json.dumps({'module': omni_prefix_cache.__file__, 'spec_dir': str(spec_dir()),\n"
-        "    'dots': {n: render_dot(s) for n, s in load_all_specs().items()}}))\n"
-    )
-    found = json.loads(run(py, "-c", probe))
-    site = Path(run(py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip())
-    assert Path(found["module"]).is_relative_to(site)
-    assert Path(found["spec_dir"]).is_relative_to(site)
-    assert not Path(found["spec_dir"]).resolve().is_relative_to(REPO)
-    assert found["dots"] == {name: render_dot(spec) for name, spec in load_all_specs().items()}

@@ -19,6 +19,7 @@ import torch
 
 from omni_prefix_cache.engine_types import InputBatchLike
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, PrefixCacheConfig, ReqId
+from omni_prefix_cache.kv_connector_gate import check_kv_connector
 
 
 def _empty_slots() -> torch.Tensor:
@@ -210,13 +211,11 @@ def check_prefix_cache_kv_groups(groups: Sequence[Any]) -> Any:
     return groups[0]
 
 
-def _is_kv_consumer(kv_transfer_config: Any) -> bool:
-    if kv_transfer_config is None:
-        return False
-    flag = getattr(kv_transfer_config, "is_kv_consumer", None)
-    if flag is not None:
-        return bool(flag)
-    return getattr(kv_transfer_config, "kv_role", None) in ("kv_consumer", "kv_both")
+def check_prefix_cache_kv_transfer(kv_transfer_config: Any) -> None:
+    """Refuse any KV connector that can load KV into this stage, whatever its
+    role (``kv_connector_gate``): a hit it loads lands in new blocks the
+    mirror never wrote. Connectors known to only store pass."""
+    check_kv_connector(kv_transfer_config)
 
 
 def stage_prefix_cache_config(
@@ -232,18 +231,15 @@ def stage_prefix_cache_config(
     """The stage's prefix cache config, or None when it gets no cache.
 
     None when prefix caching is off or the stage is a pooling model. Raises
-    for a KV-consumer connector (rows for externally loaded KV never exist),
+    for a KV connector that can load KV, whatever its role (rows for
+    externally loaded KV never exist; ``check_prefix_cache_kv_transfer``),
     speculative decoding, prefix matching finer than a KV block, and
     anything but exactly one full-attention KV cache group. Checked in that
     order, so the refusals fire before the group check.
     """
     if not bool(getattr(cache_config, "enable_prefix_caching", False)) or is_pooling_model:
         return None
-    if _is_kv_consumer(kv_transfer_config):
-        raise OmniPrefixCacheUnmatchError(
-            "omni prefix cache cannot run behind a KV connector that consumes KV (kv_consumer / kv_both): "
-            "hits on externally loaded blocks have no cached rows; disable prefix caching for this stage"
-        )
+    check_prefix_cache_kv_transfer(kv_transfer_config)
     if speculative_config is not None:
         method = getattr(speculative_config, "method", None)
         raise OmniPrefixCacheUnmatchError(

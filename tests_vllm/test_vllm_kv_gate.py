@@ -1,0 +1,131 @@
+"""The stage gate on vLLM 0.33's real KVTransferConfig and connector registry, and the
+vLLM plugin through vLLM's own plugin loader."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+from omni_prefix_cache.group_view import stage_prefix_cache_config
+from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError
+from omni_prefix_cache.kv_connector_gate import STORE_ONLY_KV_CONNECTORS
+from omni_prefix_cache.tools.simulate import SimConfig
+from omni_prefix_cache.tools.simulate.vllm_engine import VllmOptions, VllmScheduler
+from omni_prefix_cache.vllm_plugin import ENV_VAR
+
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+REGISTERED = sorted(KVConnectorFactory._registry)
+
+
+@pytest.fixture(scope="module")
+def sched(v):
+    """A real vLLM scheduler (prefix caching on), for its config objects."""
+    sched = VllmScheduler(SimConfig(seed=0, num_blocks=32, block_size=16), VllmOptions(), v, [])
+    yield sched
+    sched.close()
+
+
+@pytest.fixture
+def gate(sched):
+    """stage_prefix_cache_config on the real scheduler's configs, with a given KVTransferConfig."""
+    vc = sched.vllm_config
+
+    def run(kv_transfer: KVTransferConfig | None):
+        return stage_prefix_cache_config(
+            kv_cache_config=sched.kv_cache_config,
+            cache_config=vc.cache_config,
+            kv_transfer_config=kv_transfer,
+            scheduler_config=vc.scheduler_config,
+            model_config=vc.model_config,
+            is_pooling_model=False,
+            speculative_config=vc.speculative_config,
+        )
+
+    return run
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_offloading_connector_is_refused_with_every_role(gate, role: str) -> None:
+    """OffloadingConnector loads offloaded KV into new blocks whatever its kv_role."""
+    cfg = KVTransferConfig(kv_connector="OffloadingConnector", kv_role=role)
+    assert cfg.is_kv_producer or cfg.is_kv_consumer
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=f"'OffloadingConnector' \\(kv_role='{role}'\\) can load KV"):
+        gate(cfg)
+
+
+@pytest.mark.parametrize("name", [n for n in REGISTERED if n not in STORE_ONLY_KV_CONNECTORS and n != "MultiConnector"])
+def test_every_registered_connector_not_known_to_only_store_is_refused_as_a_producer(gate, name: str) -> None:
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=f"KV connector '{name}'"):
+        gate(KVTransferConfig(kv_connector=name, kv_role="kv_producer"))
+
+
+@pytest.mark.parametrize("name", sorted(STORE_ONLY_KV_CONNECTORS))
+def test_the_allow_list_names_registered_connectors_whose_scheduler_never_loads(gate, name: str) -> None:
+    """Each allow-listed connector is one of vLLM's, and its get_num_new_matched_tokens only ever
+    returns (0, False): read from vLLM's source, so an upgrade that lets it load fails here."""
+    assert name in REGISTERED
+    cls = KVConnectorFactory._registry[name]()  # the registry's lazy class loader
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls.get_num_new_matched_tokens)))
+    returns = [ast.unparse(node.value) for node in ast.walk(tree) if isinstance(node, ast.Return) and node.value]
+    assert returns and set(returns) == {"(0, False)"}, returns
+    for role in ROLES:
+        assert gate(KVTransferConfig(kv_connector=name, kv_role=role)) is not None
+
+
+def test_a_multi_connector_is_judged_by_its_children(gate) -> None:
+    store = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer"}
+    offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_producer"}
+    ok = KVTransferConfig(
+        kv_connector="MultiConnector", kv_role="kv_producer", kv_connector_extra_config={"connectors": [store]}
+    )
+    assert gate(ok) is not None
+    mixed = KVTransferConfig(
+        kv_connector="MultiConnector", kv_role="kv_producer", kv_connector_extra_config={"connectors": [store, offload]}
+    )
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="child that can load.*'OffloadingConnector'"):
+        gate(mixed)
+
+
+def test_no_connector_passes(gate) -> None:
+    assert gate(None) is not None
+
+
+def _with_plugins(value: str | None) -> subprocess.CompletedProcess[str]:
+    """vLLM's own loader runs the general plugins in a fresh interpreter, then imports upstream's path."""
+    env = {k: v for k, v in os.environ.items() if k not in (ENV_VAR, "VLLM_PLUGINS")}
+    if value is not None:
+        env[ENV_VAR] = value
+    code = (
+        "import importlib\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "try:\n"
+        "    upstream = importlib.import_module('vllm_omni.core.prefix_cache')\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print('missing', e.name)\n"
+        "else:\n"
+        "    import omni_prefix_cache, omni_prefix_cache.manager\n"
+        "    from vllm_omni.core.prefix_cache.manager import OmniPrefixCacheManager\n"
+        "    from vllm_omni.core.prefix_cache import PrefixCacheSchedulerAdapter\n"
+        "    ok = upstream is omni_prefix_cache\n"
+        "    ok = ok and OmniPrefixCacheManager is omni_prefix_cache.manager.OmniPrefixCacheManager\n"
+        "    print('aliased', ok, PrefixCacheSchedulerAdapter.__module__)\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_vllms_plugin_loader_aliases_upstreams_package_only_when_opted_in() -> None:
+    on = _with_plugins("1")
+    assert on.returncode == 0, on.stderr
+    assert on.stdout.strip().splitlines()[-1] == "aliased True omni_prefix_cache.adapter"
+    off = _with_plugins(None)
+    assert off.returncode == 0, off.stderr
+    assert off.stdout.strip().splitlines()[-1] == "missing vllm_omni"
