@@ -187,3 +187,32 @@ def test_the_wake_probe_runs_each_side_with_its_thread_and_leaves_none_behind() 
     assert rep.wake_probe is None and "wake probe" not in format_report(rep)
     rep.wake_probe = probe.to_dict()
     assert "wake probe (eager decode x1" in format_report(rep)
+
+
+def test_the_sweep_is_judged_against_vllms_scheduler_step_at_each_size() -> None:
+    eager, threaded = _sweep("eager", 400.0, 5.0), _sweep("threaded", 300.0, 2.0)
+    vllm = {16: 200.0, 64: 700.0, 256: 3000.0}
+    rep = BenchReport(("eager", "threaded"), 1, [], eager, sweep_threaded=threaded, vllm_step_us=vllm)
+    got = _verdicts(rep)
+    # eager x16: (400 + 80) / 200 = 2.4 > 1.5; x256: (400 + 1280) / 3000 = 0.56 <= 0.75
+    assert got["eager x16 / vLLM sched step"] == (pytest.approx(2.4), False)
+    assert got["eager x256 / vLLM sched step"] == (pytest.approx(0.56), True)
+    # threaded x64: (300 + 128) / 700 = 0.611 > 0.5; x256: (300 + 512) / 3000 = 0.27 <= 0.5
+    assert got["threaded x64 / vLLM sched step"] == (pytest.approx(428 / 700), False)
+    assert got["threaded x256 / vLLM sched step"] == (pytest.approx(812 / 3000), True)
+    assert "vLLM scheduler step 200 us" in next(v.context for v in judge_report(rep) if v.name.startswith("eager x16"))
+    text = format_report(rep)
+    assert "vLLM's scheduler step" in text and "256 requests:   3000.0 us" in text
+    assert rep.to_dict()["vllm_step_us"] == vllm
+    # Not measured (no vLLM venv): the six targets are left out, not judged.
+    rep.vllm_step_us = {}
+    assert not [name for name in _verdicts(rep) if "vLLM" in name]
+
+
+def test_vllms_scheduler_step_is_skipped_with_a_reason_when_its_venv_is_missing(tmp_path) -> None:
+    from omni_prefix_cache.tools.bench.vllm_step import scheduler_step_us
+
+    assert scheduler_step_us(None, (16,)) == ({}, "vLLM's scheduler step not measured (no vLLM venv)")
+    missing = str(tmp_path / "python")
+    got, note = scheduler_step_us(missing, (16,))
+    assert got == {} and missing in note and "setup-vllm.sh" in note

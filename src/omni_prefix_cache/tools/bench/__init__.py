@@ -76,6 +76,9 @@ pool write's paths alone), ``sweep`` (the batch sweep's spread and fit), ``sides
 ``--metrics both`` and ``--scrape`` pairs and their tables), ``scrape``
 (the scrape thread), ``wake_probe`` (what waking an idle thread once a
 step costs the engine thread on this host, beside the threaded rows),
+``vllm_step`` (vLLM's own decode scheduler step, timed in a vLLM venv's
+subprocess after the sweep, the yardstick of issue 40's targets:
+``--vllm-python``, default ``.venv-vllm/bin/python`` when present),
 ``report`` (the tables), ``profiling``
 (``--profile``), ``runner`` (a whole run, the CLI entry).
 """

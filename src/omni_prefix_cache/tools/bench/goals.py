@@ -3,8 +3,12 @@ fixed and per-request costs in each mode, and one scenario's engine cost
 per request against another's. The targets of a single row are the
 scenarios' own (``scenarios.DECODE_TARGETS``, ``PREFILL_TARGETS``).
 
+The engine time per decode step against vLLM's own scheduler step at the
+same batch size (issue 40, ``VLLM_STEP_LIMITS``) is judged when the run
+measured that step (``vllm_step``: a vLLM venv was there).
+
 A target whose rows did not run (``--scenario``, ``--no-sweep``, one
-``--mode``) is left out, not judged.
+``--mode``, no vLLM venv) is left out, not judged.
 """
 
 from __future__ import annotations
@@ -85,6 +89,35 @@ def _per_request_context(name: str, other: str, mode: str) -> Callable[[BenchRep
     return context
 
 
+def _over_vllm_step(mode: str, requests: int) -> Callable[[BenchReport], float | None]:
+    """The ``mode`` sweep's engine p50 per step at ``requests`` over vLLM's
+    scheduler step at the same size, measured in the same run."""
+
+    def metric(rep: BenchReport) -> float | None:
+        rows = rep.sweep if mode == "eager" else rep.sweep_threaded
+        ours = next((r for r in rows if r.requests_per_step == requests), None)
+        theirs = rep.vllm_step_us.get(requests)
+        return None if ours is None or not theirs else ours.engine_us_p50 / theirs
+
+    return metric
+
+
+def _vllm_step_context(mode: str, requests: int) -> Callable[[BenchReport], str]:
+    def context(rep: BenchReport) -> str:
+        rows = rep.sweep if mode == "eager" else rep.sweep_threaded
+        ours = next((r for r in rows if r.requests_per_step == requests), None)
+        theirs = rep.vllm_step_us.get(requests)
+        if ours is None or not theirs:
+            return ""
+        return f"engine {ours.engine_us_p50:.0f} us, vLLM scheduler step {theirs:.0f} us"
+
+    return context
+
+
+# Issue 40: the engine thread's cost per decode step against vLLM's own scheduler step.
+VLLM_STEP_LIMITS = {("threaded", 16): 1.0, ("threaded", 64): 0.5, ("threaded", 256): 0.5}
+VLLM_STEP_LIMITS |= {("eager", 16): 1.5, ("eager", 64): 0.75, ("eager", 256): 0.75}
+
 REPORT_TARGETS = (
     ReportTarget("sweep eager fixed us", "<= 120 us per step", _fixed("eager"), 120.0, _fit_context("eager")),
     ReportTarget("sweep eager us/request", "<= 2.5 us", _per_request("eager"), 2.5),
@@ -106,6 +139,16 @@ REPORT_TARGETS = (
         _per_request_over("deferred", "decode", "eager"),
         2.0,
         _per_request_context("deferred", "decode", "eager"),
+    ),
+    *(
+        ReportTarget(
+            f"{mode} x{n} / vLLM sched step",
+            f"<= {limit:g}x (engine us/step)",
+            _over_vllm_step(mode, n),
+            limit,
+            _vllm_step_context(mode, n),
+        )
+        for (mode, n), limit in VLLM_STEP_LIMITS.items()
     ),
 )
 

@@ -78,6 +78,9 @@ def format_report(rep: BenchReport) -> str:
         lines += pool_write_lines([PoolWriteTiming(**t) for t in rep.pool_write])
     if rep.wake_probe is not None:
         lines += wake_probe_lines(WakeProbe(**rep.wake_probe))
+    if rep.vllm_step_us or rep.vllm_step_note:
+        lines += ["", f"vLLM's scheduler step (schedule + update_from_output, decode, p50): {rep.vllm_step_note}"]
+        lines += [f"  {n:>4} requests: {us:8.1f} us" for n, us in sorted(rep.vllm_step_us.items())]
     if rep.baseline:
         lines += _baseline_lines(rep)
     lines.append("all targets met" if rep.all_met else "some targets MISSED")

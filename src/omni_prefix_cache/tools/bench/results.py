@@ -262,6 +262,10 @@ class BenchReport:
     warm_pool: bool = False  # ``--warm-pool``: the scenarios ran on pre-written pools
     # The machine's wake cost (``wake_probe.WakeProbe.to_dict``; None: not run).
     wake_probe: dict[str, Any] | None = None
+    # vLLM's own decode scheduler step, median us by requests per step, measured in the
+    # same run (``vllm_step``; empty: not measured, ``vllm_step_note`` says why).
+    vllm_step_us: dict[int, float] = field(default_factory=dict)
+    vllm_step_note: str = ""
 
     @property
     def mode(self) -> str:
@@ -354,6 +358,8 @@ class BenchReport:
             "pool_write": self.pool_write,
             "warm_pool": self.warm_pool,
             "wake_probe": self.wake_probe,
+            "vllm_step_us": self.vllm_step_us,
+            "vllm_step_note": self.vllm_step_note,
         }
 
 

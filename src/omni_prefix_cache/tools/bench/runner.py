@@ -32,6 +32,7 @@ from omni_prefix_cache.tools.bench.results import (
 from omni_prefix_cache.tools.bench.scenarios import MODES, SCENARIOS, Scenario, decode_scenario
 from omni_prefix_cache.tools.bench.sides import METRICS_CHOICES, run_pair, run_scrape_pair, with_metrics
 from omni_prefix_cache.tools.bench.sweep import SWEEP_SIZES, spread
+from omni_prefix_cache.tools.bench.vllm_step import DEFAULT_VENV_PYTHON, scheduler_step_us
 from omni_prefix_cache.tools.bench.wake_probe import probe_wake
 
 
@@ -95,6 +96,7 @@ def run_bench(
     warm: bool = False,
     pool_write: bool = False,
     wake_probe: bool = False,
+    vllm_python: str | None = None,
 ) -> BenchReport:
     """Run the named scenarios (default all) in each of ``modes`` (default
     both; ``eager`` picks one, for old callers), then the decode sweep
@@ -104,6 +106,9 @@ def run_bench(
     paths alone (``pool_write.time_pool_writes``, a fraction of a second).
     ``wake_probe``: also measure what waking an idle thread once a step
     costs the engine thread here (``wake_probe.probe_wake``, a few seconds).
+    ``vllm_python``: a vLLM venv's interpreter; with the sweep, vLLM's own
+    decode scheduler step is measured there at the sweep's sizes, right
+    after the sweep (``vllm_step``, ~15 s), and judged against (``goals``).
     ``progress(done, total)`` is called after every step of every run.
     ``forward_us``: a simulated forward pass per step (see ``run_scenario``).
     ``metrics``: ``off`` (managers as ``manager_factory`` builds them; the
@@ -172,6 +177,7 @@ def run_bench(
         if sweep_results:
             sweep_spread = spread([r.engine_us_per_request for r in sweep_results])
             cpu_spread = spread([r.engine_cpu_us_p50 / r.requests_per_step for r in sweep_results])
+        vllm_step, vllm_note = scheduler_step_us(vllm_python if sweep else None, SWEEP_SIZES)
     finally:
         if metrics == "both" or scrape_hz > 0:
             TELEMETRY.disable()  # fresh series when it was on: the pairs' runs replaced them
@@ -192,9 +198,18 @@ def run_bench(
         pool_write=[t.to_dict() for t in time_pool_writes()] if pool_write else [],
         warm_pool=warm,
         wake_probe=probe_wake().to_dict() if wake_probe else None,
+        vllm_step_us=vllm_step,
+        vllm_step_note=vllm_note,
     )
     rep.report_verdicts = judge_report(rep)
     return rep
+
+
+def _vllm_python(arg: str | None) -> str | None:
+    """``--vllm-python``: as given ('' for none), else the checkout's .venv-vllm when it is there."""
+    if arg is not None:
+        return arg or None
+    return DEFAULT_VENV_PYTHON if os.path.exists(DEFAULT_VENV_PYTHON) else None
 
 
 def main_bench(args: argparse.Namespace) -> int:
@@ -235,6 +250,7 @@ def main_bench(args: argparse.Namespace) -> int:
             warm=getattr(args, "warm_pool", False),
             pool_write=True,
             wake_probe=True,
+            vllm_python=_vllm_python(getattr(args, "vllm_python", None)),
         )
     finally:
         line.close()

@@ -128,6 +128,14 @@ def add_parser(sub: Any) -> None:
         "writes take no first-touch page faults (a long-running server's steady state; default: cold, "
         "slabs mapped lazily as in the baseline)",
     )
+    p.add_argument(
+        "--vllm-python",
+        metavar="PATH",
+        default=None,
+        help="a vLLM venv's python: vLLM's own decode scheduler step is measured there after the sweep, "
+        "and the sweep's engine time per step is judged against it (default: .venv-vllm/bin/python when it "
+        "exists; '' for none)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     p.add_argument(
