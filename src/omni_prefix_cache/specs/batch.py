@@ -1,6 +1,6 @@
 """Compile an operation of the composition for a batch of instances.
 
-``compile_operation`` (specs/protocol.py) runs an operation for one
+``compile_operation`` (specs/composition_compile.py) runs an operation for one
 context: a step's immediate writes then cost one pass through every segment
 per request. ``compile_batch_operation`` compiles the same operation so that
 each step runs once for a whole ``Batch`` of contexts (the writes of one

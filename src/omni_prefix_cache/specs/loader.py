@@ -372,7 +372,7 @@ def spec_dir() -> Path:
 
 def spec_names() -> tuple[str, ...]:
     """Names of every shipped spec, sorted."""
-    # protocol.yaml is the composition of these machines (specs.protocol).
+    # protocol.yaml is the composition of these machines (specs.composition).
     return tuple(sorted(p.stem for p in spec_dir().glob("*.yaml") if p.stem != "protocol"))
 
 
