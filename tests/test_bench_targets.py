@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from omni_prefix_cache.tools.bench import BenchReport, ScenarioResult, format_report, run_bench
-from omni_prefix_cache.tools.bench.goals import REPORT_TARGETS, judge_report
+from omni_prefix_cache.tools.bench.goals import REPORT_TARGETS, VLLM_STEP_LIMITS, judge_report
 from omni_prefix_cache.tools.bench.measure import RUSAGE_THREAD
 from omni_prefix_cache.tools.bench.pool_write import PATHS, PoolWriteTiming, pool_write_lines, time_pool_writes
 
@@ -69,7 +69,7 @@ def test_cross_row_targets_compare_per_request_costs_and_skip_what_did_not_run()
     report = format_report(rep)
     assert "decode_256 / decode eager" in report and "MISSED; decode_256 5.50 us/request, decode 5.00" in report
     assert {t["name"] for t in rep.to_dict()["report_targets"]} == set(got)
-    assert len(REPORT_TARGETS) == 7
+    assert len(REPORT_TARGETS) == 7 + len(VLLM_STEP_LIMITS)  # plus one per (mode, size) against vLLM
 
 
 def test_the_spread_no_longer_decides_all_met() -> None:
