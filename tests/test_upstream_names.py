@@ -2,8 +2,9 @@
 
 ``UPSTREAM_ALL`` is upstream's ``vllm_omni.core.prefix_cache.__all__`` with the
 module each name is imported from there (upstream 9b356ef); ``UPSTREAM_MODULE_NAMES``
-the further names upstream's tests import from a module. Every one must resolve
-here at the same module path (and the ``__all__`` ones from the package too).
+the further names upstream's tests import from a module (private ones included).
+Every one must resolve here at the same module path (and the ``__all__`` ones
+from the package too).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from omni_prefix_cache.group_view import (
 from omni_prefix_cache.interface import (
     OmniPrefixCacheUnmatchError,
 )
+from omni_prefix_cache.writes.chunks import BudgetTicket, WriteChunk
 from test_request_lifecycle import BS
 
 UPSTREAM_ALL: list[tuple[str, str]] = [
@@ -60,6 +62,8 @@ UPSTREAM_MODULE_NAMES: list[tuple[str, str]] = [
     ("controller", "TaskState"),
     ("controller", "WriteSchedule"),
     ("controller", "WriteTask"),
+    ("controller", "_BudgetTicket"),
+    ("controller", "_WriteChunk"),
     ("group_view", "check_prefix_cache_block_layout"),
     ("group_view", "check_prefix_cache_token_accounting"),
     ("interface", "PrefixCacheRequestProgress"),
@@ -83,6 +87,14 @@ def test_each_name_of_upstreams_all_is_the_packages_too(module: str, name: str) 
     scope: dict[str, Any] = {}
     exec(f"from omni_prefix_cache import {name}", scope)
     assert scope[name] is getattr(importlib.import_module(f"omni_prefix_cache.{module}"), name)
+
+
+def test_the_controllers_upstream_chunk_names_are_the_chunk_types_and_nothing_else() -> None:
+    controller = importlib.import_module("omni_prefix_cache.controller")
+    assert controller._WriteChunk is WriteChunk
+    assert controller._BudgetTicket is BudgetTicket
+    with pytest.raises(AttributeError, match=r"omni_prefix_cache.controller' has no attribute '_NoSuch'"):
+        getattr(controller, "_NoSuch")  # noqa: B009
 
 
 # ------------------------------------------------------------------ group view entry points
