@@ -2,14 +2,16 @@
 
 ``UPSTREAM_ALL`` is upstream's ``vllm_omni.core.prefix_cache.__all__`` with the
 module each name is imported from there (upstream 9b356ef); ``UPSTREAM_MODULE_NAMES``
-the further names upstream's tests import from a module (private ones included).
-Every one must resolve here at the same module path (and the ``__all__`` ones
-from the package too).
+the further names upstream's tests import from a module; ``UPSTREAM_MANAGER_SEAMS``
+the manager attributes they read. Every one must resolve here at the same module
+path (and the ``__all__`` ones from the package too). The seams are read by name
+from that list, as upstream's tests read them; the runtime never does.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,6 +20,7 @@ import torch
 
 import omni_prefix_cache
 from omni_prefix_cache import group_view
+from omni_prefix_cache.adapter import PrefixCacheStep
 from omni_prefix_cache.group_view import (
     FullAttentionGroupView,
     check_prefix_cache_block_layout,
@@ -27,10 +30,13 @@ from omni_prefix_cache.group_view import (
     stage_prefix_cache_config,
 )
 from omni_prefix_cache.interface import (
+    HIDDEN_KEY,
+    ModelCachePolicy,
     OmniPrefixCacheUnmatchError,
+    output_progress,
 )
 from omni_prefix_cache.writes.chunks import BudgetTicket, WriteChunk
-from test_request_lifecycle import BS
+from test_request_lifecycle import BS, Engine, K
 
 UPSTREAM_ALL: list[tuple[str, str]] = [
     ("adapter", "PrefixCacheEventKind"),
@@ -71,6 +77,15 @@ UPSTREAM_MODULE_NAMES: list[tuple[str, str]] = [
     ("manager", "_snapshot_leftover_mm_cpu"),
 ]
 
+UPSTREAM_MANAGER_SEAMS = (
+    "_finished_progress",
+    "_hit_prefetch",
+    "_hit_spans",
+    "_join_finished_tids",
+    "_request_progress",
+    "_request_tasks",
+)
+
 
 @pytest.mark.parametrize("module, name", UPSTREAM_ALL + UPSTREAM_MODULE_NAMES)
 def test_each_upstream_name_imports_from_upstreams_module_path(module: str, name: str) -> None:
@@ -95,6 +110,50 @@ def test_the_controllers_upstream_chunk_names_are_the_chunk_types_and_nothing_el
     assert controller._BudgetTicket is BudgetTicket
     with pytest.raises(AttributeError, match=r"omni_prefix_cache.controller' has no attribute '_NoSuch'"):
         getattr(controller, "_NoSuch")  # noqa: B009
+
+
+# ------------------------------------------------------------------ manager seams
+
+
+def seam(eng: Engine, name: str) -> Any:
+    """Upstream's manager attribute ``name``, read as its tests read it."""
+    assert name in UPSTREAM_MANAGER_SEAMS
+    return getattr(eng.m, name)
+
+
+@pytest.fixture
+def eng() -> Iterator[Engine]:
+    e = Engine()
+    e.m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"codes"})))
+    yield e
+    e.m.shutdown()
+
+
+def test_the_manager_seams_read_progress_hits_and_finish_escalations(eng: Engine) -> None:
+    eng.blocks["a"], eng.blocks["b"] = [1, 2], [1, 3]
+    out = eng.m.materialize(eng.step([eng.ev("a", K.STARTED)], {"a": (0, 4)}, mm=True), ["a"])
+    tenure = output_progress(out)["a"]
+    assert seam(eng, "_request_progress") == {"a": tenure} and seam(eng, "_request_progress")["a"] is tenure
+    deferred = seam(eng, "_request_tasks").deferred["a"]
+    assert not seam(eng, "_hit_spans") and not seam(eng, "_hit_prefetch")
+
+    # A hit registered at new_step_starts, prefetching, until its save.
+    eng.seq += 1
+    eng.m.new_step_starts(PrefixCacheStep((eng.ev("b", K.STARTED, hit=BS, owner=2),), (("b", 1),), eng.seq))
+    assert seam(eng, "_hit_spans") == {"b": (BS, [1])}
+    futures = seam(eng, "_hit_prefetch")["b"]
+    assert futures[HIDDEN_KEY].result(timeout=5)[:BS, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+    # Finishing "a" escalates its open deferred write: listed until the next save.
+    eng.seq += 1
+    eng.m.new_step_starts(PrefixCacheStep((eng.ev("a", K.FINISHED),), (("b", 1),), eng.seq))
+    assert seam(eng, "_join_finished_tids") == {deferred.tid}
+    assert "a" not in seam(eng, "_request_progress") and seam(eng, "_finished_progress")["a"] is tenure
+    eng.m.materialize(eng.step([], {"b": (4, 5)}), ["b"])
+    assert not seam(eng, "_join_finished_tids") and not seam(eng, "_hit_spans") and not seam(eng, "_hit_prefetch")
+    # Weak values: once no output holds the finished tenure, it is gone.
+    del out, tenure
+    assert "a" not in seam(eng, "_finished_progress")
 
 
 # ------------------------------------------------------------------ group view entry points
