@@ -23,6 +23,8 @@ from omni_prefix_cache.adapter import (
 )
 from omni_prefix_cache.interface import (
     OmniPrefixCacheInvalidArgumentError,
+    OmniPrefixCacheInvalidTypeError,
+    PrefixCacheRequestProgress,
     StageCacheOutputs,
     output_progress,
 )
@@ -305,3 +307,56 @@ def test_a_lookup_after_a_control_in_the_same_step_is_validated_first(eng: Engin
     with pytest.raises(OmniPrefixCacheInvalidArgumentError, match="not block aligned"):
         eng.step([control, bad], {"a": (6, 7)})
     assert "a" not in eng.m.components.requests.current
+
+
+def hand_built(progress: dict[str, PrefixCacheRequestProgress], rows: int = 2) -> StageCacheOutputs:
+    """An output built by hand, as upstream's tests build one: bare progress
+    objects, not tenures a materialize recorded."""
+    return StageCacheOutputs(
+        hidden_states={rid: torch.arange(rows, dtype=torch.float32)[:, None] for rid in progress},
+        mm_outputs={},
+        token_ranges={rid: (0, rows) for rid in progress},
+        scheduled_token_ranges={rid: (0, rows) for rid in progress},
+        _progress=dict(progress),
+    )
+
+
+def test_a_hand_built_output_delivers_and_acknowledges_its_own_progress(eng: Engine) -> None:
+    a, b = PrefixCacheRequestProgress(), PrefixCacheRequestProgress(delivered_upto={"builder": 1})
+    raw = hand_built({"a": a, "b": b})
+    view = eng.m.delivery_view(raw, ["b"], consumer="builder")
+    assert view.hidden_states is not None and positions(view.hidden_states["b"]) == [1]
+    eng.m.ack_delivery(view)
+    # The caller's own objects move (only the one acknowledged); a gap still raises.
+    assert (a.delivered_upto, b.delivered_upto) == ({}, {"builder": 2})
+    assert positions(eng.m.delivery_view(raw, ["b"], consumer="builder").hidden_states["b"]) == []  # type: ignore[index]
+    with pytest.raises(OmniPrefixCacheDeliveryGapError, match="request 'c'"):
+        gap = StageCacheOutputs({"c": torch.zeros((1, 1))}, {}, token_ranges={"c": (3, 4)})
+        gap._progress["c"] = PrefixCacheRequestProgress()
+        eng.m.delivery_view(gap, ["c"], consumer="builder")
+
+
+def test_commit_of_a_hand_built_output_filters_retired_and_reused_progress(eng: Engine) -> None:
+    eng.blocks["c"] = [1]
+    eng.m.discard_step(eng.step([eng.ev("c", K.STARTED)], {"c": (0, 4)}))
+    live, retired, shadowed = (PrefixCacheRequestProgress() for _ in range(3))
+    retired.retired = True
+    raw = hand_built({"a": live, "b": retired, "c": shadowed})  # "c" is a live request's id
+    view = eng.m.delivery_view(raw, ["a", "b", "c"], consumer="builder")
+    handed: list[frozenset[str]] = []
+    assert eng.m.commit_output(raw, handed.append, delivery=view) == frozenset({"a"})
+    assert handed == [frozenset({"a"})]
+    assert (live.delivered_upto, retired.delivered_upto, shadowed.delivered_upto) == ({"builder": 2}, {}, {})
+
+
+def test_an_output_without_the_request_or_its_progress_is_refused_by_name(eng: Engine) -> None:
+    no_progress = StageCacheOutputs({"a": torch.zeros((2, 1))}, {}, token_ranges={"a": (0, 2)})
+    with pytest.raises(OmniPrefixCacheInvalidArgumentError, match=r"request 'a' has no request progress"):
+        eng.m.delivery_view(no_progress, ["a"], consumer="builder")
+    with pytest.raises(OmniPrefixCacheInvalidArgumentError, match=r"request 'z' is not in this output"):
+        eng.m.delivery_view(hand_built({"a": PrefixCacheRequestProgress()}), ["z"], consumer="builder")
+    wrong = StageCacheOutputs({"a": torch.zeros((2, 1))}, {}, token_ranges={"a": (0, 2)}, _progress={"a": 3})  # type: ignore[dict-item]
+    with pytest.raises(
+        OmniPrefixCacheInvalidTypeError, match=r"progress of request 'a' must be a PrefixCacheRequestProgress"
+    ):
+        eng.m.delivery_view(wrong, ["a"], consumer="builder")

@@ -1,11 +1,14 @@
 # Provenance: ported from upstream vLLM-Omni, tests/core/test_prefix_cache.py
 # (Apache-2.0, copyright contributors to the vLLM-Omni project). Changes from
-# upstream, and only these: imports point at ``omni_prefix_cache`` instead of
-# ``vllm_omni.core.prefix_cache``; the vllm-less import shim is removed (nothing
-# here imports vllm); test_npu_runner_uses_shared_prefix_cache_gate is dropped
-# (it reads upstream-only files); the module-scope vllm import check scans
-# src/omni_prefix_cache and its subpackages; the caplog logger name follows
-# the package rename; the unused ``import sys`` (it served the shim) is gone.
+# upstream, and only these: the module prefix ``vllm_omni.core.prefix_cache`` is
+# ``omni_prefix_cache`` (imports, the caplog logger name); the vllm-less import
+# shim and the ``import sys`` it used are removed (nothing here imports vllm);
+# test_npu_runner_uses_shared_prefix_cache_gate is dropped (it reads upstream-only
+# files); the module-scope vllm import check scans src/omni_prefix_cache and its
+# subpackages; the CUDA leftover-snapshot test is marked ``cuda``;
+# test_codes_ref_matches_old_build_mm_cpu_path skips unless upstream's own
+# ``vllm_omni.utils.mm_outputs`` imports (vllm alone lacks it); ruff's B008 is
+# silenced for the file (the next line).
 # ruff: noqa: B008
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
@@ -785,8 +788,7 @@ def test_tenant_succession_mm_key():
 
 
 def test_scatter_rows_coalesces_per_key_last_chunk_wins_and_skips_reassigned():
-    from omni_prefix_cache.compat.controller_seams import _BudgetTicket, _WriteChunk
-    from omni_prefix_cache.controller import WriteSchedule, WriteTask
+    from omni_prefix_cache.controller import WriteSchedule, WriteTask, _BudgetTicket, _WriteChunk
 
     t1, t2 = _BudgetTicket(nbytes=8), _BudgetTicket(nbytes=8)
 
@@ -1047,8 +1049,7 @@ def test_failed_write_fails_fast_at_next_facade_entry():
     mgr, view = make_manager()
     sid = run_step(mgr, view, {"a": ([0], 0, 4)})
     mgr.materialize(sid, ["a"])
-    from omni_prefix_cache.compat.controller_seams import _WriteChunk
-    from omni_prefix_cache.controller import WriteTask
+    from omni_prefix_cache.controller import WriteTask, _WriteChunk
 
     task = WriteTask(
         tid=999,
@@ -1539,8 +1540,7 @@ def test_save_releases_staging_if_commit_drained_writes_fails():
 def test_fetch_host_maps_slots_across_layouts():
     """Identity, prefix, gapped, and a two-`_WriteChunk` gather."""
     from omni_prefix_cache.block_pool import PrefixBlockPool
-    from omni_prefix_cache.compat.controller_seams import _WriteChunk
-    from omni_prefix_cache.controller import OmniPrefixCacheController, WriteTask
+    from omni_prefix_cache.controller import OmniPrefixCacheController, WriteTask, _WriteChunk
 
     cfg = PrefixCacheConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     pool = PrefixBlockPool(cfg)
@@ -1582,8 +1582,7 @@ def test_fetch_host_waits_staging_step_d2h_event():
     step_d2h_event before slicing. Production JOIN_NEXT_STEP hits wait for
     the pool write instead; this is the unit-level wait contract for that branch."""
     from omni_prefix_cache.block_pool import PrefixBlockPool
-    from omni_prefix_cache.compat.controller_seams import _WriteChunk
-    from omni_prefix_cache.controller import OmniPrefixCacheController, WriteTask
+    from omni_prefix_cache.controller import OmniPrefixCacheController, WriteTask, _WriteChunk
 
     cfg = PrefixCacheConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     pool = PrefixBlockPool(cfg)
@@ -1629,8 +1628,7 @@ def _bare_controller(eager=True):
 
 
 def _bare_task(tid=7, schedule=WriteSchedule.JOIN_NEXT_STEP, host=None, tensors=None, budget=None, queued=False):
-    from omni_prefix_cache.compat.controller_seams import _WriteChunk
-    from omni_prefix_cache.controller import TaskState, WriteTask
+    from omni_prefix_cache.controller import TaskState, WriteTask, _WriteChunk
 
     slots = torch.tensor([0, 1], dtype=torch.int64)
     chunk = _WriteChunk(slots_cpu=slots, tensors=tensors or {}, budget=budget)
@@ -1666,8 +1664,7 @@ def test_task_state_is_a_strict_chain():
 
 
 def test_task_failed_sets_both_events_and_closes_append():
-    from omni_prefix_cache.compat.controller_seams import _WriteChunk
-    from omni_prefix_cache.controller import TaskState
+    from omni_prefix_cache.controller import TaskState, _WriteChunk
 
     task, slots = _bare_task()
     assert task.mark_failed()
@@ -1733,7 +1730,7 @@ def test_scatter_host_ready_writes_only_staged_tasks():
 
 
 def test_budget_ticket_uncharges_once_per_clone():
-    from omni_prefix_cache.compat.controller_seams import _BudgetTicket
+    from omni_prefix_cache.controller import _BudgetTicket
 
     ctrl, _ = _bare_controller()
     ticket = _BudgetTicket(nbytes=100)
@@ -1753,8 +1750,7 @@ def test_budget_ticket_uncharges_once_per_clone():
 
 
 def test_fail_task_after_copy_does_not_uncharge_twice():
-    from omni_prefix_cache.compat.controller_seams import _BudgetTicket
-    from omni_prefix_cache.controller import TaskState
+    from omni_prefix_cache.controller import TaskState, _BudgetTicket
 
     ctrl, _ = _bare_controller()
     ticket = _BudgetTicket(nbytes=64)

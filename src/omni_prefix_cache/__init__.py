@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from omni_prefix_cache.group_view import (
         FullAttentionGroupView,
         check_prefix_cache_kv_groups,
+        check_prefix_cache_kv_transfer,
+        get_prefix_cache_group_view,
         stage_prefix_cache_config,
     )
     from omni_prefix_cache.interface import (
@@ -52,6 +54,8 @@ __all__ = [
     "OmniPrefixCacheManager",
     "PrefixBlockPool",
     "check_prefix_cache_kv_groups",
+    "check_prefix_cache_kv_transfer",
+    "get_prefix_cache_group_view",
     "stage_prefix_cache_config",
     "ModelCachePolicy",
     "OmniPrefixCacheInvalidArgumentError",
@@ -95,6 +99,8 @@ _HOMES = {
     "OmniPrefixCacheManager": "omni_prefix_cache.manager",
     "FullAttentionGroupView": "omni_prefix_cache.group_view",
     "check_prefix_cache_kv_groups": "omni_prefix_cache.group_view",
+    "check_prefix_cache_kv_transfer": "omni_prefix_cache.group_view",
+    "get_prefix_cache_group_view": "omni_prefix_cache.group_view",
     "stage_prefix_cache_config": "omni_prefix_cache.group_view",
 }
 

@@ -28,6 +28,7 @@ import torch
 
 from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.compat.controller_seams import UpstreamSeams
+from omni_prefix_cache.compat.controller_seams import controller_module_attr as __getattr__  # noqa: F401 (PEP 562)
 from omni_prefix_cache.device import sync
 from omni_prefix_cache.device.copy_engine import CopyEngine, DeviceEvents, default_engine
 from omni_prefix_cache.interface import (
@@ -304,8 +305,7 @@ class OmniPrefixCacheController(UpstreamSeams):
     # ------------------------------------------------------------ device
 
     def is_device(self, t: torch.Tensor) -> bool:
-        """True if ``t`` is copied on the engine's device lanes (it must be
-        frozen first: a clone and a freeze event)."""
+        """True if ``t`` is copied on the engine's device lanes (frozen first: a clone and a freeze event)."""
         return self.engine.is_device(t)
 
     def freeze(self, tensors: list[torch.Tensor]) -> Any:

@@ -57,36 +57,7 @@ class FullAttentionGroupView:
                 f"the input batch has {len(tables)} block tables"
             )
         group = input_batch.block_table[0]
-        # vLLM 0.33's table holds allocator block ids (kernel blocks are mapped later, in the
-        # attention metadata builder) and has none of the three legacy attributes read below:
-        # there, block_size is the allocator block size. Older vLLM stored kernel blocks in the
-        # table (use_hybrid_blocks / blocks_per_kv_block) with kv_cache_block_size the allocator's.
-        blocks_per_kv_block = int(getattr(group, "blocks_per_kv_block", 1) or 1)
-        if bool(getattr(group, "use_hybrid_blocks", False)) or blocks_per_kv_block != 1:
-            raise OmniPrefixCacheUnmatchError(
-                "group view: hybrid kernel blocks are not supported (kernel_block_size differs from the KV "
-                f"block size, blocks_per_kv_block={blocks_per_kv_block}); slot ids would address the wrong rows"
-            )
-        dcp = int(getattr(group, "dcp_world_size", 1) or 1)
-        if dcp > 1:
-            raise OmniPrefixCacheUnmatchError(
-                f"group view: decode context parallel (dcp_world_size={dcp}) stripes tokens across ranks; "
-                "not supported by the omni prefix cache"
-            )
-        pcp = int(getattr(group, "pcp_world_size", 1) or 1)
-        if pcp > 1:
-            raise OmniPrefixCacheUnmatchError(
-                f"group view: prefill context parallel (pcp_world_size={pcp}) stripes tokens across ranks; "
-                "not supported by the omni prefix cache"
-            )
-        table_block_size = getattr(group, "kv_cache_block_size", None)
-        if table_block_size is None:
-            table_block_size = getattr(group, "block_size", None)
-        if table_block_size is not None and int(table_block_size) != self.block_size:
-            raise OmniPrefixCacheUnmatchError(
-                f"group view: block table block size {int(table_block_size)} does not match "
-                f"the prefix cache block size {self.block_size}"
-            )
+        check_prefix_cache_block_layout(group, self.block_size)
         self._group = group
         # Power-of-two block sizes (vLLM's usual) map positions with shifts and masks.
         bs = self.block_size
@@ -191,14 +162,53 @@ class FullAttentionGroupView:
         return torch.from_numpy(slots)
 
 
+def check_prefix_cache_block_layout(block_table: Any, block_size: int) -> None:
+    """Raise unless ``block_table`` (group 0 of vLLM's input batch block
+    table) has the layout ``FullAttentionGroupView``'s slot math assumes:
+    one allocator block per column (no hybrid kernel blocks), no token
+    striping across ranks (decode or prefill context parallel), and an
+    allocator block size equal to ``block_size``."""
+    # vLLM 0.33's table holds allocator block ids (kernel blocks are mapped later, in the
+    # attention metadata builder) and has none of the three legacy attributes read below:
+    # there, block_size is the allocator block size. Older vLLM stored kernel blocks in the
+    # table (use_hybrid_blocks / blocks_per_kv_block) with kv_cache_block_size the allocator's.
+    blocks_per_kv_block = int(getattr(block_table, "blocks_per_kv_block", 1) or 1)
+    if bool(getattr(block_table, "use_hybrid_blocks", False)) or blocks_per_kv_block != 1:
+        raise OmniPrefixCacheUnmatchError(
+            "group view: hybrid kernel blocks are not supported (kernel_block_size differs from the KV "
+            f"block size, blocks_per_kv_block={blocks_per_kv_block}); slot ids would address the wrong rows"
+        )
+    dcp = int(getattr(block_table, "dcp_world_size", 1) or 1)
+    if dcp > 1:
+        raise OmniPrefixCacheUnmatchError(
+            f"group view: decode context parallel (dcp_world_size={dcp}) stripes tokens across ranks; "
+            "not supported by the omni prefix cache"
+        )
+    pcp = int(getattr(block_table, "pcp_world_size", 1) or 1)
+    if pcp > 1:
+        raise OmniPrefixCacheUnmatchError(
+            f"group view: prefill context parallel (pcp_world_size={pcp}) stripes tokens across ranks; "
+            "not supported by the omni prefix cache"
+        )
+    table_block_size = getattr(block_table, "kv_cache_block_size", None)
+    if table_block_size is None:
+        table_block_size = getattr(block_table, "block_size", None)
+    if table_block_size is not None and int(table_block_size) != int(block_size):
+        raise OmniPrefixCacheUnmatchError(
+            f"group view: block table block size {int(table_block_size)} does not match "
+            f"the prefix cache block size {int(block_size)}"
+        )
+
+
 def _type_names(obj: Any) -> set[str]:
     return {cls.__name__ for cls in type(obj).__mro__}
 
 
-def check_prefix_cache_kv_groups(groups: Sequence[Any]) -> Any:
+def check_prefix_cache_kv_groups(groups: Sequence[Any] | None) -> Any:
     """Return the only KV cache group; raise unless there is exactly one
-    and (when it declares a ``kv_cache_spec``) it is full attention."""
-    groups = list(groups)
+    and (when it declares a ``kv_cache_spec``) it is full attention. None
+    counts as no group."""
+    groups = list(groups or ())
     if len(groups) != 1:
         raise OmniPrefixCacheUnmatchError(
             f"omni prefix cache needs a single full-attention KV cache group, got {len(groups)} groups"
@@ -214,32 +224,16 @@ def check_prefix_cache_kv_groups(groups: Sequence[Any]) -> Any:
 def check_prefix_cache_kv_transfer(kv_transfer_config: Any) -> None:
     """Refuse any KV connector that can load KV into this stage, whatever its
     role (``kv_connector_gate``): a hit it loads lands in new blocks the
-    mirror never wrote. Connectors known to only store pass."""
+    mirror never wrote. Connectors known to only store pass; None (no
+    connector) passes."""
     check_kv_connector(kv_transfer_config)
 
 
-def stage_prefix_cache_config(
-    *,
-    kv_cache_config: Any,
-    cache_config: Any,
-    kv_transfer_config: Any,
-    scheduler_config: Any,
-    model_config: Any,
-    is_pooling_model: bool,
-    speculative_config: Any,
-) -> PrefixCacheConfig | None:
-    """The stage's prefix cache config, or None when it gets no cache.
-
-    None when prefix caching is off or the stage is a pooling model. Raises
-    for a KV connector that can load KV, whatever its role (rows for
-    externally loaded KV never exist; ``check_prefix_cache_kv_transfer``),
-    speculative decoding, prefix matching finer than a KV block, and
-    anything but exactly one full-attention KV cache group. Checked in that
-    order, so the refusals fire before the group check.
-    """
-    if not bool(getattr(cache_config, "enable_prefix_caching", False)) or is_pooling_model:
-        return None
-    check_prefix_cache_kv_transfer(kv_transfer_config)
+def check_prefix_cache_token_accounting(cache_config: Any, speculative_config: Any) -> None:
+    """Raise where ``num_computed_tokens`` stops being the block-aligned
+    first scheduled position: speculative decoding (its computed counts are
+    corrected after the forward), and prefix matching finer than a KV block
+    (``prefix_match_unit`` not a multiple of ``block_size``)."""
     if speculative_config is not None:
         method = getattr(speculative_config, "method", None)
         raise OmniPrefixCacheUnmatchError(
@@ -253,10 +247,56 @@ def stage_prefix_cache_config(
             f"omni prefix cache needs block-aligned prefix matching: prefix_match_unit={unit} is not a "
             f"multiple of block_size={block_size}"
         )
+
+
+def stage_prefix_cache_config(
+    *,
+    kv_cache_config: Any,
+    cache_config: Any,
+    kv_transfer_config: Any,
+    scheduler_config: Any,
+    model_config: Any,
+    is_pooling_model: bool,
+    speculative_config: Any = None,
+) -> PrefixCacheConfig | None:
+    """The stage's prefix cache config, or None when it gets no cache.
+
+    None when prefix caching is off or the stage is a pooling model. Raises
+    for a KV connector that can load KV, whatever its role
+    (``check_prefix_cache_kv_transfer``),
+    speculative decoding and prefix matching finer than a KV block
+    (``check_prefix_cache_token_accounting``), and anything but exactly one
+    full-attention KV cache group (``check_prefix_cache_kv_groups``).
+    Checked in that order, so the refusals fire before the group check.
+    """
+    if not bool(getattr(cache_config, "enable_prefix_caching", False)) or is_pooling_model:
+        return None
+    check_prefix_cache_kv_transfer(kv_transfer_config)
+    check_prefix_cache_token_accounting(cache_config, speculative_config)
     check_prefix_cache_kv_groups(getattr(kv_cache_config, "kv_cache_groups", ()))
     return PrefixCacheConfig.from_vllm_config(
         num_blocks=int(kv_cache_config.num_blocks),
-        block_size=block_size,
+        block_size=int(cache_config.block_size),
         scheduler_config=scheduler_config,
         model_config=model_config,
     )
+
+
+def get_prefix_cache_group_view(
+    input_batch: InputBatchLike, block_size: int, kv_cache_groups: Sequence[Any] | None = None
+) -> FullAttentionGroupView | None:
+    """The group view of ``input_batch``, or None when the batch has no
+    block table (nothing to map slots from).
+
+    ``kv_cache_groups`` (``kv_cache_config.kv_cache_groups``) are checked
+    first, as at KV cache init (``check_prefix_cache_kv_groups``): they must
+    be exactly one full-attention group, so None or none raises. Then the
+    view refuses block-table layouts its slot math gets wrong.
+    """
+    check_prefix_cache_kv_groups(kv_cache_groups)
+    table = getattr(input_batch, "block_table", None)
+    # vLLM's MultiGroupBlockTable lists its tables in ``block_tables``; a plain list is its own.
+    tables = getattr(table, "block_tables", table)
+    if table is None or (isinstance(tables, Sequence) and len(tables) == 0):
+        return None
+    return FullAttentionGroupView(input_batch, block_size)

@@ -133,6 +133,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, UpstreamSe
         self._counters: Counter[str] = Counter()
         self._steps = StepTable(self._counters)
         self._step_ctxs = self._steps.open
+        self._finish_escalations: tuple[StepId, list[Tid]] = (-1, [])  # (next step id, tids): see _escalate_detached
         self._closed = False
         # The components (see the module docstring). The occupancy's hooks
         # are installed once both sides exist.

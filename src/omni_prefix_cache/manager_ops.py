@@ -297,6 +297,7 @@ class FacadeOps:
     _pending_sched: SchedSnapshot | None
     _closed: bool
     _step_ctxs: dict[StepId, StepContext]
+    _finish_escalations: tuple[StepId, list[Tid]]
 
     def _compile_facade_ops(self) -> ManagerOps:
         """Compile, once per manager, every manager operation of the active
@@ -368,10 +369,12 @@ class FacadeOps:
         counters["query_tokens"] += given.query_tokens
 
     def _escalate_detached(self, call: NewStepCall) -> None:
-        """Effect ``escalate_detached`` (no lock: eager writes run inline).
-        Abort too: the block hashes are public, the rows must land."""
+        """Effect ``escalate_detached`` (no lock: eager writes run inline); abort too: its block hashes are public."""
         if call.escalate:
             self._controller.escalate(call.escalate)
+            # Escalated since the last save (upstream's ``_join_finished_tids``, compat).
+            step, earlier, sid = *self._finish_escalations, self._steps.next_id
+            self._finish_escalations = (sid, (earlier if step == sid else []) + call.escalate)
 
     def _plan_hits(self, call: NewStepCall) -> None:
         """Effect ``plan_hits`` (state lock): drain, register the step's hits

@@ -1,18 +1,25 @@
-"""The manager's private names that the upstream test suite reads, calls or
-wraps (tests/test_seed_suite.py keeps the upstream spelling): thin aliases of
-the components that now own each piece. Nothing in the runtime calls these."""
+"""The manager's private names that upstream's test suites read, call or
+wrap (tests/test_seed_suite.py keeps the upstream spelling): thin aliases of
+the components that now own each piece, built on read. Nothing in the
+runtime calls these."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
+from weakref import WeakValueDictionary
 
 import torch
 
 from omni_prefix_cache.compat.controller_seams import request_write_ids
-from omni_prefix_cache.interface import ModelCachePolicy, ReqId, TensorName, Tid
+from omni_prefix_cache.interface import ModelCachePolicy, ReqId, StepId, TensorName, Tid
+from omni_prefix_cache.reads.hit_planner import HitPlanner
 from omni_prefix_cache.reads.planned_read import HitReads, PlannedRead
+from omni_prefix_cache.requests.lifecycle import RequestTable
+from omni_prefix_cache.requests.tenure import Tenure
 from omni_prefix_cache.steps.request_tasks import RequestTasks
+from omni_prefix_cache.steps.step_context import StepTable
 from omni_prefix_cache.steps.step_layout import StepLayout, StepOutputs
 from omni_prefix_cache.steps.write_ledger import WriteLedger
 
@@ -41,6 +48,43 @@ class UpstreamSeams:
     _reads: HitReads
     _layout: StepLayout
     _policy: ModelCachePolicy
+    _requests: RequestTable
+    _hits: HitPlanner
+    _steps: StepTable
+    _finish_escalations: tuple[StepId, list[Tid]]
+
+    @property
+    def _request_progress(self) -> dict[ReqId, Tenure]:
+        """Each request id's current tenure (its ``PrefixCacheRequestProgress``),
+        the request table's own dict (read it under the state lock)."""
+        return self._requests.current
+
+    @property
+    def _finished_progress(self) -> WeakValueDictionary[ReqId, Tenure]:
+        """Each id's most recent finished tenure, while an output or a step
+        still holds it (weak values: nothing here keeps it alive)."""
+        return self._requests.finished
+
+    @property
+    def _hit_spans(self) -> dict[ReqId, tuple[int, list[int]]]:
+        """The hits registered since the last save, as ``(cached rows, group-0
+        block ids)`` per request (a copy: the pending hits are the planner's)."""
+        return {rid: (hit.num_computed, list(hit.block_ids)) for rid, hit in self._hits.pending.items()}
+
+    @property
+    def _hit_prefetch(self) -> dict[ReqId, dict[TensorName, Future[torch.Tensor]]]:
+        """The prefetches of those hits, per request and key: each hit's own
+        dict of futures, empty while none is planned (a hit on rows its own
+        step computes is planned at save, not at new_step_starts)."""
+        return {rid: hit.futures for rid, hit in self._hits.pending.items()}
+
+    @property
+    def _join_finished_tids(self) -> set[Tid]:
+        """The writes finish, abort and retire escalated since the last save
+        (upstream joins them at that save; here the escalation alone moves
+        them up, eager ones run at once)."""
+        step, tids = self._finish_escalations
+        return set(tids) if step == self._steps.next_id else set()
 
     @property
     def _commit_drained_writes(self) -> Callable[[], None]:

@@ -119,10 +119,14 @@ class HitPlanner:
             raise OmniPrefixCacheInvalidTypeError(
                 f"prefix hit of request {rid!r}: group-0 block ids must be a sequence, got {type(group0).__name__}"
             )
-        if group0 is None or len(group0) < need:
-            have = 0 if group0 is None else len(group0)
+        if group0 is None or (need and not group0):  # "carries no block_ids": upstream's phrase
             raise OmniPrefixCacheInvalidArgumentError(
-                f"prefix hit of request {rid!r} ({computed} tokens, {need} blocks) comes with {have} group-0 block ids"
+                f"prefix hit of request {rid!r} ({computed} tokens, {need} blocks) carries no block_ids (group 0)"
+            )
+        if len(group0) < need:
+            raise OmniPrefixCacheInvalidArgumentError(
+                f"prefix hit of request {rid!r} ({computed} tokens, {need} blocks) comes with only "
+                f"{len(group0)} group-0 block ids"
             )
         blocks = list(group0)[:need]
         if not set(map(type, blocks)) <= _INT:  # exact ints (the usual case) need no call per block

@@ -20,14 +20,16 @@ from typing import Any
 
 from omni_prefix_cache.interface import (
     OmniPrefixCacheInvalidArgumentError,
+    OmniPrefixCacheInvalidTypeError,
     OmniPrefixCacheUnmatchError,
+    PrefixCacheRequestProgress,
     ReqId,
     StageCacheOutputs,
     output_consumer,
     output_progress,
 )
 from omni_prefix_cache.requests.lifecycle import RequestBinding, RequestTable
-from omni_prefix_cache.requests.tenure import DeliveryState, RequestState, Tenure, TenureMove, no_gap
+from omni_prefix_cache.requests.tenure import DeliveryState, RequestState, Tenure, TenureMove, adopted, no_gap
 from omni_prefix_cache.specs.composition import compile_operation, load_protocol
 
 __all__ = ["DeliveryDesk", "OmniPrefixCacheDeliveryGapError"]
@@ -165,13 +167,25 @@ class DeliveryDesk:
     # ------------------------------------------------------------- handlers
 
     def _item(self, outputs: StageCacheOutputs, rid: ReqId, consumer: str, call: str) -> _ViewItem:
-        tenure = output_progress(outputs).get(rid)
+        progress = output_progress(outputs).get(rid)
         span = outputs.token_ranges.get(rid)
-        if not isinstance(tenure, Tenure) or span is None:
+        if span is None:
             raise OmniPrefixCacheInvalidArgumentError(
-                f"{call}: request {rid!r} is not in this output (it carries {sorted(outputs.token_ranges)[:8]})"
+                f"{call}: request {rid!r} is not in this output (its token_ranges carry "
+                f"{sorted(outputs.token_ranges)[:8]})"
             )
-        return _ViewItem(tenure, self._table, None, consumer, int(span[0]), int(span[1]), rid)
+        if progress is None:
+            raise OmniPrefixCacheInvalidArgumentError(
+                f"{call}: request {rid!r} has no request progress in this output (its _progress carries "
+                f"{sorted(output_progress(outputs))[:8]})"
+            )
+        if not isinstance(progress, PrefixCacheRequestProgress):
+            raise OmniPrefixCacheInvalidTypeError(
+                f"{call}: the progress of request {rid!r} must be a PrefixCacheRequestProgress, "
+                f"got {type(progress).__name__}"
+            )
+        # A hand-built output's bare progress delivers as upstream's does (``adopted``).
+        return _ViewItem(adopted(rid, progress), self._table, None, consumer, int(span[0]), int(span[1]), rid)
 
     def _ack_all(self, items: list[_ViewItem]) -> None:
         for item in items:
@@ -181,13 +195,13 @@ class DeliveryDesk:
             self._ack.run(item)
 
     def _filter_retired(self, ctx: _Commit) -> None:
-        table = self._table
+        current = self._table.current
         ctx.live = frozenset(
             rid
-            for rid, tenure in output_progress(ctx.outputs).items()
-            if isinstance(tenure, Tenure)
-            and tenure.state is not RequestState.RETIRED
-            and table.current.get(rid, tenure) is tenure
+            for rid, progress in output_progress(ctx.outputs).items()
+            if isinstance(progress, PrefixCacheRequestProgress)
+            and not _retired(progress)
+            and current.get(rid, progress) is progress
         )
 
     def _check_handoff(self, ctx: _Commit) -> None:
@@ -206,6 +220,12 @@ class DeliveryDesk:
     def _ack_live(self, ctx: _Commit) -> None:
         for item in ctx.acks:
             self._ack.run(item)
+
+
+def _retired(progress: PrefixCacheRequestProgress) -> bool:
+    """A tenure's lifecycle state says; a bare progress (built by hand) has
+    only its ``retired`` flag."""
+    return progress.state is RequestState.RETIRED if isinstance(progress, Tenure) else progress.retired
 
 
 def _handoff(ctx: _Commit) -> None:

@@ -42,6 +42,7 @@ __all__ = [
     "RequestState",
     "Tenure",
     "TenureMove",
+    "adopted",
 ]
 
 
@@ -117,6 +118,27 @@ class TenureMove:
     consumer: str = ""
     start: int = 0  # the delivery's available range
     end: int = 0
+
+
+def adopted(rid: ReqId, progress: PrefixCacheRequestProgress) -> Tenure:
+    """``progress`` as the tenure a delivery move runs on. A tenure is
+    itself; a bare ``PrefixCacheRequestProgress`` (a ``StageCacheOutputs``
+    built by hand, not by materialize) has no lifecycle of its own: it is
+    RETIRED when it says ``retired``, else RUNNING, and its consumers'
+    delivery states follow. It shares the progress's ``delivered_upto``, so
+    an acknowledgement moves the caller's own watermarks."""
+    if isinstance(progress, Tenure):
+        return progress
+    return Tenure(
+        computed_upto=progress.computed_upto,
+        saved_upto=progress.saved_upto,
+        delivered_upto=progress.delivered_upto,
+        owner=progress.owner,
+        lookup=progress.lookup,
+        retired=progress.retired,
+        req_id=rid,
+        state=RequestState.RETIRED if progress.retired else RequestState.RUNNING,
+    )
 
 
 # ---------------------------------------------------------------- request_lifecycle
