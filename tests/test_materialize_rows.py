@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from omni_prefix_cache.interface import HIDDEN_KEY
-from omni_prefix_cache.reads.materializer import StepRows, gather_index
+from omni_prefix_cache.reads.materializer import RequestRuns, gather_index
 from omni_prefix_cache.steps.step_context import StepContext
 from test_manager import MODES, Driver, Req, make
 
@@ -103,7 +103,7 @@ def test_step_rows_gather_each_subset_once_in_step_order(seed: int) -> None:
         ctx = _ctx(sizes)
         src = torch.arange(ctx.n * 6, dtype=torch.float32).reshape(ctx.n, 2, 3)
         wanted = {rid for rid in ctx.order if rng.random() < rng.choice([0.3, 0.7, 1.0])}
-        rows = StepRows.of(ctx, wanted)
+        rows = RequestRuns.of(ctx, wanted)
         assert rows.names == [rid for rid in ctx.order if rid in wanted]
         if not wanted:
             continue

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from omni_prefix_cache.block_pool import PrefixBlockPool
-from omni_prefix_cache.compat.controller_seams import UpstreamSeams
+from omni_prefix_cache.compat.controller_seams import ControllerSeams
 from omni_prefix_cache.compat.controller_seams import controller_module_attr as __getattr__  # noqa: F401 (PEP 562)
 from omni_prefix_cache.device import sync
 from omni_prefix_cache.device.copy_engine import CopyEngine, DeviceEvents, default_engine
@@ -71,7 +71,7 @@ __all__ = [
 ]
 
 
-class OmniPrefixCacheController(UpstreamSeams):
+class OmniPrefixCacheController(ControllerSeams):
     """Staging pool + queues + committer for one manager.
 
     Locking: ``lock`` (reentrant, shared with the ``wake`` condition) covers
@@ -386,7 +386,7 @@ class OmniPrefixCacheController(UpstreamSeams):
 
     def get_task(self, tid: Tid) -> WriteTask | None:
         """The registered task ``tid`` (None once drained). Only a miss looks further: a negative
-        tid is a per-request view id of compat's seams (``UpstreamSeams.request_view``)."""
+        tid is a per-request view id of compat's seams (``ControllerSeams.request_view``)."""
         task = self._registry.tasks.get(tid)
         if task is None and tid is not None and tid < 0:
             return self.request_view(tid)

@@ -37,7 +37,7 @@ import torch
 
 from omni_prefix_cache.adapter import PrefixCacheRequestEvent, PrefixCacheStep, PrefixCacheWriteLayout
 from omni_prefix_cache.block_pool import PrefixBlockPool
-from omni_prefix_cache.compat.manager_seams import UpstreamSeams
+from omni_prefix_cache.compat.manager_seams import ManagerSeams
 from omni_prefix_cache.controller import OmniPrefixCacheController, StagingBufferHolder
 from omni_prefix_cache.device import sync
 from omni_prefix_cache.device.copy_engine import CopyEngine
@@ -89,7 +89,7 @@ logger = logging.getLogger(__name__)
 PREFETCH_THREAD_PREFIX = "omni-prefix-cache-prefetch"
 
 
-class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, UpstreamSeams):
+class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSeams):
     """Full-prompt hidden states and token-major mm outputs for one stage.
 
     ``view``: the group view (``GroupViewLike``) save_outputs reads spans and

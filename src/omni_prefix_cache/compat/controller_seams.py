@@ -119,7 +119,7 @@ class _ScatterStage:
         guarded_each(batch, self.scatter)
 
 
-class UpstreamSeams:
+class ControllerSeams:
     """Mixin of OmniPrefixCacheController: ``_queue_hi`` and friends."""
 
     queues: CopyQueues

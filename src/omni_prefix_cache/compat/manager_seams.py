@@ -41,7 +41,7 @@ class RequestTasksView:
                 self.tasks.setdefault(rid, {})[view_tid] = None
 
 
-class UpstreamSeams:
+class ManagerSeams:
     """Mixin of OmniPrefixCacheManager: ``_request_tasks``, ``_slot_ref`` and friends."""
 
     _ledger: WriteLedger

@@ -86,7 +86,7 @@ class Materializer:
         # The plain requests' rows are gathered once per key (one copy of
         # just their rows) and cut into per-request views, in step order;
         # the views are disjoint, so no request aliases another.
-        plain = StepRows.of(ctx, wanted.difference(hits) if hits else wanted)
+        plain = RequestRuns.of(ctx, wanted.difference(hits) if hits else wanted)
         for key, src in sources.items():
             out_map = hidden_out if is_hidden_key(key) else mm_out[key]
             if out_map is None:
@@ -110,7 +110,7 @@ class Materializer:
                         hidden_out[rid] = prefix
                 else:
                     mm_out.setdefault(key, {})[rid] = prefix
-        every: StepRows | None = None
+        every: RequestRuns | None = None
         token_major = {k for k in sources if not is_hidden_key(k)}
         for key, value in ctx.mm_cpu_snapshot.items():
             if key in sources:
@@ -120,7 +120,7 @@ class Materializer:
                 token_major.add(key)
                 # Token-major: one gather and a view per request, as for the pool keys.
                 if every is None:
-                    every = plain if not hit_reqs else StepRows.of(ctx, wanted)
+                    every = plain if not hit_reqs else RequestRuns.of(ctx, wanted)
                 if every.names:
                     out_map.update(zip(every.names, every.views(every.gather(value))))
                 continue
@@ -256,7 +256,7 @@ _COPY_RUNS = 8
 
 
 @dataclass(frozen=True, eq=False, slots=True)
-class StepRows:
+class RequestRuns:
     """Some requests of a step, in step order: their names, row counts and
     where their rows sit in the step, as contiguous runs ``(first step row,
     rows)`` (adjacent requests merge into one run). ``gather`` copies their
@@ -268,7 +268,7 @@ class StepRows:
     runs: list[tuple[int, int]]
 
     @classmethod
-    def of(cls, ctx: StepContext, wanted: set[ReqId]) -> StepRows:
+    def of(cls, ctx: StepContext, wanted: set[ReqId]) -> RequestRuns:
         """The requests of ``wanted`` (each inside the save snapshot)."""
         if len(wanted) == len(ctx.order):  # inside the snapshot, as many: all of it, one run
             return cls(ctx.order, ctx.sizes, [(0, ctx.n)])
