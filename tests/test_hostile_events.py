@@ -73,7 +73,7 @@ class Engine:
         self.m = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=32, block_size=BS), eager=True)
         if deferred:
             self.m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"codes"})))
-        self.blocks: dict[str, list[int]] = {"a": [3, 5, 6], "b": [1, 2, 4], "c": [7, 8, 9]}
+        self.blocks: dict[str, list[int]] = {"a": [3, 5, 6], "b": [1, 2, 4], "c": [7, 8, 9], "z": [11, 12]}
         self.seq = 0
 
     def step(self, events: list[PrefixCacheRequestEvent], sched: dict[str, int]) -> PrefixCacheStep:
