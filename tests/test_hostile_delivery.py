@@ -21,7 +21,7 @@ from omni_prefix_cache.interface import (
     StageCacheOutputs,
 )
 from omni_prefix_cache.requests.lifecycle import MAX_CONSUMERS
-from test_hostile_events import O, Engine, ev, positions
+from test_hostile_events import Engine, O, ev, positions
 
 K = PrefixCacheEventKind
 
