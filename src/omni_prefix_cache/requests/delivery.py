@@ -197,7 +197,7 @@ class DeliveryDesk:
         items = [self._item(view, rid, consumer, "ack_delivery") for rid in view.token_ranges]
         with self._lock:
             self._check_open("ack_delivery")
-            record = self._record(view, consumer)
+            record = self.issued_record(view, consumer)
             for item in items:
                 item.issued, item.record = record is not None, record
             self._ack_all(items)  # each ack move spends the view (spend_view)
@@ -227,7 +227,7 @@ class DeliveryDesk:
         with self._lock:
             self._check_open("commit_output")
             if delivery is not None:
-                ctx.record = self._record(delivery, _consumer_of(delivery, "commit_output"))
+                ctx.record = self.issued_record(delivery, _consumer_of(delivery, "commit_output"))
             self._commit.run(ctx)
         return ctx.live
 
@@ -246,7 +246,7 @@ class DeliveryDesk:
 
         issued[key] = (weakref.ref(view, forget), record)
 
-    def _record(self, view: StageCacheOutputs, consumer: str) -> IssuedView | None:
+    def issued_record(self, view: StageCacheOutputs, consumer: str) -> IssuedView | None:
         """The view's record if this manager issued it to ``consumer``, it
         stands as issued (ranges and tenures) and no acknowledgement spent
         it; else None (state lock)."""

@@ -550,10 +550,10 @@ def _view_past_saved_issued(stack: contextlib.ExitStack) -> None:
 
 
 def _before_record(stack: contextlib.ExitStack, before: Callable[[Any, Any], None]) -> None:
-    """DeliveryDesk._record (guard issued_view's check) runs ``before(record, view)`` first."""
+    """DeliveryDesk.issued_record (guard issued_view's check) runs ``before(record, view)`` first."""
     from omni_prefix_cache.requests.delivery import DeliveryDesk
 
-    original = DeliveryDesk._record
+    original = DeliveryDesk.issued_record
 
     def record(self: DeliveryDesk, view: Any, consumer: str) -> Any:
         entry = self._issued.get(id(view))
@@ -561,7 +561,7 @@ def _before_record(stack: contextlib.ExitStack, before: Callable[[Any, Any], Non
             before(entry[1], view)
         return original(self, view, consumer)
 
-    _set(stack, DeliveryDesk, "_record", record)
+    _set(stack, DeliveryDesk, "issued_record", record)
 
 
 @_register("edited_view_acknowledged", "issued_view ignores edits: a view edited to reach further is acknowledged")
