@@ -225,8 +225,8 @@ def test_every_lifecycle_mutation_is_found_in_the_lifecycle_world(name: str) -> 
     assert "VIOLATION " + BROKEN[name].invariant + " (lifecycle model)" in result.report()
 
 
-def test_the_lifecycle_mutations_kill_every_lifecycle_invariant_but_two() -> None:
-    # delivered_within_saved and can_settle hold in every mutant here: each is still checked in every state.
+def test_the_lifecycle_mutations_kill_every_lifecycle_invariant_but_one() -> None:
+    # can_settle holds in every mutant here: it is still checked in every state.
     killed = {BROKEN[n].invariant for n in BROKEN if BROKEN[n].model == "lifecycle"}
     assert killed == {
         "gap_raises",
@@ -234,7 +234,27 @@ def test_the_lifecycle_mutations_kill_every_lifecycle_invariant_but_two() -> Non
         "old_owner_never_moves_current",
         "discard_is_not_delivery",
         "at_most_once_in_order",
+        "delivered_within_saved",
     }
+
+
+def test_a_view_of_an_output_edited_past_what_was_saved_is_a_counterexample_when_not_refused() -> None:
+    result = check(SMALL, "view-past-saved")
+    assert any("edited to reach one position further" in step for step in result.trace)
+    assert "delivered up to" in result.violation.message  # type: ignore[union-attr]
+
+
+def test_a_view_acknowledged_twice_is_a_counterexample_when_acknowledging_does_not_spend_it() -> None:
+    result = check(SMALL, "ack-keeps-view")
+    assert any("keeping the view" in step for step in result.trace)
+    assert "having received" in result.violation.message  # type: ignore[union-attr]
+
+
+def test_the_hostile_consumer_is_refused_in_every_state_of_the_shipped_protocol() -> None:
+    # Without hostile calls the world is the pre-issue-39 one; with them every refusal holds.
+    calm = check(Bounds(life=LifeBounds(hostile=0, steps=2)), models=["lifecycle"])
+    hostile = check(Bounds(life=LifeBounds(hostile=1, steps=2)), models=["lifecycle"])
+    assert calm.ok and hostile.ok and hostile.states > calm.states
 
 
 def test_a_resume_without_its_lookup_loses_the_slow_consumers_positions() -> None:

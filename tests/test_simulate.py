@@ -396,21 +396,36 @@ def test_rows_lost_after_a_preemption_or_discard_fail_the_run(inner: str) -> Non
 
 class _Unclipped:
     """Delegates to a manager; its delivery views are the whole output (a
-    consumer gets positions it already received again)."""
+    consumer gets positions it already received again). The manager only
+    acknowledges views it issued, so the acknowledgements get the issued one."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
+        self._issued: dict[int, tuple[StageCacheOutputs, StageCacheOutputs]] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
     def delivery_view(self, outputs: StageCacheOutputs, req_ids: list[str], *, consumer: str) -> StageCacheOutputs:
         view = self._inner.delivery_view(outputs, req_ids, consumer=consumer)
-        return replace(
+        whole = replace(
             view,
             hidden_states=None if outputs.hidden_states is None else {r: outputs.hidden_states[r] for r in req_ids},
             mm_outputs={k: {r: v[r] for r in req_ids} for k, v in outputs.mm_outputs.items()},
             token_ranges={r: outputs.token_ranges[r] for r in req_ids},
+        )
+        self._issued[id(whole)] = (whole, view)
+        return whole
+
+    def _issued_view(self, view: StageCacheOutputs) -> StageCacheOutputs:
+        return self._issued.pop(id(view), (view, view))[1]
+
+    def ack_delivery(self, view: StageCacheOutputs) -> None:
+        self._inner.ack_delivery(self._issued_view(view))
+
+    def commit_output(self, outputs: StageCacheOutputs, handoff: Any, *, delivery: Any = None) -> frozenset[str]:
+        return self._inner.commit_output(
+            outputs, handoff, delivery=None if delivery is None else self._issued_view(delivery)
         )
 
 

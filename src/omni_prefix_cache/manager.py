@@ -154,7 +154,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         )
         self._materializer = Materializer(self._ledger, self._reads, self._state_lock)
         self._requests = RequestTable(self._detach_request_locked, self._hits.hit_blocks, self._live)
-        self._delivery = DeliveryDesk(self._requests, self._state_lock)
+        self._delivery = DeliveryDesk(self._requests, self._state_lock, self._check_open)
         # The manager's operations of spec/protocol.yaml, compiled once (manager_ops).
         self._ops = self._compile_facade_ops()
 

@@ -11,6 +11,7 @@ from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.controller import OmniPrefixCacheController
 from omni_prefix_cache.interface import ReqId, StepId
 from omni_prefix_cache.ops.stats import MANAGER_COUNTERS, CacheStats
+from omni_prefix_cache.requests.lifecycle import RequestTable
 from omni_prefix_cache.steps.step_context import StepContext
 from omni_prefix_cache.steps.write_ledger import WriteLedger
 from omni_prefix_cache.telemetry.registry import TELEMETRY
@@ -26,6 +27,7 @@ class ManagerStats:
     _step_ctxs: dict[StepId, StepContext]
     _pool: PrefixBlockPool
     _controller: OmniPrefixCacheController
+    _requests: RequestTable
 
     def stats(self) -> dict[str, Any]:
         """Metrics an operator would export, as a dict (any thread; takes the
@@ -54,6 +56,8 @@ class ManagerStats:
             out["live_requests"] = len(self._live)
             out["open_steps"] = len(self._step_ctxs)
             out["sticky_failure"] = self._ledger.failure is not None
+            out["delivery_consumers"] = len(self._requests.consumers)
+            out["delivery_consumers_forgotten"] = self._requests.consumers_forgotten
         key_bytes = self._pool.key_nbytes()
         out["pool_host_bytes"] = sum(key_bytes.values())  # unpinned
         out.update(self._controller.stats())

@@ -34,10 +34,13 @@ class CacheStats:
     rows_committed_total: int = 0  # rows x keys written into the pool
     failed_writes_total: int = 0
     budget_flushes_total: int = 0  # deferred writes forced to copy by the GPU staging budget
+    # Delivery: consumers forgotten past the table's bound (requests.lifecycle.MAX_CONSUMERS).
+    delivery_consumers_forgotten_total: int = 0
     # Gauges.
     live_requests: int = 0
     open_steps: int = 0  # saved, not yet materialized or discarded
     sticky_failure: bool = False
+    delivery_consumers: int = 0  # consumers the request table remembers (at most MAX_CONSUMERS)
     write_queue_depth_high: int = 0
     write_queue_depth_low: int = 0
     writes_claimed: int = 0
@@ -90,9 +93,11 @@ class CacheStats:
             "rows_committed_total": raw.get("rows_committed", 0),
             "failed_writes_total": raw.get("failed_writes", 0),
             "budget_flushes_total": raw.get("budget_flushes", 0),
+            "delivery_consumers_forgotten_total": raw.get("delivery_consumers_forgotten", 0),
             "live_requests": raw.get("live_requests", 0),
             "open_steps": raw.get("open_steps", 0),
             "sticky_failure": bool(raw.get("sticky_failure", False)),
+            "delivery_consumers": raw.get("delivery_consumers", 0),
             "write_queue_depth_high": raw.get("queue_hi", 0),
             "write_queue_depth_low": raw.get("queue_lo", 0),
             "writes_claimed": raw.get("claimed", 0),
@@ -139,9 +144,11 @@ FIELD_HELP: dict[str, str] = {
     "rows_committed_total": "Rows written into the CPU pool (rows x keys)",
     "failed_writes_total": "Pool writes that failed (each makes the manager sticky-failed)",
     "budget_flushes_total": "Deferred writes forced to copy because the GPU staging budget was full",
+    "delivery_consumers_forgotten_total": "Delivery consumers forgotten (least recently seen) past the bound of 64",
     "live_requests": "Requests the manager tracks as live",
     "open_steps": "Saved steps not yet materialized or discarded",
     "sticky_failure": "1 once a write failed: every later facade call raises",
+    "delivery_consumers": "Delivery consumers the manager remembers (a recovered hit waits for each)",
     "write_queue_depth_high": "Write tasks on the high-priority copy queue",
     "write_queue_depth_low": "Write tasks on the low-priority copy queue",
     "writes_claimed": "Write tasks claimed by the committer",

@@ -6,6 +6,16 @@ delivery machine (spec/delivery.yaml) of each tenure an output was saved
 under (``StageCacheOutputs._progress``). Cache reads and writes are never
 delivery: only an acknowledgement moves a watermark, and only forward.
 
+Only what the manager issued is acknowledged: ``delivery_view`` records
+each view it returns (``IssuedView``: its consumer, ranges and tenures), and
+``ack_delivery`` / ``commit_output`` refuse a view that is not one of them
+as it stands (edited in place, a copy, a hand-built one) or that an
+acknowledgement already spent, so a second commit of one view hands off
+nothing (it raises). A view never reaches past what the tenure's saves
+recorded (``Tenure.rows_upto``), so an output edited to cover more is
+refused too. Every refusal is the invalid-argument error (or, for an
+argument that is no output at all, the invalid-type error) and moves nothing.
+
 Threading: any consumer thread; every entry takes the manager's state lock
 (``commit_output`` holds it across the caller's handoff, which must only
 publish prepared payloads).
@@ -14,6 +24,7 @@ publish prepared payloads).
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -29,7 +40,16 @@ from omni_prefix_cache.interface import (
     output_progress,
 )
 from omni_prefix_cache.requests.lifecycle import RequestBinding, RequestTable
-from omni_prefix_cache.requests.tenure import DeliveryState, RequestState, Tenure, TenureMove, adopted, no_gap
+from omni_prefix_cache.requests.tenure import (
+    DeliveryState,
+    IssuedView,
+    RequestState,
+    Tenure,
+    TenureMove,
+    adopted,
+    no_gap,
+    within_saved,
+)
 from omni_prefix_cache.specs.composition import compile_operation, load_protocol
 
 __all__ = ["DeliveryDesk", "OmniPrefixCacheDeliveryGapError"]
@@ -58,6 +78,7 @@ class _Commit:
     delivery: StageCacheOutputs | None
     live: frozenset[ReqId] = frozenset()
     acks: list[_ViewItem] = field(default_factory=list)
+    record: IssuedView | None = None  # the delivery view's, when the manager issued it as it stands
 
 
 def _gap_error(item: _ViewItem) -> OmniPrefixCacheDeliveryGapError:
@@ -82,6 +103,27 @@ def _raise_gap(item: _ViewItem) -> None:
     raise _gap_error(item)
 
 
+def _outside_saved(item: _ViewItem) -> bool:
+    """Guard ``outside_saved``: the output's range ends past what the tenure saved."""
+    assert item.tenure is not None
+    return not within_saved(item.tenure, item.end)
+
+
+def _raise_refused(item: _ViewItem) -> None:
+    assert item.tenure is not None
+    if not item.issued:
+        raise OmniPrefixCacheInvalidArgumentError(
+            f"ack_delivery: the view of request {item.req_id!r} for consumer {item.consumer!r} "
+            f"(range [{item.start}, {item.end})) is not a view this manager issued as it stands, or it was "
+            "already acknowledged (views are acknowledged once, as delivery_view returned them)"
+        )
+    raise OmniPrefixCacheInvalidArgumentError(
+        f"delivery_view: the output of request {item.req_id!r} covers [{item.start}, {item.end}) but its tenure "
+        f"saved positions up to {item.tenure.rows_upto} (owner {item.tenure.owner}): an output is delivered as "
+        "materialize returned it"
+    )
+
+
 def _clip(item: _ViewItem) -> None:
     assert item.tenure is not None
     retired = item.tenure.delivery_state(item.consumer) is DeliveryState.RETIRED
@@ -95,53 +137,72 @@ def _clip(item: _ViewItem) -> None:
 class DeliveryDesk:
     """The delivery operations of one manager."""
 
-    def __init__(self, table: RequestTable, state_lock: threading.Lock) -> None:
+    def __init__(
+        self, table: RequestTable, state_lock: threading.Lock, check_open: Callable[[str], None] = lambda call: None
+    ) -> None:
         self._table = table
         self._lock = state_lock
+        self._check_open = check_open  # the manager's: raises the shutdown error (state lock held)
+        # Every view issued and still referenced, by id (an entry leaves with its view).
+        self._issued: dict[int, tuple[weakref.ref[StageCacheOutputs], IssuedView]] = {}
         ops = load_protocol().ops
         binding = RequestBinding()
-        guards = {"gap": _gap}
-        self._view = compile_operation(
-            ops["delivery_view"], binding, {"raise_gap": _raise_gap, "clip_outputs": _clip}, guards
-        )
-        self._ack = compile_operation(ops["ack_delivery"], binding, {"raise_gap": _raise_gap}, guards)
+        guards = {"gap": _gap, "outside_saved": _outside_saved, "not_issued": lambda item: not item.issued}
+        refuse = {"raise_gap": _raise_gap, "raise_refused": _raise_refused}
+        self._view = compile_operation(ops["delivery_view"], binding, {**refuse, "clip_outputs": _clip}, guards)
+        self._ack = compile_operation(ops["ack_delivery"], binding, refuse, guards)
         self._commit = compile_operation(
             ops["commit_output"],
             binding,
             {
+                "raise_refused": _raise_unissued_commit,
                 "filter_retired": self._filter_retired,
                 "check_handoff": self._check_handoff,
                 "handoff": _handoff,
                 "ack_live": self._ack_live,
             },
-            {},
+            {"not_issued": lambda ctx: ctx.delivery is not None and ctx.record is None},
         )
 
     def view(self, outputs: StageCacheOutputs, req_ids: Sequence[ReqId], consumer: str) -> StageCacheOutputs:
         """The positions of ``req_ids`` that ``consumer`` has not received,
         as a new output tied to the same tenures; nothing is acknowledged.
-        Raises the delivery-gap error (nothing moved) or the invalid-argument
-        error for a request the output does not carry."""
+        Raises the delivery-gap error (nothing moved), the invalid-argument
+        error for a request the output does not carry or a range past what
+        its tenure saved, the invalid-type error for an argument that is no
+        output, and the shutdown error after shutdown."""
+        _check_output(outputs, "delivery_view")
         if not isinstance(consumer, str) or not consumer:
             raise OmniPrefixCacheInvalidArgumentError(
                 f"delivery_view: consumer must be a non-empty str, got {consumer!r}"
             )
         items = [self._item(outputs, rid, consumer, "delivery_view") for rid in req_ids]
         with self._lock:
-            self._table.consumers.add(consumer)
+            self._check_open("delivery_view")
+            # Before the checks: a consumer refused a view (a gap) still asked
+            # for the rows, so a recovered hit must wait for it.
+            self._table.see_consumer(consumer)
             for item in items:
                 self._view.run(item)
         ranges = {item.req_id: item.result for item in items}
-        return _clipped(outputs, list(req_ids), ranges, consumer)
+        view = _clipped(outputs, list(req_ids), ranges, consumer)
+        self._issue(view, consumer)
+        return view
 
     def ack(self, view: StageCacheOutputs) -> None:
         """Move each request's watermark of the view's consumer to the
-        view's end. The whole view is checked first: a gap raises and moves
-        nothing."""
+        view's end. The whole view is checked first: a gap, or a view this
+        manager did not issue as it stands (or already acknowledged), raises
+        and moves nothing."""
+        _check_output(view, "ack_delivery")
         consumer = _consumer_of(view, "ack_delivery")
         items = [self._item(view, rid, consumer, "ack_delivery") for rid in view.token_ranges]
         with self._lock:
-            self._ack_all(items)
+            self._check_open("ack_delivery")
+            record = self.issued_record(view, consumer)
+            for item in items:
+                item.issued, item.record = record is not None, record
+            self._ack_all(items)  # each ack move spends the view (spend_view)
 
     def commit(
         self,
@@ -151,8 +212,13 @@ class DeliveryDesk:
     ) -> frozenset[ReqId]:
         """Hand off the live requests' prepared payloads and acknowledge
         their delivery view, atomically. Returns the live requests (their
-        tenure is not retired and is still the id's current or finished one)."""
+        tenure is not retired and is still the id's current or finished one).
+        A delivery view this manager did not issue as it stands, or one
+        already acknowledged or committed, raises before the handoff: a
+        second commit of one view hands off nothing."""
+        _check_output(outputs, "commit_output")
         if delivery is not None:
+            _check_output(delivery, "commit_output: delivery")
             _consumer_of(delivery, "commit_output")
             for rid, tenure in output_progress(delivery).items():
                 if output_progress(outputs).get(rid) is not tenure:
@@ -161,8 +227,41 @@ class DeliveryDesk:
                     )
         ctx = _Commit(outputs, handoff, delivery)
         with self._lock:
+            self._check_open("commit_output")
+            if delivery is not None:
+                ctx.record = self.issued_record(delivery, _consumer_of(delivery, "commit_output"))
             self._commit.run(ctx)
         return ctx.live
+
+    # ---------------------------------------------------------- issued views
+
+    def _issue(self, view: StageCacheOutputs, consumer: str) -> None:
+        """Record ``view`` as issued (its entry leaves when the view is collected)."""
+        key = id(view)
+        record = IssuedView(consumer, dict(view.token_ranges), dict(output_progress(view)))
+        issued = self._issued
+
+        def forget(ref: weakref.ref[StageCacheOutputs], key: int = key) -> None:
+            entry = issued.get(key)
+            if entry is not None and entry[0] is ref:
+                del issued[key]
+
+        issued[key] = (weakref.ref(view, forget), record)
+
+    def issued_record(self, view: StageCacheOutputs, consumer: str) -> IssuedView | None:
+        """The view's record if this manager issued it to ``consumer``, it
+        stands as issued (ranges and tenures) and no acknowledgement spent
+        it; else None (state lock)."""
+        entry = self._issued.get(id(view))
+        if entry is None or entry[0]() is not view:
+            return None
+        record = entry[1]
+        if record.spent or record.consumer != consumer or view.token_ranges != record.ranges:
+            return None
+        progress = output_progress(view)
+        if progress.keys() != record.tenures.keys() or any(progress[r] is not t for r, t in record.tenures.items()):
+            return None
+        return record
 
     # ------------------------------------------------------------- handlers
 
@@ -184,13 +283,20 @@ class DeliveryDesk:
                 f"{call}: the progress of request {rid!r} must be a PrefixCacheRequestProgress, "
                 f"got {type(progress).__name__}"
             )
+        if type(span) is not tuple or len(span) != 2 or type(span[0]) is not int or type(span[1]) is not int:
+            raise OmniPrefixCacheInvalidTypeError(
+                f"{call}: the token range of request {rid!r} must be a pair of ints, got {span!r}"
+            )
         # A hand-built output's bare progress delivers as upstream's does (``adopted``).
-        return _ViewItem(adopted(rid, progress), self._table, None, consumer, int(span[0]), int(span[1]), rid)
+        return _ViewItem(adopted(rid, progress), self._table, None, consumer, span[0], span[1], req_id=rid)
 
     def _ack_all(self, items: list[_ViewItem]) -> None:
         for item in items:
             if _gap(item):
                 raise _gap_error(item)
+        for item in items:
+            if not item.issued:
+                _raise_refused(item)
         for item in items:
             self._ack.run(item)
 
@@ -214,12 +320,16 @@ class DeliveryDesk:
             if rid in ctx.live
         ]
         for item in ctx.acks:
+            item.record = ctx.record  # issued: not_issued refused the commit otherwise
+        for item in ctx.acks:
             if _gap(item):
                 raise _gap_error(item)
 
     def _ack_live(self, ctx: _Commit) -> None:
         for item in ctx.acks:
-            self._ack.run(item)
+            self._ack.run(item)  # each spends the view (spend_view)
+        if ctx.record is not None:
+            ctx.record.spent = True  # also when no request of it was live: it was handed off
 
 
 def _retired(progress: PrefixCacheRequestProgress) -> bool:
@@ -230,6 +340,24 @@ def _retired(progress: PrefixCacheRequestProgress) -> bool:
 
 def _handoff(ctx: _Commit) -> None:
     ctx.handoff(ctx.live)
+
+
+def _raise_unissued_commit(ctx: _Commit) -> None:
+    consumer = output_consumer(ctx.delivery) if ctx.delivery is not None else None
+    raise OmniPrefixCacheInvalidArgumentError(
+        f"commit_output: the delivery view for consumer {consumer!r} of requests "
+        f"{sorted(ctx.delivery.token_ranges if ctx.delivery is not None else ())[:8]} is not a view this manager "
+        "issued as it stands, or it was already acknowledged or committed (nothing was handed off)"
+    )
+
+
+def _check_output(value: Any, call: str) -> None:
+    """``value`` must be a StageCacheOutputs (a materialize result or a view)."""
+    if not isinstance(value, StageCacheOutputs):
+        raise OmniPrefixCacheInvalidTypeError(
+            f"{call} needs a StageCacheOutputs (from materialize or delivery_view), got {type(value).__name__} "
+            f"{value!r}"[:200]
+        )
 
 
 def _consumer_of(view: StageCacheOutputs, call: str) -> str:

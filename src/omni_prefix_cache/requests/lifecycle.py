@@ -34,11 +34,14 @@ from omni_prefix_cache.specs.composition import CompiledOperation, compile_opera
 from omni_prefix_cache.specs.loader import SpecError, TriggerName
 from omni_prefix_cache.steps.step_context import StepContext
 
-__all__ = ["RequestBinding", "RequestTable"]
+__all__ = ["MAX_CONSUMERS", "RequestBinding", "RequestTable"]
 
 _TERMINAL = frozenset({PrefixCacheEventKind.FINISHED, PrefixCacheEventKind.ABORTED})
 _OPENING = frozenset({PrefixCacheEventKind.STARTED, PrefixCacheEventKind.REPLACED})
 _ACTIVE = frozenset({RequestState.ADMITTED, RequestState.RUNNING})
+
+# The most consumers the table remembers (one per request would otherwise grow it without bound).
+MAX_CONSUMERS = 64
 
 Pred = Callable[[Any], bool]
 Run = Callable[[Any], None]
@@ -113,9 +116,12 @@ class RequestTable:
         self.last_sequence = -1
         self._lookups: list[Lookup] = []
         self._detached: list[Tid] = []
-        # Every consumer that took a delivery view: a recovered hit counts
-        # one that never received a tenure's rows at 0 (DeliveryDesk adds).
-        self.consumers: set[str] = set()
+        # The consumers that took a delivery view, least recently seen first
+        # (a dict as an ordered set): a recovered hit counts one that never
+        # received a tenure's rows at 0. At most MAX_CONSUMERS: the least
+        # recently seen is forgotten past it (counted in consumers_forgotten).
+        self.consumers: dict[str, None] = {}
+        self.consumers_forgotten = 0
         ops = load_protocol().ops
         binding = RequestBinding()
         self._retire_delivery = compile_operation(ops["retire_delivery"], binding, {}, {})
@@ -244,6 +250,19 @@ class RequestTable:
         tenure = self.current.get(rid)
         return rid not in opened and tenure is not None and tenure.state is RequestState.ADMITTED
 
+    def see_consumer(self, consumer: str) -> None:
+        """``consumer`` took a delivery view (state lock): it becomes the
+        most recently seen; past ``MAX_CONSUMERS`` the least recently seen
+        one is forgotten (a hit recovered after that no longer waits for it)."""
+        consumers = self.consumers
+        if consumers.pop(consumer, 0) is None:
+            consumers[consumer] = None  # seen again: moved to the end
+            return
+        consumers[consumer] = None
+        if len(consumers) > MAX_CONSUMERS:
+            del consumers[next(iter(consumers))]
+            self.consumers_forgotten += 1
+
     def tenure_of(self, rid: ReqId) -> Tenure | None:
         """The id's current tenure, else its most recent finished one."""
         tenure = self.current.get(rid)
@@ -295,12 +314,16 @@ class RequestTable:
             tenure.computed_upto = end
             if cached and end > tenure.saved_upto:
                 tenure.saved_upto = end
+            if end > tenure.rows_upto:
+                tenure.rows_upto = end
             ranges[rid] = (start, end)
             tenures[rid] = tenure
         for rid, (rows, _) in ctx.hits.items():
             if rid not in tenures:
                 tenure = self.for_save(rid)
                 end = ctx.hit_starts.get(rid, 0) + rows
+                if end > tenure.rows_upto:
+                    tenure.rows_upto = end
                 ranges[rid] = (end, end)
                 tenures[rid] = tenure
 

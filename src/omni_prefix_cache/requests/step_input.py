@@ -25,6 +25,7 @@ from typing import Any
 
 from omni_prefix_cache.adapter import PrefixCacheEventKind, PrefixCacheRequestEvent, PrefixCacheStep
 from omni_prefix_cache.interface import OmniPrefixCacheInvalidTypeError, ReqId
+from omni_prefix_cache.requests import event_check
 from omni_prefix_cache.steps import validation as check
 
 __all__ = ["StepInput", "events_step", "is_event_form", "seed_step"]
@@ -45,14 +46,21 @@ class StepInput:
 
 _TERMINAL = (PrefixCacheEventKind.FINISHED, PrefixCacheEventKind.ABORTED)
 _QUERIES = (PrefixCacheEventKind.STARTED, PrefixCacheEventKind.REPLACED, PrefixCacheEventKind.RESUMED)
+# What a seed-era scheduler output carries (``SchedulerOutputLike``); a value with none of them is no step.
+_SEED_FIELDS = ("scheduled_new_reqs", "finished_req_ids", "num_scheduled_tokens")
 
 
 def is_event_form(value: object) -> bool:
-    """A ``PrefixCacheStep`` or a list or tuple of events, as opposed to a
-    seed-era scheduler output."""
+    """A ``PrefixCacheStep`` or any iterable (list, tuple, generator...) meant
+    as events, as opposed to a seed-era scheduler output: one that carries
+    none of the scheduler output's fields. Its items are checked by
+    ``events_step``, so an iterable holding a non-event is refused, never
+    read as an empty seed-era step."""
     if isinstance(value, PrefixCacheStep):
         return True
-    return isinstance(value, (list, tuple)) and all(isinstance(e, PrefixCacheRequestEvent) for e in value)
+    if isinstance(value, (str, bytes, Mapping)) or any(hasattr(value, f) for f in _SEED_FIELDS):
+        return False
+    return isinstance(value, Iterable)
 
 
 def _terminal_first(events: Iterable[PrefixCacheRequestEvent]) -> tuple[PrefixCacheRequestEvent, ...]:
@@ -66,21 +74,17 @@ def _terminal_first(events: Iterable[PrefixCacheRequestEvent]) -> tuple[PrefixCa
 def events_step(
     given: PrefixCacheStep | Iterable[PrefixCacheRequestEvent], num_scheduled_tokens: Mapping[ReqId, int] | None
 ) -> StepInput:
-    """The event forms. Raises the invalid-type error for anything that is
-    not an event (naming it) or a bad count."""
+    """The event forms. Raises the invalid-type or invalid-argument error
+    (``event_check``) for a step whose fields are not a step's, an item that
+    is not an event, an event field of the wrong type or range, or a bad
+    count; nothing is read twice (a generator is consumed once)."""
     if isinstance(given, PrefixCacheStep):
-        events, sequence = given.events, given.sequence
-        raw: Any = dict(given.scheduled_tokens) if num_scheduled_tokens is None else num_scheduled_tokens
+        events, sequence = event_check.step_events(given), given.sequence
+        raw: Any = event_check.step_counts(given) if num_scheduled_tokens is None else num_scheduled_tokens
     else:
-        events, sequence = tuple(given), None
+        events, sequence = event_check.as_events(given), None
         raw = num_scheduled_tokens
-    for e in events:
-        if not isinstance(e, PrefixCacheRequestEvent):
-            raise OmniPrefixCacheInvalidTypeError(
-                f"new_step_starts: {type(e).__name__} {e!r} is not a PrefixCacheRequestEvent"
-            )
-        check.as_req_id("new_step_starts: event req_id", e.req_id)
-        check.as_count(f"new_step_starts: hit_end of request {e.req_id!r}", e.hit_end)
+    event_check.check_events(events)
     if sequence is not None:
         check.as_int("new_step_starts: step sequence", sequence)
     if raw is None:
@@ -96,7 +100,14 @@ def events_step(
 
 def seed_step(scheduler_output: Any, live: Collection[ReqId]) -> StepInput:
     """A seed-era scheduler output as events (see the module docstring).
-    Raises the invalid-type or invalid-argument error naming the field."""
+    Raises the invalid-type or invalid-argument error naming the field, and
+    the invalid-type error for a value that is no step at all (None, an int:
+    none of the scheduler output's fields), which would read as an empty step."""
+    if not any(hasattr(scheduler_output, f) for f in _SEED_FIELDS):
+        raise OmniPrefixCacheInvalidTypeError(
+            f"new_step_starts needs a PrefixCacheStep, an iterable of PrefixCacheRequestEvent or a scheduler "
+            f"output, got {type(scheduler_output).__name__} {scheduler_output!r}"
+        )
     finished = check.as_req_ids("finished_req_ids", getattr(scheduler_output, "finished_req_ids", None))
     new_reqs = check.new_requests(getattr(scheduler_output, "scheduled_new_reqs", None))
     num_sched = check.as_num_scheduled(getattr(scheduler_output, "num_scheduled_tokens", None))

@@ -16,7 +16,7 @@ through). Everything here runs under the manager's state lock.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,6 +38,7 @@ __all__ = [
     "DELIVERY_MACHINE",
     "REQUEST_MACHINE",
     "DeliveryState",
+    "IssuedView",
     "Lookup",
     "RequestState",
     "Tenure",
@@ -68,6 +69,10 @@ class Tenure(PrefixCacheRequestProgress):
     req_id: ReqId = ""
     state: SpecState = RequestState.UNKNOWN
     deliveries: dict[str, SpecState] = field(default_factory=dict)
+    # The furthest position any output of this tenure can hold: the end of
+    # every range a save recorded (scheduled rows, or a hit it served). Only
+    # grows; once set, a view may not pass it (guard ``within_saved``).
+    rows_upto: int = 0
 
     # Identity semantics (the dataclass base compares by value).
     __eq__ = object.__eq__
@@ -91,7 +96,7 @@ class Tenure(PrefixCacheRequestProgress):
     def watermark(self, consumer: str) -> int:
         return self.delivered_upto.get(consumer, 0)
 
-    def lowest_watermark(self, consumers: set[str]) -> int:
+    def lowest_watermark(self, consumers: Collection[str]) -> int:
         """Where a recovered hit starts: the least any consumer received,
         counting each of ``consumers`` (every consumer the manager has seen)
         that this tenure never delivered to at 0."""
@@ -118,6 +123,23 @@ class TenureMove:
     consumer: str = ""
     start: int = 0  # the delivery's available range
     end: int = 0
+    # An acknowledgement's: whether its view is one the manager issued, as
+    # issued and not yet acknowledged (guard ``issued_view``, decided once
+    # per view before the first move), and that view's record (``spend_view``).
+    issued: bool = True
+    record: IssuedView | None = None
+
+
+@dataclass(eq=False, slots=True)
+class IssuedView:
+    """What the manager issued as one delivery view: its consumer, its
+    ranges and tenures (copies: the view object is the caller's), and
+    whether an acknowledgement spent it."""
+
+    consumer: str
+    ranges: dict[ReqId, tuple[int, int]]
+    tenures: dict[ReqId, Any]
+    spent: bool = False
 
 
 def adopted(rid: ReqId, progress: PrefixCacheRequestProgress) -> Tenure:
@@ -182,6 +204,29 @@ def _no_gap(m: TenureMove) -> bool:
     return no_gap(m.tenure, m.consumer, m.start, m.end)
 
 
+def within_saved(tenure: Tenure, end: int) -> bool:
+    """Whether a range ending at ``end`` stays within what the tenure's
+    saves recorded (``Tenure.rows_upto``). A tenure no save has recorded
+    rows for is not judged: its outputs were built by the caller (a bare
+    progress, or upstream's hand-built outputs over the manager's tenures),
+    and there is no saved end to hold them to."""
+    return end <= tenure.rows_upto or tenure.rows_upto == 0
+
+
+def _within_saved(m: TenureMove) -> bool:
+    assert m.tenure is not None
+    return within_saved(m.tenure, m.end)
+
+
+def _issued_view(m: TenureMove) -> bool:
+    return m.issued
+
+
+def _spend_view(m: TenureMove) -> None:
+    if m.record is not None:
+        m.record.spent = True
+
+
 def _advance_watermark(m: TenureMove) -> None:
     assert m.tenure is not None
     delivered = m.tenure.delivered_upto
@@ -193,8 +238,8 @@ def _advance_watermark(m: TenureMove) -> None:
 
 DELIVERY_MACHINE = compile_machine(
     load_spec("delivery"),
-    guards={"no_gap": _no_gap},
-    effects={"advance_watermark": _advance_watermark},
+    guards={"no_gap": _no_gap, "within_saved": _within_saved, "issued_view": _issued_view},
+    effects={"advance_watermark": _advance_watermark, "spend_view": _spend_view},
     state_enum=DeliveryState,
 )
 

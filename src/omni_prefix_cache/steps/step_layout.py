@@ -199,10 +199,10 @@ class StepLayout:
         registered yet."""
         check_step_tensors(sid, hidden, mm)
         req_order, spans, slots = self.request_spans(sid, sched, n)
-        # The scheduler's counts are the spans' row counts (request_spans built them from it).
-        split = self.split(
-            policy, hidden, mm, n, padded, slots_cpu=slots, req_order=req_order, num_sched=sched.num_scheduled
-        )
+        # The rows per request are the spans': the scheduler's counts built them
+        # (group view), or the layout did, checked equal to any counts the step carries.
+        rows = sched.num_scheduled if sched.layout is None else {r: spans[r][1] for r in req_order}
+        split = self.split(policy, hidden, mm, n, padded, slots_cpu=slots, req_order=req_order, num_sched=rows)
         capacity = self._config.staging_capacity_tokens
         if split.immediate and n > capacity:
             raise OmniPrefixCacheInvalidArgumentError(
@@ -223,7 +223,7 @@ class StepLayout:
         group view (engine thread, no lock). Raises the invalid-argument
         error if they do not cover ``n`` tokens."""
         if sched.layout is not None:
-            return write_layout.layout_spans(sid, sched.layout, n, self._pool.num_slots)
+            return write_layout.layout_spans(sid, sched.layout, n, self._pool.num_slots, sched.num_scheduled)
         if self._view is None:
             raise OmniPrefixCacheInvalidArgumentError(
                 f"save_outputs (step {sid}): this manager has no group view, so every save needs a write_layout "
@@ -257,6 +257,7 @@ class StepLayout:
                 f"save_outputs (step {sid}): slot mapping {got} does not cover the step's {n} tokens"
             )
         if slots.dtype != torch.int64 or not slots.is_cpu:
+            write_layout.check_slot_dtype(f"save_outputs (step {sid}): the group view's slot mapping", slots)
             slots = slots.to("cpu", torch.int64)
         if out_of_range(slots.numpy(), self._pool.num_slots):
             bad = slots[(slots < 0) | (slots >= self._pool.num_slots)]

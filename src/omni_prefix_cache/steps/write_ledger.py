@@ -329,7 +329,10 @@ class WriteLedger:
             return exc
         stranded = [] if save.published else self.stranded(save.registered)
         if stranded:
-            return self._controller.write_error(stranded[0], exc, "registration")
+            try:
+                return self._controller.write_error(stranded[0], exc, "registration")
+            except Exception:  # noqa: BLE001 - naming the write must not skip the undo (the caller abandons next)
+                pass
         error = OmniPrefixCacheUnmatchError(f"save_outputs (step {save.sid}) failed: {exc!r}")
         error.__cause__ = exc
         return error

@@ -90,8 +90,38 @@ def _drop_effect(data: dict[str, Any], name: str) -> None:
 
 
 def _view_without_gap_check(data: dict[str, Any]) -> None:
-    seg = _op(data, "delivery_view")["segments"][0]
-    seg["steps"] = seg["steps"][0]["else"]  # the view and the clip, with no gap check before them
+    steps = _op(data, "delivery_view")["segments"][0]["steps"]
+    i = next(i for i, step in enumerate(steps) if isinstance(step, dict) and step.get("when") == "gap")
+    steps[i : i + 1] = steps[i]["else"]  # the view and the clip, with no gap check before them
+
+
+def _drop_guard(data: dict[str, Any], name: str) -> None:
+    data["guards"] = [g for g in data["guards"] if g["name"] != name]
+
+
+def _without_condition(trigger: str, guard: str) -> Callable[[MachineSpec], MachineSpec]:
+    def patch(spec: MachineSpec) -> MachineSpec:
+        data = spec_to_dict(spec)
+        for move in data["transitions"]:
+            if move["trigger"] == trigger:
+                move["conditions"] = [g for g in move.get("conditions", []) if g != guard]
+        return parse_spec(data, origin=f"{spec.origin} ({trigger} without {guard})")
+
+    return patch
+
+
+def _view_past_saved(data: dict[str, Any]) -> None:
+    steps = _op(data, "delivery_view")["segments"][0]["steps"]
+    steps[:] = [s for s in steps if not (isinstance(s, dict) and s.get("when") == "outside_saved")]
+    _drop_guard(data, "outside_saved")
+
+
+def _ack_unissued_view(data: dict[str, Any]) -> None:
+    gap = _op(data, "ack_delivery")["segments"][0]["steps"][0]
+    gap["else"] = gap["else"][0]["else"]  # delivery.ack, with no not_issued check before it
+    steps = _op(data, "commit_output")["segments"][0]["steps"]
+    steps[:] = [s for s in steps if not (isinstance(s, dict) and s.get("when") == "not_issued")]
+    _drop_guard(data, "not_issued")
 
 
 def _view_without_no_gap(spec: MachineSpec) -> MachineSpec:
@@ -134,7 +164,9 @@ def _view_advances(spec: MachineSpec) -> MachineSpec:
 
 
 def _view_without_clip(data: dict[str, Any]) -> None:
-    _op(data, "delivery_view")["segments"][0]["steps"][0]["else"].remove({"do": "clip_outputs"})
+    steps = _op(data, "delivery_view")["segments"][0]["steps"]
+    gap = next(step for step in steps if isinstance(step, dict) and step.get("when") == "gap")
+    gap["else"].remove({"do": "clip_outputs"})
     _drop_effect(data, "clip_outputs")
 
 
@@ -253,6 +285,31 @@ BROKEN: dict[str, Mutation] = {
         "tenure's gap (the shortest trace) or over positions it already received",
         "gap_raises",
         _view_without_clip,
+        model="lifecycle",
+    ),
+    "view-past-saved": Mutation(
+        "delivery_view without its outside_saved refusal (and the delivery machine's view without within_saved): "
+        "a view of an output the caller edited to reach further is issued, and its acknowledgement moves the "
+        "watermark past what the tenure saved",
+        "delivered_within_saved",
+        _view_past_saved,
+        {"delivery": _without_condition("view", "within_saved")},
+        model="lifecycle",
+    ),
+    "ack-unissued-view": Mutation(
+        "ack_delivery and commit_output without their not_issued refusal (and the delivery machine's ack without "
+        "issued_view): a view acknowledged once is acknowledged again (the shortest trace), and an edited one to "
+        "where it claims, past the rows the consumer holds",
+        "at_most_once_in_order",
+        _ack_unissued_view,
+        {"delivery": _without_condition("ack", "issued_view")},
+        model="lifecycle",
+    ),
+    "ack-keeps-view": Mutation(
+        "the delivery machine's ack without spend_view: a view acknowledged once stays as issued, and acknowledging "
+        "it again hands the consumer the same positions twice",
+        "at_most_once_in_order",
+        machines={"delivery": _without_effect("spend_view")},
         model="lifecycle",
     ),
     "commit-without-ack": Mutation(

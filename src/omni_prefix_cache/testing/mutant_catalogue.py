@@ -540,6 +540,45 @@ def _replayed_step_applied(stack: contextlib.ExitStack) -> None:
     _set(stack, RequestTable, "replayed", lambda self, sequence: False)
 
 
+@_register("view_past_saved_issued", "within_saved always holds: a view of an output edited past saved is issued")
+def _view_past_saved_issued(stack: contextlib.ExitStack) -> None:
+    # The guard outside_saved (the desk's) and the machine's within_saved both read it.
+    from omni_prefix_cache.requests import delivery, tenure
+
+    for module in (delivery, tenure):
+        _set(stack, module, "within_saved", lambda *args: True)
+
+
+def _before_record(stack: contextlib.ExitStack, before: Callable[[Any, Any], None]) -> None:
+    """DeliveryDesk.issued_record (guard issued_view's check) runs ``before(record, view)`` first."""
+    from omni_prefix_cache.requests.delivery import DeliveryDesk
+
+    original = DeliveryDesk.issued_record
+
+    def record(self: DeliveryDesk, view: Any, consumer: str) -> Any:
+        entry = self._issued.get(id(view))
+        if entry is not None and entry[0]() is view:
+            before(entry[1], view)
+        return original(self, view, consumer)
+
+    _set(stack, DeliveryDesk, "issued_record", record)
+
+
+@_register("edited_view_acknowledged", "issued_view ignores edits: a view edited to reach further is acknowledged")
+def _edited_view_acknowledged(stack: contextlib.ExitStack) -> None:
+    from omni_prefix_cache.interface import output_progress
+
+    def take_edits(record: Any, view: Any) -> None:
+        record.ranges, record.tenures = dict(view.token_ranges), dict(output_progress(view))
+
+    _before_record(stack, take_edits)
+
+
+@_register("view_acknowledged_twice", "issued_view ignores spending: a view committed once is handed off again")
+def _view_acknowledged_twice(stack: contextlib.ExitStack) -> None:
+    _before_record(stack, lambda record, view: setattr(record, "spent", False))
+
+
 # ------------------------------------------------------------------ applying
 
 

@@ -15,7 +15,9 @@ class DeliveryState(SpecState):
     """
     One (tenure, consumer) watermark. A view selects the positions at or past it; only an acknowledgement moves
     it, to the view's end, so each position reaches a consumer at most once and in order. A view or
-    acknowledgement that would skip positions (a gap) raises instead.
+    acknowledgement that would skip positions (a gap) raises instead. A view never reaches past what the
+    tenure's saves recorded (once a save recorded any: a tenure with none has only caller-built outputs,
+    delivered as built, as upstream does), and only a view the manager issued, as issued, is acknowledged, once.
     """
 
     OPEN = 0

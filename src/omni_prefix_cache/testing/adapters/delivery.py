@@ -3,8 +3,9 @@
 Every trigger fires through ``requests.lifecycle.RequestBinding`` (the
 binding ``DeliveryDesk`` and ``RequestTable.retire_delivery`` run), so the
 runtime's compiled table ``lifecycle.DELIVERY_MACHINE`` decides what moves
-(its ``no_gap`` guard) and runs ``advance_watermark``. Reads the
-consumer's delivery state and watermark (see ``testing.stateful``).
+(its ``no_gap``, ``within_saved`` and ``issued_view`` guards) and runs
+``advance_watermark`` and ``spend_view``. Reads the consumer's delivery
+state and watermark (see ``testing.stateful``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from omni_prefix_cache.testing.stateful import (
 )
 
 _CONSUMERS = ("talker", "detok")
+SAVED = 7  # every tenure here saved positions [0, 7): a range ending past it is outside what was saved
 
 
 class _DeskSystem:
@@ -36,6 +38,7 @@ class _DeskSystem:
         self.binding = RequestBinding()
         self.tenures: dict[int, Any] = {}  # handle -> (tenure, consumer)
         self.highest: dict[int, int] = {}  # the highest watermark seen per handle
+        self.records: dict[int, Any] = {}  # handle -> the IssuedView its acknowledgements come from
 
 
 class DeliveryAdapter(SpecAdapter):
@@ -43,8 +46,9 @@ class DeliveryAdapter(SpecAdapter):
 
     Handles pair up: two consumers of one tenure (so one consumer's
     acknowledgement must not move the other's watermark). Each trigger
-    draws the available range ``[start, end)`` the ``no_gap`` guard and
-    ``advance_watermark`` read. Observed: the consumer's watermark.
+    draws the available range ``[start, end)`` the ``no_gap`` and
+    ``within_saved`` guards and ``advance_watermark`` read, and whether its
+    view was issued as is (``issued_view``). Observed: the consumer's watermark.
     """
 
     handle_name = "watermark"
@@ -65,18 +69,21 @@ class DeliveryAdapter(SpecAdapter):
         if handle % 2:
             tenure = system.tenures[handle - 1][0]
         else:
-            tenure = Tenure(req_id=f"r{handle // 2}")
+            tenure = Tenure(req_id=f"r{handle // 2}", rows_upto=SAVED)
         system.tenures[handle] = (tenure, _CONSUMERS[handle % 2])
 
     def trigger_args(self, data: Any, model: ModelWorld, handle: int, trigger: str) -> dict[str, Any]:
         start = data.draw(st.integers(0, 6), label="start")
-        return {"start": start, "end": data.draw(st.integers(start, 8), label="end")}
+        end = data.draw(st.integers(start, 8), label="end")
+        return {"start": start, "end": end, "issued": data.draw(st.booleans(), label="issued")}
 
     def _move(self, system: _DeskSystem, handle: int, args: Mapping[str, Any]) -> Any:
-        from omni_prefix_cache.requests.tenure import TenureMove
+        from omni_prefix_cache.requests.tenure import IssuedView, TenureMove
 
         tenure, consumer = system.tenures[handle]
-        return TenureMove(tenure, None, None, consumer, args.get("start", 0), args.get("end", 0))
+        record = system.records.setdefault(handle, IssuedView(consumer, {}, {}))
+        start, end = args.get("start", 0), args.get("end", 0)
+        return TenureMove(tenure, None, None, consumer, start, end, args.get("issued", True), record)
 
     def fire(self, system: _DeskSystem, handle: int, trigger: str, args: Mapping[str, Any], defer: bool) -> None:
         can, run = system.binding.move("delivery", trigger)
@@ -99,10 +106,13 @@ class DeliveryAdapter(SpecAdapter):
         for h in handles:
             tenure, consumer = system.tenures[h]
             out[("delivered", h)] = tenure.watermark(consumer)
+            record = system.records.get(h)
+            out[("spent", h)] = record is not None and record.spent
         return out
 
     def model_create(self, model: ModelWorld, handle: int, args: Mapping[str, Any]) -> None:
         model.obs[("delivered", handle)] = 0
+        model.obs[("spent", handle)] = False
 
     def model_guards(self) -> dict[str, Callable[[MoveCtx], bool]]:
         def no_gap(ctx: MoveCtx) -> bool:
@@ -110,7 +120,13 @@ class DeliveryAdapter(SpecAdapter):
             start, end = ctx.args["start"], ctx.args["end"]
             return bool(end <= seen or start <= seen or start >= end)
 
-        return {"no_gap": no_gap}
+        def within_saved(ctx: MoveCtx) -> bool:
+            return bool(ctx.args["end"] <= SAVED)
+
+        def issued_view(ctx: MoveCtx) -> bool:
+            return bool(ctx.args.get("issued", True))
+
+        return {"no_gap": no_gap, "within_saved": within_saved, "issued_view": issued_view}
 
     def model_effects(self) -> dict[str, Callable[[MoveCtx], None]]:
         def advance_watermark(ctx: MoveCtx) -> None:
@@ -118,7 +134,10 @@ class DeliveryAdapter(SpecAdapter):
             if ctx.args["start"] <= ctx.model.obs[key]:  # only a range that continues the watermark
                 ctx.model.obs[key] = max(ctx.model.obs[key], ctx.args["end"])
 
-        return {"advance_watermark": advance_watermark}
+        def spend_view(ctx: MoveCtx) -> None:
+            ctx.model.obs[("spent", ctx.handle)] = True
+
+        return {"advance_watermark": advance_watermark, "spend_view": spend_view}
 
     def invariants(self) -> Mapping[str, Callable[[GeneratedMachine], None]]:
         def watermark_monotonic(m: GeneratedMachine) -> None:
@@ -134,4 +153,6 @@ class DeliveryAdapter(SpecAdapter):
         return {
             "no_gap_crossed": "the no_gap guard: every view or ack the spec refuses (a later start) is "
             "fired at the runtime and must be refused (the generated machine's blocked moves)",
+            "issued_once": "the issued_view guard: an acknowledgement drawn as not issued is fired at the runtime "
+            "and must be refused (blocked moves); at most once: spend_view marks the view's record, observed",
         }

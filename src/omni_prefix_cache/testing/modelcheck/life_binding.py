@@ -28,6 +28,7 @@ from omni_prefix_cache.specs.composition import CompiledOperation, Fire, Protoco
 from omni_prefix_cache.specs.loader import SpecError
 from omni_prefix_cache.testing.modelcheck.life_world import (
     FINISHED,
+    ISSUED,
     REPLACED,
     RESUMED,
     STARTED,
@@ -45,6 +46,10 @@ from omni_prefix_cache.testing.modelcheck.world import Violation, nothing
 
 class GapRaised(Exception):
     """``raise_gap`` ran: the operation raises; what it moved before stays moved."""
+
+
+class RefusedRaised(Exception):
+    """``raise_refused`` ran: the operation raises the invalid-argument error."""
 
 
 def _always(c: Any) -> bool:
@@ -75,6 +80,9 @@ class LifeBinding:
             "install_lookup": self._install_lookup,
             "detach_writes": self._detach_writes,
             "no_gap": lambda c: self._no_gap(c, c.cur),
+            "within_saved": lambda c: self._within_saved(c, c.cur),
+            "issued_view": self._issued_view,
+            "spend_view": self._spend_view,
             "advance_watermark": self._advance_watermark,
             "release_step_holder": nothing,
         }
@@ -129,6 +137,22 @@ class LifeBinding:
         t, k, start, end = item
         seen = c.tenures[t].marks[k]
         return end <= seen or start <= seen or start >= end
+
+    @staticmethod
+    def _within_saved(c: LCtx, item: list[int]) -> bool:
+        """The range ends at or before what the tenure saved or was served."""
+        ten = c.tenures[item[0]]
+        return item[3] <= max(ten.saved, ten.served)
+
+    @staticmethod
+    def _issued_view(c: LCtx) -> bool:
+        """The consumer presents its view as issued (not edited, not spent)."""
+        view = c.views[c.consumer] if c.consumer >= 0 else None
+        return view is None or view.state == ISSUED
+
+    @staticmethod
+    def _spend_view(c: LCtx) -> None:
+        c.spent = True
 
     def _advance_watermark(self, c: LCtx) -> None:
         t, k, start, end = c.cur
@@ -220,6 +244,7 @@ class LifeBinding:
             "plan_hits": self._plan_hits,
             "merge_outputs": self._merge_outputs,
             "raise_gap": self._raise_gap,
+            "raise_refused": self._raise_refused,
             "clip_outputs": self._clip,
             "filter_retired": self._filter_retired,
             "check_handoff": self._check_handoff,
@@ -238,6 +263,8 @@ class LifeBinding:
             "opens_tenure": self._opens_tenure,
             "lookup_complete": lambda c: c.event is not None and c.event.lookup_complete,
             "gap": lambda c: c.tenures[c.items[0][0]].state != self.RETIRED and not self._no_gap(c, c.items[0]),
+            "outside_saved": lambda c: not self._within_saved(c, c.items[0]),
+            "not_issued": lambda c: not self._issued_view(c),
         }
 
     def _run(self, op: str, c: LCtx) -> None:
@@ -323,6 +350,9 @@ class LifeBinding:
     def _raise_gap(self, c: LCtx) -> None:
         raise GapRaised()
 
+    def _raise_refused(self, c: LCtx) -> None:
+        raise RefusedRaised()
+
     def _clip(self, c: LCtx) -> None:
         assert c.items is not None
         t, k, start, end = c.items[0]
@@ -352,7 +382,7 @@ class LifeBinding:
         view = self._view_of(c)
         for t in c.live:
             c.handed.append(t)
-            c.received.append((t, c.consumer, view.start, view.end))
+            c.received.append((t, c.consumer, view.start, view.rows_end))  # the rows it holds
 
     def _ack_live(self, c: LCtx) -> None:
         held = c.items
@@ -360,6 +390,7 @@ class LifeBinding:
             c.items = [item]
             self._run("ack_delivery", c)
         c.items = held
+        c.spent = True  # the view was handed off: spent, also when nothing of it was live
 
 
 def required_move_violation(exc: ProtocolViolation) -> Violation:

@@ -7,7 +7,10 @@ and the hit plan) and then ``save`` (``record_saved``: the scheduled
 positions are saved), and ``discard``; a reader runs ``materialize`` (the
 step's output, from its hit's start); each consumer runs ``delivery_view``
 of an output it has not fully received, then ``ack_delivery`` or
-``commit_output`` of that view, or drops it (a view never acknowledged).
+``commit_output`` of that view, or drops it (a view never acknowledged);
+at most ``hostile`` times, consumer 0 edits an output or its view to reach
+one position further, or keeps a view it acknowledged to use it again
+(``sid`` -2 in the label: the acknowledgement keeps its view).
 A segment with only the write path's steps is invisible here and runs on
 into the next one (``environment.invisible``).
 
@@ -24,12 +27,13 @@ from collections.abc import Callable, Iterator
 
 from omni_prefix_cache.specs.composition import CompiledOperation, ProtocolSpec, ProtocolViolation, compile_protocol
 from omni_prefix_cache.testing.modelcheck.environment import invisible
-from omni_prefix_cache.testing.modelcheck.life_binding import GapRaised, LifeBinding
+from omni_prefix_cache.testing.modelcheck.life_binding import GapRaised, LifeBinding, RefusedRaised
 from omni_prefix_cache.testing.modelcheck.life_invariants import LifeInvariants
 from omni_prefix_cache.testing.modelcheck.life_world import (
     ANNOUNCED,
     DEAD_OUT,
     DONE,
+    EDITED,
     EXTENDED,
     FINISHED,
     KIND_NAMES,
@@ -40,6 +44,7 @@ from omni_prefix_cache.testing.modelcheck.life_world import (
     RESUMED,
     RUNNING,
     SCHED_NAMES,
+    SPENT,
     STARTED,
     Event,
     LCtx,
@@ -55,7 +60,11 @@ from omni_prefix_cache.testing.modelcheck.scope import LIFE_SCOPE
 from omni_prefix_cache.testing.modelcheck.world import Violation
 
 REQUIRED_OPERATIONS = tuple(sorted(LIFE_SCOPE.runs))
-ENV_ACTIONS = ("preempt", "drop_view")  # the environment's own actions (no operation runs)
+# The environment's own actions (no operation runs).
+ENV_ACTIONS = ("preempt", "drop_view", "edit_view")
+HOSTILE = 0  # the consumer that may misbehave
+KEEPS_VIEW = -2  # the step argument of an acknowledgement that keeps its view (a hostile consumer)
+EDITED_COPY = -3  # the step argument of a view of an output's copy edited to reach one further
 # Run whole: between materialize's state segments only the write path's fetch runs, and
 # nothing another thread does here reads the step's state (it is consumed in the first).
 WHOLE = frozenset({"materialize"})
@@ -96,7 +105,7 @@ class LifecycleModel:
     # ------------------------------------------------------------- world
     def initial(self) -> LWorld:
         b = self.bounds
-        sched = Sched((0, 0), 0, NONE, b.preemptions, b.stale)
+        sched = Sched((0, 0), 0, NONE, b.preemptions, b.stale, b.hostile)
         return LWorld(sched, (), -1, -1, (), (), (None,) * b.consumers, (), (), ())
 
     def settled(self, w: LWorld) -> bool:
@@ -170,16 +179,44 @@ class LifecycleModel:
             if alike in seen:
                 continue
             seen.add(alike)
+            hostile = w.sched.hostile > 0 and k == HOSTILE  # one consumer misbehaves: the other is its witness
             if view is None:
                 for o, out in enumerate(w.outputs):
                     if out.tenure >= 0 and out.end > w.tenures[out.tenure].marks[k]:
                         yield from self._run(w, "", "delivery_view", 0, (-1, k, o))
+                    if out.tenure >= 0 and hostile:
+                        yield from self._view_edited(w, k, o)
             else:
-                yield from self._run(w, "", "ack_delivery", 0, (-1, k, view.output))
-                yield from self._run(w, "", "commit_output", 0, (-1, k, view.output))
+                for op in ("ack_delivery", "commit_output"):
+                    yield from self._run(w, "", op, 0, (-1, k, view.output))
+                    if hostile and view.state != SPENT:
+                        yield from self._run(w, "", op, 0, (KEEPS_VIEW, k, view.output))
                 views = list(w.views)
                 views[k] = None
                 yield ("drop_view", 0, 0, (-1, k, view.output), ""), w._replace(views=tuple(views))
+                if hostile and view.state == 0:
+                    views[k] = view._replace(end=view.end + 1, state=EDITED)
+                    yield (
+                        ("edit_view", 0, 0, (-1, k, view.output), ""),
+                        w._replace(views=tuple(views), sched=self._spent(w)),
+                    )
+
+    def _view_edited(self, w: LWorld, k: int, o: int) -> Iterator[tuple[LLabel, LWorld]]:
+        """Consumer ``k`` takes delivery_view of its own copy of output
+        ``o``, edited to reach one position further. The copy lives only
+        in that call: refused, it is gone (the consumer holds no view)."""
+        out = w.outputs[o]
+        edited = w._replace(outputs=(*w.outputs, out._replace(end=out.end + 1)), sched=self._spent(w))
+        for (op, first, last, _, raised), after in self._run(edited, "", "delivery_view", 0, (-1, k, len(w.outputs))):
+            if raised:
+                after = after._replace(outputs=after.outputs[:-1])
+            # Labelled as a view of output o (the invariants read the original; the copy has its start).
+            yield (op, first, last, (EDITED_COPY, k, o), raised), after
+
+    @staticmethod
+    def _spent(w: LWorld) -> Sched:
+        """The scheduler's record with one hostile call fewer left."""
+        return w.sched._replace(hostile=w.sched.hostile - 1)
 
     def _choices(self, w: LWorld) -> list[tuple[Event, Sched, tuple[int, int]]]:
         """The scheduler's next step: (event, its view after, positions scheduled)."""
@@ -256,6 +293,8 @@ class LifecycleModel:
             self._receive(c, op)
         except GapRaised:
             raised = " raises: gap"
+        except RefusedRaised:
+            raised = " raises: refused"
         except ProtocolViolation as exc:
             v = Violation("protocol.required_move", str(exc))
             v.label = (op, seg, last, args, "")
@@ -290,7 +329,7 @@ class LifecycleModel:
             c.items = [[t, c.consumer, view.start, view.end]]
             c.live = [t]  # commit_output's live requests: the output's, until filter_retired
             if op == "ack_delivery":
-                c.received.append((t, c.consumer, view.start, view.end))  # the consumer took the view's rows
+                c.received.append((t, c.consumer, view.start, view.rows_end))  # the consumer took the view's rows
 
     def _receive(self, c: LCtx, op: str) -> None:
         self.inv.handed(c.tenures, c.current, c.handed)
@@ -308,6 +347,12 @@ class LifecycleModel:
                 _, _, start, end = c.items[0]
                 start, end = c.clipped if c.clipped is not None else (start, end)  # unclipped without clip_outputs
                 c.views[c.consumer] = View(c.output, start, end)
+        elif c.sid == KEEPS_VIEW and not raised:
+            # A hostile consumer keeps the view it acknowledged (spent, unless nothing spent it).
+            view = c.views[c.consumer]
+            assert view is not None
+            c.views[c.consumer] = view._replace(state=SPENT) if c.spent else view
+            c.sched = c.sched._replace(hostile=c.sched.hostile - 1)
         else:
             c.views[c.consumer] = None  # taken (or refused): the consumer is done with the view
 
@@ -320,8 +365,11 @@ class LifecycleModel:
             return "(scheduler) preempt the request"
         if op == "drop_view":
             return f"(consumer {k}) drop its view of output {o} unacknowledged"
+        if op == "edit_view":
+            return f"(consumer {k}) edit its view of output {o} to reach one position further"
         what = f"step {sid}" if sid >= 0 else f"consumer {k}, output {o}"
-        return f"{name}({what})" + raised
+        extra = {KEEPS_VIEW: ", keeping the view", EDITED_COPY: ", edited to reach one position further"}
+        return f"{name}({what}{extra.get(sid, '')})" + raised
 
     def change_text(self, a: LWorld, b: LWorld) -> str:
         parts: list[str] = []
@@ -346,7 +394,7 @@ class LifecycleModel:
                 parts.append(f"output {i}: tenure {out.tenure} [{out.start}, {out.end})")
         for k, v in enumerate(b.views):
             if a.views[k] != v:
-                text = "none" if v is None else f"[{v.start}, {v.end}) of output {v.output}"
+                text = "none" if v is None else f"[{v.start}, {v.end}) of output {v.output}" + _VIEW_STATES[v.state]
                 parts.append(f"consumer {k} view {text}")
         return "; ".join(parts) or "no change"
 
@@ -392,3 +440,4 @@ class LifecycleModel:
 
 
 Checker = Callable[[LWorld], None]
+_VIEW_STATES = ("", " (edited)", " (spent)")

@@ -7,7 +7,10 @@ later hit may read them); a materialize turns a saved step into an output
 hit), which each consumer views and acknowledges on its own schedule. The
 scheduler is the environment (``Sched``): it admits, preempts, resumes,
 replaces and finishes the request and sends the events; an older owner's
-event may arrive late (``stale``).
+event may arrive late (``stale``). A consumer may be hostile (``hostile``
+times in all): view an output it edited to reach one position further,
+acknowledge or commit a view it edited so, or keep a view it acknowledged
+and acknowledge or commit it again.
 
 ``LWorld`` is immutable; ``LCtx`` the mutable scratch copy one action works
 on (what the compiled operations and ``life_binding`` receive). Nothing here
@@ -45,6 +48,7 @@ class Sched(NamedTuple):
     status: int
     preempts: int  # preemptions left
     stale: int  # late events of an older owner left
+    hostile: int = 0  # hostile delivery calls left (an edited output or view, a view used twice)
 
 
 class Ten(NamedTuple):
@@ -81,12 +85,25 @@ class Out(NamedTuple):
     end: int
 
 
+# What a consumer does with a view it holds: as issued, edited (its end one further), or spent (kept after
+# its acknowledgement, to be used again).
+ISSUED, EDITED, SPENT = range(3)
+
+
 class View(NamedTuple):
-    """A consumer's delivery view of an output: its clipped range."""
+    """A consumer's delivery view of an output: its clipped range (as the
+    consumer presents it: an edited view's end is one past the rows it
+    holds) and what became of it."""
 
     output: int
     start: int
     end: int
+    state: int = ISSUED
+
+    @property
+    def rows_end(self) -> int:
+        """Where the rows the consumer holds end (the range as issued)."""
+        return self.end - 1 if self.state == EDITED else self.end
 
 
 DEAD_OUT = Out(-1, 0, 0)  # an output no consumer can still take anything new from
@@ -120,12 +137,13 @@ class LifeBounds:
     generations: int = 2  # content generations per admission (REPLACED)
     preemptions: int = 1
     stale: int = 1  # late events of an older owner
+    hostile: int = 1  # hostile delivery calls (an edited output or view, a view used twice)
 
     def describe(self) -> str:
         return (
             f"lifecycle: {self.positions} positions, {self.steps} steps, {self.consumers} consumers, "
             f"{self.admissions} admissions x {self.generations} generations, {self.preemptions} preemptions, "
-            f"{self.stale} stale events"
+            f"{self.stale} stale events, {self.hostile} hostile delivery calls"
         )
 
 
@@ -143,7 +161,7 @@ class LCtx:
     __slots__ = (
         *("sched", "tenures", "current", "finished", "steps", "outputs", "views"),
         *("sid", "consumer", "output", "event", "tenure", "items", "lookups", "live", "acks", "clipped"),
-        *("received", "handed", "fired", "cur", "pending"),
+        *("received", "handed", "fired", "cur", "pending", "spent"),
     )
 
     def __init__(self, w: LWorld, args: tuple[int, ...]):
@@ -166,6 +184,7 @@ class LCtx:
         self.fired: set[tuple[str, str]] = set()
         self.cur: list[int] = []  # the delivery item a move is firing on
         self.pending = w.lookups  # installed lookups new_step's plan_hits has not taken yet
+        self.spent = False  # an acknowledgement spent the consumer's view (spend_view, ack_live)
 
     @property
     def args(self) -> tuple[int, ...]:

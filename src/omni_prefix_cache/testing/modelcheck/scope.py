@@ -170,11 +170,16 @@ LIFE_SCOPE = Scope(
     effects=frozenset(
         {
             *("apply_events", "ignore_event", "retire_current", "open_tenure", "retire_deliveries"),
-            *("record_saved", "plan_hits", "merge_outputs", "raise_gap", "clip_outputs"),
+            *("record_saved", "plan_hits", "merge_outputs", "raise_gap", "raise_refused", "clip_outputs"),
             *("filter_retired", "check_handoff", "handoff", "ack_live"),
         }
     ),
-    guards=frozenset({"ignored_event", "terminal_event", "newer_owner", "opens_tenure", "lookup_complete", "gap"}),
+    guards=frozenset(
+        {
+            *("ignored_event", "terminal_event", "newer_owner", "opens_tenure", "lookup_complete", "gap"),
+            *("outside_saved", "not_issued"),
+        }
+    ),
     # A refused plan or a failed fetch is the write model's; here every planned hit is served.
     assumed={"replayed_step": False, "rows_planned": True, "rows_fetched": True},
     left_out={

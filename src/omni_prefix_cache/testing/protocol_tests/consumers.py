@@ -4,8 +4,11 @@ commit_output on the real manager, judged by the tenure oracle.
 Two consumers take every materialized output: the talker when it is
 materialized, the client later, from its inbox, in its own order. Each turn
 is a view, then an acknowledgement, a commit of the view, nothing (a view
-never acknowledged) or a forged acknowledgement past the watermark; or the
-consumer skips the output. ``Desk.take`` predicts each request's view from
+never acknowledged), a forged acknowledgement past the watermark, an
+acknowledgement of the view edited to reach past what was saved, or a
+commit of the view twice; or a view of the output edited to reach past what
+was saved; or the consumer skips the output (every hostile one must be
+refused and move nothing). ``Desk.take`` predicts each request's view from
 the oracle (the output's expected range and the consumer's watermark), runs
 the call and records every breach under the invariant it breaks, in
 ``errors`` (the checkers of ``checks.ProtocolChecks`` assert they are empty).
@@ -21,13 +24,13 @@ from typing import Any
 import torch
 from hypothesis import event
 
-from omni_prefix_cache.interface import StageCacheOutputs
+from omni_prefix_cache.interface import OmniPrefixCacheInvalidArgumentError, StageCacheOutputs
 from omni_prefix_cache.manager import OmniPrefixCacheManager
 from omni_prefix_cache.requests.delivery import OmniPrefixCacheDeliveryGapError
 from omni_prefix_cache.testing.protocol_tests.lifecycle import OracleTenure, TenureOracle
 
 # What a consumer does with an output.
-ACTIONS = ("ack", "ack", "commit", "drop", "skip", "forge")
+ACTIONS = ("ack", "ack", "commit", "drop", "skip", "forge", "edit", "recommit", "overreach")
 
 DELIVERY_INVARIANTS = (
     "delivered_within_saved",
@@ -101,6 +104,9 @@ class Desk:
             return
         rids = list(out.expected)
         what = f"step {out.sid} {consumer}"
+        if action == "overreach":
+            self._overreaching_view(out, rids[0], consumer, what)
+            return
 
         def gap(rid: str) -> bool:
             # A retired tenure's view has no gap to raise: across one it selects nothing.
@@ -136,6 +142,11 @@ class Desk:
             self._commit(out, view, rids, consumer, what)
         elif action == "forge":
             self._forged_ack(out, view, rids, consumer, what)
+        elif action == "edit":
+            self._edited_ack(out, view, rids, consumer, what)
+        elif action == "recommit":
+            self._commit(out, view, rids, consumer, what)
+            self._second_commit(out, view, what)
         else:  # drop: the view is never acknowledged
             self.unmoved(before, "discard_is_not_delivery", f"{what}: a view never acknowledged")
         self.agree(out, f"{what} {action}")
@@ -205,12 +216,68 @@ class Desk:
             self.mgr.ack_delivery(forged)
         except OmniPrefixCacheDeliveryGapError:
             pass
+        except OmniPrefixCacheInvalidArgumentError as exc:  # refused as a view never issued (checked after the gap)
+            if not out.tenures[rid].retired:
+                self._err("gap_raises", f"{what}: an acknowledgement past the watermark {seen} was no gap: {exc}")
         else:
             if not out.tenures[rid].retired:
                 self._err(
                     "gap_raises", f"{what}: an acknowledgement of [{seen + 1}, {seen + 3}) past {seen} did not raise"
                 )
         self.unmoved(before, "gap_raises", f"{what}: a refused acknowledgement")
+
+    def _edited_ack(self, out: Output, view: StageCacheOutputs, rids: list[str], consumer: str, what: str) -> None:
+        """The issued view, edited in place to reach 5 positions past its
+        end (past what was saved): refused, nothing moves; the view as
+        issued is then acknowledged."""
+        rid = rids[0]
+        start, end = view.token_ranges[rid]
+        view.token_ranges[rid] = (start, end + 5)
+        before = marks(self.every)
+        try:
+            self.mgr.ack_delivery(view)
+        except OmniPrefixCacheInvalidArgumentError:
+            pass
+        else:
+            self._err(
+                "delivered_within_saved", f"{what}: an edited view [{start}, {end + 5}) of {rid} was acknowledged"
+            )
+            self.unmoved(before, "delivered_within_saved", f"{what}: an edited view's acknowledgement")
+            return
+        self.unmoved(before, "delivered_within_saved", f"{what}: a refused edited view")
+        view.token_ranges[rid] = (start, end)
+        self.mgr.ack_delivery(view)
+        self._acked(out, view, rids, consumer)
+
+    def _second_commit(self, out: Output, view: StageCacheOutputs, what: str) -> None:
+        """The same view committed again: it raises and hands off nothing."""
+        handed: list[frozenset[str]] = []
+        before = marks(self.every)
+        try:
+            self.mgr.commit_output(out.outs, handed.append, delivery=view)
+        except OmniPrefixCacheInvalidArgumentError:
+            pass
+        else:
+            self._err("at_most_once_in_order", f"{what}: a second commit of one view was accepted")
+        if handed:
+            self._err("at_most_once_in_order", f"{what}: a second commit of one view handed off {handed}")
+        self.unmoved(before, "at_most_once_in_order", f"{what}: a second commit")
+
+    def _overreaching_view(self, out: Output, rid: str, consumer: str, what: str) -> None:
+        """A view of the output with ``rid``'s range edited to end 5 past
+        what its tenure saved: refused, nothing moves and no consumer is added."""
+        start, end = out.outs.token_ranges[rid]
+        bound = out.tenures[rid].bound()
+        edited = dataclasses.replace(out.outs, token_ranges={**out.outs.token_ranges, rid: (start, bound + 5)})
+        before = marks(self.every)
+        self.consumers.add(consumer)  # a refused view still registers its consumer
+        try:
+            self.mgr.delivery_view(edited, [rid], consumer=consumer)
+        except (OmniPrefixCacheInvalidArgumentError, OmniPrefixCacheDeliveryGapError):
+            pass  # refused (past what was saved: the refusal comes before the gap check)
+        else:
+            self._err("delivered_within_saved", f"{what}: a view of {rid} reaching {bound + 5} past {bound} was issued")
+        self.unmoved(before, "delivered_within_saved", f"{what}: a view past what was saved")
 
     # ------------------------------------------------------------ checks
 

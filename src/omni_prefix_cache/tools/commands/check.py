@@ -41,8 +41,9 @@ LIFE_HELP = {
     "generations": ("generations", "lifecycle: content generations per admission (REPLACED)"),
     "preemptions": ("preemptions", "lifecycle: preemptions (each followed by RESUMED)"),
     "stale": ("stale", "lifecycle: late events of an older owner"),
+    "hostile": ("hostile", "lifecycle: hostile delivery calls (an edited output or view, a view used twice)"),
 }
-LIFE_MIN = {"preemptions": 0, "stale": 0}
+LIFE_MIN = {"preemptions": 0, "stale": 0, "hostile": 0}
 
 
 def add_parser(sub: Any, *, full: bool = True) -> None:
