@@ -9,9 +9,9 @@ delivery: only an acknowledgement moves a watermark, and only forward.
 Only what the manager issued is acknowledged: ``delivery_view`` records
 each view it returns (``IssuedView``: its consumer, ranges and tenures), and
 ``ack_delivery`` / ``commit_output`` refuse a view that is not one of them
-as it stands (edited in place, a copy, a hand-built one) or that an
-acknowledgement already spent, so a second commit of one view hands off
-nothing (it raises). A view never reaches past what the tenure's saves
+as it stands (edited in place, a copy, a hand-built one); ``ack_delivery``
+also refuses one an acknowledgement already spent, and ``commit_output``
+hands nothing of it off (a second commit of one view is a no-op). A view never reaches past what the tenure's saves
 recorded (``Tenure.rows_upto``), so an output edited to cover more is
 refused too. Every refusal is the invalid-argument error (or, for an
 argument that is no output at all, the invalid-type error) and moves nothing.
@@ -213,9 +213,11 @@ class DeliveryDesk:
         """Hand off the live requests' prepared payloads and acknowledge
         their delivery view, atomically. Returns the live requests (their
         tenure is not retired and is still the id's current or finished one).
-        A delivery view this manager did not issue as it stands, or one
-        already acknowledged or committed, raises before the handoff: a
-        second commit of one view hands off nothing."""
+        A delivery view this manager did not issue as it stands raises
+        before the handoff. One already acknowledged or committed hands off
+        nothing: ``handoff`` gets an empty set and the result is empty, so
+        a second commit of one view is a no-op (upstream's tests commit an
+        acknowledged view of a retired tenure and expect exactly that)."""
         _check_output(outputs, "commit_output")
         if delivery is not None:
             _check_output(delivery, "commit_output: delivery")
@@ -229,7 +231,7 @@ class DeliveryDesk:
         with self._lock:
             self._check_open("commit_output")
             if delivery is not None:
-                ctx.record = self.issued_record(delivery, _consumer_of(delivery, "commit_output"))
+                ctx.record = self.issued_record(delivery, _consumer_of(delivery, "commit_output"), spent=True)
             self._commit.run(ctx)
         return ctx.live
 
@@ -248,15 +250,16 @@ class DeliveryDesk:
 
         issued[key] = (weakref.ref(view, forget), record)
 
-    def issued_record(self, view: StageCacheOutputs, consumer: str) -> IssuedView | None:
+    def issued_record(self, view: StageCacheOutputs, consumer: str, *, spent: bool = False) -> IssuedView | None:
         """The view's record if this manager issued it to ``consumer``, it
         stands as issued (ranges and tenures) and no acknowledgement spent
-        it; else None (state lock)."""
+        it (with ``spent``: or one did, so the caller can tell a spent view
+        from one never issued); else None (state lock)."""
         entry = self._issued.get(id(view))
         if entry is None or entry[0]() is not view:
             return None
         record = entry[1]
-        if record.spent or record.consumer != consumer or view.token_ranges != record.ranges:
+        if (record.spent and not spent) or record.consumer != consumer or view.token_ranges != record.ranges:
             return None
         progress = output_progress(view)
         if progress.keys() != record.tenures.keys() or any(progress[r] is not t for r, t in record.tenures.items()):
@@ -301,6 +304,9 @@ class DeliveryDesk:
             self._ack.run(item)
 
     def _filter_retired(self, ctx: _Commit) -> None:
+        if ctx.record is not None and ctx.record.spent:
+            ctx.live = frozenset()  # a spent view was handed off already: nothing of it is live again
+            return
         current = self._table.current
         ctx.live = frozenset(
             rid
@@ -347,7 +353,7 @@ def _raise_unissued_commit(ctx: _Commit) -> None:
     raise OmniPrefixCacheInvalidArgumentError(
         f"commit_output: the delivery view for consumer {consumer!r} of requests "
         f"{sorted(ctx.delivery.token_ranges if ctx.delivery is not None else ())[:8]} is not a view this manager "
-        "issued as it stands, or it was already acknowledged or committed (nothing was handed off)"
+        "issued as it stands (edited in place, a copy or hand-built; nothing was handed off)"
     )
 
 

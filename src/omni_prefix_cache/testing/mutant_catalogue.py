@@ -555,11 +555,11 @@ def _before_record(stack: contextlib.ExitStack, before: Callable[[Any, Any], Non
 
     original = DeliveryDesk.issued_record
 
-    def record(self: DeliveryDesk, view: Any, consumer: str) -> Any:
+    def record(self: DeliveryDesk, view: Any, consumer: str, **kw: Any) -> Any:
         entry = self._issued.get(id(view))
         if entry is not None and entry[0]() is view:
             before(entry[1], view)
-        return original(self, view, consumer)
+        return original(self, view, consumer, **kw)
 
     _set(stack, DeliveryDesk, "issued_record", record)
 

@@ -250,17 +250,13 @@ class Desk:
         self._acked(out, view, rids, consumer)
 
     def _second_commit(self, out: Output, view: StageCacheOutputs, what: str) -> None:
-        """The same view committed again: it raises and hands off nothing."""
+        """The same view committed again: a no-op that hands off nothing
+        (the handoff gets an empty set) and returns an empty set."""
         handed: list[frozenset[str]] = []
         before = marks(self.every)
-        try:
-            self.mgr.commit_output(out.outs, handed.append, delivery=view)
-        except OmniPrefixCacheInvalidArgumentError:
-            pass
-        else:
-            self._err("at_most_once_in_order", f"{what}: a second commit of one view was accepted")
-        if handed:
-            self._err("at_most_once_in_order", f"{what}: a second commit of one view handed off {handed}")
+        live = self.mgr.commit_output(out.outs, handed.append, delivery=view)
+        if live or any(handed):
+            self._err("at_most_once_in_order", f"{what}: a second commit of one view handed off {live} {handed}")
         self.unmoved(before, "at_most_once_in_order", f"{what}: a second commit")
 
     def _overreaching_view(self, out: Output, rid: str, consumer: str, what: str) -> None:
