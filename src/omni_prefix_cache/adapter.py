@@ -33,6 +33,7 @@ from itertools import repeat
 from typing import Any
 
 from omni_prefix_cache.errors import OmniPrefixCacheInvalidArgumentError
+from omni_prefix_cache.tier.metadata import TierStepMetadata, tier_metadata_of
 
 
 # (str, Enum) as upstream, not StrEnum: str() and format() of a member stay upstream's.
@@ -95,6 +96,8 @@ class PrefixCacheStep:
     events: tuple[PrefixCacheRequestEvent, ...]
     scheduled_tokens: tuple[tuple[str, int], ...]
     sequence: int | None = None
+    # The host tier's part of the step's kv_connector_metadata (tier.metadata), None without the wrapper.
+    tier: TierStepMetadata | None = None
 
     def __iter__(self) -> Iterator[PrefixCacheRequestEvent]:
         return iter(self.events)
@@ -389,7 +392,8 @@ class PrefixCacheSchedulerAdapter:
             self._last_step_sequence = sequence
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or _EMPTY
         counts = tuple(zip(map(str, scheduled.keys()), map(int, scheduled.values()), strict=True))
-        return PrefixCacheStep(events, counts, sequence)
+        tier = tier_metadata_of(getattr(scheduler_output, "kv_connector_metadata", None))
+        return PrefixCacheStep(events, counts, sequence, tier)
 
     def build_write_layout(
         self,

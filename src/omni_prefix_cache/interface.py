@@ -107,6 +107,9 @@ class PrefixCacheConfig:
     # lines, for ``omni-prefix-cache validate``. None: the environment
     # variable OMNI_PREFIX_CACHE_TRACE names one, or no trace.
     trace_path: str | None = None
+    # The host tier's byte bound on this side (docs/integration.md, "Behind a
+    # KV connector"). None: only the scheduler side's bound applies.
+    host_tier_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "staging_depth", "staging_capacity_tokens", "copy_chunk_bytes"):

@@ -61,6 +61,7 @@ from omni_prefix_cache.ops.trace_session import open_trace
 from omni_prefix_cache.reads.hit_planner import HitPlanner, PendingHit
 from omni_prefix_cache.reads.materializer import Materializer
 from omni_prefix_cache.reads.planned_read import HitReads
+from omni_prefix_cache.reads.tier_fill import TierDesk, TierFill
 from omni_prefix_cache.requests.delivery import DeliveryDesk
 from omni_prefix_cache.requests.facade import DeliveryFacade
 from omni_prefix_cache.requests.lifecycle import RequestTable
@@ -75,6 +76,7 @@ from omni_prefix_cache.steps.write_layout import layout_token_ranges
 from omni_prefix_cache.steps.write_ledger import SaveProgress, WriteLedger
 from omni_prefix_cache.telemetry.locks import timed_lock
 from omni_prefix_cache.telemetry.registry import TELEMETRY
+from omni_prefix_cache.tier.metadata import TierStepMetadata
 
 __all__ = [
     "PREFETCH_THREAD_PREFIX",
@@ -152,6 +154,14 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
             policy=lambda: self._policy,
             is_closed=lambda: self._closed,
         )
+        self._tier_desk = TierDesk(
+            TierFill(self._pool, self._slot_status, self._reads, self._hits.prefetch, self._hits.block_slots),
+            block_size=config.block_size,
+            max_bytes=config.host_tier_bytes,
+            fill_timeout_s=config.staging_claim_timeout_s,
+            commit_drained=self._ledger.commit_drained_locked,
+            join=self._controller.join,
+        )
         self._materializer = Materializer(self._ledger, self._reads, self._state_lock)
         self._requests = RequestTable(self._detach_request_locked, self._hits.hit_blocks, self._live)
         self._delivery = DeliveryDesk(self._requests, self._state_lock, self._check_open)
@@ -191,6 +201,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         step: PrefixCacheStep | Iterable[PrefixCacheRequestEvent] | SchedulerOutputLike,
         *,
         num_scheduled_tokens: Mapping[ReqId, int] | None = None,
+        kv_tier: TierStepMetadata | None = None,
     ) -> None:
         """Start one scheduler step (engine thread, once per real step,
         before finished requests are dropped; operation new_step).
@@ -202,6 +213,10 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         the writes of finished, aborted and retired tenures, registers the
         hits the events installed (a RESUMED hit recovers from the slowest
         consumer's watermark) and starts gathering them on the prefetch thread.
+        ``kv_tier`` (or the step's own: ``PrefixCacheStep.tier``, a scheduler
+        output's ``kv_connector_metadata``) is the host tier's metadata: blocks
+        a KV connector loaded get their rows back before the hits are read
+        (docs/integration.md, "Behind a KV connector").
 
         Validate, then mutate: a bad argument (a bad id or count, a hit not
         block aligned or without group-0 block ids, an owner change without
@@ -212,7 +227,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         self._check_open("new_step_starts")
         self._ledger.raise_if_failed()
         if is_event_form(step):
-            given = events_step(step, num_scheduled_tokens)  # type: ignore[arg-type]
+            given = events_step(step, num_scheduled_tokens, kv_tier)  # type: ignore[arg-type]
         else:
             # ``_live`` changes only on this (the engine) thread: read unlocked.
             given = seed_step(step, self._live)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,7 @@ from omni_prefix_cache.interface import OmniPrefixCacheShutdownError, ReqId, Sta
 from omni_prefix_cache.reads.hit_planner import HitJob, HitPlanner, PendingHit
 from omni_prefix_cache.reads.materializer import Materializer
 from omni_prefix_cache.reads.planned_read import HitReads
+from omni_prefix_cache.reads.tier_fill import Restore, TierDesk
 from omni_prefix_cache.requests.lifecycle import RequestTable
 from omni_prefix_cache.requests.step_input import StepInput
 from omni_prefix_cache.specs.compiled import CompiledMove
@@ -66,6 +67,9 @@ MANAGER_EFFECTS = frozenset(
         "escalate_detached",
         "plan_hits",
         "replan_same_step_hits",
+        "apply_tier",
+        "join_for_tier",
+        "fill_reused_blocks",
         "record_saved",
         "merge_outputs",
         "restore_step_input",
@@ -83,6 +87,7 @@ class NewStepCall:
     given: StepInput
     candidates: list[tuple[ReqId, int, int, list[int]]] = field(default_factory=list)
     escalate: list[Tid] = field(default_factory=list)
+    restores: list[Restore] = field(default_factory=list)  # the host tier's, for restore_tenancy
 
     def __repr__(self) -> str:
         return f"new_step_starts(sequence {self.given.sequence})"
@@ -163,13 +168,13 @@ class ManagerBinding:
         staging: StagingBufferPool,
         hits: HitPlanner,
         reads: HitReads,
-        take_tenancy: Run,
+        couplings: Mapping[str, Run],
     ) -> None:
         self._steps = steps
         self._staging = staging
         self._hits = hits
         self._reads = reads
-        self._take_tenancy = take_tenancy
+        self._couplings = couplings  # slot couplings by name
 
     def try_move(self, role: str, trigger: TriggerName) -> Pred:
         steps, staging = self._steps, self._staging
@@ -246,8 +251,8 @@ class ManagerBinding:
         return (lambda call: True), fire
 
     def coupling(self, role: str, name: str) -> Run:
-        if (role, name) == ("slot", "take_tenancy"):
-            return self._take_tenancy
+        if role == "slot" and name in self._couplings:
+            return self._couplings[name]
         raise SpecError(f"protocol.yaml: the manager runs no coupling {role}.{name}")
 
 
@@ -288,6 +293,7 @@ class FacadeOps:
     _controller: OmniPrefixCacheController
     _steps: StepTable
     _hits: HitPlanner
+    _tier_desk: TierDesk
     _reads: HitReads
     _requests: RequestTable
     _ledger: WriteLedger
@@ -303,22 +309,28 @@ class FacadeOps:
         """Compile, once per manager, every manager operation of the active
         composition (``writes.operations.use_protocol`` swaps it in tests)."""
         spec = active_protocol()
-        binding = ManagerBinding(
-            self._steps, self._controller.staging_pool, self._hits, self._reads, self._couple_take_tenancy
-        )
+        tier = self._tier_desk
+        couplings = {"take_tenancy": self._couple_take_tenancy, "restore_tenancy": lambda c: tier.restore(c.restores)}
+        binding = ManagerBinding(self._steps, self._controller.staging_pool, self._hits, self._reads, couplings)
         effects: dict[str, Run] = {
             "validate_events": lambda call: self._requests.validate(call.given.events),
             "apply_events": self._apply_events,
             "escalate_detached": self._escalate_detached,
             "plan_hits": self._plan_hits,
             "replan_same_step_hits": self._replan_same_step_hits,
+            "apply_tier": lambda c: setattr(c, "restores", tier.apply(c.given.tier, c.candidates)),
+            "join_for_tier": lambda c: tier.join_for_loads(self._ledger.previous_step_writes + c.escalate),
+            "fill_reused_blocks": lambda c: tier.fill_reused(c.slots),
             "record_saved": self._record_saved,
             "merge_outputs": self._merge_outputs,
             "restore_step_input": self._restore_step_input,
             "fail_stranded": self._fail_stranded,
             "close_facade": self._close_facade,
         }
-        guards: dict[str, Pred] = {"replayed_step": lambda call: self._requests.replayed(call.given.sequence)}
+        guards: dict[str, Pred] = {
+            "replayed_step": lambda call: self._requests.replayed(call.given.sequence),
+            "tier_loads": lambda call: call.given.tier is not None and bool(call.given.tier.loads),
+        }
 
         def make(op: OperationSpec) -> FacadeOp:
             return FacadeOp(compile_operation(op, binding, effects, guards), tuple(s.lock for s in op.segments))

@@ -27,6 +27,7 @@ from omni_prefix_cache.adapter import PrefixCacheEventKind, PrefixCacheRequestEv
 from omni_prefix_cache.interface import OmniPrefixCacheInvalidTypeError, ReqId
 from omni_prefix_cache.requests import event_check
 from omni_prefix_cache.steps import validation as check
+from omni_prefix_cache.tier.metadata import TierStepMetadata, tier_metadata_of
 
 __all__ = ["StepInput", "events_step", "is_event_form", "seed_step"]
 
@@ -42,6 +43,7 @@ class StepInput:
     num_scheduled: dict[ReqId, int]
     queried: int = 0
     query_tokens: int = 0
+    tier: TierStepMetadata | None = None  # the host tier's metadata (a KV connector's loads)
 
 
 _TERMINAL = (PrefixCacheEventKind.FINISHED, PrefixCacheEventKind.ABORTED)
@@ -72,13 +74,19 @@ def _terminal_first(events: Iterable[PrefixCacheRequestEvent]) -> tuple[PrefixCa
 
 
 def events_step(
-    given: PrefixCacheStep | Iterable[PrefixCacheRequestEvent], num_scheduled_tokens: Mapping[ReqId, int] | None
+    given: PrefixCacheStep | Iterable[PrefixCacheRequestEvent],
+    num_scheduled_tokens: Mapping[ReqId, int] | None,
+    kv_tier: TierStepMetadata | None = None,
 ) -> StepInput:
     """The event forms. Raises the invalid-type or invalid-argument error
     (``event_check``) for a step whose fields are not a step's, an item that
     is not an event, an event field of the wrong type or range, or a bad
-    count; nothing is read twice (a generator is consumed once)."""
+    count; nothing is read twice (a generator is consumed once). The host
+    tier's metadata is ``kv_tier``, else the step's own (``PrefixCacheStep.tier``)."""
+    tier = _tier(kv_tier)
     if isinstance(given, PrefixCacheStep):
+        if tier is None:
+            tier = _tier(given.tier)
         events, sequence = event_check.step_events(given), given.sequence
         raw: Any = event_check.step_counts(given) if num_scheduled_tokens is None else num_scheduled_tokens
     else:
@@ -95,7 +103,15 @@ def events_step(
         if e.kind in _QUERIES and e.lookup_complete:
             queried += 1
             query_tokens += int(e.hit_end) + num_sched.get(e.req_id, 0)
-    return StepInput(_terminal_first(events), sequence, num_sched, queried, query_tokens)
+    return StepInput(_terminal_first(events), sequence, num_sched, queried, query_tokens, tier)
+
+
+def _tier(value: object) -> TierStepMetadata | None:
+    if value is None or isinstance(value, TierStepMetadata):
+        return value
+    raise OmniPrefixCacheInvalidTypeError(
+        f"new_step_starts: kv_tier must be a TierStepMetadata or None, got {type(value).__name__}"
+    )
 
 
 def seed_step(scheduler_output: Any, live: Collection[ReqId]) -> StepInput:
@@ -130,7 +146,8 @@ def seed_step(scheduler_output: Any, live: Collection[ReqId]) -> StepInput:
                 num_sched.get(rid, 0),
             )
         )
-    return StepInput(tuple(events), None, num_sched, queried, query_tokens)
+    tier = tier_metadata_of(getattr(scheduler_output, "kv_connector_metadata", None))
+    return StepInput(tuple(events), None, num_sched, queried, query_tokens, tier)
 
 
 def _query_tokens(req: Any, computed: int, scheduled: int) -> int:

@@ -44,7 +44,10 @@ _STATE_KEYS = {"name", "meaning", "initial", "final", "tags"}
 _MOVE_KEYS = {"trigger", "source", "dest", "conditions", "after", "meaning", "deferrable"}
 # The state tags the runtime asks for (docs/spec_format.md lists their meanings).
 KNOWN_TAGS = frozenset(
-    {"rest", "waits", "accepts_chunks", "failure", "owned", "holds_page", "read_baseline", "read_owner", "read_pool"}
+    {
+        *("rest", "waits", "accepts_chunks", "failure", "owned", "holds_page", "read_baseline", "read_owner"),
+        *("read_pool", "tier_held"),
+    }
 )
 
 

@@ -14,7 +14,7 @@ under its state lock only (the hooks it installs run under that lock too).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -158,13 +158,18 @@ class SlotOccupancy:
         self._arrays: dict[TensorName, _KeyArrays] = {}
         self.state: dict[TensorName, torch.Tensor] = {}
         n_states = len(SlotState)
-        # Slot tenancy (the spec's `take_tenancy` coupling): the triggers a
-        # save fires on the keys it writes and on every other open key.
-        tenancy = {c.name: c for c in SLOT_MACHINE.spec.couplings}.get("take_tenancy")
-        if tenancy is None:
-            raise OmniPrefixCacheUnmatchError(f"{SLOT_MACHINE.spec.origin}: no 'take_tenancy' coupling declared")
+        # Slot tenancy (the spec's couplings): the triggers a save (take_tenancy)
+        # or a tier restore (restore_tenancy) fires on the keys it writes and
+        # on every other open key.
+        couplings = {c.name: c for c in SLOT_MACHINE.spec.couplings}
+        for name in ("take_tenancy", "restore_tenancy"):
+            if name not in couplings:
+                raise OmniPrefixCacheUnmatchError(f"{SLOT_MACHINE.spec.origin}: no {name!r} coupling declared")
+        tenancy, restore = couplings["take_tenancy"], couplings["restore_tenancy"]
         self._tenant_writes = SlotOccupancyTrigger(tenancy.fires)
         self._tenant_others = SlotOccupancyTrigger(tenancy.others)
+        self._restore_writes = SlotOccupancyTrigger(restore.fires)
+        self._restore_others = SlotOccupancyTrigger(restore.others)
         # Per trigger: the move from each source state (None where the spec
         # declares none), and the source states that make it illegal.
         self._moves: dict[SlotOccupancyTrigger, tuple[CompiledMove | None, ...]] = {}
@@ -340,6 +345,21 @@ class SlotOccupancy:
         for key in self._keys:
             if key not in writes:
                 self._apply(self._tenant_others, key, rows, _NO_OWNER, False)
+
+    def restore_tenancy(self, slots: torch.Tensor, keys: Collection[TensorName]) -> None:
+        """The host tier restores a block into ``slots`` (coupling
+        ``restore_tenancy``): every key in ``keys`` fires ``restore``
+        (COMMITTED, no owner; the caller writes the rows to the pool under
+        the same lock), every other open key fires ``reset``. Under the
+        state lock and the reads lock (version bumps and preserved copies
+        change together)."""
+        if int(slots.numel()) == 0 or not self._keys:
+            return
+        first = next(iter(self._keys))
+        rows = self._as_slots(first, slots)
+        for key in self._keys:
+            trigger = self._restore_writes if key in keys else self._restore_others
+            self._apply(trigger, key, rows, _NO_OWNER, False)
 
     def commit(self, key: TensorName, slots: torch.Tensor, writers: torch.Tensor | int) -> int:
         """Strict ``commit``: every row must be IN_TRANSIT (else raises);

@@ -3,6 +3,7 @@
 
 from omni_prefix_cache.specs.types.copy_queue import CopyQueueTrigger, CopyQueueTriggerName, QueuePosition
 from omni_prefix_cache.specs.types.delivery import DeliveryState, DeliveryTrigger, DeliveryTriggerName
+from omni_prefix_cache.specs.types.host_tier import HostTierTrigger, HostTierTriggerName, TierState
 from omni_prefix_cache.specs.types.planned_read import PlannedReadTrigger, PlannedReadTriggerName, ReadState
 from omni_prefix_cache.specs.types.request_lifecycle import (
     RequestLifecycleTrigger,
@@ -21,6 +22,8 @@ __all__ = [
     "DeliveryTrigger",
     "DeliveryTriggerName",
     "HolderState",
+    "HostTierTrigger",
+    "HostTierTriggerName",
     "PlannedReadTrigger",
     "PlannedReadTriggerName",
     "QueuePosition",
@@ -37,6 +40,7 @@ __all__ = [
     "StepContextTriggerName",
     "StepState",
     "TaskState",
+    "TierState",
     "WriteTaskTrigger",
     "WriteTaskTriggerName",
 ]

@@ -45,6 +45,8 @@ class SlotOccupancyTrigger(StrEnum):
     """the owner's write failed; its rows never landed"""
     RESET = "reset"
     """the slot's new tenant does not write this key; it was absent already"""
+    RESTORE = "restore"
+    """the host tier restores a block's rows into the slot (a KV connector loaded its KV there)"""
 
 
-SlotOccupancyTriggerName: TypeAlias = Literal["map", "commit", "drop", "reset"]
+SlotOccupancyTriggerName: TypeAlias = Literal["map", "commit", "drop", "reset", "restore"]

@@ -83,7 +83,7 @@ class SlotOccupancyAdapter(SpecAdapter):
 
     def __init__(self, spec: MachineSpec | None = None):
         self.spec = spec or load_spec("slot_occupancy")
-        unknown = sorted(set(self.spec.triggers) - {"map", "commit", "drop", "reset"})
+        unknown = sorted(set(self.spec.triggers) - {"map", "commit", "drop", "reset", "restore"})
         if unknown:
             raise SpecError(f"{self.spec.origin}: SlotOccupancy has no call for triggers {unknown}")
         self.tenancy = {c.name: c for c in self.spec.couplings}.get("take_tenancy")
@@ -149,8 +149,10 @@ class SlotOccupancyAdapter(SpecAdapter):
         }
 
     def trigger_args(self, data: Any, model: ModelWorld, handle: int, trigger: str) -> dict[str, Any]:
-        if self.tenancy is not None and trigger == self.tenancy.others:
-            return {"tid": -1}  # the key loses its rows to a tenant that does not write it
+        if trigger == "restore" or (self.tenancy is not None and trigger == self.tenancy.others):
+            # The key loses its rows to a tenant that does not write it, or
+            # the host tier restores them: no owner either way.
+            return {"tid": -1}
         owner = model.obs[("owner", handle)]
         if trigger != "map" and owner >= 0 and data.draw(st.booleans(), label="the owner writes"):
             return {"tid": owner}

@@ -1,0 +1,176 @@
+"""The host tier on the manager: a block's rows survive its reuse and come back
+when a KV connector loads that block into new slots (spec/host_tier.yaml).
+
+The steps are seed-era scheduler outputs carrying the tier's metadata in
+``kv_connector_metadata.omni_tier``, as the wrapper connector sends it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from omni_prefix_cache import ModelCachePolicy, PrefixCacheConfig
+from omni_prefix_cache.engine_helper import PrefixCacheEngineHelper
+from omni_prefix_cache.group_view import FullAttentionGroupView
+from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError
+from omni_prefix_cache.manager import OmniPrefixCacheManager
+from omni_prefix_cache.specs.types.host_tier import TierState
+from omni_prefix_cache.tier.metadata import TierBind, TierLoad, TierStepMetadata
+
+BS, HIDDEN = 4, 8
+
+
+@dataclass
+class NewRequest:
+    req_id: str
+    num_computed_tokens: int
+    block_ids: tuple[list[int], ...]
+
+
+@dataclass
+class SchedulerOutput:
+    num_scheduled_tokens: dict[str, int]
+    scheduled_new_reqs: list[NewRequest] = field(default_factory=list)
+    finished_req_ids: set[str] = field(default_factory=set)
+    kv_connector_metadata: Any = None
+
+
+class InputBatch:
+    def __init__(self) -> None:
+        self.block_table = [SimpleNamespace(block_size=BS, block_table=SimpleNamespace(cpu=None))]
+        self.set_rows({})
+
+    def set_rows(self, rows: dict[str, tuple[int, list[int]]]) -> None:
+        self.req_ids = list(rows)
+        self.req_id_to_index = {r: i for i, r in enumerate(rows)}
+        self.num_computed_tokens_cpu = torch.tensor([c for c, _ in rows.values()], dtype=torch.int32)
+        width = max([1, *(len(b) for _, b in rows.values())])
+        table = torch.zeros((max(1, len(rows)), width), dtype=torch.int32)
+        for i, (_, blocks) in enumerate(rows.values()):
+            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        self.block_table[0].block_table.cpu = table
+
+
+def forward(tokens: list[int], start: int) -> torch.Tensor:
+    """One row per token, a function of its position and token (the row oracle)."""
+    return torch.tensor([[tok + pos / 100 + j for j in range(HIDDEN)] for pos, tok in enumerate(tokens, start)])
+
+
+def meta(**fields: Any) -> SimpleNamespace:
+    return SimpleNamespace(omni_tier=TierStepMetadata(**fields))
+
+
+class Engine:
+    """One stage: the manager, its helper, the batch and what each request received."""
+
+    def __init__(self, eager: bool) -> None:
+        config = PrefixCacheConfig(num_blocks=16, block_size=BS, staging_capacity_tokens=64)
+        self.mgr = OmniPrefixCacheManager(config, eager=eager)
+        self.mgr.register_policy(ModelCachePolicy(needs_full_hidden_states=True))
+        self.batch = InputBatch()
+        self.cache = PrefixCacheEngineHelper(self.mgr, FullAttentionGroupView(self.batch, block_size=BS), consumer="t")
+        self.got: dict[str, torch.Tensor] = {}
+
+    def step(self, out: SchedulerOutput, rows: dict[str, tuple[int, list[int]]], new: torch.Tensor | None) -> None:
+        self.cache.begin_step(out)
+        self.batch.set_rows(rows)
+        if new is None:
+            return
+        n = int(new.shape[0])
+        saved = self.cache.save(new, None, num_tokens_unpadded=n, num_tokens_padded=n)
+
+        def build(view: Any) -> dict[str, torch.Tensor]:
+            return {rid: r.clone() for rid, r in (view.hidden_states or {}).items()}
+
+        def publish(payload: dict[str, torch.Tensor], live: Any) -> None:
+            for rid in live:
+                old = self.got.get(rid)
+                self.got[rid] = payload[rid] if old is None else torch.cat([old, payload[rid]])
+
+        self.cache.output_builder(saved, build, publish)()
+
+
+PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
+OTHER = [51, 52, 53, 54, 55, 56, 57, 58]
+HA = (b"a0" * 8, b"a1" * 8)
+
+
+def _reuse_then_load(engine: Engine) -> None:
+    """a fills blocks 0-1, c reuses them, then b (a's prompt + 2) is loaded into blocks 2-3."""
+    engine.step(SchedulerOutput({"a": 8}, [NewRequest("a", 0, ([0, 1],))]), {"a": (0, [0, 1])}, forward(PROMPT, 0))
+    binds = tuple(TierBind(h, b) for h, b in zip(HA, (0, 1)))
+    out = SchedulerOutput({"c": 8}, [NewRequest("c", 0, ([0, 1],))], {"a"}, meta(bind=binds))
+    engine.step(out, {"c": (0, [0, 1])}, forward(OTHER, 0))
+    load = TierLoad("b", 0, HA)
+    out = SchedulerOutput({"b": 2}, [NewRequest("b", 8, ([2, 3, 4],))], {"c"}, meta(loads={"b": load}))
+    engine.step(out, {"b": (8, [2, 3, 4])}, forward([19, 20], 8))
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "threaded"])
+def test_a_loaded_block_gets_the_rows_of_its_hash_not_of_its_slots(eager: bool) -> None:
+    engine = Engine(eager)
+    try:
+        _reuse_then_load(engine)
+        tier = engine.mgr._tier_desk.tier
+        assert tier is not None
+        assert {tier.state_of(h) for h in HA} == {TierState.HELD}
+        assert tier.stats["fills"] == 2 and tier.stats["restored"] == 2
+        tier.check_invariants(BS)
+        # A later request hits the loaded blocks locally (vLLM cached them under a's hashes).
+        out = SchedulerOutput({"d": 1}, [NewRequest("d", 8, ([2, 3, 5],))], {"b"})
+        engine.step(out, {"d": (8, [2, 3, 5])}, forward([21], 8))
+    finally:
+        engine.mgr.shutdown()
+    assert torch.equal(engine.got["a"], forward(PROMPT, 0))
+    assert torch.equal(engine.got["c"], forward(OTHER, 0))
+    assert torch.equal(engine.got["b"], forward([*PROMPT, 19, 20], 0))
+    assert torch.equal(engine.got["d"], forward([*PROMPT, 21], 0))
+
+
+def test_a_load_of_a_hash_the_tier_does_not_hold_raises_naming_the_request() -> None:
+    engine = Engine(True)
+    try:
+        engine.step(SchedulerOutput({"a": 8}, [NewRequest("a", 0, ([0, 1],))]), {"a": (0, [0, 1])}, forward(PROMPT, 0))
+        load = TierLoad("b", 0, HA)
+        out = SchedulerOutput({"b": 2}, [NewRequest("b", 8, ([2, 3, 4],))], {"a"}, meta(loads={"b": load}))
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"request 'b' was loaded into block 2 from block hash"):
+            engine.cache.begin_step(out)
+    finally:
+        engine.mgr.shutdown()
+
+
+def test_a_released_hash_is_not_served_and_its_bytes_are_freed() -> None:
+    engine = Engine(True)
+    try:
+        _reuse_then_load(engine)
+        tier = engine.mgr._tier_desk.tier
+        assert tier is not None and tier.held_bytes == 2 * BS * HIDDEN * 4
+        engine.step(SchedulerOutput({}, [], {"b"}, meta(release=HA)), {}, None)
+        assert tier.held_bytes == 0 and not tier.entries
+        tier.check_invariants(BS)
+    finally:
+        engine.mgr.shutdown()
+
+
+def test_a_load_past_what_vllm_counts_computed_restores_only_the_computed_blocks() -> None:
+    """A failed load leaves fewer tokens computed: only those blocks are restored."""
+    engine = Engine(True)
+    try:
+        engine.step(SchedulerOutput({"a": 8}, [NewRequest("a", 0, ([0, 1],))]), {"a": (0, [0, 1])}, forward(PROMPT, 0))
+        binds = tuple(TierBind(h, b) for h, b in zip(HA, (0, 1)))
+        out = SchedulerOutput({"c": 8}, [NewRequest("c", 0, ([0, 1],))], {"a"}, meta(bind=binds))
+        engine.step(out, {"c": (0, [0, 1])}, forward(OTHER, 0))
+        out = SchedulerOutput(
+            {"b": 6}, [NewRequest("b", 4, ([2, 3, 4],))], {"c"}, meta(loads={"b": TierLoad("b", 0, HA)})
+        )
+        engine.step(out, {"b": (4, [2, 3, 4])}, forward([15, 16, 17, 18, 19, 20], 4))
+        tier = engine.mgr._tier_desk.tier
+        assert tier is not None and tier.stats["restored"] == 1
+    finally:
+        engine.mgr.shutdown()
+    assert torch.equal(engine.got["b"], forward([*PROMPT, 19, 20], 0))
