@@ -25,6 +25,7 @@ import omni_prefix_cache.reads.planned_read as planned_read_mod
 import omni_prefix_cache.requests.lifecycle as lifecycle_mod
 import omni_prefix_cache.steps.slot_occupancy as occupancy_mod
 import omni_prefix_cache.steps.step_context as step_context_mod
+import omni_prefix_cache.tier.store as tier_store_mod
 import omni_prefix_cache.writes.copy_queues as copy_queues_mod
 import omni_prefix_cache.writes.staging as staging_mod
 import omni_prefix_cache.writes.write_task as write_task_mod
@@ -33,6 +34,7 @@ from omni_prefix_cache.specs.compiled import CompiledMachine
 from omni_prefix_cache.testing.adapters import (
     CopyQueueAdapter,
     DeliveryAdapter,
+    HostTierAdapter,
     PlannedReadAdapter,
     RequestLifecycleAdapter,
     SlotOccupancyAdapter,
@@ -77,6 +79,7 @@ RUNTIMES: dict[str, tuple[type[SpecAdapter], ModuleType, str]] = {
     # RequestBinding (the request table's and the delivery desk's) reads these tables.
     "request_lifecycle": (RequestLifecycleAdapter, lifecycle_mod, "REQUEST_MACHINE"),
     "delivery": (DeliveryAdapter, lifecycle_mod, "DELIVERY_MACHINE"),
+    "host_tier": (HostTierAdapter, tier_store_mod, "TIER_MACHINE"),
 }
 
 

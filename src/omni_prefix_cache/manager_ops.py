@@ -1,23 +1,15 @@
 """The manager's side of the composition (spec/protocol.yaml), compiled.
 
-``ManagerBinding`` resolves the roles the manager moves: ``step``
-(step_context, on the step table), ``step_holder`` (staging_holder: a
-step's page in the staging pool), ``read`` (planned_read: the reads a step
-or the pending hits own, dropped where their prefetch has not started) and
-the coupling ``slot.take_tenancy``. ``FacadeOps`` (a mixin of the manager)
-compiles, once per manager, what the manager runs of the composition:
-
-    new_step (its effects; its read moves run in ``HitReads.plan_many``,
-    compiled by ``reads.read_ops``), save's state segment projected on the
-    manager's roles and effects (the controller runs its own projection
-    first, in the same lock hold), abandon_save's manager segments,
-    materialize, discard and shutdown's state segment.
-
-``run`` executes one segment by segment under the lock each declares: a
-``state`` segment takes the manager's state lock and first reads the
-closed flag (raising the shutdown error once shutdown set it); ``staging``
-and ``none`` segments take nothing, since their moves take their machine's
-own lock (the staging pool's, the reads lock).
+``ManagerBinding`` resolves the roles the manager moves: ``step`` (the step
+table), ``step_holder`` (a step's staging page), ``read`` (planned reads,
+dropped where their prefetch has not started) and the couplings
+``slot.take_tenancy`` and ``slot.restore_tenancy`` (the host tier's,
+``reads.tier_fill``). ``FacadeOps`` (a mixin of the manager) compiles once
+per manager: new_step, save's state segment projected on the manager's roles
+and effects (the controller runs its own projection first, in the same lock
+hold), abandon_save's manager segments, materialize, discard and shutdown's
+state segment. ``_run_op`` runs segment by segment under each one's lock; a
+``state`` segment first raises the shutdown error once shutdown began.
 """
 
 from __future__ import annotations
@@ -95,8 +87,7 @@ class NewStepCall:
 
 @dataclass(eq=False, slots=True)
 class SaveCall:
-    """The manager's part of save's state segment: the step context to
-    issue and what the take_tenancy coupling and the hit planning need."""
+    """The manager's part of save's state segment: the step to issue and what tenancy and hits need."""
 
     ctx: StepContext
     split: StepOutputs
@@ -327,10 +318,8 @@ class FacadeOps:
             "fail_stranded": self._fail_stranded,
             "close_facade": self._close_facade,
         }
-        guards: dict[str, Pred] = {
-            "replayed_step": lambda call: self._requests.replayed(call.given.sequence),
-            "tier_loads": lambda call: call.given.tier is not None and bool(call.given.tier.loads),
-        }
+        guards: dict[str, Pred] = {"replayed_step": lambda call: self._requests.replayed(call.given.sequence)}
+        guards["tier_loads"] = lambda call: call.given.tier is not None and bool(call.given.tier.loads)
 
         def make(op: OperationSpec) -> FacadeOp:
             return FacadeOp(compile_operation(op, binding, effects, guards), tuple(s.lock for s in op.segments))
@@ -405,9 +394,7 @@ class FacadeOps:
     # ------------------------------------------------------------ save
 
     def _couple_take_tenancy(self, call: SaveCall) -> None:
-        """Coupling ``slot.take_tenancy``: the step becomes its slots' tenant
-        (under the reads lock too: version bumps and preserved copies change
-        together)."""
+        """Coupling ``slot.take_tenancy``: the step becomes its slots' tenant (reads lock too)."""
         ctx = call.ctx
         with self._reads.lock:
             self._ledger.take_tenancy_locked(

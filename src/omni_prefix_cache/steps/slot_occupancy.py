@@ -34,12 +34,8 @@ _NO_OWNER = -1
 
 
 class SlotGroup(NamedTuple):
-    """The rows of one vectorised move that share a source state.
-
-    ``owners`` is per row: the new owner for ``map``, the writer whose pool
-    write is being settled for ``commit`` / ``drop``; or 0-d, one owner for
-    every row (a step's write), which numpy broadcasts.
-    """
+    """The rows of one vectorised move that share a source state; ``owners``
+    per row (map's new owner, commit/drop's writer) or 0-d, one for all."""
 
     key: TensorName
     slots: np.ndarray  # int64 KV slot ids
@@ -225,14 +221,10 @@ class SlotOccupancy:
         where_enabled: bool = False,
     ) -> int:
         """Fire ``trigger`` on every row of ``slots`` for ``key``; returns how
-        many rows moved (a row a guard refuses stays where it is).
-
-        Raises OmniPrefixCacheUnmatchError naming the key, the trigger, the
-        source state and the offending slots if the spec declares no such
-        move for any row; nothing is changed then. ``where_enabled`` is the
-        protocol's ``slot.trigger?``: rows without the move are left as they
-        are instead. Under the state lock.
-        """
+        many rows moved (a guard-refused row stays). Raises
+        OmniPrefixCacheUnmatchError naming key, trigger, source state and
+        slots when a row has no such move, changing nothing; with
+        ``where_enabled`` (``slot.trigger?``) such rows stay. State lock."""
         return self._apply(trigger, key, self._as_slots(key, slots), owners, where_enabled)
 
     def _apply(
@@ -374,16 +366,10 @@ class SlotOccupancy:
     def settle(
         self, trigger: SlotOccupancyTrigger, key: TensorName, slots: torch.Tensor, writers: torch.Tensor | int
     ) -> int:
-        """The drain's ``slot.commit?`` / ``slot.drop?`` (spec/protocol.yaml,
-        operation ``drain``) for a drained write's own rows.
-
-        Fires where the move is enabled: a row of the write that already left
-        the state the move starts from was taken over and settled by its
-        newer owner, and the ``owned_by_writer`` guard leaves in-transit rows
-        another write owns. Under the state lock (the ledger settles a drain
-        through ``settle_keys``, once per key group). Raises for a trigger
-        the drain operation does not fire.
-        """
+        """The drain's ``slot.commit?`` / ``slot.drop?`` (operation ``drain``)
+        for a drained write's own rows, where enabled: a row already moved
+        on was taken over, and ``owned_by_writer`` leaves rows another write
+        owns. State lock; raises for a trigger the drain does not fire."""
         return self.settle_keys(trigger, (key,), slots, writers)
 
     def settle_keys(
@@ -393,11 +379,9 @@ class SlotOccupancy:
         slots: torch.Tensor,
         writers: torch.Tensor | np.ndarray | int,
     ) -> int:
-        """``settle`` of the same rows for each of ``keys`` in order (one move
-        per key); returns the rows moved over all keys. The slots and writers
-        (or an int64 array of one writer per row) are checked and converted
-        once, after the checks the first key's own ``settle`` makes first,
-        so errors are those of ``settle`` per key."""
+        """``settle`` of the same rows for each of ``keys`` in order; returns
+        the rows moved over all keys. Slots and writers (or one int64 writer
+        per row) are checked and converted once, as the first key's would be."""
         if trigger not in _SETTLE_TRIGGERS:
             raise OmniPrefixCacheUnmatchError(
                 f"slot occupancy: settle takes {sorted(map(str, _SETTLE_TRIGGERS))} (protocol drain), not {trigger!r}"
@@ -416,10 +400,8 @@ class SlotOccupancy:
     # ------------------------------------------------------------ checks
 
     def check_invariants(self, live_tids: set[Tid] | None = None) -> None:
-        """Raise OmniPrefixCacheUnmatchError naming the key and slots that
-        break a declared invariant: ``owner_iff_in_transit`` always,
-        ``owner_is_live_task`` when ``live_tids`` is given. (Version
-        monotonicity is a property of the moves; tests check it across them.)"""
+        """Raise OmniPrefixCacheUnmatchError naming the key and slots that break
+        ``owner_iff_in_transit``, or ``owner_is_live_task`` given ``live_tids``."""
         for key, table in self._keys.items():
             in_transit = rows_tagged(table.state, OWNED)
             owned = table.tids != _NO_OWNER

@@ -1,14 +1,10 @@
 """The mutant catalogue: bugs this design has had (or that the seed suite
 documents), each re-injectable into the runtime by a patch that lives only
-here. The runtime carries no switch for any of them.
-
+here (and in ``tier_mutants``); the runtime carries no switch for any.
 ``applied(name)`` applies one for a block (tests/conftest.py does, for a
-whole session, when ``OMNI_PREFIX_CACHE_MUTANT=<name>`` is set). ``make
-mutants`` (``python -m omni_prefix_cache.testing.mutant_catalogue``) judges
+session, with ``OMNI_PREFIX_CACHE_MUTANT=<name>``). ``make mutants`` judges
 them all with ``mutant_runner``, which says what counts as a kill.
-
-(``testing.mutants`` is different: it mutates *specs*, for the generated
-state-machine tests.)
+(``testing.mutants`` mutates *specs*, for the generated state-machine tests.)
 """
 
 from __future__ import annotations
@@ -20,6 +16,7 @@ from typing import Any
 from unittest import mock
 
 from omni_prefix_cache.testing.mutant_runner import ENV_VAR as ENV_VAR  # re-exported: conftest, fuzz
+from omni_prefix_cache.testing.tier_mutants import register_tier_mutants
 
 
 @dataclass(frozen=True, eq=False)
@@ -577,6 +574,10 @@ def _edited_view_acknowledged(stack: contextlib.ExitStack) -> None:
 @_register("view_acknowledged_twice", "issued_view ignores spending: a view committed once is handed off again")
 def _view_acknowledged_twice(stack: contextlib.ExitStack) -> None:
     _before_record(stack, lambda record, view: setattr(record, "spent", False))
+
+
+# The host tier's (testing.tier_mutants): registered through _register, so that module imports nothing here.
+register_tier_mutants(_register, _set)
 
 
 # ------------------------------------------------------------------ applying

@@ -33,7 +33,10 @@ ENV_VAR = "OMNI_PREFIX_CACHE_MUTANT"
 # The tests generated from the composition spec: run alone first per mutant.
 GENERATED_TESTS = ("tests/test_protocol_generated.py",)
 # Then, for a mutant they did not kill, the other generated and racing tests.
-OTHER_KILLER_TESTS = ("tests/test_race_controller.py", "tests/test_generated_specs.py", "tests/test_race_system.py")
+OTHER_KILLER_TESTS = (
+    *("tests/test_race_controller.py", "tests/test_generated_specs.py", "tests/test_race_system.py"),
+    "tests/test_host_tier.py",
+)
 KILLER_TESTS = GENERATED_TESTS + OTHER_KILLER_TESTS
 
 

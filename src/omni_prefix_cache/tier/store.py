@@ -313,5 +313,6 @@ class HostTier:
             )
         if total != self.held_bytes or total > self.max_bytes:
             raise OmniPrefixCacheUnmatchError(
-                f"host tier bytes_within_bound: rows hold {total} bytes, counted {self.held_bytes}, bound {self.max_bytes}"
+                f"host tier bytes_within_bound: rows hold {total} bytes, counted {self.held_bytes}, "
+                f"bound {self.max_bytes}"
             )

@@ -9,6 +9,7 @@ module per spec:
 - ``CopyQueueAdapter``: ``copy_queue`` on ``CopyQueues``.
 - ``RequestLifecycleAdapter``: ``request_lifecycle`` on a ``Tenure`` in a ``RequestTable``.
 - ``DeliveryAdapter``: ``delivery`` on a ``Tenure``'s consumer watermarks.
+- ``HostTierAdapter``: ``host_tier`` on ``HostTier``.
 
 Each maps a trigger to the runtime call(s) that fire it (several APIs per
 trigger where the runtime has them, drawn at random), reads the runtime's
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from omni_prefix_cache.testing.adapters.copy_queue import CopyQueueAdapter as CopyQueueAdapter
 from omni_prefix_cache.testing.adapters.delivery import DeliveryAdapter as DeliveryAdapter
+from omni_prefix_cache.testing.adapters.host_tier import HostTierAdapter as HostTierAdapter
 from omni_prefix_cache.testing.adapters.planned_read import PlannedReadAdapter as PlannedReadAdapter
 from omni_prefix_cache.testing.adapters.request_lifecycle import RequestLifecycleAdapter as RequestLifecycleAdapter
 from omni_prefix_cache.testing.adapters.slot_occupancy import SlotOccupancyAdapter as SlotOccupancyAdapter

@@ -64,7 +64,9 @@ def _reached(scope: Scope, steps: Sequence[Step], path: str, out: set[str]) -> N
                 # The branch never taken: only an effect left out on purpose is read there.
                 skipped = s.orelse if taken else s.then
                 for where, leaf in _leaves(skipped, here + ("e" if taken else "t")):
-                    if isinstance(leaf, Do) and leaf.effect in scope.left_out:
+                    if (isinstance(leaf, Do) and leaf.effect in scope.left_out) or (
+                        isinstance(leaf, Couple) and leaf.label in scope.left_out
+                    ):
                         out.add(where)
         elif isinstance(s, FirstOf):
             for j, alt in enumerate(s.alternatives):
@@ -142,8 +144,12 @@ WRITE_SCOPE = Scope(
             *("rows_planned", "rows_fetched"),
         }
     ),
-    assumed={"over_budget": False, "eager": False, "replayed_step": False},
+    assumed={"over_budget": False, "eager": False, "replayed_step": False, "tier_loads": False},
     left_out={
+        "apply_tier": "the host tier is checked by its own spec's generated machine and the tier model check",
+        "fill_reused_blocks": "the host tier is checked by its own spec's generated machine and the tier model check",
+        "join_for_tier": "tier_loads is false here: a step restores no block",
+        "slot.restore_tenancy": "tier_loads is false here: a step restores no block",
         "replan_same_step_hits": "hits on the step's own writes are not modelled",
         "flush_oldest": "budget flushes are left out (over_budget is false; escalate covers the flush's escalate)",
         "dispatch_inline": "eager dispatch is left out (eager is false)",
@@ -181,8 +187,12 @@ LIFE_SCOPE = Scope(
         }
     ),
     # A refused plan or a failed fetch is the write model's; here every planned hit is served.
-    assumed={"replayed_step": False, "rows_planned": True, "rows_fetched": True},
+    assumed={"replayed_step": False, "rows_planned": True, "rows_fetched": True, "tier_loads": False},
     left_out={
+        "apply_tier": "the host tier is checked by its own spec's generated machine and the tier model check",
+        "fill_reused_blocks": "the host tier is checked by its own spec's generated machine and the tier model check",
+        "join_for_tier": "tier_loads is false here: a step restores no block",
+        "slot.restore_tenancy": "tier_loads is false here: a step restores no block",
         "validate_events": "the environment sends only events the adapter's rules allow",
         "escalate_detached": "writes are saved positions here: a detached write has landed",
     },

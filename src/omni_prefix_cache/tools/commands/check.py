@@ -187,5 +187,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"check: {exc}", file=sys.stderr)
         return EXIT_ERROR
     line.close()
-    print(json.dumps(check_result_dict(result), indent=2) if args.json else result.report())
-    return EXIT_OK if result.ok else EXIT_FAILED
+    if args.json:
+        print(json.dumps(check_result_dict(result), indent=2))
+        return EXIT_OK if result.ok else EXIT_FAILED
+    print(result.report())
+    # The host tier's own world (spec/host_tier.yaml): small, searched on the real HostTier.
+    from omni_prefix_cache.testing.modelcheck.tier_check import check_tier
+
+    tier = check_tier(max_depth=8 if args.big else 7)
+    print(tier.report())
+    return EXIT_OK if result.ok and tier.violation is None else EXIT_FAILED
