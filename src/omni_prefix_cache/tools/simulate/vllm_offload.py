@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from omni_prefix_cache.tier.metadata import TierStepMetadata, tier_metadata_of
 from omni_prefix_cache.tools.simulate import vllm_setup as setup
 from omni_prefix_cache.tools.simulate.engine import SimConfig
+
+# Loads to fail: req ids (every block fails), or req id -> how many leading blocks of
+# the load landed before the first failed one.
+FailLoads = Collection[str] | Mapping[str, int]
 
 CONNECTOR_NAME = "OmniTierConnector"
 CONNECTOR_MODULE = "omni_prefix_cache.tier.connector"
@@ -130,6 +134,10 @@ class OffloadHarness:
         """The scheduler's KV connector (the wrapper, or the plain OffloadingConnector)."""
         return self.sched.connector
 
+    def request(self, req_id: str) -> Any:
+        """vLLM's live Request ``req_id``."""
+        return self.sched.requests[req_id]
+
     def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int = 1) -> Any:
         """Queue a request (greedy, ``max_tokens`` outputs, EOS ignored); returns vLLM's Request."""
         params = self.v.SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
@@ -137,14 +145,15 @@ class OffloadHarness:
         self.sched.add_request(req)
         return req
 
-    def step(self, fail_loads: Collection[str] = ()) -> StepRecord:
+    def step(self, fail_loads: FailLoads = ()) -> StepRecord:
         """One ``schedule()``, the fake worker, then ``update_from_output()``.
 
         The worker completes every store job and every load job; a sync load
         before the forward, an async one after it (``finished_recving`` in this
         step's output), unless ``hold_async_loads`` keeps it in flight. Loads of
-        requests in ``fail_loads`` fail: their destination blocks are reported
-        in ``invalid_block_ids`` (an async one is still reported received)."""
+        requests in ``fail_loads`` fail: their destination blocks (from the
+        mapped index on, for a mapping) are reported in ``invalid_block_ids``;
+        an async one is still reported received, as vLLM requires."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # type: ignore[import-not-found]
             OffloadingWorkerMetadata,
         )
@@ -184,12 +193,12 @@ class OffloadHarness:
         self.steps.append(record)
         return record
 
-    def release_loads(self, fail_loads: Collection[str] = ()) -> StepRecord:
+    def release_loads(self, fail_loads: FailLoads = ()) -> StepRecord:
         """Stop holding async loads and step: the held ones complete in this step's output."""
         self.hold_async_loads = False
         return self.step(fail_loads)
 
-    def run(self, max_steps: int = 200, fail_loads: Collection[str] = ()) -> list[StepRecord]:
+    def run(self, max_steps: int = 200, fail_loads: FailLoads = ()) -> list[StepRecord]:
         """Step until no request is left (at most ``max_steps``)."""
         records: list[StepRecord] = []
         while self.sched.requests and len(records) < max_steps:
@@ -200,14 +209,15 @@ class OffloadHarness:
         self,
         job_id: int,
         job: Any,
-        fail_loads: Collection[str],
+        fail_loads: FailLoads,
         completed: dict[int, int],
         recving: set[str],
         invalid: set[int],
     ) -> None:
         completed[job_id] = 1
         if job.req_id in fail_loads:
-            invalid.update(int(b) for b in job.dst_spec.block_ids)
+            first_failed = fail_loads[job.req_id] if isinstance(fail_loads, Mapping) else 0
+            invalid.update(int(b) for b in job.dst_spec.block_ids[first_failed:])
         if not job.sync:
             recving.add(job.req_id)
 
