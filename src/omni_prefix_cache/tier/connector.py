@@ -174,6 +174,8 @@ class OmniTierConnector(ForwardingConnector):
         # Drained before the unpins: an entry they let go is released next step,
         # after the worker restored this step's loads from it.
         release, bind = self.index.take_step()
+        for h in release:
+            self._external.pop(maybe_convert_block_hash(h), None)
         for req_id in loads:
             del self._pending[req_id]
             self.index.unpin(req_id)
