@@ -12,7 +12,12 @@ import pytest
 
 from omni_prefix_cache.group_view import check_prefix_cache_kv_transfer, stage_prefix_cache_config
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError
-from omni_prefix_cache.kv_connector_gate import STORE_ONLY_KV_CONNECTORS, kv_connector_refusal
+from omni_prefix_cache.kv_connector_gate import (
+    STORE_ONLY_KV_CONNECTORS,
+    TIER_CONNECTOR,
+    TIER_CONNECTOR_MODULE,
+    kv_connector_refusal,
+)
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 LOADING = ("OffloadingConnector", "LMCacheConnectorV1", "NixlConnector", "ExampleConnector", "MyConnector")
@@ -53,6 +58,9 @@ def test_a_connector_that_can_load_is_refused_whatever_its_role(name: str, role:
     assert f"KV connector {name!r} (kv_role={role!r})" in message
     assert "new GPU blocks" in message and "never wrote" in message
     assert "cannot tell locally cached tokens from KV received through a KV connector" in message
+    # The refusal names the way to admit it: the tier wrapper.
+    assert f"kv_connector='{TIER_CONNECTOR}'" in message
+    assert f"kv_connector_module_path='{TIER_CONNECTOR_MODULE}'" in message and "omni_tier_inner" in message
 
 
 @pytest.mark.parametrize("role", ROLES)
@@ -99,3 +107,33 @@ def test_the_connector_refusal_fires_before_the_group_check() -> None:
             is_pooling_model=False,
             speculative_config=None,
         )
+
+
+def tier(
+    role: str | None = "kv_both", module_path: str | None = TIER_CONNECTOR_MODULE, **extra: Any
+) -> SimpleNamespace:
+    inner = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20}}
+    return kv_config(TIER_CONNECTOR, role, module_path=module_path, omni_tier_inner=inner, **extra)
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_the_tier_wrapper_from_its_module_is_admitted_with_any_role_around_a_loading_connector(role: str) -> None:
+    assert kv_connector_refusal(tier(role)) is None
+    assert stage(tier(role)) is not None
+
+
+@pytest.mark.parametrize("module_path", [None, "my_company.connectors", "omni_prefix_cache.tier", "omni_prefix_cache"])
+def test_the_tier_wrappers_name_from_any_other_module_or_the_registry_is_refused(module_path: str | None) -> None:
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=f"'{TIER_CONNECTOR}'"):
+        stage(tier(module_path=module_path))
+
+
+def test_the_tier_module_path_admits_no_other_class_name() -> None:
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="'OffloadingConnector'.*kv_connector_module_path"):
+        stage(kv_config("OffloadingConnector", module_path=TIER_CONNECTOR_MODULE))
+
+
+def test_the_tier_wrapper_nested_in_a_multi_connector_is_refused() -> None:
+    child = {"kv_connector": TIER_CONNECTOR, "kv_connector_module_path": TIER_CONNECTOR_MODULE, "kv_role": "kv_both"}
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="nested in a MultiConnector.*top-level"):
+        stage(kv_config("MultiConnector", connectors=[child]))

@@ -16,7 +16,8 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
 from omni_prefix_cache.group_view import stage_prefix_cache_config
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError
-from omni_prefix_cache.kv_connector_gate import STORE_ONLY_KV_CONNECTORS
+from omni_prefix_cache.kv_connector_gate import STORE_ONLY_KV_CONNECTORS, TIER_CONNECTOR, TIER_CONNECTOR_MODULE
+from omni_prefix_cache.tier.connector import OmniTierConnector
 from omni_prefix_cache.tools.simulate import SimConfig
 from omni_prefix_cache.tools.simulate.vllm_engine import VllmOptions, VllmScheduler
 from omni_prefix_cache.vllm_plugin import ENV_VAR
@@ -92,6 +93,27 @@ def test_a_multi_connector_is_judged_by_its_children(gate) -> None:
     )
     with pytest.raises(OmniPrefixCacheUnmatchError, match="child that can load.*'OffloadingConnector'"):
         gate(mixed)
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_the_tier_wrapper_around_the_offloading_connector_is_admitted_with_every_role(gate, role: str) -> None:
+    """The wrapper caps the loads to what the host tier holds and reports them (tier/connector.py);
+    vLLM's factory loads it from its module path."""
+    inner = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20}}
+    cfg = KVTransferConfig(
+        kv_connector=TIER_CONNECTOR,
+        kv_connector_module_path=TIER_CONNECTOR_MODULE,
+        kv_role=role,
+        kv_connector_extra_config={
+            "omni_tier_inner": inner,
+            "omni_tier_max_bytes": 1 << 20,
+            "omni_tier_bytes_per_token": 256,
+        },
+    )
+    assert gate(cfg) is not None
+    assert KVConnectorFactory.get_connector_class(cfg) is OmniTierConnector
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=f"'{TIER_CONNECTOR}'.*kv_connector_module_path"):
+        gate(KVTransferConfig(kv_connector=TIER_CONNECTOR, kv_connector_module_path="elsewhere.tier", kv_role=role))
 
 
 def test_no_connector_passes(gate) -> None:

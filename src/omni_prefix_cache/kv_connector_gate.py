@@ -14,8 +14,17 @@ admitted only when it is known never to load.
 side never reports loadable tokens (``get_num_new_matched_tokens`` always
 ``0``), checked against vLLM 0.33. A ``MultiConnector`` is admitted when
 every child is. A connector loaded from ``kv_connector_module_path`` is
-someone else's code and is refused, whatever its name. Nothing here
-imports vLLM: the config is read by its attributes.
+someone else's code and is refused, whatever its name.
+
+A loading connector is admitted behind this library's wrapper,
+``OmniTierConnector`` from ``omni_prefix_cache.tier.connector`` (the
+top-level connector, any role, wrapping any connector in its
+``omni_tier_inner``): it caps the loads to the blocks whose rows the host
+tier holds and names every load in the step's metadata, so the worker
+restores those rows into the new blocks. Only at the top level: inside a
+``MultiConnector`` its metadata is nested where the worker does not look,
+so there it is refused. Nothing here imports vLLM: the config is read by
+its attributes.
 """
 
 from __future__ import annotations
@@ -31,6 +40,9 @@ STORE_ONLY_KV_CONNECTORS: Mapping[str, str] = {
 }
 
 _MULTI = "MultiConnector"
+# The wrapper that admits a loading connector (tier/connector.py), and where vLLM loads it from.
+TIER_CONNECTOR = "OmniTierConnector"
+TIER_CONNECTOR_MODULE = "omni_prefix_cache.tier.connector"
 _UNSET = object()
 
 
@@ -38,10 +50,18 @@ def _describe(name: str, role: object) -> str:
     return f"KV connector {name!r} (kv_role={role!r})"
 
 
-def _refusal(name: object, role: object, module_path: object, extra: object) -> str | None:
-    """Why a connector with these settings may load KV (None: it only stores)."""
+def _refusal(name: object, role: object, module_path: object, extra: object, top: bool = True) -> str | None:
+    """Why a connector with these settings may load KV past the mirror (None:
+    it only stores, or it is the tier wrapper at the top level)."""
     if name is None:
         return None
+    if name == TIER_CONNECTOR and module_path == TIER_CONNECTOR_MODULE:
+        if top:
+            return None
+        return (
+            f"{_describe(TIER_CONNECTOR, role)} is nested in a {_MULTI}, where the worker does not find its "
+            f"metadata; make it the top-level connector, wrapping the {_MULTI}"
+        )
     if module_path:
         where = f"kv_connector_module_path={module_path!r}"
         return f"{_describe(str(name), role)} comes from {where}, not known to only store"
@@ -54,6 +74,7 @@ def _refusal(name: object, role: object, module_path: object, extra: object) -> 
                 child.get("kv_role", role),
                 child.get("kv_connector_module_path"),
                 child.get("kv_connector_extra_config", {}),
+                top=False,
             )
             if why is not None:
                 return f"{_describe(_MULTI, role)} has a child that can load: {why}"
@@ -85,7 +106,8 @@ def kv_connector_refusal(kv_transfer_config: Any) -> str | None:
 
 def check_kv_connector(kv_transfer_config: Any) -> None:
     """Raise ``OmniPrefixCacheUnmatchError`` naming the connector unless it
-    only stores KV (see the module doc). Called by the stage gate."""
+    only stores KV or is the tier wrapper (see the module doc). Called by the
+    stage gate."""
     why = kv_connector_refusal(kv_transfer_config)
     if why is None:
         return
@@ -94,5 +116,9 @@ def check_kv_connector(kv_transfer_config: Any) -> None:
         "omni prefix caching cannot tell locally cached tokens from KV received through a KV connector: "
         f"{why}, and a hit it loads lands in new GPU blocks whose rows the mirror never wrote (another "
         f"request's rows would be served as this one's). Connectors known to only store: {allowed}. "
-        "Disable enable_prefix_caching on this stage or run it without the connector"
+        f"To run behind a loading connector, wrap it: kv_connector={TIER_CONNECTOR!r}, "
+        f"kv_connector_module_path={TIER_CONNECTOR_MODULE!r}, kv_connector_extra_config="
+        "{'omni_tier_inner': {<the connector's KVTransferConfig fields>}, 'omni_tier_max_bytes': ..., "
+        "'omni_tier_bytes_per_token': ...} (docs/integration.md). "
+        "Or disable enable_prefix_caching on this stage, or run it without the connector"
     )
