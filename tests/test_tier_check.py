@@ -12,15 +12,14 @@ from omni_prefix_cache.testing.modelcheck.tier_check import check_tier
 
 
 def test_the_tier_world_holds_every_invariant() -> None:
-    result = check_tier(hashes=2, room=1, max_depth=7)
+    result = check_tier(hashes=2, room=1, max_depth=7, raise_violation=True)
     assert result.violation is None, result.report()
     assert result.states > 50
 
 
 def _with_effect(name: str, fn: object) -> object:
-    effects = {e: getattr(store, f"_{e}") for e in store.TIER_MACHINE.spec.effect_names}
-    effects[name] = fn
-    return compile_machine(load_spec("host_tier"), guards={"fits": store._fits}, effects=effects, state_enum=TierState)
+    effects = {**store.TIER_EFFECTS, name: fn}
+    return compile_machine(load_spec("host_tier"), guards=store.TIER_GUARDS, effects=effects, state_enum=TierState)
 
 
 def test_a_release_that_keeps_the_bytes_breaks_bytes_within_bound() -> None:

@@ -34,8 +34,9 @@ ENV_VAR = "OMNI_PREFIX_CACHE_MUTANT"
 GENERATED_TESTS = ("tests/test_protocol_generated.py",)
 # Then, for a mutant they did not kill, the other generated and racing tests.
 OTHER_KILLER_TESTS = (
+    # The host tier's first: the generated machines (-x) would stop a tier mutant at an effect trace.
+    *("tests/test_tier_check.py", "tests/test_host_tier.py"),
     *("tests/test_race_controller.py", "tests/test_generated_specs.py", "tests/test_race_system.py"),
-    "tests/test_host_tier.py",
 )
 KILLER_TESTS = GENERATED_TESTS + OTHER_KILLER_TESTS
 

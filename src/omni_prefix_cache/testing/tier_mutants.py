@@ -29,9 +29,6 @@ def register_tier_mutants(register: Register, set_attr: SetAttr) -> None:
         from omni_prefix_cache.specs import compile_machine, load_spec
         from omni_prefix_cache.specs.types.host_tier import TierState
 
-        effects = {name: getattr(store, f"_{name}") for name in store.TIER_MACHINE.spec.effect_names}
-        effects["drop_rows"] = lambda tier, entry, arg: setattr(entry, "rows", None)
-        leaky = compile_machine(
-            load_spec("host_tier"), guards={"fits": store._fits}, effects=effects, state_enum=TierState
-        )
+        effects = {**store.TIER_EFFECTS, "drop_rows": lambda tier, entry, arg: setattr(entry, "rows", None)}
+        leaky = compile_machine(load_spec("host_tier"), guards=store.TIER_GUARDS, effects=effects, state_enum=TierState)
         set_attr(stack, store, "TIER_MACHINE", leaky)

@@ -87,8 +87,10 @@ def _key(adapter: HostTierAdapter, system: TierSystem, hashes: int) -> tuple[Any
     return tuple(adapter.read_state(system, h) for h in range(hashes)) + flat
 
 
-def check_tier(hashes: int = 3, room: int = 2, max_depth: int = 8) -> TierCheckResult:
-    """Search every state reachable within ``max_depth`` actions; stop at the first invariant broken."""
+def check_tier(hashes: int = 3, room: int = 2, max_depth: int = 8, *, raise_violation: bool = False) -> TierCheckResult:
+    """Search every state reachable within ``max_depth`` actions; stop at the
+    first invariant broken. With ``raise_violation`` the broken invariant
+    raises (an AssertionError naming it, from its own check) instead."""
     adapter = HostTierAdapter(max_entries=room)
     invariants: dict[str, Callable[[Any], None]] = dict(adapter.invariants())
     actions = _actions(hashes)
@@ -106,6 +108,8 @@ def check_tier(hashes: int = 3, room: int = 2, max_depth: int = 8) -> TierCheckR
             try:
                 check(shim)
             except Discrepancy as exc:
+                if raise_violation:
+                    raise AssertionError(f"host tier invariant {name}: {exc}") from exc
                 return f"{name}: {exc}"
         return None
 
