@@ -1,0 +1,158 @@
+"""Rows through the host tier under vLLM 0.33's real scheduler and OffloadingConnector:
+every step's real SchedulerOutput (the wrapper's metadata inside) drives the
+manager, and every request gets exactly its own rows, including one whose KV
+came back from offload into new blocks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from omni_prefix_cache import ModelCachePolicy, PrefixCacheConfig
+from omni_prefix_cache.engine_helper import PrefixCacheEngineHelper
+from omni_prefix_cache.group_view import FullAttentionGroupView, stage_prefix_cache_config
+from omni_prefix_cache.manager import OmniPrefixCacheManager
+from omni_prefix_cache.tools.simulate.vllm_offload import OffloadHarness, OffloadOptions
+
+BS, WIDTH = 16, 4
+A = list(range(1, 4 * BS + 1))
+
+
+def oracle(tokens: list[int], start: int, end: int) -> torch.Tensor:
+    """Position p's row: a function of p and its token (distinct prompts, distinct rows)."""
+    return torch.tensor([[tokens[p] * 1000.0 + p + j / 10 for j in range(WIDTH)] for p in range(start, end)])
+
+
+class Batch:
+    """The slice of vLLM's InputBatch the group view reads."""
+
+    def __init__(self) -> None:
+        self.block_table = [SimpleNamespace(block_size=BS, block_table=SimpleNamespace(cpu=None))]
+        self.set_rows({})
+
+    def set_rows(self, rows: dict[str, tuple[int, list[int]]]) -> None:
+        self.req_ids = list(rows)
+        self.req_id_to_index = {r: i for i, r in enumerate(rows)}
+        self.num_computed_tokens_cpu = torch.tensor([c for c, _ in rows.values()], dtype=torch.int32)
+        width = max([1, *(len(b) for _, b in rows.values())])
+        table = torch.zeros((max(1, len(rows)), width), dtype=torch.int32)
+        for i, (_, blocks) in enumerate(rows.values()):
+            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        self.block_table[0].block_table.cpu = table
+
+
+class Stage:
+    """The library behind the harness: one manager fed each real step."""
+
+    def __init__(self, h: OffloadHarness, eager: bool) -> None:
+        self.h = h
+        vc = h.vllm_config
+        # The stage gate admits the wrapper (a plain OffloadingConnector is refused).
+        cfg = stage_prefix_cache_config(
+            kv_cache_config=h.kv_cache_config,
+            cache_config=vc.cache_config,
+            kv_transfer_config=vc.kv_transfer_config,
+            scheduler_config=vc.scheduler_config,
+            model_config=vc.model_config,
+            is_pooling_model=False,
+            speculative_config=vc.speculative_config,
+        )
+        assert cfg is not None
+        config = PrefixCacheConfig(num_blocks=h.opts.num_blocks, block_size=BS, staging_capacity_tokens=512)
+        self.mgr = OmniPrefixCacheManager(config, eager=eager)
+        self.mgr.register_policy(ModelCachePolicy(needs_full_hidden_states=True))
+        self.batch = Batch()
+        self.cache = PrefixCacheEngineHelper(self.mgr, FullAttentionGroupView(self.batch, block_size=BS), consumer="t")
+        self.tokens: dict[str, list[int]] = {}
+        self.blocks: dict[str, list[int]] = {}
+        self.got: dict[str, torch.Tensor] = {}
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 1) -> None:
+        self.tokens[req_id] = list(prompt)
+        self.h.add_request(req_id, prompt, max_tokens)
+
+    def step(self) -> Any:
+        record = self.h.step()
+        out = record.output
+        starts: dict[str, int] = {}
+        for n in out.scheduled_new_reqs:
+            self.blocks[n.req_id] = list(n.block_ids[0])
+            starts[n.req_id] = int(n.num_computed_tokens)
+        cached = out.scheduled_cached_reqs
+        for rid, c, nb in zip(cached.req_ids, cached.num_computed_tokens, cached.new_block_ids):
+            new = [] if nb is None else list(nb[0])
+            self.blocks[rid] = new if rid in cached.resumed_req_ids else self.blocks[rid] + new
+            starts[rid] = int(c)
+        self.cache.begin_step(out)
+        order = list(out.num_scheduled_tokens)
+        self.batch.set_rows({r: (starts[r], self.blocks[r]) for r in order})
+        if order:
+            rows = torch.cat(
+                [oracle(self.tokens[r], starts[r], starts[r] + n) for r, n in out.num_scheduled_tokens.items()]
+            )
+            k = int(rows.shape[0])
+            saved = self.cache.save(rows, None, num_tokens_unpadded=k, num_tokens_padded=k)
+            self.cache.output_builder(saved, self._build, self._publish)()
+        for rid, tok in record.sampled.items():
+            self.tokens[rid].append(tok)
+        return record
+
+    @staticmethod
+    def _build(view: Any) -> dict[str, torch.Tensor]:
+        return {rid: r.clone() for rid, r in (view.hidden_states or {}).items()}
+
+    def _publish(self, payload: dict[str, torch.Tensor], live: Any) -> None:
+        for rid in live:
+            old = self.got.get(rid)
+            self.got[rid] = payload[rid] if old is None else torch.cat([old, payload[rid]])
+
+    def finish(self, req_id: str, prompt: list[int], max_tokens: int = 1) -> list[Any]:
+        self.add(req_id, prompt, max_tokens)
+        records = []
+        while req_id in self.h.sched.requests:
+            records.append(self.step())
+            assert len(records) < 50
+        return records
+
+    def mismatches(self) -> dict[str, int]:
+        """Rows per request that differ from the oracle (missing rows count too)."""
+        bad: dict[str, int] = {}
+        for rid, got in self.got.items():
+            want = oracle(self.tokens[rid], 0, int(got.shape[0]))
+            n = int((got != want).any(dim=1).sum())
+            if n:
+                bad[rid] = n
+        return bad
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "threaded"])
+def test_a_request_whose_kv_came_back_from_offload_gets_exactly_its_own_rows(v: Any, eager: bool) -> None:
+    h = OffloadHarness(OffloadOptions(block_size=BS), v)
+    stage = Stage(h, eager)
+    try:
+        stage.finish("a", A)
+        pool = h.sched.kv_cache_manager.block_pool
+        hashes = list(
+            h.connector.kv_block_hashes(
+                h.v.Request("probe", A, h.v.SamplingParams(max_tokens=1), None, block_hasher=h._hasher)
+            )
+        )
+        for i in range(1, 6):  # other prompts take every GPU block until A's are evicted
+            stage.finish(f"x{i}", list(range(1000 * i, 1000 * i + 14 * BS)))
+            if all(pool.get_cached_block(x, [0]) is None for x in hashes):
+                break
+        else:
+            raise AssertionError("the GPU prefix cache kept A's blocks")
+        records = stage.finish("a2", [*A, 7, 8, 9], 2)
+        loads = [r.tier.loads["a2"] for r in records if r.tier is not None and "a2" in r.tier.loads]
+        assert loads and loads[0].token_start == 0 and len(loads[0].hashes) == 4
+        tier = stage.mgr._tier_desk.tier
+        assert tier is not None and tier.stats["restored"] == 4 and tier.stats["fills"] >= 4
+        assert int(stage.got["a2"].shape[0]) == len(A) + 3 + 1  # the 4 loaded blocks, 3 computed, 1 decoded
+    finally:
+        stage.mgr.shutdown()
+        h.close()
+    assert stage.mismatches() == {}, f"row oracle: mismatched rows per request {stage.mismatches()}"
