@@ -74,8 +74,8 @@ class Stage:
         self.tokens[req_id] = list(prompt)
         self.h.add_request(req_id, prompt, max_tokens)
 
-    def step(self) -> Any:
-        record = self.h.step()
+    def step(self, fail_loads: Any = ()) -> Any:
+        record = self.h.step(fail_loads)
         out = record.output
         starts: dict[str, int] = {}
         for n in out.scheduled_new_reqs:
@@ -109,9 +109,10 @@ class Stage:
             old = self.got.get(rid)
             self.got[rid] = payload[rid] if old is None else torch.cat([old, payload[rid]])
 
-    def finish(self, req_id: str, prompt: list[int], max_tokens: int = 1) -> list[Any]:
+    def finish(self, req_id: str, prompt: list[int], max_tokens: int = 1, fail_first: Any = ()) -> list[Any]:
+        """Run ``req_id`` to its end (``fail_first``: the first step's failed loads)."""
         self.add(req_id, prompt, max_tokens)
-        records = []
+        records = [self.step(fail_first)]
         while req_id in self.h.sched.requests:
             records.append(self.step())
             assert len(records) < 50
@@ -128,30 +129,51 @@ class Stage:
         return bad
 
 
+SYNC = 1 << 30  # a sync-load budget every load fits
+# scenario -> (OffloadOptions fields, blocks the tier keeps of A's 4, the first step's failed loads,
+#              blocks of A2 restored from the tier)
+SCENARIOS: dict[str, tuple[dict[str, Any], int, Any, int]] = {
+    "async": ({}, 4, (), 4),
+    "sync": ({"sync_load_budget_bytes": SYNC}, 4, (), 4),
+    "partial-async": ({}, 2, (), 2),
+    "partial-sync": ({"sync_load_budget_bytes": SYNC}, 2, (), 2),
+    "failed-async": ({}, 4, {"a2": 2}, 2),  # blocks 2-3 fail: vLLM keeps 0-1, recomputes the rest
+    "failed-sync": ({"sync_load_budget_bytes": SYNC}, 4, {"a2": 1}, 4),  # restored, then recomputed from block 1
+    "small-tier": ({"tier_max_bytes": 6 * BS * 256, "tier_bytes_per_token": 256}, 0, (), 0),  # released: recomputed
+}
+
+
+def _hashes_of(h: OffloadHarness, prompt: list[int]) -> list[bytes]:
+    req = h.v.Request("probe", prompt, h.v.SamplingParams(max_tokens=1), None, block_hasher=h._hasher)
+    return list(h.connector.kv_block_hashes(req))
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "threaded"])
-def test_a_request_whose_kv_came_back_from_offload_gets_exactly_its_own_rows(v: Any, eager: bool) -> None:
-    h = OffloadHarness(OffloadOptions(block_size=BS), v)
+def test_a_request_whose_kv_came_back_from_offload_gets_exactly_its_own_rows(
+    v: Any, eager: bool, scenario: str
+) -> None:
+    opts, kept, fail_first, restored = SCENARIOS[scenario]
+    h = OffloadHarness(OffloadOptions(block_size=BS, **opts), v)
     stage = Stage(h, eager)
     try:
         stage.finish("a", A)
         pool = h.sched.kv_cache_manager.block_pool
-        hashes = list(
-            h.connector.kv_block_hashes(
-                h.v.Request("probe", A, h.v.SamplingParams(max_tokens=1), None, block_hasher=h._hasher)
-            )
-        )
+        hashes = _hashes_of(h, A)
         for i in range(1, 6):  # other prompts take every GPU block until A's are evicted
             stage.finish(f"x{i}", list(range(1000 * i, 1000 * i + 14 * BS)))
             if all(pool.get_cached_block(x, [0]) is None for x in hashes):
                 break
         else:
             raise AssertionError("the GPU prefix cache kept A's blocks")
-        records = stage.finish("a2", [*A, 7, 8, 9], 2)
+        if kept < 4 and scenario != "small-tier":
+            h.connector.index.forget(hashes[kept:])  # the tier holds A's first `kept` blocks only
+        records = stage.finish("a2", [*A, 7, 8, 9], 2, fail_first)
         loads = [r.tier.loads["a2"] for r in records if r.tier is not None and "a2" in r.tier.loads]
-        assert loads and loads[0].token_start == 0 and len(loads[0].hashes) == 4
+        assert [len(x.hashes) for x in loads] == ([restored] if restored else [])
         tier = stage.mgr._tier_desk.tier
-        assert tier is not None and tier.stats["restored"] == 4 and tier.stats["fills"] >= 4
-        assert int(stage.got["a2"].shape[0]) == len(A) + 3 + 1  # the 4 loaded blocks, 3 computed, 1 decoded
+        assert tier is not None and tier.stats["restored"] == restored
+        assert int(stage.got["a2"].shape[0]) == len(A) + 3 + 1  # every position once: 3 computed, 1 decoded
     finally:
         stage.mgr.shutdown()
         h.close()
