@@ -178,20 +178,23 @@ def test_a_load_after_a_local_hit_starts_at_the_local_hit(v) -> None:
     h.close()
 
 
-def test_a_whole_prompt_hit_loads_every_block_and_vllm_recomputes_the_last_token(v) -> None:
-    """A hit covering the whole prompt cannot be sync (vLLM needs a token to compute): it
-    loads async, and vLLM then counts one token less computed (num_tokens - 1)."""
+def test_a_whole_prompt_hit_stops_a_block_short_so_vllm_computes_the_last_block(v) -> None:
+    """A hit covering the whole prompt would leave vLLM one token to recompute and a hit of
+    num_tokens - 1 (not block aligned): the wrapper stops at the last whole block before the
+    last token, as vLLM's own prefix cache does, and vLLM computes that block."""
     h = harness(v, sync_load_budget_bytes=SYNC)
     hashes, _, _ = stored_then_evicted(h)
     h.add_request("a3", A, 2)
-    (job,) = h.step().load_jobs.values()
-    assert not job.sync
     r = h.step()
-    assert scheduled_new(r, "a3").num_computed_tokens == len(A) - 1
-    assert r.output.num_scheduled_tokens["a3"] == 1
+    (job,) = r.load_jobs.values()
+    # The inner chose async for its whole-prompt hit (sync needs a token left to compute).
+    assert not job.sync and len(job.dst_spec.block_ids) == 3
+    r = h.step()
+    assert scheduled_new(r, "a3").num_computed_tokens == len(A) - BS
+    assert r.output.num_scheduled_tokens["a3"] == BS
     assert r.tier is not None
     load = r.tier.loads["a3"]
-    assert load.token_start == 0 and load.hashes == tuple(hashes)  # the load covers the recomputed token's block
+    assert load.token_start == 0 and load.hashes == tuple(hashes[:3])
     h.close()
 
 

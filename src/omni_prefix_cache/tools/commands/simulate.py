@@ -60,6 +60,14 @@ def add_parser(sub: Any) -> None:
         help="scheduler and input batch: the project's look-alikes or vLLM's real ones (needs vLLM: .ci/setup-vllm.sh)",
     )
     p.add_argument(
+        "--kv-offload",
+        action="store_true",
+        help=(
+            "--engine vllm: vLLM's OffloadingConnector (CPU offload) behind the host tier's wrapper, a fake "
+            "worker completing its transfers; hits loaded from offload are served from the tier"
+        ),
+    )
+    p.add_argument(
         "--api",
         choices=["events", "seed"],
         default="events",
@@ -175,7 +183,9 @@ def run(args: argparse.Namespace) -> int:
 
         from omni_prefix_cache.tools.simulate.vllm_events import run_vllm_simulation
 
-        simulate = partial(run_vllm_simulation, api=args.api)
+        from omni_prefix_cache.tools.simulate.vllm_setup import VllmOptions
+
+        simulate = partial(run_vllm_simulation, opts=VllmOptions(kv_offload=args.kv_offload), api=args.api)
     progress = ProgressLine(enabled=progress_enabled(args))
     progress.arrival_steps = args.arrival_steps
     from omni_prefix_cache.telemetry.registry import TELEMETRY

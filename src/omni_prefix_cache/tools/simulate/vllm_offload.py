@@ -25,8 +25,8 @@ from omni_prefix_cache.tools.simulate.engine import SimConfig
 # the load landed before the first failed one.
 FailLoads = Collection[str] | Mapping[str, int]
 
-CONNECTOR_NAME = "OmniTierConnector"
-CONNECTOR_MODULE = "omni_prefix_cache.tier.connector"
+CONNECTOR_NAME = setup.TIER_CONNECTOR_NAME
+CONNECTOR_MODULE = setup.TIER_CONNECTOR_MODULE
 
 
 @dataclass(frozen=True)
@@ -49,26 +49,15 @@ class OffloadOptions:
 
 def kv_transfer_dict(opts: OffloadOptions) -> dict[str, Any]:
     """The ``KVTransferConfig`` fields for ``opts`` (the documented wrapper config)."""
-    inner: dict[str, Any] = {
-        "kv_connector": "OffloadingConnector",
-        "kv_connector_extra_config": {
-            "cpu_bytes_to_use": opts.cpu_bytes,
-            "sync_load_budget_bytes": opts.sync_load_budget_bytes,
-        },
-    }
-    common = {"kv_role": opts.kv_role, "kv_load_failure_policy": opts.kv_load_failure_policy}
-    if not opts.wrap:
-        return {**inner, **common}
-    return {
-        "kv_connector": CONNECTOR_NAME,
-        "kv_connector_module_path": CONNECTOR_MODULE,
-        "kv_connector_extra_config": {
-            "omni_tier_inner": inner,
-            "omni_tier_max_bytes": opts.tier_max_bytes,
-            "omni_tier_bytes_per_token": opts.tier_bytes_per_token,
-        },
-        **common,
-    }
+    return setup.offload_kv_transfer(
+        cpu_bytes=opts.cpu_bytes,
+        sync_load_budget_bytes=opts.sync_load_budget_bytes,
+        tier_max_bytes=opts.tier_max_bytes,
+        tier_bytes_per_token=opts.tier_bytes_per_token,
+        wrap=opts.wrap,
+        kv_role=opts.kv_role,
+        kv_load_failure_policy=opts.kv_load_failure_policy,
+    )
 
 
 @dataclass

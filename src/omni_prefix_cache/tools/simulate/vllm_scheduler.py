@@ -87,6 +87,10 @@ class VllmScheduler:
         self._owner: dict[int, int] = {}  # block id -> incarnation that last got it fresh
         self._capacity = (cfg.num_blocks - 1) * cfg.block_size  # block 0 is vLLM's null block
         self.on_sampled: Callable[[dict[str, int]], None] | None = None  # the runner's bookkeeping
+        # vLLM 0.33's OffloadingConnector loses an id's state when the id is added again before the
+        # connector's metadata reported its finish (KeyError in _update_req_states/_build_store_jobs):
+        # behind it, a retry or a follow-up under the same id comes two steps later.
+        self._id_reuse_gap = 2 if opts.kv_offload else 0
 
     def close(self) -> None:
         self._model_dir.cleanup()
@@ -134,7 +138,7 @@ class VllmScheduler:
         self._later.append(
             RequestSpec(
                 req_id=req.req_id if f.reuse_id else f"{req.req_id}.2",
-                arrival_step=step + 1 + f.delay,
+                arrival_step=step + 1 + f.delay + (self._id_reuse_gap if f.reuse_id else 0),
                 segments=(tuple(req.vreq.all_token_ids) + f.extra,),
                 max_output=f.max_output,
             )
@@ -147,7 +151,8 @@ class VllmScheduler:
         if resubmit:
             # The client retries at once under the same id: in this step's output the id is both
             # finished and (once admitted) new, and the retry hits the blocks the abort just freed.
-            self._retries.append(RequestSpec(req.req_id, step, (req.spec.prompt,), req.spec.max_output))
+            retry = RequestSpec(req.req_id, step + self._id_reuse_gap, (req.spec.prompt,), req.spec.max_output)
+            (self._later if self._id_reuse_gap else self._retries).append(retry)
             self.stats.abort_resubmits += 1
 
     def abort_all(self, step: int) -> None:
@@ -264,6 +269,8 @@ class VllmScheduler:
             req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in ids],
         )
+        if self.opts.kv_offload:  # the fake worker completes the connector's transfer jobs
+            out.kv_connector_output = setup.offload_worker_output(plan.output)
         for e in plan.entries:
             if e.start >= e.req.vreq.num_prompt_tokens:
                 self.stats.decode_tokens += e.n

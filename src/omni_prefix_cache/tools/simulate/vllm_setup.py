@@ -83,6 +83,13 @@ class VllmOptions:
     # The decode-first batch reorder some attention backends ask for (``_may_reorder_batch``).
     reorder_threshold: int | None = 1
     vocab: int = 32000
+    # vLLM's OffloadingConnector (CPU offload) behind the host tier's wrapper, and a fake worker that
+    # completes its transfer jobs (docs/integration.md, "Behind a KV connector").
+    kv_offload: bool = False
+    offload_cpu_bytes: int = 1 << 22
+    sync_load_budget_bytes: int = 0  # > 0: loads that fit are sync
+    tier_max_bytes: int = 1 << 20
+    tier_bytes_per_token: int = 256
 
 
 # ------------------------------------------------------------ builders
@@ -107,7 +114,78 @@ def vllm_config(v: SimpleNamespace, cfg: SimConfig, opts: VllmOptions, model_dir
         # Priority only to let a client's retry jump the queue (VllmScheduler's abort); all else is 0, FCFS.
         policy="priority",
     )
-    return v.VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched)
+    if not opts.kv_offload:
+        return v.VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched)
+    from vllm.config import KVEventsConfig, KVTransferConfig  # type: ignore[import-not-found]
+
+    transfer = offload_kv_transfer(
+        cpu_bytes=opts.offload_cpu_bytes,
+        sync_load_budget_bytes=opts.sync_load_budget_bytes,
+        tier_max_bytes=opts.tier_max_bytes,
+        tier_bytes_per_token=opts.tier_bytes_per_token,
+    )
+    return v.VllmConfig(
+        model_config=model,
+        cache_config=cache,
+        scheduler_config=sched,
+        kv_transfer_config=KVTransferConfig(**transfer),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+    )
+
+
+TIER_CONNECTOR_NAME = "OmniTierConnector"
+TIER_CONNECTOR_MODULE = "omni_prefix_cache.tier.connector"
+
+
+def offload_kv_transfer(
+    *,
+    cpu_bytes: int,
+    sync_load_budget_bytes: int,
+    tier_max_bytes: int,
+    tier_bytes_per_token: int,
+    wrap: bool = True,
+    kv_role: str = "kv_both",
+    kv_load_failure_policy: str = "recompute",
+) -> dict[str, Any]:
+    """The ``KVTransferConfig`` fields of an OffloadingConnector (CPU offload), wrapped
+    by the host tier's connector unless ``wrap`` is False (the documented config)."""
+    inner: dict[str, Any] = {
+        "kv_connector": "OffloadingConnector",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes, "sync_load_budget_bytes": sync_load_budget_bytes},
+    }
+    common = {"kv_role": kv_role, "kv_load_failure_policy": kv_load_failure_policy}
+    if not wrap:
+        return {**inner, **common}
+    return {
+        "kv_connector": TIER_CONNECTOR_NAME,
+        "kv_connector_module_path": TIER_CONNECTOR_MODULE,
+        "kv_connector_extra_config": {
+            "omni_tier_inner": inner,
+            "omni_tier_max_bytes": tier_max_bytes,
+            "omni_tier_bytes_per_token": tier_bytes_per_token,
+        },
+        **common,
+    }
+
+
+def offload_worker_output(scheduler_output: Any) -> Any:
+    """A fake worker's ``KVConnectorOutput`` for a step of the wrapped OffloadingConnector:
+    every load and store job of the step completes (an async load is received now)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # type: ignore[import-not-found]
+        OffloadingWorkerMetadata,
+    )
+    from vllm.v1.outputs import KVConnectorOutput  # type: ignore[import-not-found]
+
+    meta = scheduler_output.kv_connector_metadata
+    inner = getattr(meta, "inner", meta)
+    loads = dict(getattr(inner, "load_jobs", {}) or {})
+    stores = dict(getattr(inner, "store_jobs", {}) or {})
+    completed = dict.fromkeys([*loads, *stores], 1)
+    recving = {job.req_id for job in loads.values() if not job.sync}
+    return KVConnectorOutput(
+        finished_recving=recving or None,
+        kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=completed),
+    )
 
 
 def kv_cache_config(v: SimpleNamespace, cfg: SimConfig) -> Any:
