@@ -92,6 +92,25 @@ def test_workload_on_real_scheduler(mode: str, seed: int, opts: VllmOptions, api
         _check_events(res, replay)
 
 
+OFFLOAD = [("eager", 0), ("threaded", 0), ("threaded", 1)]
+
+
+@pytest.mark.parametrize(("mode", "seed"), OFFLOAD, ids=[f"{m}-seed{s}" for m, s in OFFLOAD])
+def test_workload_behind_kv_offload(mode: str, seed: int, v, run_lines: list[str]) -> None:
+    """The workload behind vLLM's OffloadingConnector and the host tier's wrapper: hits loaded
+    from offload into new blocks (and later local hits on those blocks) get exactly their own rows.
+    (Seed 0 threaded once lost a load vLLM allocated in the step that preempted its request.)"""
+    res = run_vllm_simulation(SimConfig(seed=seed, eager=mode == "eager"), VllmOptions(kv_offload=True))
+    run_lines.append(_line(res, seed) + " (kv offload)")
+    replay = f"replay: .venv-vllm/bin/omni-prefix-cache simulate --engine vllm --kv-offload --{mode} --seed {seed}"
+    _check(res, replay)
+    tier = {k: v for k, v in res.manager_stats.items() if k.startswith("host_tier_")}
+    assert tier["host_tier_restored"] > 0 and tier["host_tier_filled"] > 0, (
+        f"no load served from the tier {tier}\n{replay}"
+    )
+    assert tier["host_tier_lost"] == 0, f"{tier}\n{replay}"
+
+
 def _check_events(res: VllmSimResult, replay: str) -> None:
     """What the event API must have exercised on the real scheduler."""
     ev, st = res.events, res.scheduler

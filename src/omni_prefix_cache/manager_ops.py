@@ -309,8 +309,10 @@ class FacadeOps:
             "escalate_detached": self._escalate_detached,
             "plan_hits": self._plan_hits,
             "replan_same_step_hits": self._replan_same_step_hits,
-            "apply_tier": lambda c: setattr(c, "restores", tier.apply(c.given.tier, c.candidates)),
-            "join_for_tier": lambda c: tier.join_for_loads(self._ledger.previous_step_writes + c.escalate),
+            "apply_tier": lambda c: setattr(c, "restores", tier.apply(c.given.tier, c.candidates, c.given.events)),
+            "join_for_tier": lambda c: tier.join_for_loads(
+                (self._ledger.previous_step_writes if c.given.tier and c.given.tier.loads else []) + c.escalate
+            ),
             "fill_reused_blocks": lambda c: tier.fill_reused(c.slots),
             "record_saved": self._record_saved,
             "merge_outputs": self._merge_outputs,
@@ -320,6 +322,7 @@ class FacadeOps:
         }
         guards: dict[str, Pred] = {"replayed_step": lambda call: self._requests.replayed(call.given.sequence)}
         guards["tier_loads"] = lambda call: call.given.tier is not None and bool(call.given.tier.loads)
+        guards["tier_joins"] = lambda call: guards["tier_loads"](call) or (tier.active and bool(call.escalate))
 
         def make(op: OperationSpec) -> FacadeOp:
             return FacadeOp(compile_operation(op, binding, effects, guards), tuple(s.lock for s in op.segments))

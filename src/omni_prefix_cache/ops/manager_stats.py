@@ -11,6 +11,7 @@ from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.controller import OmniPrefixCacheController
 from omni_prefix_cache.interface import ReqId, StepId
 from omni_prefix_cache.ops.stats import MANAGER_COUNTERS, CacheStats
+from omni_prefix_cache.reads.tier_fill import TierDesk
 from omni_prefix_cache.requests.lifecycle import RequestTable
 from omni_prefix_cache.steps.step_context import StepContext
 from omni_prefix_cache.steps.write_ledger import WriteLedger
@@ -28,6 +29,7 @@ class ManagerStats:
     _pool: PrefixBlockPool
     _controller: OmniPrefixCacheController
     _requests: RequestTable
+    _tier_desk: TierDesk
 
     def stats(self) -> dict[str, Any]:
         """Metrics an operator would export, as a dict (any thread; takes the
@@ -58,6 +60,7 @@ class ManagerStats:
             out["sticky_failure"] = self._ledger.failure is not None
             out["delivery_consumers"] = len(self._requests.consumers)
             out["delivery_consumers_forgotten"] = self._requests.consumers_forgotten
+            out.update(self._tier_desk.stats())
         key_bytes = self._pool.key_nbytes()
         out["pool_host_bytes"] = sum(key_bytes.values())  # unpinned
         out.update(self._controller.stats())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -103,6 +104,11 @@ def _failed(error: BaseException) -> Future[Rows]:
     return fut
 
 
+TIER_STAT_KEYS = (
+    *("host_tier_entries", "host_tier_held_bytes", "host_tier_bound", "host_tier_fills", "host_tier_filled"),
+    *("host_tier_lost", "host_tier_restored", "host_tier_released"),
+)
+
 # A restore a step's tier loads asked for: (request, block hash, target block).
 Restore = tuple[str, BlockHash, int]
 
@@ -137,24 +143,46 @@ class TierDesk:
             self.tier = HostTier(self._fill, max_bytes=bound, fill_timeout_s=self._timeout)
         return self.tier
 
+    def stats(self) -> dict[str, int]:
+        """The host tier's operator figures (state lock held): entries held,
+        their bytes, and its move counts since the manager started."""
+        tier = self.tier
+        if tier is None:
+            return dict.fromkeys(TIER_STAT_KEYS, 0)
+        out = {"host_tier_entries": len(tier.entries), "host_tier_held_bytes": tier.held_bytes}
+        out.update((f"host_tier_{name}", n) for name, n in tier.stats.items())
+        return out
+
+    @property
+    def active(self) -> bool:
+        """The tier holds an entry (a bound block's rows may still be on their way to the pool)."""
+        return self.tier is not None and bool(self.tier.entries)
+
     def join_for_loads(self, tids: list[int]) -> None:
-        """Protocol effect ``join_for_tier`` (no lock): a step that restores
-        blocks first waits for the writes that may still land on them (the
-        previous step's and the just-escalated ones), so no old write lands
-        over a restored row."""
+        """Protocol effect ``join_for_tier`` (no lock): wait for the writes
+        that may still land on blocks the tier binds or restores (see
+        spec/protocol.yaml), so a bound block's rows are in the pool before
+        its reuse and no old write lands over a restored row."""
         if tids:
             self._join(tids)
 
     def apply(
-        self, meta: TierStepMetadata | None, candidates: Sequence[tuple[str, int, int, list[int]]]
+        self,
+        meta: TierStepMetadata | None,
+        candidates: Sequence[tuple[str, int, int, list[int]]],
+        events: Sequence[Any] = (),
     ) -> list[Restore]:
         """Protocol effect ``apply_tier``: release, bind, then the loads'
         restores (returned, for the ``restore_tenancy`` coupling): each
         target block's bound entry starts its fill first (its slots are
         about to change tenant). Only blocks inside the request's hit this
-        step are restored. Raises the invalid-argument error for a load not
-        block aligned, and OmniPrefixCacheUnmatchError (``HostTier.restore``)
-        when the tier lacks a loaded hash."""
+        step are restored: the hits the step's events installed, and any
+        other event of the step naming the request's computed tokens and
+        blocks (a resume whose rows no consumer still needs: its blocks must
+        hold their hashes' rows for the next local hit on them). Raises the
+        invalid-argument error for a load not block aligned, and
+        OmniPrefixCacheUnmatchError (``HostTier.restore``) when the tier lacks
+        a loaded hash."""
         if meta is None or meta.empty:
             if self.tier is not None:
                 self.tier.settle()
@@ -167,7 +195,11 @@ class TierDesk:
         if not meta.loads:
             return []
         bs = self._block_size
-        hits = {rid: (end, blocks) for rid, _, end, blocks in candidates}
+        hits: dict[str, tuple[int, Sequence[int]]] = {}
+        for e in events:  # what vLLM counts computed, and the blocks, of each request the step names
+            if e.req_id in meta.loads and e.hit_end > 0 and e.block_ids:
+                hits[e.req_id] = (int(e.hit_end), e.block_ids[0])
+        hits.update((rid, (end, blocks)) for rid, _, end, blocks in candidates)
         restores: list[Restore] = []
         for rid, load in meta.loads.items():
             if load.token_start % bs or load.token_start < 0:

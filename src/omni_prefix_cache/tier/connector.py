@@ -106,6 +106,7 @@ def _define() -> dict[str, Any]:  # noqa: C901
             self._matched: dict[str, int] = {}
             # Loads allocated but not yet reported to the worker (their request not scheduled yet).
             self._pending: dict[str, TierLoad] = {}
+            self._allocated_now: set[str] = set()  # loads allocated in the step being scheduled
             # ExternalBlockHash -> tier hash, where vLLM's events carry a converted hash (int block hashes).
             self._external: dict[object, BlockHash] = {}
 
@@ -177,6 +178,7 @@ def _define() -> dict[str, Any]:  # noqa: C901
             hashes = tuple(self.kv_block_hashes(request)[first : first + num_external_tokens // self.block_size])
             self.index.pin(req_id, hashes)
             self._pending[req_id] = TierLoad(req_id, token_start, hashes)
+            self._allocated_now.add(req_id)
 
         def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OmniTierConnectorMetadata:
             """The inner's metadata and this step's tier updates: release and bind
@@ -185,13 +187,16 @@ def _define() -> dict[str, Any]:  # noqa: C901
             cached = scheduler_output.scheduled_cached_reqs
             scheduled = {r.req_id for r in scheduler_output.scheduled_new_reqs}
             scheduled.update(getattr(cached, "resumed_req_ids", ()) or ())
-            # A request preempted since the last step and not resumed in this one
-            # loses its blocks: a load still pending for it is void. (One resumed
-            # in this step was allocated, and its load recorded, after the
-            # preemption.) vLLM 0.33 never preempts a request waiting for its load,
-            # so this is a guard.
-            for req_id in set(scheduler_output.preempted_req_ids or ()) - scheduled:
+            # A request preempted since the last step loses its blocks: a load
+            # pending from an earlier step is void. A load allocated in this very
+            # step is newer than the preemption (schedule() preempts running
+            # requests before it admits waiting ones: a request preempted and
+            # readmitted with an async load in one step is scheduled, resumed,
+            # in a later one). vLLM 0.33 never preempts a request waiting for its
+            # load, so the drop is a guard.
+            for req_id in set(scheduler_output.preempted_req_ids or ()) - scheduled - self._allocated_now:
                 self._drop_pending(req_id)
+            self._allocated_now.clear()
             loads = {req_id: load for req_id, load in self._pending.items() if req_id in scheduled}
             # Drained before the unpins: an entry they let go is released next step,
             # after the worker restored this step's loads from it.

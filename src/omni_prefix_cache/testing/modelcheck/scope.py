@@ -144,11 +144,11 @@ WRITE_SCOPE = Scope(
             *("rows_planned", "rows_fetched"),
         }
     ),
-    assumed={"over_budget": False, "eager": False, "replayed_step": False, "tier_loads": False},
+    assumed={"over_budget": False, "eager": False, "replayed_step": False, "tier_loads": False, "tier_joins": False},
     left_out={
         "apply_tier": "the host tier is checked by its own spec's generated machine and the tier model check",
         "fill_reused_blocks": "the host tier is checked by its own spec's generated machine and the tier model check",
-        "join_for_tier": "tier_loads is false here: a step restores no block",
+        "join_for_tier": "tier_joins is false here: the tier holds nothing",
         "slot.restore_tenancy": "tier_loads is false here: a step restores no block",
         "replan_same_step_hits": "hits on the step's own writes are not modelled",
         "flush_oldest": "budget flushes are left out (over_budget is false; escalate covers the flush's escalate)",
@@ -187,11 +187,17 @@ LIFE_SCOPE = Scope(
         }
     ),
     # A refused plan or a failed fetch is the write model's; here every planned hit is served.
-    assumed={"replayed_step": False, "rows_planned": True, "rows_fetched": True, "tier_loads": False},
+    assumed={
+        "replayed_step": False,
+        "rows_planned": True,
+        "rows_fetched": True,
+        "tier_loads": False,
+        "tier_joins": False,
+    },
     left_out={
         "apply_tier": "the host tier is checked by its own spec's generated machine and the tier model check",
         "fill_reused_blocks": "the host tier is checked by its own spec's generated machine and the tier model check",
-        "join_for_tier": "tier_loads is false here: a step restores no block",
+        "join_for_tier": "tier_joins is false here: the tier holds nothing",
         "slot.restore_tenancy": "tier_loads is false here: a step restores no block",
         "validate_events": "the environment sends only events the adapter's rules allow",
         "escalate_detached": "writes are saved positions here: a detached write has landed",

@@ -182,7 +182,6 @@ def run(args: argparse.Namespace) -> int:
         from functools import partial
 
         from omni_prefix_cache.tools.simulate.vllm_events import run_vllm_simulation
-
         from omni_prefix_cache.tools.simulate.vllm_setup import VllmOptions
 
         simulate = partial(run_vllm_simulation, opts=VllmOptions(kv_offload=args.kv_offload), api=args.api)
