@@ -183,6 +183,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
             steps=self._step_ctxs,
             requests=self._requests,
             state_lock=self._state_lock,
+            tier_desk=self._tier_desk,
         )
 
     def register_policy(self, policy: ModelCachePolicy) -> None:
@@ -213,10 +214,9 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         the writes of finished, aborted and retired tenures, registers the
         hits the events installed (a RESUMED hit recovers from the slowest
         consumer's watermark) and starts gathering them on the prefetch thread.
-        ``kv_tier`` (or the step's own: ``PrefixCacheStep.tier``, a scheduler
-        output's ``kv_connector_metadata``) is the host tier's metadata: blocks
-        a KV connector loaded get their rows back before the hits are read
-        (docs/integration.md, "Behind a KV connector").
+        ``kv_tier`` (else the step's own ``tier`` or ``kv_connector_metadata``):
+        the host tier's metadata; blocks a KV connector loaded get their rows
+        back before the hits are read (docs/integration.md).
 
         Validate, then mutate: a bad argument (a bad id or count, a hit not
         block aligned or without group-0 block ids, an owner change without

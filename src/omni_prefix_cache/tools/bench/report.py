@@ -7,6 +7,7 @@ from __future__ import annotations
 from omni_prefix_cache.tools.bench.pool_write import PoolWriteTiming, pool_write_lines
 from omni_prefix_cache.tools.bench.results import STEP_SIDE, BenchReport, ScenarioResult
 from omni_prefix_cache.tools.bench.sides import scrape_lines, side_by_side_lines
+from omni_prefix_cache.tools.bench.tier_fill import TierFillTiming, tier_fill_lines
 from omni_prefix_cache.tools.bench.wake_probe import WakeProbe, wake_probe_lines
 
 
@@ -76,6 +77,8 @@ def format_report(rep: BenchReport) -> str:
         lines += _sweep_lines(rep, "threaded", rep.sweep_threaded)
     if rep.pool_write:
         lines += pool_write_lines([PoolWriteTiming(**t) for t in rep.pool_write])
+    if rep.tier_fill is not None:
+        lines += ["", *tier_fill_lines(TierFillTiming(**rep.tier_fill))]
     if rep.wake_probe is not None:
         lines += wake_probe_lines(WakeProbe(**rep.wake_probe))
     if rep.vllm_step_us or rep.vllm_step_note:

@@ -259,6 +259,8 @@ class BenchReport:
     report_verdicts: list[TargetVerdict] = field(default_factory=list)
     # The pool write's row and block paths timed alone (``pool_write.PoolWriteTiming.to_dict``).
     pool_write: list[dict[str, Any]] = field(default_factory=list)
+    # The host tier's fill at reuse and restore (``tier_fill.TierFillTiming.to_dict``; None: not run).
+    tier_fill: dict[str, Any] | None = None
     warm_pool: bool = False  # ``--warm-pool``: the scenarios ran on pre-written pools
     # The machine's wake cost (``wake_probe.WakeProbe.to_dict``; None: not run).
     wake_probe: dict[str, Any] | None = None
@@ -356,6 +358,7 @@ class BenchReport:
             "sweep_cpu_fits": self.sweep_cpu_fits,
             "report_targets": [asdict(v) for v in self.report_verdicts],
             "pool_write": self.pool_write,
+            "tier_fill": self.tier_fill,
             "warm_pool": self.warm_pool,
             "wake_probe": self.wake_probe,
             "vllm_step_us": self.vllm_step_us,

@@ -32,6 +32,7 @@ from omni_prefix_cache.tools.bench.results import (
 from omni_prefix_cache.tools.bench.scenarios import MODES, SCENARIOS, Scenario, decode_scenario
 from omni_prefix_cache.tools.bench.sides import METRICS_CHOICES, run_pair, run_scrape_pair, with_metrics
 from omni_prefix_cache.tools.bench.sweep import SWEEP_SIZES, spread
+from omni_prefix_cache.tools.bench.tier_fill import time_tier_fill
 from omni_prefix_cache.tools.bench.vllm_step import DEFAULT_VENV_PYTHON, scheduler_step_us
 from omni_prefix_cache.tools.bench.wake_probe import probe_wake
 
@@ -103,7 +104,8 @@ def run_bench(
     in each of ``modes``. ``baseline``: a bench ``--json`` report to compare with.
     ``warm``: every run's pool slabs are written once before its first step
     (``measure.warm_pool``). ``pool_write``: also time the pool write's
-    paths alone (``pool_write.time_pool_writes``, a fraction of a second).
+    paths alone (``pool_write.time_pool_writes``, a fraction of a second)
+    and the host tier's fill and restore (``tier_fill.time_tier_fill``, ~2 s).
     ``wake_probe``: also measure what waking an idle thread once a step
     costs the engine thread here (``wake_probe.probe_wake``, a few seconds).
     ``vllm_python``: a vLLM venv's interpreter; with the sweep, vLLM's own
@@ -196,6 +198,7 @@ def run_bench(
         scrape_pairs=scrape_pairs,
         sweep_threaded=sweeps.get("threaded", []),
         pool_write=[t.to_dict() for t in time_pool_writes()] if pool_write else [],
+        tier_fill=time_tier_fill().to_dict() if pool_write else None,
         warm_pool=warm,
         wake_probe=probe_wake().to_dict() if wake_probe else None,
         vllm_step_us=vllm_step,
