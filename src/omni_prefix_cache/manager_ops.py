@@ -310,9 +310,7 @@ class FacadeOps:
             "plan_hits": self._plan_hits,
             "replan_same_step_hits": self._replan_same_step_hits,
             "apply_tier": lambda c: setattr(c, "restores", tier.apply(c.given.tier, c.candidates, c.given.events)),
-            "join_for_tier": lambda c: tier.join_for_loads(
-                (self._ledger.previous_step_writes if c.given.tier and c.given.tier.loads else []) + c.escalate
-            ),
+            "join_for_tier": lambda c: tier.join_for_loads(c.given.tier, self._ledger.previous_step_writes, c.escalate),
             "fill_reused_blocks": lambda c: tier.fill_reused(c.slots),
             "record_saved": self._record_saved,
             "merge_outputs": self._merge_outputs,

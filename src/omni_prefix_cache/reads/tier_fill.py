@@ -158,11 +158,13 @@ class TierDesk:
         """The tier holds an entry (a bound block's rows may still be on their way to the pool)."""
         return self.tier is not None and bool(self.tier.entries)
 
-    def join_for_loads(self, tids: list[int]) -> None:
+    def join_for_loads(self, meta: TierStepMetadata | None, previous: list[int], escalated: list[int]) -> None:
         """Protocol effect ``join_for_tier`` (no lock): wait for the writes
         that may still land on blocks the tier binds or restores (see
-        spec/protocol.yaml), so a bound block's rows are in the pool before
-        its reuse and no old write lands over a restored row."""
+        spec/protocol.yaml): the ones just ``escalated`` and, when the step
+        restores, the ``previous`` step's. A bound block's rows are then in the
+        pool before its reuse, and no old write lands over a restored row."""
+        tids = (previous if meta is not None and meta.loads else []) + escalated
         if tids:
             self._join(tids)
 
