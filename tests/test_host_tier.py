@@ -21,6 +21,7 @@ from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError
 from omni_prefix_cache.manager import OmniPrefixCacheManager
 from omni_prefix_cache.specs.types.host_tier import TierState
 from omni_prefix_cache.tier.metadata import TierBind, TierLoad, TierStepMetadata
+from omni_prefix_cache.tools.simulate.batch import SimInputBatch
 
 BS, HIDDEN = 4, 8
 
@@ -40,20 +41,15 @@ class SchedulerOutput:
     kv_connector_metadata: Any = None
 
 
-class InputBatch:
+class InputBatch(SimInputBatch):
+    """The slice of vLLM's InputBatch the group view reads (the simulation's), set per step."""
+
     def __init__(self) -> None:
-        self.block_table = [SimpleNamespace(block_size=BS, block_table=SimpleNamespace(cpu=None))]
-        self.set_rows({})
+        super().__init__(BS)
 
     def set_rows(self, rows: dict[str, tuple[int, list[int]]]) -> None:
-        self.req_ids = list(rows)
-        self.req_id_to_index = {r: i for i, r in enumerate(rows)}
-        self.num_computed_tokens_cpu = torch.tensor([c for c, _ in rows.values()], dtype=torch.int32)
-        width = max([1, *(len(b) for _, b in rows.values())])
-        table = torch.zeros((max(1, len(rows)), width), dtype=torch.int32)
-        for i, (_, blocks) in enumerate(rows.values()):
-            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        self.block_table[0].block_table.cpu = table
+        """``rows``: request -> (computed tokens, block ids), in batch order."""
+        self.set_step(list(rows), {r: b for r, (_, b) in rows.items()}, {r: c for r, (c, _) in rows.items()})
 
 
 def forward(tokens: list[int], start: int) -> torch.Tensor:

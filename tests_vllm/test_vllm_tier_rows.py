@@ -5,7 +5,6 @@ came back from offload into new blocks."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,6 +14,7 @@ from omni_prefix_cache import ModelCachePolicy, PrefixCacheConfig
 from omni_prefix_cache.engine_helper import PrefixCacheEngineHelper
 from omni_prefix_cache.group_view import FullAttentionGroupView, stage_prefix_cache_config
 from omni_prefix_cache.manager import OmniPrefixCacheManager
+from omni_prefix_cache.tools.simulate.batch import SimInputBatch
 from omni_prefix_cache.tools.simulate.vllm_offload import OffloadHarness, OffloadOptions
 
 BS, WIDTH = 16, 4
@@ -26,22 +26,15 @@ def oracle(tokens: list[int], start: int, end: int) -> torch.Tensor:
     return torch.tensor([[tokens[p] * 1000.0 + p + j / 10 for j in range(WIDTH)] for p in range(start, end)])
 
 
-class Batch:
-    """The slice of vLLM's InputBatch the group view reads."""
+class Batch(SimInputBatch):
+    """The slice of vLLM's InputBatch the group view reads (the simulation's), set per step."""
 
     def __init__(self) -> None:
-        self.block_table = [SimpleNamespace(block_size=BS, block_table=SimpleNamespace(cpu=None))]
-        self.set_rows({})
+        super().__init__(BS)
 
     def set_rows(self, rows: dict[str, tuple[int, list[int]]]) -> None:
-        self.req_ids = list(rows)
-        self.req_id_to_index = {r: i for i, r in enumerate(rows)}
-        self.num_computed_tokens_cpu = torch.tensor([c for c, _ in rows.values()], dtype=torch.int32)
-        width = max([1, *(len(b) for _, b in rows.values())])
-        table = torch.zeros((max(1, len(rows)), width), dtype=torch.int32)
-        for i, (_, blocks) in enumerate(rows.values()):
-            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        self.block_table[0].block_table.cpu = table
+        """``rows``: request -> (computed tokens, block ids), in batch order."""
+        self.set_step(list(rows), {r: b for r, (_, b) in rows.items()}, {r: c for r, (c, _) in rows.items()})
 
 
 class Stage:

@@ -26,6 +26,7 @@ import torch
 
 from omni_prefix_cache.interface import ModelCachePolicy, PrefixCacheConfig
 from omni_prefix_cache.tier.metadata import TierBind, TierLoad, TierStepMetadata
+from omni_prefix_cache.tools.simulate.batch import SimInputBatch
 
 BS, BLOCKS, WIDTH, REPEATS = 16, 32, 1024, 7
 
@@ -47,22 +48,6 @@ class TierFillTiming:
 
 def _hash(i: int) -> bytes:
     return i.to_bytes(8, "little") * 2
-
-
-class _Batch:
-    def __init__(self) -> None:
-        self.block_table = [SimpleNamespace(block_size=BS, block_table=SimpleNamespace(cpu=None))]
-        self.rows({})
-
-    def rows(self, rows: dict[str, tuple[int, list[int]]]) -> None:
-        self.req_ids = list(rows)
-        self.req_id_to_index = {r: i for i, r in enumerate(rows)}
-        self.num_computed_tokens_cpu = torch.tensor([c for c, _ in rows.values()], dtype=torch.int32)
-        width = max([1, *(len(b) for _, b in rows.values())])
-        table = torch.zeros((max(1, len(rows)), width), dtype=torch.int32)
-        for i, (_, blocks) in enumerate(rows.values()):
-            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        self.block_table[0].block_table.cpu = table
 
 
 def _step(
@@ -90,17 +75,17 @@ def _one(bound: bool) -> tuple[float, float, float]:
     config = PrefixCacheConfig(num_blocks=4 * BLOCKS + 2, block_size=BS, staging_capacity_tokens=n)
     mgr = OmniPrefixCacheManager(config, eager=True)
     mgr.register_policy(ModelCachePolicy(needs_full_hidden_states=True))
-    batch = _Batch()
+    batch = SimInputBatch(BS)
     helper = PrefixCacheEngineHelper(mgr, FullAttentionGroupView(cast(Any, batch), block_size=BS), consumer="t")
     rows = torch.randn(n, WIDTH)
     first, other, target = list(range(BLOCKS)), list(range(BLOCKS, 2 * BLOCKS)), list(range(2 * BLOCKS, 3 * BLOCKS))
     try:
         helper.begin_step(_step("a", 0, first, n, set(), None))
-        batch.rows({"a": (0, first)})
+        batch.set_step(["a"], {"a": first}, {"a": 0})
         mgr.discard_step(_saved(helper.save(rows, None, num_tokens_unpadded=n, num_tokens_padded=n)))
         binds = TierStepMetadata(bind=tuple(TierBind(_hash(i), b) for i, b in enumerate(first)))
         helper.begin_step(_step("c", 0, first if bound else other, n, {"a"}, binds))
-        batch.rows({"c": (0, first if bound else other)})
+        batch.set_step(["c"], {"c": first if bound else other}, {"c": 0})
         t0 = time.perf_counter()
         sid = helper.save(rows, None, num_tokens_unpadded=n, num_tokens_padded=n)
         save_us = (time.perf_counter() - t0) * 1e6
