@@ -24,6 +24,7 @@ class Mutant:
     name: str
     bug: str  # what goes wrong, in one line
     patch: Callable[[contextlib.ExitStack], None]
+    outside: str = ""  # why the composition's generated tests cannot reach it ("": they must)
 
 
 MUTANTS: dict[str, Mutant] = {}
@@ -33,10 +34,10 @@ CANDIDATES: dict[str, Mutant] = {}
 
 
 def _register(
-    name: str, bug: str, *, candidate: bool = False
+    name: str, bug: str, *, candidate: bool = False, outside: str = ""
 ) -> Callable[[Callable[[contextlib.ExitStack], None]], Callable[..., None]]:
     def deco(fn: Callable[[contextlib.ExitStack], None]) -> Callable[..., None]:
-        (CANDIDATES if candidate else MUTANTS)[name] = Mutant(name, bug, fn)
+        (CANDIDATES if candidate else MUTANTS)[name] = Mutant(name, bug, fn, outside)
         return fn
 
     return deco
@@ -576,8 +577,7 @@ def _view_acknowledged_twice(stack: contextlib.ExitStack) -> None:
     _before_record(stack, lambda record, view: setattr(record, "spent", False))
 
 
-# The host tier's (testing.tier_mutants): registered through _register, so that module imports nothing here.
-register_tier_mutants(_register, _set)
+register_tier_mutants(_register, _set)  # the host tier's (that module imports nothing of this one)
 
 
 # ------------------------------------------------------------------ applying

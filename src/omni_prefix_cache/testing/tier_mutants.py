@@ -8,14 +8,20 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-Register = Callable[[str, str], Callable[[Callable[[contextlib.ExitStack], None]], Callable[..., None]]]
+Register = Callable[..., Callable[[Callable[[contextlib.ExitStack], None]], Callable[..., None]]]
+# The composition's models assume the tier idle (tier_loads, tier_joins false): its own world and tests judge these.
+OUTSIDE = "the host tier: its spec's world and tests, not the composition's"
 SetAttr = Callable[[contextlib.ExitStack, Any, str, Any], None]
 
 
 def register_tier_mutants(register: Register, set_attr: SetAttr) -> None:
     """Register each mutant below with the catalogue."""
 
-    @register("tier_fill_skipped_at_save", "a save reuses a bound block without starting the host tier's fill")
+    @register(
+        "tier_fill_skipped_at_save",
+        "a save reuses a bound block without starting the host tier's fill",
+        outside=OUTSIDE,
+    )
     def _fill_skipped(stack: contextlib.ExitStack) -> None:
         # The entry stays BOUND to a block that now holds another tenant's
         # rows; a later load restores those.
@@ -23,7 +29,9 @@ def register_tier_mutants(register: Register, set_attr: SetAttr) -> None:
 
         set_attr(stack, TierDesk, "fill_reused", lambda self, slots: None)
 
-    @register("tier_release_keeps_bytes", "releasing a held entry of the host tier does not free its bytes")
+    @register(
+        "tier_release_keeps_bytes", "releasing a held entry of the host tier does not free its bytes", outside=OUTSIDE
+    )
     def _release_keeps_bytes(stack: contextlib.ExitStack) -> None:
         import omni_prefix_cache.tier.store as store
         from omni_prefix_cache.specs import compile_machine, load_spec
