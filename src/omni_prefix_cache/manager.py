@@ -425,7 +425,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
     def _abandon_save(
         self, save: SaveProgress, hits: dict[ReqId, PendingHit], error: BaseException, retry: SchedSnapshot | None
     ) -> None:
-        """Undo a failed save: no step context, and (``WriteLedger.abandon_save``)
+        """Undo a failed save: no step context, and (operation ``abandon_save``)
         no step holder, no budget no task pinned, no stranded write. ``retry``:
         the save failed before registering anything (a staging timeout, a
         failed staging copy, a join): its scheduler snapshot and hits are put

@@ -1,6 +1,6 @@
 """The request table: lifecycle events applied to tenures, by the spec.
 
-``RequestTable.apply`` runs one step's events (operation new_step's first
+``RequestTable`` runs one step's events (operation new_step's first
 state segment: ``validate_events`` then ``apply_events``). Each event runs
 the compiled operation ``request_event`` of spec/protocol.yaml, whose moves
 are the request_lifecycle machine's; retiring a tenure runs
@@ -146,20 +146,6 @@ class RequestTable:
         )
 
     # ------------------------------------------------------------ new_step
-
-    def apply(self, events: Sequence[PrefixCacheRequestEvent], sequence: int | None) -> bool:
-        """Apply one step's events in order (state lock). A step whose
-        ``sequence`` is at or below the last applied one is a replay and
-        applies nothing: returns False. Every event is validated before the
-        first one moves anything (``validate``). The facade runs the same
-        three pieces as new_step's compiled first segment: guard
-        ``replayed_step`` (``replayed``), effects ``validate_events`` and
-        ``apply_events`` (``apply_validated``)."""
-        if self.replayed(sequence):
-            return False
-        self.validate(events)
-        self.apply_validated(events, sequence)
-        return True
 
     def replayed(self, sequence: int | None) -> bool:
         """Guard ``replayed_step``: the step's sequence is at or below the last applied one."""

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omni_prefix_cache.controller import OmniPrefixCacheController, StagingBufferHolder, StepD2HClaim, WriteTask
+from omni_prefix_cache.controller import OmniPrefixCacheController, StepD2HClaim, WriteTask
 from omni_prefix_cache.device.index_tensors import per_row_ids
 from omni_prefix_cache.interface import (
     OmniPrefixCacheUnmatchError,
@@ -307,19 +307,6 @@ class WriteLedger:
         registered its writes, or when the save fails. No lock held."""
         if reserved:
             self._controller.refund_unpinned(reserved)
-
-    def abandon_save(self, save: SaveProgress, error: BaseException) -> None:
-        """The write side of undoing a failed save (no lock held): tasks
-        registered but never handed to the committer fail with ``error``
-        (their rows will never land: the failure is sticky); budget no task
-        pinned is refunded; the step's staging holder is released
-        (``abandon``). An eager dispatch failure already failed its batch."""
-        if not save.published:
-            self._controller.fail_tasks(self.stranded(save.registered), error)
-        self.refund_unpinned(save.reserved)
-        claimed = save.claimed
-        if claimed is not None:
-            self._controller.staging_release(claimed.staging_slot, StagingBufferHolder.for_step(save.sid), "abandon")
 
     def save_error(self, save: SaveProgress, exc: BaseException) -> BaseException:
         """What a failed save raises: a library error (or a non-Exception)

@@ -532,7 +532,7 @@ def _commit_keeps_retired(stack: contextlib.ExitStack) -> None:
     "replayed_step_applied", "a replayed step sequence applies its events again (the replayed_step guard is lost)"
 )
 def _replayed_step_applied(stack: contextlib.ExitStack) -> None:
-    # The guard new_step's compiled first segment reads (RequestTable.apply too).
+    # The guard new_step's compiled first segment reads.
     from omni_prefix_cache.requests.lifecycle import RequestTable
 
     _set(stack, RequestTable, "replayed", lambda self, sequence: False)
