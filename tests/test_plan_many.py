@@ -21,9 +21,10 @@ import torch
 
 from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.interface import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig, WriteSchedule
-from omni_prefix_cache.reads.hit_planner import HitPlanner, PendingHit
+from omni_prefix_cache.reads.hit_planner import HitPlanner
 from omni_prefix_cache.reads.planned_read import HitReads, PlannedRead
 from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy, SlotState
+from omni_prefix_cache.steps.step_record import Hit
 from omni_prefix_cache.writes.write_task import TaskState
 
 BS = 4
@@ -72,13 +73,14 @@ def planner(pool: PrefixBlockPool, occupancy: SlotOccupancy, tasks: Tasks) -> Hi
     return HitPlanner(config, occupancy, reads, None, {}, lambda: policy, lambda: False)  # type: ignore[arg-type]
 
 
-def hits(rng: random.Random, hp: HitPlanner) -> list[PendingHit]:
+def hits(rng: random.Random, hp: HitPlanner) -> list[Hit]:
     out = []
     for i in range(rng.randint(0, 6)):
         blocks = [rng.randrange(BLOCKS) for _ in range(rng.randint(0, 3))]
-        hit = PendingHit(
+        hit = Hit(
             req_id=f"r{i}",
-            num_computed=len(blocks) * BS,
+            hit_start=0,
+            hit_end=len(blocks) * BS,
             block_ids=blocks,
             slots=hp.block_slots(blocks),
             num_scheduled=1,
@@ -91,9 +93,10 @@ def hits(rng: random.Random, hp: HitPlanner) -> list[PendingHit]:
     return out
 
 
-def copy_hits(src: list[PendingHit]) -> list[PendingHit]:
+def copy_hits(src: list[Hit]) -> list[Hit]:
     return [
-        PendingHit(h.req_id, h.num_computed, list(h.block_ids), h.slots, h.num_scheduled, dict(h.futures)) for h in src
+        Hit(h.req_id, h.hit_start, h.hit_end, list(h.block_ids), None, h.slots, h.num_scheduled, dict(h.futures))
+        for h in src
     ]
 
 
@@ -110,7 +113,7 @@ def read_view(ref: PlannedRead) -> tuple[Any, ...]:
     )
 
 
-def outcome(hit: PendingHit) -> dict[str, Any]:
+def outcome(hit: Hit) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, fut in hit.futures.items():
         exc = fut.exception() if fut.done() else None
@@ -142,7 +145,7 @@ def test_a_refused_read_leaves_the_others_of_its_batch_planned() -> None:
     pool, occupancy = tables(rng, p_committed=1.0)
     occupancy.state[HIDDEN_KEY][0:BS] = int(SlotState.ABSENT)  # block 0's hidden rows never written
     hp = planner(pool, occupancy, tasks)
-    batch = [PendingHit(f"r{i}", BS, [i], hp.block_slots([i]), 1) for i in range(3)]
+    batch = [Hit(f"r{i}", 0, BS, [i], None, hp.block_slots([i]), 1) for i in range(3)]
     jobs = hp.plan_many(batch, at_save=True)
     assert [(h.req_id, k) for h, k, _ in jobs] == [
         ("r0", "mm_a"),

@@ -58,7 +58,7 @@ from omni_prefix_cache.manager_ops import AbandonCall, FacadeOps, NewStepCall, S
 from omni_prefix_cache.ops.components import ManagerComponents
 from omni_prefix_cache.ops.manager_stats import ManagerStats
 from omni_prefix_cache.ops.trace_session import open_trace
-from omni_prefix_cache.reads.hit_planner import HitPlanner, PendingHit
+from omni_prefix_cache.reads.hit_planner import Hit, HitPlanner
 from omni_prefix_cache.reads.materializer import Materializer
 from omni_prefix_cache.reads.planned_read import HitReads
 from omni_prefix_cache.reads.tier_fill import TierDesk, TierFill
@@ -423,7 +423,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
     # ============================================================ helpers
 
     def _abandon_save(
-        self, save: SaveProgress, hits: dict[ReqId, PendingHit], error: BaseException, retry: SchedSnapshot | None
+        self, save: SaveProgress, hits: dict[ReqId, Hit], error: BaseException, retry: SchedSnapshot | None
     ) -> None:
         """Undo a failed save: no step context, and (operation ``abandon_save``)
         no step holder, no budget no task pinned, no stranded write. ``retry``:

@@ -25,7 +25,7 @@ import torch
 
 from omni_prefix_cache.controller import OmniPrefixCacheController
 from omni_prefix_cache.interface import OmniPrefixCacheShutdownError, ReqId, StageCacheOutputs, StepId, Tid
-from omni_prefix_cache.reads.hit_planner import HitJob, HitPlanner, PendingHit
+from omni_prefix_cache.reads.hit_planner import HitJob, HitPlanner
 from omni_prefix_cache.reads.materializer import Materializer
 from omni_prefix_cache.reads.planned_read import HitReads
 from omni_prefix_cache.reads.tier_fill import Restore, TierDesk
@@ -38,6 +38,7 @@ from omni_prefix_cache.specs.types.staging_holder import StagingHolderTrigger
 from omni_prefix_cache.specs.types.step_context import StepContextTrigger
 from omni_prefix_cache.steps.step_context import StepContext, StepTable
 from omni_prefix_cache.steps.step_layout import SchedSnapshot, StepLayout, StepOutputs
+from omni_prefix_cache.steps.step_record import Hit
 from omni_prefix_cache.steps.write_ledger import SaveProgress, WriteLedger
 from omni_prefix_cache.telemetry.registry import dropped
 from omni_prefix_cache.writes.operations import active_protocol
@@ -77,7 +78,7 @@ class NewStepCall:
     (hit candidates, writes to escalate) and the hits it registered."""
 
     given: StepInput
-    candidates: list[tuple[ReqId, int, int, list[int]]] = field(default_factory=list)
+    candidates: list[Hit] = field(default_factory=list)  # blocks validated
     escalate: list[Tid] = field(default_factory=list)
     restores: list[Restore] = field(default_factory=list)  # the host tier's, for restore_tenancy
 
@@ -94,7 +95,7 @@ class SaveCall:
     slots: torch.Tensor
     immediate: list[Any]  # the step's JOIN_NEXT_STEP writes
     deferred_tids: list[Tid]
-    hits: dict[ReqId, PendingHit]
+    hits: dict[ReqId, Hit]
     token_ranges: dict[ReqId, tuple[int, int]] | None
     jobs: list[HitJob] = field(default_factory=list)
 
@@ -113,7 +114,7 @@ class StepCall:
     steps: list[StepContext] = field(default_factory=list)
     # Each step's consume move (None: the spec has none from its state).
     moves: list[CompiledMove | None] = field(default_factory=list)
-    hits: list[PendingHit] = field(default_factory=list)
+    hits: list[Hit] = field(default_factory=list)
     req_ids: Sequence[ReqId] = ()
     outputs: StageCacheOutputs | None = None
 
@@ -127,7 +128,7 @@ class AbandonCall:
     snapshot to put back (None: it registered something, no retry)."""
 
     save: SaveProgress
-    hits: dict[ReqId, PendingHit]
+    hits: dict[ReqId, Hit]
     error: BaseException
     retry: SchedSnapshot | None
 
@@ -358,10 +359,9 @@ class FacadeOps:
         given = call.given
         requests = self._requests
         requests.apply_validated(given.events, given.sequence)
-        hit_blocks = self._hits.hit_blocks
-        call.candidates = [
-            (lk.req_id, lk.start, lk.end, hit_blocks(lk.req_id, lk.end, lk.block_ids)) for lk in requests.take_lookups()
-        ]
+        hit_blocks, call.candidates = self._hits.hit_blocks, requests.take_lookups()
+        for hit in call.candidates:
+            hit.block_ids = hit_blocks(hit.req_id, hit.hit_end, hit.block_ids)
         call.escalate = requests.take_detached()
         # A step with nothing scheduled has no save: the next snapshot
         # replaces it. Its hits (if any) stay pending for the next save.

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -39,6 +38,7 @@ from omni_prefix_cache.reads.planned_read import HitReads, PlannedRead
 from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
 from omni_prefix_cache.steps.slot_tags import READ_BASELINE, rows_tagged
 from omni_prefix_cache.steps.step_context import KeyLayout, StepContext
+from omni_prefix_cache.steps.step_record import Hit as Hit  # re-exported (the manager's annotations)
 from omni_prefix_cache.steps.validation import as_int, listed
 from omni_prefix_cache.telemetry.registry import dropped
 
@@ -47,25 +47,8 @@ logger = logging.getLogger(__name__)
 _INT: frozenset[type] = frozenset({int})
 
 
-@dataclass(eq=False)
-class PendingHit:
-    """A prefix hit registered at new_step_starts, handed to its save: the
-    cached positions ``[hit_start, hit_start + num_computed)`` of the
-    request (``hit_start`` is the lowest consumer watermark of a recovered
-    hit, else 0), read from ``slots``."""
-
-    req_id: ReqId
-    num_computed: int  # cached rows served (hit_end - hit_start)
-    block_ids: list[int]
-    slots: torch.Tensor
-    num_scheduled: int
-    futures: dict[TensorName, Future[torch.Tensor]] = field(default_factory=dict)
-    refs: dict[TensorName, PlannedRead] = field(default_factory=dict)
-    hit_start: int = 0
-
-
 # One planned hit read waiting for the prefetch thread.
-HitJob = tuple[PendingHit, TensorName, PlannedRead]
+HitJob = tuple[Hit, TensorName, PlannedRead]
 
 
 class HitPlanner:
@@ -95,7 +78,7 @@ class HitPlanner:
         self._layouts = layouts
         self._policy = policy
         self._is_closed = is_closed
-        self.pending: dict[ReqId, PendingHit] = {}
+        self.pending: dict[ReqId, Hit] = {}
         self._marks = SlotMarks()  # the same-step hit check's table over the pool's slots
 
     def hit_blocks(self, rid: ReqId, computed: int, block_ids: Any) -> list[int]:
@@ -154,29 +137,20 @@ class HitPlanner:
         # Python loop of several calls per part, on the engine thread.
         return list(torch.from_numpy(slots).split([len(blocks) * bs for blocks in hits]))
 
-    def register(
-        self, candidates: list[tuple[ReqId, int, int, list[int]]], num_sched: Mapping[ReqId, int]
-    ) -> list[PendingHit]:
-        """Make each validated ``(req_id, hit_start, hit_end, blocks)`` the
-        request's pending hit, dropping an older one (new_step_starts,
-        state lock): it serves positions ``[hit_start, hit_end)``."""
-        new_hits: list[PendingHit] = []
-        if not candidates:
-            return new_hits
-        all_slots = self.block_slots_many([blocks for _, _, _, blocks in candidates])
-        for (rid, start, end, blocks), slots in zip(candidates, all_slots):
-            hit = PendingHit(
-                req_id=rid,
-                num_computed=end - start,
-                block_ids=blocks,
-                slots=slots[start:end] if start else slots,
-                num_scheduled=num_sched.get(rid, 0),
-                hit_start=start,
-            )
-            self.drop_request(rid)
-            self.pending[rid] = hit
-            new_hits.append(hit)
-        return new_hits
+    def register(self, hits: list[Hit], num_sched: Mapping[ReqId, int]) -> list[Hit]:
+        """Make each hit (its blocks validated by ``hit_blocks``) the
+        request's pending hit, dropping an older one (new_step_starts, state
+        lock): its slots are those of positions ``[hit_start, hit_end)``."""
+        if not hits:
+            return hits
+        all_slots = self.block_slots_many([hit.block_ids for hit in hits])
+        for hit, slots in zip(hits, all_slots):
+            start = hit.hit_start
+            hit.slots = slots[start : hit.hit_end] if start else slots
+            hit.num_scheduled = num_sched.get(hit.req_id, 0)
+            self.drop_request(hit.req_id)
+            self.pending[hit.req_id] = hit
+        return hits
 
     def drop_request(self, rid: ReqId) -> None:
         """The request finished (or hits again): its pending hit, if any,
@@ -185,7 +159,7 @@ class HitPlanner:
         if stale is not None:
             self.drop(stale)
 
-    def take_all(self) -> dict[ReqId, PendingHit]:
+    def take_all(self) -> dict[ReqId, Hit]:
         """Hand every pending hit to the save that serves it (state lock)."""
         hits, self.pending = self.pending, {}
         return hits
@@ -196,7 +170,7 @@ class HitPlanner:
             self.drop(hit)
         self.pending.clear()
 
-    def put_back(self, hits: dict[ReqId, PendingHit], retry: bool) -> bool:
+    def put_back(self, hits: dict[ReqId, Hit], retry: bool) -> bool:
         """A failed save hands back the hits it took (``take_all``). With
         ``retry`` and no hit registered since, they are pending again and
         True is returned (the save may be retried); otherwise each is
@@ -208,7 +182,7 @@ class HitPlanner:
             self.drop(hit)
         return False
 
-    def drop(self, hit: PendingHit) -> None:
+    def drop(self, hit: Hit) -> None:
         """A hit that will never be served: cancel its prefetches and forget
         its pending reads (a running prefetch forgets its own). Any lock."""
         dropped(len(hit.futures))  # a running one finishes unread
@@ -221,12 +195,12 @@ class HitPlanner:
             if key not in hit.futures:
                 self._reads.forget(ref)
 
-    def plan(self, hit: PendingHit, *, at_save: bool) -> list[HitJob]:
+    def plan(self, hit: Hit, *, at_save: bool) -> list[HitJob]:
         """Plan the hit's reads for every cached key not planned yet (state
         lock held): ``plan_many`` of this one hit."""
         return self.plan_many([hit], at_save=at_save)
 
-    def plan_many(self, hits: Sequence[PendingHit], *, at_save: bool) -> list[HitJob]:
+    def plan_many(self, hits: Sequence[Hit], *, at_save: bool) -> list[HitJob]:
         """Plan the hits' reads for every cached key not planned yet (state
         lock held), key by key: one state gather per key for all the hits,
         their reads planned together (``HitReads.plan_many``). Jobs come hit
@@ -262,7 +236,7 @@ class HitPlanner:
                 planned[id(hit)].append((hit, key, ref))
         return [job for hit in hits for job in planned[id(hit)]]
 
-    def _without_absent_rows(self, hits: list[PendingHit], key: TensorName) -> list[PendingHit]:
+    def _without_absent_rows(self, hits: list[Hit], key: TensorName) -> list[Hit]:
         """The hits with no row of ``key`` in a read_baseline state: at
         new_step_starts such a key waits for save (``plan``)."""
         sizes = [int(hit.slots.numel()) for hit in hits]
@@ -272,7 +246,7 @@ class HitPlanner:
             return hits
         return [hit for hit, rows in zip(hits, absent.split(sizes)) if not bool(rows.any())]
 
-    def replan_same_step_hits(self, hits: dict[ReqId, PendingHit], slots: torch.Tensor) -> None:
+    def replan_same_step_hits(self, hits: dict[ReqId, Hit], slots: torch.Tensor) -> None:
         """A hit planned at new_step_starts whose slots this very step maps
         is a same-step hit on a reused block: vLLM dropped the old block
         hash before reallocating it, so the hit means the rows this step
@@ -302,7 +276,7 @@ class HitPlanner:
         of groups (``SlotMarks``)."""
         return self._marks.overlaps(self._occupancy.num_slots, slots, groups)
 
-    def attach_to_step(self, hits: dict[ReqId, PendingHit], ctx: StepContext) -> list[HitJob]:
+    def attach_to_step(self, hits: dict[ReqId, Hit], ctx: StepContext) -> list[HitJob]:
         """Hand the save's hits to its step context and plan their reads at
         save (state lock held). A hit not scheduled this step gets an empty
         span. Returns the reads to start on the prefetch thread."""
@@ -320,7 +294,7 @@ class HitPlanner:
         return jobs
 
     @staticmethod
-    def _fail(hit: PendingHit, key: TensorName, exc: OmniPrefixCacheUnmatchError) -> None:
+    def _fail(hit: Hit, key: TensorName, exc: OmniPrefixCacheUnmatchError) -> None:
         logger.warning("omni prefix cache unmatch: %s", exc)
         fut: Future[torch.Tensor] = Future()
         fut.set_exception(exc)
@@ -345,7 +319,7 @@ class HitPlanner:
             hit.futures[key] = fut
 
 
-def _never_cached(hit: PendingHit, key: TensorName) -> OmniPrefixCacheUnmatchError:
+def _never_cached(hit: Hit, key: TensorName) -> OmniPrefixCacheUnmatchError:
     return OmniPrefixCacheUnmatchError(
         f"prefix hit of request {hit.req_id!r}: key {key!r} was never cached (slots {listed(hit.slots)} are ABSENT)"
     )

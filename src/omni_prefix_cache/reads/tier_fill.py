@@ -20,6 +20,7 @@ from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.interface import OmniPrefixCacheInvalidArgumentError, OmniPrefixCacheUnmatchError, TensorName
 from omni_prefix_cache.reads.planned_read import HitReads, PlannedRead
 from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
+from omni_prefix_cache.steps.step_record import Hit
 from omni_prefix_cache.tier.metadata import BlockHash, TierStepMetadata
 from omni_prefix_cache.tier.store import HostTier, Rows, short
 
@@ -171,7 +172,7 @@ class TierDesk:
     def apply(
         self,
         meta: TierStepMetadata | None,
-        candidates: Sequence[tuple[str, int, int, list[int]]],
+        candidates: Sequence[Hit],
         events: Sequence[Any] = (),
     ) -> list[Restore]:
         """Protocol effect ``apply_tier``: release, bind, then the loads'
@@ -201,7 +202,7 @@ class TierDesk:
         for e in events:  # what vLLM counts computed, and the blocks, of each request the step names
             if e.req_id in meta.loads and e.hit_end > 0 and e.block_ids:
                 hits[e.req_id] = (int(e.hit_end), e.block_ids[0])
-        hits.update((rid, (end, blocks)) for rid, _, end, blocks in candidates)
+        hits.update((hit.req_id, (hit.hit_end, hit.block_ids)) for hit in candidates)
         restores: list[Restore] = []
         for rid, load in meta.loads.items():
             if load.token_start % bs or load.token_start < 0:

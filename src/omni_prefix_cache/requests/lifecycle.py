@@ -22,7 +22,6 @@ from omni_prefix_cache.interface import OmniPrefixCacheInvalidArgumentError, Req
 from omni_prefix_cache.requests.tenure import (
     DELIVERY_MACHINE,
     REQUEST_MACHINE,
-    Lookup,
     RequestState,
     Tenure,
     TenureMove,
@@ -33,6 +32,7 @@ from omni_prefix_cache.requests.tenure import (
 from omni_prefix_cache.specs.composition import CompiledOperation, compile_operation, load_protocol
 from omni_prefix_cache.specs.loader import SpecError, TriggerName
 from omni_prefix_cache.steps.step_context import StepContext
+from omni_prefix_cache.steps.step_record import Hit
 
 __all__ = ["MAX_CONSUMERS", "RequestBinding", "RequestTable"]
 
@@ -114,7 +114,7 @@ class RequestTable:
         # A finished tenure lives while a step snapshot or an output holds it.
         self.finished: WeakValueDictionary[ReqId, Tenure] = WeakValueDictionary()
         self.last_sequence = -1
-        self._lookups: list[Lookup] = []
+        self._lookups: list[Hit] = []
         self._detached: list[Tid] = []
         # The consumers that took a delivery view, least recently seen first
         # (a dict as an ordered set): a recovered hit counts one that never
@@ -254,8 +254,9 @@ class RequestTable:
         tenure = self.current.get(rid)
         return tenure if tenure is not None else self.finished.get(rid)
 
-    def take_lookups(self) -> list[Lookup]:
-        """The hits the applied events installed (each a recovery range)."""
+    def take_lookups(self) -> list[Hit]:
+        """The hits the applied events installed (each a recovery range,
+        its block ids not validated yet)."""
         out, self._lookups = self._lookups, []
         return out
 
@@ -325,7 +326,7 @@ class RequestTable:
         start = tenure.lowest_watermark(self.consumers)
         if end > start:
             self._lookups = [lk for lk in self._lookups if lk.req_id != tenure.req_id]
-            self._lookups.append(Lookup(tenure.req_id, start, end, event.block_ids, tenure))
+            self._lookups.append(Hit(tenure.req_id, start, end, event.block_ids, tenure))
 
     def detach_writes(self, tenure: Tenure) -> None:
         """Effect ``detach_writes``: the tenure leaves the current table

@@ -39,25 +39,11 @@ __all__ = [
     "REQUEST_MACHINE",
     "DeliveryState",
     "IssuedView",
-    "Lookup",
     "RequestState",
     "Tenure",
     "TenureMove",
     "adopted",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class Lookup:
-    """A prefix hit an event installed: serve positions ``[start, end)`` of
-    ``req_id`` from the cache. ``start`` is the lowest consumer watermark
-    (0 for a fresh tenure), ``end`` the event's ``hit_end``."""
-
-    req_id: ReqId
-    start: int
-    end: int
-    block_ids: Any  # the event's per-group block ids (validated by the hit planner)
-    tenure: Tenure
 
 
 @dataclass(eq=False)
