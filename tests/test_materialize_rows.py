@@ -14,6 +14,7 @@ import torch
 from omni_prefix_cache.interface import HIDDEN_KEY
 from omni_prefix_cache.reads.materializer import RequestRuns, gather_index
 from omni_prefix_cache.steps.step_context import StepContext
+from omni_prefix_cache.steps.step_record import StepRecord
 from test_manager import MODES, Driver, Req, make
 
 
@@ -89,7 +90,7 @@ def _ctx(sizes: list[int]) -> StepContext:
     order = [f"r{i}" for i in range(len(sizes))]
     starts = [0, *accumulate(sizes)]
     spans = {rid: (start, rows) for rid, start, rows in zip(order, starts, sizes)}
-    return StepContext(step_id=1, controller=None, n=starts[-1], spans=spans, order=order, sizes=list(sizes))  # type: ignore[arg-type]
+    return StepContext(step_id=1, controller=None, n=starts[-1], record=StepRecord.of_rows(order, spans))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -102,13 +103,13 @@ def test_step_rows_gather_each_subset_once_in_step_order(seed: int) -> None:
         sizes = [rng.choice([1, 1, 2, 5]) for _ in range(rng.randint(1, 30))]
         ctx = _ctx(sizes)
         src = torch.arange(ctx.n * 6, dtype=torch.float32).reshape(ctx.n, 2, 3)
-        wanted = {rid for rid in ctx.order if rng.random() < rng.choice([0.3, 0.7, 1.0])}
+        wanted = {rid for rid in ctx.record.req_ids if rng.random() < rng.choice([0.3, 0.7, 1.0])}
         rows = RequestRuns.of(ctx, wanted)
-        assert rows.names == [rid for rid in ctx.order if rid in wanted]
+        assert rows.names == [rid for rid in ctx.record.req_ids if rid in wanted]
         if not wanted:
             continue
         got = rows.gather(src)
-        want = [src[ctx.spans[rid][0] : ctx.spans[rid][0] + ctx.spans[rid][1]] for rid in rows.names]
+        want = [src[ctx.record.span(rid)[0] : sum(ctx.record.span(rid))] for rid in rows.names]
         assert torch.equal(got, torch.cat(want))
         assert got.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
         parts = rows.views(got)

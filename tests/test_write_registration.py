@@ -163,7 +163,7 @@ def test_a_step_registers_one_write_for_all_its_requests_and_owns_its_rows(seed:
         assert ledger.requests.opened == opened_before and not ledger.requests.tasks
         owner = torch.full((n,), task.tid, dtype=torch.int64)
         deferred: list[Tid] = []
-        ledger.take_tenancy_locked(split, slots, req_order, spans, tasks, deferred)
+        ledger.take_tenancy_locked(split, slots, [spans[r][1] for r in req_order], tasks, deferred)
         for key in keys:
             table = occ.get_slot_status(key)
             assert torch.equal(table.tids[slots], owner), f"seed={seed} step={step} key={key}"
@@ -203,7 +203,7 @@ def test_a_wrapped_per_request_seam_makes_each_requests_rows_its_own_step_write(
             assert task.requests is not None and task.requests.offsets == (0, size)
             assert torch.equal(task.chunks[0].slots_cpu, slots[lo : lo + size]), f"seed={seed}"
             owner[lo : lo + size] = task.tid
-        ledger.take_tenancy_locked(split, slots, req_order, spans, tasks, [])
+        ledger.take_tenancy_locked(split, slots, sizes, tasks, [])
         assert torch.equal(occ.get_slot_status("h").tids[slots], owner), f"seed={seed} step={step}"
 
 

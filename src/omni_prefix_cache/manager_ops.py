@@ -139,11 +139,11 @@ class AbandonCall:
 def drop_step_reads(ctx: StepContext, reads: HitReads) -> None:
     """``read.drop?`` of a consumed step's reads: each prefetch not started
     is cancelled and its read forgotten (a running one finishes itself)."""
-    for rid, futures in ctx.hit_prefetch.items():
-        for key, fut in futures.items():
+    for hit in filter(None, ctx.record.hits):
+        for key, fut in hit.futures.items():
             if fut.cancel():
                 dropped(1)
-                ref = ctx.hit_refs.get(rid, {}).get(key)
+                ref = hit.refs.get(key)
                 if ref is not None:
                     reads.forget(ref)
 
@@ -399,7 +399,7 @@ class FacadeOps:
         ctx = call.ctx
         with self._reads.lock:
             self._ledger.take_tenancy_locked(
-                call.split, call.slots, ctx.order, ctx.spans, call.immediate, call.deferred_tids
+                call.split, call.slots, ctx.record.scheduled_counts(), call.immediate, call.deferred_tids
             )
 
     def _replan_same_step_hits(self, call: SaveCall) -> None:

@@ -277,20 +277,18 @@ class HitPlanner:
         return self._marks.overlaps(self._occupancy.num_slots, slots, groups)
 
     def attach_to_step(self, hits: dict[ReqId, Hit], ctx: StepContext) -> list[HitJob]:
-        """Hand the save's hits to its step context and plan their reads at
-        save (state lock held). A hit not scheduled this step gets an empty
-        span. Returns the reads to start on the prefetch thread."""
+        """Hand the save's hits to its step's record (``StepRecord.add_hits``:
+        a hit not scheduled this step gets an entry without rows) and plan
+        their reads at save (state lock held). Returns the reads to start on
+        the prefetch thread."""
+        record = ctx.record
+        index, counts = record.index, record.row_counts
         for rid, hit in hits.items():
-            if rid in ctx.spans:
-                hit.num_scheduled = ctx.spans[rid][1]
+            i = index.get(rid)
+            if i is not None:
+                hit.num_scheduled = counts[i]
         jobs = self.plan_many(list(hits.values()), at_save=True)
-        for rid, hit in hits.items():
-            ctx.hits[rid] = (hit.num_computed, list(hit.block_ids))
-            ctx.hit_starts[rid] = hit.hit_start
-            ctx.hit_prefetch[rid] = hit.futures
-            ctx.hit_refs[rid] = hit.refs
-            if rid not in ctx.spans:
-                ctx.spans[rid] = (0, 0)
+        record.add_hits(hits)
         return jobs
 
     @staticmethod

@@ -29,6 +29,7 @@ from omni_prefix_cache.interface import (
     OmniPrefixCacheShutdownError,
     OmniPrefixCacheUnmatchError,
     OmniPrefixCacheWriteFailedError,
+    PrefixCacheRequestProgress,
     ReqId,
     StageCacheOutputs,
     TensorName,
@@ -57,11 +58,13 @@ class Materializer:
         or a hit that cannot be served, the shutdown error for a hit read
         cancelled by shutdown, the write-failed error on a device fault."""
         wanted = set(req_ids)
-        if not ctx.spans.keys() >= wanted:
-            outside = [r for r in req_ids if r not in ctx.spans]
+        record = ctx.record
+        index = record.index
+        if not index.keys() >= wanted:
+            outside = [r for r in req_ids if r not in index]
             raise OmniPrefixCacheUnmatchError(
                 f"materialize(step {ctx.step_id}): request ids {listed(outside)} are outside the save snapshot "
-                f"(saved: {listed(list(ctx.spans))})"
+                f"(saved: {listed(record.req_ids)})"
             )
         with self._state_lock:
             self._ledger.commit_drained_locked()
@@ -81,27 +84,29 @@ class Materializer:
         for key in (*sources, *ctx.mm_cpu_snapshot):
             if not is_hidden_key(key):
                 mm_out.setdefault(key, {})
-        hits = ctx.hits
-        hit_reqs = [r for r in req_ids if r in hits] if hits else []
+        entries = record.hits
+        hits = [h for h in map(entries.__getitem__, map(index.__getitem__, req_ids)) if h] if record.any_hit else []
         # The plain requests' rows are gathered once per key (one copy of
         # just their rows) and cut into per-request views, in step order;
         # the views are disjoint, so no request aliases another.
-        plain = RequestRuns.of(ctx, wanted.difference(hits) if hits else wanted)
+        plain = RequestRuns.of(ctx, wanted.difference(h.req_id for h in hits) if hits else wanted)
         for key, src in sources.items():
             out_map = hidden_out if is_hidden_key(key) else mm_out[key]
             if out_map is None:
                 continue
             if plain.names:
                 out_map.update(zip(plain.names, plain.views(self.restore_shape(ctx, key, plain.gather(src)))))
-            for rid in hit_reqs:
-                start, rows = ctx.spans[rid]
-                fut = ctx.hit_prefetch.get(rid, {}).get(key)
-                merged = self.merge_hit(ctx, rid, key, hits[rid][0], fut, src[start : start + rows])
+            for hit in hits:
+                rid = hit.req_id
+                start, rows = record.span(rid)
+                merged = self.merge_hit(
+                    ctx, rid, key, hit.num_computed, hit.futures.get(key), src[start : start + rows]
+                )
                 out_map[rid] = self.restore_shape(ctx, key, merged)
-        for rid in hit_reqs:
+        for hit in hits:
             # Cached keys this step did not produce: the prefix is all there is.
-            computed = ctx.hits[rid][0]
-            for key, fut in ctx.hit_prefetch.get(rid, {}).items():
+            rid, computed = hit.req_id, hit.num_computed
+            for key, fut in hit.futures.items():
                 if key in sources:
                     continue
                 prefix = self.restore_shape(ctx, key, self.hit_rows(ctx, rid, key, fut)[:computed])
@@ -120,12 +125,12 @@ class Materializer:
                 token_major.add(key)
                 # Token-major: one gather and a view per request, as for the pool keys.
                 if every is None:
-                    every = plain if not hit_reqs else RequestRuns.of(ctx, wanted)
+                    every = plain if not hits else RequestRuns.of(ctx, wanted)
                 if every.names:
                     out_map.update(zip(every.names, every.views(every.gather(value))))
                 continue
             for rid in req_ids:
-                start, rows = ctx.spans[rid]
+                start, rows = record.span(rid)
                 out_map[rid] = payload_for_request(value, start, start + rows, ctx.n)
         return self.outputs(ctx, wanted, req_ids, hidden_out, mm_out, token_major)
 
@@ -141,21 +146,26 @@ class Materializer:
         """The outputs with where they sit: each request's rows cover
         ``[hit start, token end)`` with a hit (the recovered prefix first),
         else its scheduled range; the tenures they were saved under."""
-        scheduled = ctx.token_ranges
-        starts = ctx.hit_starts
-        tenures = ctx.tenures
-        if not starts and scheduled.keys() == wanted and list(req_ids) == ctx.order:
+        record = ctx.record
+        names, scheduled, tenures = record.req_ids, record.token_ranges, record.tenures
+        if not record.any_hit and len(scheduled) == len(names) and list(req_ids) == names:
             # Every request of the step in step order, none with a hit
-            # (decode): the step's own tables, copied whole, in the same
-            # order (no Python per request).
-            ranges = dict(scheduled)
-            sched = dict(scheduled)
+            # (decode): the step's own arrays, zipped whole (no Python per
+            # request).
+            ranges = dict(zip(names, scheduled))
+            sched = ranges.copy()
+            progress: dict[ReqId, PrefixCacheRequestProgress] = dict(zip(names, tenures))
         else:
-            ranges = {
-                r: (starts[r], scheduled[r][1]) if r in starts else scheduled[r] for r in req_ids if r in scheduled
-            }
-            sched = {r: scheduled[r] for r in ranges}
-        progress = dict(tenures) if tenures.keys() == ranges.keys() else {r: tenures[r] for r in ranges if r in tenures}
+            index, hits, known = record.index, record.hits, len(scheduled)
+            ranges, sched, progress = {}, {}, {}
+            for r in req_ids:
+                i = index[r]
+                if i >= known:  # no token range recorded (a record_saved never ran)
+                    continue
+                span = sched[r] = scheduled[i]
+                hit = hits[i]
+                ranges[r] = (hit.hit_start, span[1]) if hit is not None else span
+                progress[r] = tenures[i]
         cached = frozenset(k for k in ctx.layouts if not is_hidden_key(k) and k in mm)
         return StageCacheOutputs(
             hidden_states=hidden,
@@ -269,16 +279,20 @@ class RequestRuns:
 
     @classmethod
     def of(cls, ctx: StepContext, wanted: set[ReqId]) -> RequestRuns:
-        """The requests of ``wanted`` (each inside the save snapshot)."""
-        if len(wanted) == len(ctx.order):  # inside the snapshot, as many: all of it, one run
-            return cls(ctx.order, ctx.sizes, [(0, ctx.n)])
-        spans = ctx.spans
-        names = [r for r in ctx.order if r in wanted]
-        sizes = [spans[r][1] for r in names]
+        """The scheduled requests of ``wanted`` (each inside the save
+        snapshot; a hit request without rows has none)."""
+        record = ctx.record
+        k = record.scheduled
+        if len(wanted) == k == len(record.req_ids):  # as many as the snapshot holds, all scheduled: one run
+            return cls(record.req_ids, record.row_counts, [(0, ctx.n)])
+        ids, row_starts, counts = record.req_ids, record.row_starts, record.row_counts
+        picked = [i for i in range(k) if ids[i] in wanted]
+        names = [ids[i] for i in picked]
+        sizes = [counts[i] for i in picked]
         runs: list[tuple[int, int]] = []
         end = -1
-        for r in names:
-            start, rows = spans[r]
+        for i in picked:
+            start, rows = row_starts[i], counts[i]
             if start == end:
                 first, count = runs[-1]
                 runs[-1] = (first, count + rows)

@@ -287,11 +287,12 @@ class RequestTable:
         write layout the range starts at the tenure's ``computed_upto``. A
         hit request the step did not schedule reports an empty range at its
         hit end."""
-        tenures, ranges = ctx.tenures, ctx.token_ranges
+        record = ctx.record
+        tenures, ranges = record.tenures, record.token_ranges
         current = self.current.get
-        # (request, rows) in step order (``ctx.sizes``); ``for_save`` only
-        # for an id without a current tenure.
-        for rid, rows in zip(ctx.order, ctx.sizes, strict=True):
+        # (request, rows) in row order, the scheduled entries (zip stops at
+        # the counts); ``for_save`` only for an id without a current tenure.
+        for rid, rows in zip(record.req_ids, record.scheduled_counts()):
             tenure = current(rid) or self.for_save(rid)
             if token_ranges is None:
                 start = tenure.computed_upto
@@ -303,16 +304,16 @@ class RequestTable:
                 tenure.saved_upto = end
             if end > tenure.rows_upto:
                 tenure.rows_upto = end
-            ranges[rid] = (start, end)
-            tenures[rid] = tenure
-        for rid, (rows, _) in ctx.hits.items():
-            if rid not in tenures:
-                tenure = self.for_save(rid)
-                end = ctx.hit_starts.get(rid, 0) + rows
-                if end > tenure.rows_upto:
-                    tenure.rows_upto = end
-                ranges[rid] = (end, end)
-                tenures[rid] = tenure
+            ranges.append((start, end))
+            tenures.append(tenure)
+        for hit in record.hits[record.scheduled :]:  # the hits of requests without rows
+            assert hit is not None
+            tenure = self.for_save(hit.req_id)
+            end = hit.hit_end
+            if end > tenure.rows_upto:
+                tenure.rows_upto = end
+            ranges.append((end, end))
+            tenures.append(tenure)
 
     # ---------------------------------------------- the machines' effects
 

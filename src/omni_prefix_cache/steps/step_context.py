@@ -23,6 +23,7 @@ from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, ReqId, Step
 from omni_prefix_cache.specs import CompiledMove, SpecState, compile_machine, load_spec
 from omni_prefix_cache.specs.types.step_context import INITIAL, StepContextTrigger
 from omni_prefix_cache.specs.types.step_context import StepState as StepState  # re-exported
+from omni_prefix_cache.steps.step_record import StepRecord
 from omni_prefix_cache.writes.staging import StagingBufferHolder, StepD2HClaim
 
 
@@ -47,32 +48,29 @@ class StepContext:
     state: SpecState = INITIAL  # a StepState
     d2h: StepD2HClaim | None = None
     n: int = 0
-    # req -> (first row in the step, rows this step), for every saved request.
-    spans: dict[ReqId, tuple[int, int]] = field(default_factory=dict)
-    order: list[ReqId] = field(default_factory=list)  # scheduled requests, in row order
-    sizes: list[int] = field(default_factory=list)  # their row counts (sum: n)
+    # The step's requests: rows, hits, token ranges, tenures (a struct of arrays).
+    record: StepRecord = field(default_factory=lambda: StepRecord.of_rows([], {}))
     hidden_cached: bool = False
     immediate_keys: tuple[TensorName, ...] = ()  # rows in d2h.views
     deferred_keys: tuple[TensorName, ...] = ()  # rows in mm_cpu_snapshot
     layouts: dict[TensorName, KeyLayout] = field(default_factory=dict)
     mm_cpu_snapshot: dict[TensorName, Any] = field(default_factory=dict)
     mm_event: DeviceEvent | None = None  # completes the snapshot's device-to-host copies (None on CPU)
-    # req -> (cached rows served, group-0 block ids of the hit prefix)
-    hits: dict[ReqId, tuple[int, list[int]]] = field(default_factory=dict)
-    # req -> first cached position served (the recovery start; 0 for a fresh hit)
-    hit_starts: dict[ReqId, int] = field(default_factory=dict)
-    # req -> [start, end) request positions of this step's rows (scheduled range)
-    token_ranges: dict[ReqId, tuple[int, int]] = field(default_factory=dict)
-    # req -> the tenure (PrefixCacheRequestProgress) the rows were saved under
-    tenures: dict[ReqId, Any] = field(default_factory=dict)
-    # req -> key -> Future of the [prefix | empty tail] buffer
-    hit_prefetch: dict[ReqId, dict[TensorName, Future[torch.Tensor]]] = field(default_factory=dict)
-    # req -> key -> the planned read behind each future (cleanup of cancelled ones)
-    hit_refs: dict[ReqId, dict[TensorName, Any]] = field(default_factory=dict)
 
     @property
     def holder(self) -> StagingBufferHolder:
         return StagingBufferHolder.for_step(self.step_id)
+
+    # Upstream's step-context tables, as its tests read them (compat; built on read).
+    @property
+    def hits(self) -> dict[ReqId, tuple[int, list[int]]]:
+        """Each served hit as ``(cached rows, group-0 block ids)``."""
+        return {h.req_id: (h.num_computed, list(h.block_ids)) for h in self.record.hits if h is not None}
+
+    @property
+    def hit_prefetch(self) -> dict[ReqId, dict[TensorName, Future[torch.Tensor]]]:
+        """Each served hit's prefetches, per key (the hit's own dict)."""
+        return {h.req_id: h.futures for h in self.record.hits if h is not None}
 
 
 def _release_step_holder(ctx: StepContext) -> None:

@@ -41,6 +41,7 @@ from omni_prefix_cache.interface import (
 from omni_prefix_cache.steps import write_layout
 from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
 from omni_prefix_cache.steps.step_context import KeyLayout, StepContext
+from omni_prefix_cache.steps.step_record import StepRecord
 from omni_prefix_cache.steps.validation import check_step_tensors, listed
 from omni_prefix_cache.writes.chunks import BudgetTicket, WriteChunk
 from omni_prefix_cache.writes.staging import StepD2HClaim
@@ -376,7 +377,8 @@ class StepLayout:
         mm_event: DeviceEvent | None,
         policy: ModelCachePolicy,
     ) -> StepContext:
-        """What the step's materialize will read: its staging page, spans,
+        """What the step's materialize will read: its staging page, its
+        requests' rows (``StepRecord``; save adds hits and tenures), its
         keys, the layouts of every known key (hit keys this step did not
         produce too) and its CPU snapshot (save, under the state lock)."""
         return StepContext(
@@ -384,9 +386,7 @@ class StepLayout:
             controller=controller,
             d2h=claimed,
             n=n,
-            spans=spans,
-            order=req_order,
-            sizes=[spans[r][1] for r in req_order],
+            record=StepRecord.of_rows(req_order, spans),
             hidden_cached=policy.needs_full_hidden_states,
             immediate_keys=tuple(split.immediate),
             deferred_keys=tuple(split.deferred_clone),

@@ -1,10 +1,12 @@
-"""A step's requests: the prefix ``Hit`` from lookup to materialize.
+"""A step's requests: the prefix ``Hit`` from lookup to materialize, and
+the ``StepRecord`` a save leaves for its materialize.
 
 One ``Hit`` object carries a prefix hit through every stage: the lifecycle
 effect ``install_lookup`` creates it (request, tenure, recovery range and
 the event's block ids), new_step validates its blocks and registers it with
 the hit planner (slots, prefetches), save hands it to its step context and
-materialize serves it.
+materialize serves it. ``StepRecord`` is one step's requests as parallel
+lists, indexed once by request id.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from omni_prefix_cache.interface import ReqId, TensorName
 if TYPE_CHECKING:
     from omni_prefix_cache.requests.tenure import Tenure
 
-__all__ = ["Hit"]
+__all__ = ["Hit", "StepRecord"]
 
 _NO_SLOTS = torch.empty((0,), dtype=torch.int64)  # never written: a hit not registered yet
 
@@ -54,3 +56,75 @@ class Hit:
     def num_computed(self) -> int:
         """Cached rows served: ``hit_end - hit_start``."""
         return self.hit_end - self.hit_start
+
+
+@dataclass(eq=False, slots=True)
+class StepRecord:
+    """One step's requests, a struct of arrays: entry ``i`` of every list
+    is request ``req_ids[i]``, and ``index`` maps each request to its entry.
+
+    The first ``scheduled`` entries are the requests the step computed, in
+    row order: rows ``[row_starts[i], row_starts[i] + row_counts[i])`` of
+    the step (their slots are the save's to take tenancy with; materialize
+    never reads them). After them come the hit requests the step did not
+    schedule (no rows: start 0, count 0), each hit carrying its own slots.
+
+    Save fills it under the state lock, in stages: the rows (``of_rows``,
+    from the routing), ``hits`` (``add_hits``: each entry's Hit, else None;
+    ``any_hit`` says whether one is not None), then ``token_ranges`` and
+    ``tenures`` (``record_saved``: the positions ``[start, end)`` the
+    step's rows cover, an empty range at the hit end for an unscheduled
+    hit, and the tenure, with its owner, each was saved under). Read-only
+    once the step is published."""
+
+    req_ids: list[ReqId]
+    row_starts: list[int]
+    row_counts: list[int]
+    index: dict[ReqId, int]
+    scheduled: int
+    hits: list[Hit | None]
+    any_hit: bool = False
+    token_ranges: list[tuple[int, int]] = field(default_factory=list)
+    tenures: list[Tenure] = field(default_factory=list)
+
+    @classmethod
+    def of_rows(cls, req_ids: list[ReqId], spans: dict[ReqId, tuple[int, int]]) -> StepRecord:
+        """The scheduled requests ``req_ids`` (row order) with their
+        ``(first row, rows)`` spans, as routed (``StepLayout.request_spans``)."""
+        k = len(req_ids)
+        starts = [spans[r][0] for r in req_ids]
+        counts = [spans[r][1] for r in req_ids]
+        return cls(list(req_ids), starts, counts, dict(zip(req_ids, range(k))), k, [None] * k)
+
+    def add_hits(self, hits: dict[ReqId, Hit]) -> None:
+        """Attach the save's hits (``HitPlanner.attach_to_step``): a hit of
+        a scheduled request lands on its entry, any other gets an entry of
+        its own, with no rows."""
+        if not hits:
+            return
+        self.any_hit = True
+        index, out = self.index, self.hits
+        for rid, hit in hits.items():
+            i = index.get(rid)
+            if i is None:
+                index[rid] = len(self.req_ids)
+                self.req_ids.append(rid)
+                self.row_starts.append(0)
+                self.row_counts.append(0)
+                out.append(hit)
+            else:
+                out[i] = hit
+
+    def scheduled_counts(self) -> list[int]:
+        """The rows of each scheduled request, in row order."""
+        counts = self.row_counts
+        return counts if len(counts) == self.scheduled else counts[: self.scheduled]
+
+    def span(self, rid: ReqId) -> tuple[int, int]:
+        """``(first row, rows)`` of ``rid`` in the step (KeyError outside it)."""
+        i = self.index[rid]
+        return self.row_starts[i], self.row_counts[i]
+
+    def hit_of(self, rid: ReqId) -> Hit | None:
+        """The hit this step serves ``rid``, else None."""
+        return self.hits[self.index[rid]] if self.any_hit else None

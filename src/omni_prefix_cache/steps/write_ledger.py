@@ -260,8 +260,7 @@ class WriteLedger:
         self,
         split: StepOutputs,
         slots: torch.Tensor,
-        req_order: list[ReqId],
-        spans: dict[ReqId, tuple[int, int]],
+        sizes: list[int],
         immediate: list[WriteTask],
         deferred_tids: list[Tid],
     ) -> None:
@@ -270,15 +269,15 @@ class WriteLedger:
         step writes goes IN_TRANSIT, owned by the step's write (immediate
         keys) or its request's write (deferred keys); every
         other open key of those slots is reset to ABSENT, so it can never
-        serve a previous tenant's rows. State and reads locks held (version
+        serve a previous tenant's rows. ``sizes``: the rows of each scheduled
+        request, in step order. State and reads locks held (version
         bumps and preserved copies change together)."""
-        if not req_order:
+        if not sizes:
             return
         # Owners per row: the step's write owns every immediate row (one
         # tid); deferred owners are one int64 array shared by the keys (the
         # occupancy takes numpy owners as they are: no conversion per key).
         writes: dict[TensorName, np.ndarray | int] = {}
-        sizes = [spans[r][1] for r in req_order] if deferred_tids or len(immediate) > 1 else []
         if len(immediate) == 1:
             writes.update(dict.fromkeys(split.immediate, immediate[0].tid))
         elif immediate:  # per-request units (compat): one per request, in step order

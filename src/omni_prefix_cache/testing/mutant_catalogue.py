@@ -496,9 +496,9 @@ def _discard_counts_as_delivery(stack: contextlib.ExitStack) -> None:
     def discard_step(self: OmniPrefixCacheManager, step_id: int) -> None:
         ctx = self.components.steps.get(step_id)
         if ctx is not None:
-            for rid, tenure in ctx.tenures.items():
+            for tenure, (_, end) in zip(ctx.record.tenures, ctx.record.token_ranges):
                 for consumer in tenure.delivered_upto:
-                    tenure.delivered_upto[consumer] = max(tenure.delivered_upto[consumer], ctx.token_ranges[rid][1])
+                    tenure.delivered_upto[consumer] = max(tenure.delivered_upto[consumer], end)
         original(self, step_id)
 
     _set(stack, OmniPrefixCacheManager, "discard_step", discard_step)
