@@ -53,9 +53,10 @@ demo:
 simulate:
 	$(PYTHON) -m omni_prefix_cache simulate $(SIMFLAGS)
 
-# BENCHFLAGS: e.g. BENCHFLAGS="--json" or BENCHFLAGS="--profile prefill_hits"
+# Issue 40's run: a 5 ms simulated forward per step (the committer works in its gap), every row
+# the median of three runs. BENCHFLAGS: e.g. BENCHFLAGS="--json", "--repeat 1" or "--profile prefill_hits"
 bench:
-	$(PYTHON) -m omni_prefix_cache bench $(BENCHFLAGS)
+	$(PYTHON) -m omni_prefix_cache bench --forward-us 5000 --repeat 3 $(BENCHFLAGS)
 
 .PHONY: mutants
 # MUTANTFLAGS: e.g. MUTANTFLAGS="--explore" (also run `explore --mutant` per mutant, up to 5 min each)

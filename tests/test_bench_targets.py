@@ -12,9 +12,18 @@ import threading
 import pytest
 
 from omni_prefix_cache.tools.bench import BenchReport, ScenarioResult, format_report, run_bench
-from omni_prefix_cache.tools.bench.goals import REPORT_TARGETS, VLLM_STEP_LIMITS, judge_report
+from omni_prefix_cache.tools.bench.goals import (
+    METRICS_LIMIT,
+    REPORT_TARGETS,
+    VLLM_STEP_LIMITS,
+    judge_report,
+    unjudged,
+    unjudged_rows,
+)
 from omni_prefix_cache.tools.bench.measure import RUSAGE_THREAD
 from omni_prefix_cache.tools.bench.pool_write import PATHS, PoolWriteTiming, pool_write_lines, time_pool_writes
+from omni_prefix_cache.tools.bench.results import MetricsPair
+from omni_prefix_cache.tools.bench.scenarios import DECODE_TARGETS, DEFERRED_TARGETS, PREFILL_TARGETS, SCENARIOS
 
 
 def _row(name: str, mode: str, n: int, engine: float, cpu: float | None = None) -> ScenarioResult:
@@ -69,7 +78,7 @@ def test_cross_row_targets_compare_per_request_costs_and_skip_what_did_not_run()
     report = format_report(rep)
     assert "decode_256 / decode eager" in report and "MISSED; decode_256 5.50 us/request, decode 5.00" in report
     assert {t["name"] for t in rep.to_dict()["report_targets"]} == set(got)
-    assert len(REPORT_TARGETS) == 7 + len(VLLM_STEP_LIMITS)  # plus one per (mode, size) against vLLM
+    assert len(REPORT_TARGETS) == 8 + len(VLLM_STEP_LIMITS)  # plus one per (mode, size) against vLLM
 
 
 def test_the_spread_no_longer_decides_all_met() -> None:
@@ -204,9 +213,13 @@ def test_the_sweep_is_judged_against_vllms_scheduler_step_at_each_size() -> None
     text = format_report(rep)
     assert "vLLM's scheduler step" in text and "256 requests:   3000.0 us" in text
     assert rep.to_dict()["vllm_step_us"] == vllm
-    # Not measured (no vLLM venv): the six targets are left out, not judged.
-    rep.vllm_step_us = {}
+    # Not measured (no vLLM venv): the six targets are not judged, and say why.
+    rep.vllm_step_us, rep.vllm_step_note = {}, "vLLM's scheduler step not measured (no vLLM venv)"
     assert not [name for name in _verdicts(rep) if "vLLM" in name]
+    why = {u.name: u.why for u in unjudged(rep)}
+    assert why["eager x16 / vLLM sched step"] == "vLLM's scheduler step not measured (no vLLM venv)"
+    rep.report_unjudged = unjudged(rep)
+    assert "eager x16 / vLLM sched step" in format_report(rep) and "not judged: vLLM's" in format_report(rep)
 
 
 def test_vllms_scheduler_step_is_skipped_with_a_reason_when_its_venv_is_missing(tmp_path) -> None:
@@ -216,3 +229,113 @@ def test_vllms_scheduler_step_is_skipped_with_a_reason_when_its_venv_is_missing(
     missing = str(tmp_path / "python")
     got, note = scheduler_step_us(missing, (16,))
     assert got == {} and missing in note and "setup-vllm.sh" in note
+
+
+# ---------------------------------------------------------------- issue 40's targets
+
+
+def _row_verdicts(r: ScenarioResult, targets) -> dict[str, bool]:
+    r.judge(targets)
+    return {v.name: v.met for v in r.verdicts}
+
+
+@pytest.mark.parametrize(("engine", "met"), [(1900.0, True), (2100.0, False)])
+def test_prefill_hits_eager_engine_is_held_to_2x_the_memcpy_bound(engine: float, met: bool) -> None:
+    r = _row("prefill_hits", "eager", 8, engine)
+    r.memcpy_bound_us = 1000.0
+    assert _row_verdicts(r, PREFILL_TARGETS)["engine / memcpy bound"] is met
+    assert SCENARIOS["prefill_hits"]().targets is PREFILL_TARGETS
+
+
+@pytest.mark.parametrize("mode", ["eager", "threaded"])
+@pytest.mark.parametrize(("engine", "met"), [(630.0 * 1.9, True), (630.0 * 2.1, False)])
+def test_deferred_engine_per_request_is_held_to_2x_its_own_memcpy_bound(mode: str, engine: float, met: bool) -> None:
+    r = _row("deferred", mode, 63, engine)
+    r.memcpy_bound_us = 630.0  # 10 us per request
+    (v,) = (r.judge(DEFERRED_TARGETS), r.verdicts)[1]
+    assert v.met is met and v.value == pytest.approx(engine / 630.0)
+    assert "memcpy bound 10.00 us/request" in v.context
+    assert SCENARIOS["deferred"]().targets is DEFERRED_TARGETS
+
+
+@pytest.mark.parametrize(("ratio", "met"), [(8.0, True), (8.5, False)])
+def test_decode_materialize_is_held_to_8x_its_floor(ratio: float, met: bool) -> None:
+    for mode in ("eager", "threaded"):
+        r = _row("decode", mode, 64, 64.0)
+        r.materialize_ratio = ratio
+        assert _row_verdicts(r, DECODE_TARGETS)["materialize / floor"] is met
+
+
+def _pair(on_over_off: float) -> MetricsPair:
+    off, on = _row("decode", "eager", 64, 400.0), _row("decode", "eager", 64, 400.0 * on_over_off)
+    return MetricsPair(off=off, on=on, order=("off", "on"))
+
+
+@pytest.mark.parametrize(("ratio", "met"), [(1.10, True), (1.20, False)])
+def test_metrics_on_over_off_is_judged_on_the_decode_eager_pair(ratio: float, met: bool) -> None:
+    pair = _pair(ratio)
+    rep = BenchReport(("eager",), 1, [pair.off], [], metrics_sides=("off", "on"), metrics_pairs=[pair])
+    got = _verdicts(rep)
+    assert got["metrics on / off decode eager"] == (pytest.approx(ratio), met)
+    assert METRICS_LIMIT == 1.15
+    rep.report_verdicts = judge_report(rep)
+    assert rep.all_met is met
+    assert "metrics on / off decode eager" in format_report(rep)
+    assert "metrics on / off decode eager" not in {u.name for u in unjudged(rep)}
+
+
+def test_metrics_on_over_off_not_judged_says_why() -> None:
+    rep = BenchReport(("eager",), 1, [_row("decode", "eager", 64, 400.0)], [])
+    why = {u.name: u.why for u in unjudged(rep)}
+    assert why["metrics on / off decode eager"] == "needs --metrics both (this run: --metrics off)"
+    threaded = _pair(1.0)
+    threaded.off.mode = threaded.on.mode = "threaded"
+    rep = BenchReport(("threaded",), 1, [], [], metrics_sides=("off", "on"), metrics_pairs=[threaded])
+    assert {u.name: u.why for u in unjudged(rep)}["metrics on / off decode eager"] == (
+        "decode eager did not run (--scenario, --mode)"
+    )
+    assert {u.name: u.why for u in unjudged(rep)}["sweep eager fixed us"].startswith("the eager decode sweep did not")
+
+
+def test_every_report_target_not_judged_is_listed_with_a_reason_and_rows_not_run_too() -> None:
+    rep = BenchReport(("eager",), 1, [_row("decode", "eager", 64, 400.0)], [])
+    assert {u.name for u in unjudged(rep)} == {t.name for t in REPORT_TARGETS}
+    assert all(u.why for u in unjudged(rep))
+    rows = {u.name: u.why for u in unjudged_rows(rep, {"prefill_hits": PREFILL_TARGETS, "decode": DECODE_TARGETS})}
+    assert "prefill_hits eager engine / memcpy bound" in rows and "decode eager materialize / floor" not in rows
+    assert "decode threaded materialize / floor" in rows
+    rep.report_unjudged = unjudged_rows(rep, {"prefill_hits": PREFILL_TARGETS})
+    assert "prefill_hits eager did not run" in format_report(rep)
+    assert rep.to_dict()["unjudged_targets"][0]["why"].startswith("prefill_hits eager did not run")
+
+
+def test_the_report_says_when_there_is_no_baseline_and_which_rows_it_lacks() -> None:
+    rep = BenchReport(("eager",), 1, [_row("decode", "eager", 64, 400.0)], [])
+    assert "no scenario slower than the baseline: not judged (no baseline" in format_report(rep)
+    rep.baseline = "base.json"
+    rep.results.append(_row("deferred", "eager", 63, 630.0))
+    rep.results[0].engine_vs_baseline = 1.2  # slower than the slack allows
+    text = format_report(rep)
+    assert "decode        eager    engine             1.20x: MISSED" in text
+    assert "deferred      eager    not judged: the baseline has no such row" in text
+    assert not rep.all_met
+
+
+def test_repeat_keeps_the_median_run_of_each_row_and_pair() -> None:
+    from omni_prefix_cache.tools.bench.runner import median_pair, median_run
+
+    runs = [_row("decode", "eager", 64, us) for us in (300.0, 100.0, 200.0)]
+    assert median_run(runs) is runs[2]
+    assert median_run(runs[:2]) is runs[1]  # even: the lower middle one
+    pairs = [_pair(1.3), _pair(1.1), _pair(1.2)]
+    assert median_pair(pairs) is pairs[2]
+    done: list[tuple[int, int]] = []
+    rep = run_bench(
+        ["decode"], iters=2, warmup=1, modes=("eager",), sweep=False, metrics="both", repeat=3,
+        progress=lambda d, t: done.append((d, t)),
+    )  # fmt: skip
+    assert len(rep.metrics_pairs) == 1 and rep.results == [rep.metrics_pairs[0].off]
+    assert done[-1] == (3 * 2 * 3, 3 * 2 * 3)  # 3 steps a run, 2 sides, 3 repeats: every step planned and run
+    assert {u.name for u in rep.report_unjudged} >= {"sweep eager fixed us", "deferred eager engine / memcpy bound"}
+    with pytest.raises(ValueError, match="repeat"):
+        run_bench(["decode"], iters=1, warmup=0, modes=("eager",), sweep=False, repeat=0)

@@ -84,8 +84,7 @@ def format_report(rep: BenchReport) -> str:
     if rep.vllm_step_us or rep.vllm_step_note:
         lines += ["", f"vLLM's scheduler step (schedule + update_from_output, decode, p50): {rep.vllm_step_note}"]
         lines += [f"  {n:>4} requests: {us:8.1f} us" for n, us in sorted(rep.vllm_step_us.items())]
-    if rep.baseline:
-        lines += _baseline_lines(rep)
+    lines += _baseline_lines(rep) if rep.baseline else ["", NO_BASELINE]
     lines.append("all targets met" if rep.all_met else "some targets MISSED")
     return "\n".join(lines)
 
@@ -148,6 +147,8 @@ def _target_lines(rep: BenchReport) -> list[str]:
             f"  {'':<13} {'':<8} {v.name:<28} {v.value:>9.2f} (target {v.describe}): {_verdict(v.met)}"
             + (f"; {v.context}" if v.context else "")
         )
+    for u in rep.report_unjudged:
+        lines.append(f"  {'':<13} {'':<8} {u.name:<28} {'-':>9} (target {u.describe}): not judged: {u.why}")
     return lines
 
 
@@ -178,6 +179,12 @@ def _sweep_lines(rep: BenchReport, mode: str, rows: list[ScenarioResult]) -> lis
     return lines
 
 
+NO_BASELINE = (
+    "no scenario slower than the baseline: not judged (no baseline: docs/bench_baseline.json is not in the "
+    "working directory, or --baseline ''; --save-baseline writes one)"
+)
+
+
 def _baseline_lines(rep: BenchReport) -> list[str]:
     lines = [
         "",
@@ -187,4 +194,8 @@ def _baseline_lines(rep: BenchReport) -> list[str]:
     ]
     for r, side, ratio, ok in rep.baseline_verdicts():
         lines.append(f"  {r.name:<13} {r.mode:<8} {side:<18} {ratio:.2f}x: {_verdict(ok)}{_raw_note(r, side)}")
+    judged = {(r.name, r.mode) for r, *_ in rep.baseline_verdicts()}
+    for r in rep.results:
+        if (r.name, r.mode) not in judged:
+            lines.append(f"  {r.name:<13} {r.mode:<8} not judged: the baseline has no such row")
     return lines

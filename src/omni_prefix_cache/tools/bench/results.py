@@ -43,6 +43,15 @@ class TargetVerdict:
     context: str = ""  # same-run context (Target.context), "" when none
 
 
+@dataclass(frozen=True)
+class UnjudgedTarget:
+    """A target a run could not judge, and why (what did not run)."""
+
+    name: str
+    describe: str
+    why: str
+
+
 @dataclass
 class ScenarioResult:
     """Medians/p90s of one scenario in one mode, its floors and target verdicts."""
@@ -257,6 +266,8 @@ class BenchReport:
     # The targets judged over several rows (``goals``: the sweep fits, one
     # scenario against another), set by ``run_bench``.
     report_verdicts: list[TargetVerdict] = field(default_factory=list)
+    # The targets it could not judge and why (``goals.unjudged``, ``goals.unjudged_rows``).
+    report_unjudged: list[UnjudgedTarget] = field(default_factory=list)
     # The pool write's row and block paths timed alone (``pool_write.PoolWriteTiming.to_dict``).
     pool_write: list[dict[str, Any]] = field(default_factory=list)
     # The host tier's fill at reuse and restore (``tier_fill.TierFillTiming.to_dict``; None: not run).
@@ -357,6 +368,7 @@ class BenchReport:
             "sweep_fit_threaded": None if self.sweep_fit_threaded is None else list(self.sweep_fit_threaded),
             "sweep_cpu_fits": self.sweep_cpu_fits,
             "report_targets": [asdict(v) for v in self.report_verdicts],
+            "unjudged_targets": [asdict(u) for u in self.report_unjudged],
             "pool_write": self.pool_write,
             "tier_fill": self.tier_fill,
             "warm_pool": self.warm_pool,

@@ -15,7 +15,7 @@ import torch
 
 from omni_prefix_cache.telemetry.registry import TELEMETRY
 from omni_prefix_cache.tools.bench.event_api import format_event_api, run_event_api
-from omni_prefix_cache.tools.bench.goals import judge_report
+from omni_prefix_cache.tools.bench.goals import judge_report, unjudged, unjudged_rows
 from omni_prefix_cache.tools.bench.measure import ManagerFactory, TimedHook, run_scenario
 from omni_prefix_cache.tools.bench.pool_write import time_pool_writes
 from omni_prefix_cache.tools.bench.profiling import profile_scenario
@@ -80,6 +80,19 @@ def _one_run(
     return run
 
 
+def median_run(runs: list[ScenarioResult]) -> ScenarioResult:
+    """Of ``runs`` of one (scenario, mode), the run of the median engine p50
+    (the lower middle one when there are an even number), whole: its other
+    fields are that run's, so a row stays one run's measurement."""
+    return sorted(runs, key=lambda r: r.engine_us_p50)[(len(runs) - 1) // 2]
+
+
+def median_pair(pairs: list[MetricsPair]) -> MetricsPair:
+    """Of ``pairs`` of one (scenario, mode), the pair of the median engine
+    on/off ratio (the lower middle one when there are an even number)."""
+    return sorted(pairs, key=lambda p: p.ratio("engine_us_p50") or 0.0)[(len(pairs) - 1) // 2]
+
+
 def run_bench(
     names: list[str] | None = None,
     *,
@@ -98,6 +111,7 @@ def run_bench(
     pool_write: bool = False,
     wake_probe: bool = False,
     vllm_python: str | None = None,
+    repeat: int = 1,
 ) -> BenchReport:
     """Run the named scenarios (default all) in each of ``modes`` (default
     both; ``eager`` picks one, for old callers), then the decode sweep
@@ -111,6 +125,9 @@ def run_bench(
     ``vllm_python``: a vLLM venv's interpreter; with the sweep, vLLM's own
     decode scheduler step is measured there at the sweep's sizes, right
     after the sweep (``vllm_step``, ~15 s), and judged against (``goals``).
+    ``repeat``: every scenario row, metrics pair and sweep row is run that
+    many times and the median run kept (``median_run``, ``median_pair``);
+    the scrape pairs run once.
     ``progress(done, total)`` is called after every step of every run.
     ``forward_us``: a simulated forward pass per step (see ``run_scenario``).
     ``metrics``: ``off`` (managers as ``manager_factory`` builds them; the
@@ -131,17 +148,20 @@ def run_bench(
     if modes is None:
         modes = MODES if eager is None else ("eager" if eager else "threaded",)
     _check_choices(names, modes, metrics, scrape_hz)
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
     base = load_baseline(baseline) if baseline else None
     plan = [SCENARIOS[n]() for n in names]
     sweep_plan = [decode_scenario(r, iters=100) for r in SWEEP_SIZES] if sweep else []
     sweep_modes = [mode for mode in MODES if mode in modes]
-    sides = (2 if metrics == "both" else 1) + (2 if scrape_hz > 0 else 0)
+    sides = (2 if metrics == "both" else 1) * repeat + (2 if scrape_hz > 0 else 0)
 
     def steps_of(sc: Scenario) -> int:
         return (sc.warmup if warmup is None else warmup) + (sc.iters if iters is None else iters)
 
     runs_planned = [p for p in plan for _ in modes for _ in range(sides)]
-    total = sum(steps_of(sc) for sc in [*runs_planned, *[sc for sc in sweep_plan for _ in sweep_modes]])
+    sweep_runs = [sc for sc in sweep_plan for _ in sweep_modes for _ in range(repeat)]
+    total = sum(steps_of(sc) for sc in [*runs_planned, *sweep_runs])
     kw: dict[str, Any] = {
         "iters": iters,
         "warmup": warmup,
@@ -154,15 +174,21 @@ def run_bench(
     pairs: list[MetricsPair] = []
     scrape_pairs: list[ScrapePair] = []
     runs = [(sc, mode) for sc in plan for mode in modes]
+
+    def median_of(sc: Scenario, mode: str) -> ScenarioResult:
+        eager = mode == "eager"
+        return median_run([run_scenario(sc, eager=eager, manager_factory=factory, **kw) for _ in range(repeat)])
+
     try:
         # Modes side by side per scenario, so their ratios share the machine's state.
         if metrics == "both":
-            pairs = [run_pair(_one_run(sc, mode, kw), i, manager_factory) for i, (sc, mode) in enumerate(runs)]
+            pairs = [
+                median_pair([run_pair(_one_run(sc, mode, kw), i * repeat + k, manager_factory) for k in range(repeat)])
+                for i, (sc, mode) in enumerate(runs)
+            ]
             results = [p.off for p in pairs]
         else:
-            results = [
-                run_scenario(sc, eager=mode == "eager", manager_factory=factory, **kw) for sc in plan for mode in modes
-            ]
+            results = [median_of(sc, mode) for sc, mode in runs]
         if base is not None:
             apply_baseline(results, base)
         if scrape_hz > 0:
@@ -171,8 +197,7 @@ def run_bench(
                 for i, (sc, mode) in enumerate(runs)
             ]
         sweeps: dict[str, list[ScenarioResult]] = {
-            mode: [run_scenario(sc, eager=mode == "eager", manager_factory=factory, **kw) for sc in sweep_plan]
-            for mode in sweep_modes
+            mode: [median_of(sc, mode) for sc in sweep_plan] for mode in sweep_modes
         }
         sweep_results = sweeps.get("eager", [])
         sweep_spread = cpu_spread = None
@@ -205,6 +230,8 @@ def run_bench(
         vllm_step_note=vllm_note,
     )
     rep.report_verdicts = judge_report(rep)
+    targets = {name: make().targets for name, make in SCENARIOS.items()}
+    rep.report_unjudged = unjudged(rep) + unjudged_rows(rep, targets)
     return rep
 
 
@@ -254,6 +281,7 @@ def main_bench(args: argparse.Namespace) -> int:
             pool_write=True,
             wake_probe=True,
             vllm_python=_vllm_python(getattr(args, "vllm_python", None)),
+            repeat=getattr(args, "repeat", 1),
         )
     finally:
         line.close()

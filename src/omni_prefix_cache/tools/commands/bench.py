@@ -73,6 +73,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--warmup", type=non_negative, default=None, help="untimed steps first (per-scenario default)")
     p.add_argument("--no-sweep", action="store_true", help="skip the decode batch-size sweep")
     p.add_argument(
+        "--repeat",
+        type=positive,
+        default=1,
+        help="run every scenario row, metrics pair and sweep row N times and keep the median run "
+        "(by engine p50; a pair by its engine on/off); `make bench` passes 3",
+    )
+    p.add_argument(
         "--forward-us",
         type=non_negative,
         default=0,
