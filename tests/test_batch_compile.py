@@ -1,7 +1,8 @@
-"""A batched operation (specs/batch.py) moves every instance as running the
-same operation instance by instance would: same component states, same
-effects per instance, same instances refused or failed (and with
-``truncate``, the same ones never run)."""
+"""A compiled operation's batch closures (specs/composition_compile.py, derived
+from the same compiled steps as its per-instance closures) move every
+instance as running the same operation instance by instance would: same
+component states, same effects per instance, same instances refused or
+failed (and with ``truncate``, the same ones never run)."""
 
 from __future__ import annotations
 
@@ -12,20 +13,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_prefix_cache.specs.batch import Batch, compile_batch_operation
+from omni_prefix_cache.specs.batch import Batch
 from omni_prefix_cache.specs.composition import Do, OperationSpec, ProtocolViolation, compile_operation, load_protocol
-from omni_prefix_cache.writes.operations import CONTROLLER_EFFECTS, CONTROLLER_ROLES, RuntimeOp
+from omni_prefix_cache.specs.runner import SegmentRunner
 
 SPEC = load_protocol()
-MACHINES = {role: SPEC.components[role] for role in CONTROLLER_ROLES}
-# Operations the controller runs batched, on its own roles only.
+CONTROLLER = SPEC.executors["controller"]
+MACHINES = {role: SPEC.components[role] for role in CONTROLLER.roles}
+# What the controller runs batched: its share of each operation (spec executors).
 OPS: dict[str, OperationSpec] = {
-    "register": SPEC.ops["save"].projected(CONTROLLER_ROLES, CONTROLLER_EFFECTS),
-    "abandon_refund": SPEC.ops["abandon_save"].projected(CONTROLLER_ROLES, CONTROLLER_EFFECTS),
-    **{name: SPEC.ops[name] for name in ("escalate", "committer_claim", "committer_copy", "committer_write")},
-    **{name: SPEC.ops[name] for name in ("eager_run", "fail")},
-    # The controller's part of shutdown (the manager runs its state segment).
-    "shutdown": SPEC.ops["shutdown"].projected(CONTROLLER_ROLES, CONTROLLER_EFFECTS),
+    "register": SPEC.share("controller", "save", "register"),
+    "abandon_refund": SPEC.share("controller", "abandon_save"),
+    **{
+        name: SPEC.share("controller", name)
+        for name in ("escalate", "committer_claim", "committer_copy", "committer_write", "eager_run", "fail")
+    },
+    "shutdown": SPEC.share("controller", "shutdown"),
 }
 
 
@@ -109,10 +112,10 @@ def run_one_by_one(op: OperationSpec, items: list[Item], truncate: bool) -> tupl
 
 def run_batched(op: OperationSpec, items: list[Item], truncate: bool) -> Batch:
     effects, guards = _handlers(op)
-    compiled = compile_batch_operation(op, ToyBinding(), effects, guards)
+    compiled = compile_operation(op, ToyBinding(), effects, guards)
     admitted = compiled.admits_many(items)
     batch = Batch([x for x, ok in zip(items, admitted) if ok], truncate=truncate)
-    for segment in compiled.segments:
+    for segment in compiled.batches:
         if not batch.items:
             break
         segment(batch)
@@ -183,24 +186,15 @@ def test_truncate_keeps_the_earliest_failure_across_a_when() -> None:
 @pytest.mark.parametrize("name", sorted(OPS))
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
-def test_a_batch_of_one_through_run_segment_ends_as_the_batch_segments_leave_it(name: str, data: st.DataObject) -> None:
-    # The runtime's fast path (specs.batch.run_segment): one item runs the per-instance closures.
+def test_a_batch_of_one_through_the_runner_ends_as_the_batch_segments_leave_it(name: str, data: st.DataObject) -> None:
+    # The runner's fast path (SegmentRunner.run_batch): one item runs the per-instance closures.
     op = OPS[name]
     [item] = data.draw(items_strategy(op).filter(lambda xs: len(xs) == 1), label="item")
     (twin,) = _copy([item])
     reference = run_batched(op, [twin], truncate=True)
     effects, guards = _handlers(op)
-    runtime = RuntimeOp(
-        compile_operation(op, ToyBinding(), effects, guards),
-        compile_batch_operation(op, ToyBinding(), effects, guards),
-        tuple(seg.lock or "none" for seg in op.segments),
-        tail=0,
-    )
-    batch = Batch([item] if runtime.batch.admits_many([item])[0] else [], truncate=True)
-    for index in range(len(op.segments)):
-        if not batch.items:
-            break
-        runtime.run_segment(index, batch)
+    compiled = compile_operation(op, ToyBinding(), effects, guards)
+    batch = SegmentRunner().run_batch(compiled, [item], truncate=True)
     assert [(x.ident, type(e), str(e)) for x, e in batch.errors] == [
         (x.ident, type(e), str(e)) for x, e in reference.errors
     ]

@@ -12,7 +12,7 @@ from omni_prefix_cache.tools.cli import EXPLORE_SCENARIOS
 # Found by `omni-prefix-cache explore --mutant cow_copy_missed_before_reads_lock` (reuse-read, within
 # the first 1,747 schedules since the committer runs its passes as batches): the prefetch thread is
 # switched in at its start, then out at its reads-lock acquire.
-COW_TOKEN = "x1/reuse-read/cow_copy_missed_before_reads_lock/55:3,57:1"
+COW_TOKEN = "x1/reuse-read/cow_copy_missed_before_reads_lock/44:3,46:1"
 # Real races of shutdown against the engine and materialize threads, found by `explore --scenario
 # shutdown` (on the code before the fix each token replays to the failure its comment names) and
 # fixed in the manager: every state-lock segment of a facade call checks the closed flag, and

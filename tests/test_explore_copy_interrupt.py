@@ -30,7 +30,7 @@ def _copy_catching_exception_only(self: Committer, tids: list[Tid]) -> None:
     if not tasks:
         return
     try:
-        batch = self._runner.run_many(self._ops.copy, tasks)
+        batch = self._runner.run_batch(self._ops.copy, tasks)
     except KeyboardInterrupt:
         _interrupted.append(list(tids))
         raise

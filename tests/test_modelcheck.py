@@ -111,7 +111,7 @@ def test_a_claim_of_a_task_failed_on_another_thread_is_a_protocol_violation_when
 
     result = check(SMALL, protocol=load_protocol().mutated(require))
     assert result.violation is not None and result.violation.name == "protocol.required_move"
-    assert "committer_claim: task.claim_copy is not enabled" in result.violation.message
+    assert "committer_claim (claim): task.claim_copy is not enabled" in result.violation.message
     assert result.trace[-2].startswith("fail[0](task 0)")
 
 
@@ -189,7 +189,7 @@ def test_cli_check_runs_a_mutation_kept_as_a_file(tmp_path: Path, capsys: pytest
     data = yaml.safe_load(yaml.safe_dump(dict(load_protocol().raw)))  # a deep copy
     write = _op(data, "committer_write")["segments"]
     write[1]["steps"].remove({"do": "publish_completed"})
-    write.append({"lock": "controller", "steps": [{"do": "publish_completed"}]})
+    write.append({"name": "publish_late", "lock": "controller", "steps": [{"do": "publish_completed"}]})
     path = tmp_path / "done_first.yaml"
     path.write_text(yaml.safe_dump(data))
     rc = main([*SMALL_ARGV, "--broken", str(path)])

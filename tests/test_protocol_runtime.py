@@ -68,7 +68,7 @@ def test_a_listed_move_that_is_not_enabled_raises_a_protocol_violation() -> None
     ctrl.submit(task, queued=True)
     # save's dispatch pushes a deferred write queued at submit: a second
     # dispatch finds its position already LOW.
-    with pytest.raises(ProtocolViolation, match=r"save \(controller segment\): position.push_low is not enabled .*LOW"):
+    with pytest.raises(ProtocolViolation, match=r"save \(dispatch\): position.push_low is not enabled .*LOW"):
         ctrl.dispatch([task])
     ctrl.shutdown()
 
@@ -79,7 +79,7 @@ def test_an_immediate_write_on_a_free_page_cannot_register() -> None:
     task = WriteTask(
         tid=1, req_id="r", write_n=1, schedule=WriteSchedule.JOIN_NEXT_STEP, chunks=[chunk], staging_slot=0
     )
-    with pytest.raises(ProtocolViolation, match=r"save \(state segment\).*: task_holder.bind is not enabled"):
+    with pytest.raises(ProtocolViolation, match=r"save \(register\): task_holder.bind is not enabled"):
         ctrl.register(task)
 
 
@@ -100,7 +100,7 @@ def test_task_holders_are_released_only_by_their_write_or_failure() -> None:
 def test_a_mutated_composition_changes_what_the_controller_does() -> None:
     def no_low_queue(data: dict[str, Any]) -> None:
         save = next(op for op in data["operations"] if op["name"] == "save")
-        dispatch = next(seg for seg in save["segments"] if seg.get("lock") == "controller")
+        dispatch = next(seg for seg in save["segments"] if seg["name"] == "dispatch")
         text = repr(dispatch["steps"]).replace("position.push_low", "position.push")
         dispatch["steps"] = eval(text)  # noqa: S307 - a literal of our own
 
@@ -115,6 +115,5 @@ def test_a_mutated_composition_changes_what_the_controller_does() -> None:
 
 def test_projection_keeps_the_controller_steps_in_order() -> None:
     save = load_protocol().ops["save"]
-    state = next(i for i, seg in enumerate(save.segments) if seg.lock == "state")
-    labels = save.segment(state).projected(frozenset({"task", "task_holder"}), frozenset({"register_task"}))
+    labels = save.only("register").projected(frozenset({"task", "task_holder"}), frozenset({"register_task"}))
     assert labels.order_labels() == ["register_task", "task.enqueue", "task_holder.bind", "task.enqueue"]

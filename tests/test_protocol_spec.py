@@ -14,6 +14,7 @@ from omni_prefix_cache.specs.composition import (
     parse_protocol,
 )
 from omni_prefix_cache.specs.loader import SpecError
+from omni_prefix_cache.specs.runner import CALLER_HOLDS
 
 
 class _Recorder:
@@ -61,23 +62,23 @@ def test_every_operation_compiles_and_runs_its_steps_in_spec_order() -> None:
 def test_first_of_runs_the_first_alternative_whose_move_is_enabled() -> None:
     rec = _Recorder(enabled={"position.promote"})
     op = compile_operation(load_protocol().ops["escalate"], rec, *_handlers(rec))
-    op.run(None)
-    assert rec.log == ["position.promote", "wake_committer"]
+    CALLER_HOLDS.run_all(op, None)
+    assert rec.log == ["position.promote"]
     rec2 = _Recorder(enabled=set())
-    compile_operation(load_protocol().ops["escalate"], rec2, *_handlers(rec2)).run(None)
-    assert rec2.log == ["wake_committer"]
+    CALLER_HOLDS.run_all(compile_operation(load_protocol().ops["escalate"], rec2, *_handlers(rec2)), None)
+    assert rec2.log == []
 
 
 def test_a_required_move_that_is_not_enabled_is_a_protocol_violation() -> None:
     rec = _Recorder(enabled=set())
     op = compile_operation(load_protocol().ops["committer_copy"], rec, *_handlers(rec))
-    with pytest.raises(ProtocolViolation, match="committer_copy: task.host_ready is not enabled"):
+    with pytest.raises(ProtocolViolation, match=r"committer_copy \(copy\): task.host_ready is not enabled"):
         op.segments[0](None)
 
 
 def test_the_entry_move_admits_an_instance() -> None:
     rec = _Recorder(enabled=set())
-    assert compile_operation(load_protocol().ops["fail"], rec, *_handlers(rec)).run(None) is False
+    assert CALLER_HOLDS.run_all(compile_operation(load_protocol().ops["fail"], rec, *_handlers(rec)), None) is False
     assert rec.log == []
 
 
@@ -107,7 +108,22 @@ def test_a_mutation_that_breaks_an_ordering_rule_is_reported_not_hidden() -> Non
         (lambda d: d["operations"][0]["segments"][0]["steps"].append("task.teleport"), "no trigger 'teleport'"),
         (lambda d: d["operations"][0]["segments"][0]["steps"].append({"do": "nope"}), "undeclared effect 'nope'"),
         (lambda d: d["operations"][0]["segments"][0]["steps"].append("ghost.save"), "unknown role 'ghost'"),
-        (lambda d: d["operations"][0]["segments"][0].update(lock="global"), "needs 'lock'"),
+        (lambda d: d["operations"][0]["segments"][0].update(lock="global"), "needs 'name', 'lock'"),
+        (lambda d: d["operations"][0]["segments"][0].pop("name"), r"segment #0: needs a 'name'"),
+        (
+            lambda d: d["operations"][0]["segments"][1].update(name=d["operations"][0]["segments"][0]["name"]),
+            r"segment names \['events'\] are used twice",
+        ),
+        (
+            lambda d: d["executors"][0]["effects"].remove("wake_committer"),
+            r"effects no executor runs: \['wake_committer'\]",
+        ),
+        (lambda d: d["executors"][1]["effects"].append("wake_committer"), "'wake_committer' is already executor"),
+        (lambda d: d["executors"][0]["roles"].append("ghost"), r"unknown roles \['ghost'\]"),
+        (
+            lambda d: [ex["roles"].remove("request") for ex in d["executors"] if "request" in ex["roles"]],
+            "roles no executor moves",
+        ),
         (lambda d: d["pairs"].pop("STALE"), "must list every copy_queue state"),
         (
             lambda d: d["operations"].remove(next(o for o in d["operations"] if o["name"] == "abandon_save")),

@@ -208,11 +208,11 @@ def test_move_in_another_segment_breaks_segment_steps(threaded: TraceFile) -> No
 
 
 def test_steps_out_of_order_break_step_order(threaded: TraceFile) -> None:
-    """save's dispatch segment: wake_committer before position.push."""
+    """committer_copy's copy segment: unpin_budget before task.host_ready."""
 
     def swap(records: Records) -> None:
-        i = _find(records, lambda r: _is(r, "mv", m="copy_queue", tr="push", op="save"))
-        j = _find(records, lambda r: _is(r, "fx", name="wake_committer", run=records[i]["run"]), i)
+        i = _find(records, lambda r: _is(r, "mv", m="write_task", tr="host_ready", op="committer_copy"))
+        j = _find(records, lambda r: _is(r, "fx", name="unpin_budget", run=records[i]["run"]), i)
         records.insert(i, records.pop(j))
 
     assert _rule(_edited(threaded, swap)) == "step_order"

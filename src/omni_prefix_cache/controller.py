@@ -50,7 +50,7 @@ from omni_prefix_cache.writes.handlers import WriteHandlers, WriteStages
 from omni_prefix_cache.writes.host_rows import HostRows, Pinned
 from omni_prefix_cache.writes.mode import CommitterKind, WriteMode
 from omni_prefix_cache.writes.op_trace import compile_controller_ops
-from omni_prefix_cache.writes.operations import ControllerBinding, OpRunner, active_protocol
+from omni_prefix_cache.writes.operations import ControllerBinding, active_protocol, controller_runner
 from omni_prefix_cache.writes.pool_writer import PoolWriter
 from omni_prefix_cache.writes.staging import HolderTrigger, StagingBufferHolder, StagingBufferPool, StepD2HClaim
 from omni_prefix_cache.writes.task_registry import TaskRegistry
@@ -111,7 +111,7 @@ class OmniPrefixCacheController(ControllerSeams):
             alloc=self.engine.host_empty,
         )
         self.queues = CopyQueues()
-        self._runner = OpRunner(self.lock, self._staging_pool.lock)
+        self._runner = controller_runner(self.lock, self._staging_pool.lock)
         self._handlers = WriteHandlers(
             registry=self._registry,
             budget=self._budget,
@@ -237,9 +237,9 @@ class OmniPrefixCacheController(ControllerSeams):
         deferred one is queued when ``queued``. Runs no copy (safe under the
         manager's state lock); queued writes then go through ``dispatch``."""
         batch = Batch(list(tasks), truncate=True)
-        with self.lock, self._staging_pool.lock:
+        with self.lock, self._staging_pool.lock:  # save's register segment is under the (caller's) state lock
             self._handlers.registering_queued = queued
-            self.ops.register.run_segment(0, batch)
+            self._runner.run_segment_batch(self.ops.save, "register", batch)
         if batch.errors:
             raise batch.errors[0][1]
 
@@ -251,9 +251,9 @@ class OmniPrefixCacheController(ControllerSeams):
             return
         batch = Batch(list(tasks), truncate=True)
         inlined = self._handlers.inline
-        with self.lock:
+        with self.lock:  # held around the segment's own hold: ``inline`` is read under it
             try:
-                self.ops.dispatch.run_segment(0, batch)
+                self._runner.run_segment_batch(self.ops.save, "dispatch", batch)
             finally:
                 inline = inlined.copy()
                 inlined.clear()
@@ -264,10 +264,13 @@ class OmniPrefixCacheController(ControllerSeams):
                 self._eager_dispatch.dispatch(inline)
 
     def submit(self, task: WriteTask, queued: bool = True) -> None:
-        """``register`` + ``dispatch`` (callers not holding the state lock)."""
+        """``register`` + ``dispatch`` + ``kick`` (a caller driving the
+        controller without a manager, not holding the state lock): a queued
+        write runs now, not at the next new_step."""
         self.register(task, queued)
         if queued:
             self.dispatch([task])
+            self.kick()
 
     def append_chunk(self, task: WriteTask, chunk: WriteChunk, freeze_event: Any = None) -> TaskState | None:
         """Append to a pending task. None when appended, else the closing state.
@@ -288,7 +291,7 @@ class OmniPrefixCacheController(ControllerSeams):
         """Operation ``fail`` for ``task`` (a no-op once it is terminal, so
         budget is never uncharged twice), ``error`` its recorded cause."""
         self._registry.record_cause(task, error)
-        return self._runner.run(self.ops.fail, task)
+        return self._runner.run_all(self.ops.fail, task)
 
     write_error = staticmethod(write_error)  # the error a task failing at a stage raises
 
@@ -324,12 +327,12 @@ class OmniPrefixCacheController(ControllerSeams):
         """``save``'s budget steps: over budget, flush the oldest unfinished
         tasks (escalate + join) until under budget or none is left; then
         charge ``nbytes``. Blocks: never call under the manager's state lock."""
-        self.ops.reserve.segments[0](nbytes)
+        self._runner.run(self.ops.save, "budget", nbytes)
 
     def refund_unpinned(self, tickets: list[BudgetTicket]) -> None:
         """``abandon_save``'s refund: uncharge reservations no task ever pinned
         (a pinned or already freed ticket refunds nothing; its last task does)."""
-        self.ops.refund.segments[-1](tickets)
+        self._runner.run(self.ops.abandon_save, "cleanup", tickets)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -345,20 +348,33 @@ class OmniPrefixCacheController(ControllerSeams):
                 with torch.inference_mode():
                     self._eager_dispatch.dispatch(tasks)
             return
-        segment = self.ops.escalate.segments[0]
-        with self.lock:
+        run, escalate = self._runner.run, self.ops.escalate
+        with self.lock:  # one hold; per task in order: each push_head goes before the ones already escalated
             for task in tasks:
-                segment(task)
+                run(escalate, "enqueue", task)
+
+    def kick(self) -> None:
+        """new_step's ``kick``: wake the committer, so queued writes run while the forward does. Any thread."""
+        self._runner.run(self.ops.new_step, "kick", None)
 
     def join(self, tids: list[Tid]) -> None:
-        """Operation ``join``: wait until each task's pool write is over.
-        Raises if one failed or does not finish within ``staging_claim_timeout_s``.
-        Never call under the manager's state lock."""
-        self._committer.wait(tids, self.ops.join_event)  # type: ignore[arg-type]
+        """Operation ``join``: kick the committer if a task's pool write is
+        not done, then wait for it. Raises if one failed or does not finish
+        within ``staging_claim_timeout_s``. Never call under the manager's state lock."""
+        self._kick_and_wait(tids, self.ops.join_event)
 
     def join_host_ready(self, tids: list[Tid]) -> None:
-        """Wait until each task's host rows exist (not the pool write)."""
-        self._committer.wait(tids, "host_ready")
+        """Operation ``join`` for a task's host rows (``host_ready``), not its pool write."""
+        self._kick_and_wait(tids, "host_ready")
+
+    def _kick_and_wait(self, tids: list[Tid], event: str) -> None:
+        registered = self._registry.tasks
+        for tid in tids:
+            task = registered.get(tid)
+            if task is not None and not getattr(task, event).is_set():
+                self._runner.run(self.ops.join, "kick", None)
+                break
+        self._committer.wait(tids, event)  # type: ignore[arg-type]
 
     def drain_completed(self) -> list[Tid]:
         """Pop pool-written tids and forget their tasks (manager, under its lock)."""
@@ -402,7 +418,7 @@ class OmniPrefixCacheController(ControllerSeams):
         worker drains the queues; manual: drained here); every task still
         unfinished (pending deferred writes, a stuck copy) then fails so no
         joiner hangs."""
-        self._runner.run(self.ops.shutdown, None)
+        self._runner.run_all(self.ops.shutdown, None)
 
     # ------------------------------------------------------------ committer
 

@@ -38,7 +38,7 @@ import torch
 from omni_prefix_cache.adapter import PrefixCacheRequestEvent, PrefixCacheStep, PrefixCacheWriteLayout
 from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.compat.manager_seams import ManagerSeams
-from omni_prefix_cache.controller import OmniPrefixCacheController, StagingBufferHolder
+from omni_prefix_cache.controller import OmniPrefixCacheController
 from omni_prefix_cache.device import sync
 from omni_prefix_cache.device.copy_engine import CopyEngine
 from omni_prefix_cache.engine_types import GroupViewLike, SchedulerOutputLike
@@ -54,11 +54,12 @@ from omni_prefix_cache.interface import (
     StepId,
     Tid,
 )
-from omni_prefix_cache.manager_ops import AbandonCall, FacadeOps, NewStepCall, SaveCall, StepCall
+from omni_prefix_cache.manager_calls import AbandonCall, NewStepCall, SaveCall, StepCall
+from omni_prefix_cache.manager_ops import FacadeOps
 from omni_prefix_cache.ops.components import ManagerComponents
 from omni_prefix_cache.ops.manager_stats import ManagerStats
 from omni_prefix_cache.ops.trace_session import open_trace
-from omni_prefix_cache.reads.hit_planner import Hit, HitPlanner
+from omni_prefix_cache.reads.hit_planner import HitPlanner
 from omni_prefix_cache.reads.materializer import Materializer
 from omni_prefix_cache.reads.planned_read import HitReads
 from omni_prefix_cache.reads.tier_fill import TierDesk, TierFill
@@ -165,8 +166,8 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         self._materializer = Materializer(self._ledger, self._reads, self._state_lock)
         self._requests = RequestTable(self._detach_request_locked, self._hits.hit_blocks, self._live)
         self._delivery = DeliveryDesk(self._requests, self._state_lock, self._check_open)
-        # The manager's operations of spec/protocol.yaml, compiled once (manager_ops).
-        self._ops = self._compile_facade_ops()
+        # The manager's share of spec/protocol.yaml, compiled once, and the runner of its segments (manager_ops).
+        self._ops, self._runner = self._compile_facade_ops()
 
     @property
     def components(self) -> ManagerComponents:
@@ -231,9 +232,11 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         else:
             # ``_live`` changes only on this (the engine) thread: read unlocked.
             given = seed_step(step, self._live)
-        # Operation new_step (compiled): apply the events (state), escalate
-        # what they detached (no lock), plan and start the hits (state).
-        self._run_op(self._ops.new_step, NewStepCall(given), "new_step_starts")
+        call, run, new_step = NewStepCall(given), self._runner.run, self._ops.new_step
+        run(new_step, "events", call)  # state: apply the lifecycle events
+        run(new_step, "escalate", call)  # no lock: escalate what they detached (eager writes run inline)
+        run(new_step, "hits", call)  # state: the host tier, then plan and start the hits' reads
+        self._controller.kick()  # the committer runs the queued writes while the forward does
 
     def _detach_request_locked(self, rid: ReqId) -> list[Tid]:  # the request table's detach (state lock)
         self._hits.drop_request(rid)
@@ -275,81 +278,60 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         """
         self._check_open("save_outputs")
         self._ledger.raise_if_failed()
+        call = self._route_save(hidden, mm, num_tokens_unpadded, num_tokens_padded, write_layout)
+        run, save = self._runner.run, self._ops.save
+        run(save, "take", call)  # state: the step's snapshot and hits, its step id
+        try:
+            call.snapshot, call.mm_event = self._layout.leftover_snapshot(call.split, call.n)
+            run(save, "barrier", call)  # the previous step's immediate writes are in the pool
+            run(save, "claim_page", call)  # a staging page, the immediate rows copied into it
+            self._ledger.reserve_budget(call.split, call.progress.reserved)  # budget: the controller's share
+            call.new_slabs = self._layout.new_slabs(call.split)  # paid here, published under the lock
+            with self._runner.held(save, "register", call) as register:  # state
+                self._register_writes_locked(call)  # the writes, per task
+                register(call)  # issue the step, take the slots' tenancy, plan and start the hits
+                self._ledger.previous_step_writes = [t.tid for t in call.immediate]
+                counters = self._counters  # item increments: Counter.update with keywords is a Python loop
+                counters["steps_saved"] += 1
+                counters["tokens_saved"] += call.n
+                call.progress.published = True
+            # A clone no task views (a step without scheduled requests) is
+            # uncharged now; a pinned ticket refunds nothing here.
+            self._ledger.refund_unpinned(call.progress.reserved)
+            self._controller.dispatch(call.immediate)  # dispatch: queue, or (eager) copy + pool write inline
+        except BaseException as exc:
+            error = self._ledger.save_error(call.progress, exc)
+            self._abandon_save(call, error)
+            if error is exc:
+                raise
+            raise error from exc
+        run(save, "start_reads", call)  # state: the prefetches of the hits it planned (none after a shutdown)
+        return call.sid
+
+    def _route_save(
+        self,
+        hidden: torch.Tensor | None,
+        mm: Mapping[str, Any] | None,
+        num_tokens_unpadded: int,
+        num_tokens_padded: int,
+        write_layout: PrefixCacheWriteLayout | None,
+    ) -> SaveCall:
+        """Validate and route one save (engine thread, no lock): nothing is
+        taken yet, so a refused call may be corrected and retried."""
         n = check.as_count("save_outputs: num_tokens_unpadded", num_tokens_unpadded)
         padded = check.as_count("save_outputs: num_tokens_padded", num_tokens_padded)
-        with self._state_lock:
-            self._check_open("save_outputs")
-            # Engine thread only: nothing else takes a snapshot or a step id.
-            sched = self._pending_sched
-            sid = self._steps.next_id
-        if sched is None:
+        # Engine thread only: nothing else takes a snapshot or a step id (take checks both again).
+        pending, sid = self._pending_sched, self._steps.next_id
+        if pending is None:
             raise OmniPrefixCacheUnmatchError(f"save_outputs (step {sid}) without a new_step_starts before it")
-        if write_layout is not None:
-            sched = SchedSnapshot(sched.num_scheduled, write_layout)
+        sched = pending if write_layout is None else SchedSnapshot(pending.num_scheduled, write_layout)
         if padded < n:
             raise OmniPrefixCacheInvalidArgumentError(
                 f"save_outputs (step {sid}): num_tokens_padded={padded} < num_tokens_unpadded={n}"
             )
         req_order, spans, slots, split = self._layout.route_step(sid, sched, self._policy, hidden, mm, n, padded)
         token_ranges = None if write_layout is None else layout_token_ranges(write_layout)
-        with self._state_lock:
-            self._check_open(f"save_outputs (step {sid})")
-            self._pending_sched = None
-            hits = self._hits.take_all()
-            self._steps.next_id += 1
-        save = SaveProgress(sid)
-        registering = False  # past this point a failed save cannot be retried
-        ledger = self._ledger
-        try:
-            snapshot, mm_event = self._layout.leftover_snapshot(split, n)
-            ledger.join_previous_step()
-            claimed = save.claimed = self._controller.stage_step_host(
-                split.immediate, n, split.freeze_event, StagingBufferHolder.for_step(sid)
-            )
-            ledger.reserve_budget(split, save.reserved)
-            new_slabs = self._layout.new_slabs(split)  # paid here, published under the lock
-
-            with self._state_lock:
-                # A shutdown since the claim released every open step: publishing
-                # this one now would keep its page forever. Abandon it instead.
-                self._check_open(f"save_outputs (step {sid})")
-                registering = True
-                # First, before any table changes: a failure here leaves
-                # nothing registered.
-                ledger.commit_drained_locked()
-                self._layout.publish_keys(new_slabs, split, self._slot_status)
-                # Save's state segment: the controller's projection (register
-                # the writes), then the manager's (compiled: issue the step,
-                # take tenancy, plan the hits, record the tenures' progress).
-                immediate = ledger.register_immediate_locked(split, claimed, req_order, spans, slots, save.registered)
-                deferred_tids = ledger.register_deferred_locked(split, save.registered)
-                ctx = self._layout.step_context(
-                    sid, self._controller, claimed, split, n, req_order, spans, snapshot, mm_event, self._policy
-                )
-                call = SaveCall(ctx, split, slots, immediate, deferred_tids, hits, token_ranges)
-                self._ops.save.op.segments[0](call)
-                ledger.previous_step_writes = [t.tid for t in immediate]
-                counters = self._counters  # item increments: Counter.update with keywords is a Python loop
-                counters["steps_saved"] += 1
-                counters["tokens_saved"] += n
-                save.published = True
-            # A clone no task views (a step without scheduled requests) is
-            # uncharged now; a pinned ticket refunds nothing here.
-            ledger.refund_unpinned(save.reserved)
-            # Eager: copy + pool write inline, outside the lock.
-            self._controller.dispatch(immediate)
-        except BaseException as exc:
-            error = ledger.save_error(save, exc)
-            self._abandon_save(save, hits, error, None if registering else sched)
-            if error is exc:
-                raise
-            raise error from exc
-        with self._state_lock:
-            # After a shutdown released this step (and forgot its unstarted
-            # reads) nothing is started; its materialize raises the shutdown error.
-            if not self._closed:
-                self._hits.start_prefetch(call.jobs)
-        return sid
+        return SaveCall(SaveProgress(sid), n, pending, sched, req_order, spans, slots, split, token_ranges)
 
     def _drain_off_engine(self) -> None:
         """The committer thread, after a pass that wrote (no lock held):
@@ -383,15 +365,12 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         req_ids = check.as_req_ids(f"materialize(step {step_id}): req_ids", req_ids)
         name = f"materialize(step {step_id})"
         self._check_open(name)
-        call = StepCall(name, step_id, req_ids=req_ids)
-        # Operation materialize (compiled): consume (state), merge (no lock),
-        # then release the page and drop unread reads, whatever the merge raised.
-        ops = self._ops.materialize
-        self._run_op(ops, call, name, until=1)
+        call, run, materialize = StepCall(name, step_id, req_ids=req_ids), self._runner.run, self._ops.materialize
+        run(materialize, "consume", call)  # state
         try:
-            self._run_op(ops, call, name, until=2, start=1)
+            run(materialize, "merge", call)  # no lock: hit prefixes + the step's rows from its page
         finally:
-            self._run_op(ops, call, name, start=2)
+            run(materialize, "release", call)  # the page, and the reads nobody fetched, whatever the merge raised
         assert call.outputs is not None
         return call.outputs
 
@@ -403,8 +382,8 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         check.as_step_id("discard_step", step_id)
         name = f"discard_step(step {step_id})"
         self._check_open(name)
-        # Operation discard (compiled): consume, release the page, drop the reads.
-        self._run_op(self._ops.discard, StepCall(name, step_id), name)
+        # Operation discard: consume, release the page, drop the reads (one state segment).
+        self._runner.run(self._ops.discard, "consume", StepCall(name, step_id))
 
     def shutdown(self) -> None:
         """Stop the prefetch thread and the controller (queued writes land
@@ -412,36 +391,29 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         and their hit reads dropped. Later facade calls (stats aside) raise
         the shutdown error; a materialize racing shutdown returns exact rows
         or raises it. Idempotent."""
-        with self._state_lock:
-            if self._closed:
-                return
-            # Shutdown's state segment (compiled): close, discard every open
-            # step, release its page, drop every pending read.
-            self._ops.shutdown.op.segments[0](StepCall("shutdown", None))
-        self._controller.shutdown()
+        try:
+            # close (state): closed, every open step discarded and its page
+            # released, every pending read dropped.
+            self._runner.run(self._ops.shutdown, "close", StepCall("shutdown", None))
+        except OmniPrefixCacheShutdownError:
+            return  # an earlier shutdown closed it
+        self._controller.shutdown()  # close_staging, drain: the controller's share
 
     # ============================================================ helpers
 
-    def _abandon_save(
-        self, save: SaveProgress, hits: dict[ReqId, Hit], error: BaseException, retry: SchedSnapshot | None
-    ) -> None:
-        """Undo a failed save: no step context, and (operation ``abandon_save``)
-        no step holder, no budget no task pinned, no stranded write. ``retry``:
-        the save failed before registering anything (a staging timeout, a
-        failed staging copy, a join): its scheduler snapshot and hits are put
-        back, so the engine may call save_outputs again (under a new step id)
-        and no row behind a published block hash is lost."""
-        # Operation abandon_save (compiled): restore the step's input (state,
-        # also after shutdown), abandon the page, fail the stranded writes;
-        # then the controller's refund (the same segment's projection).
-        call = AbandonCall(save, hits, error, retry)
-        for lock, segment in zip(self._ops.abandon_save.locks, self._ops.abandon_save.op.segments):
-            if lock == "state":
-                with self._state_lock:
-                    segment(call)
-            else:
-                segment(call)
-        self._ledger.refund_unpinned(save.reserved)
+    def _abandon_save(self, call: SaveCall, error: BaseException) -> None:
+        """Undo a failed save (operation ``abandon_save``): no step context,
+        no step holder, no budget no task pinned, no stranded write. A save
+        that failed before registering anything (a staging timeout, a failed
+        staging copy, a join) puts its scheduler snapshot and hits back, so
+        the engine may call save_outputs again (under a new step id) and no
+        row behind a published block hash is lost."""
+        progress = call.progress
+        undo = AbandonCall(progress, call.hits, error, None if call.registering else call.sched)
+        # restore (state, also after shutdown), abandon the page, fail the stranded writes;
+        # then cleanup's refund (the controller's share of the same segment).
+        self._runner.run_all(self._ops.abandon_save, undo)
+        self._ledger.refund_unpinned(progress.reserved)
 
     def _check_open(self, call: str) -> None:
         """Raise the shutdown error naming ``call`` once shutdown began. Read

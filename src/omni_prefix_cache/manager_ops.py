@@ -1,15 +1,16 @@
-"""The manager's side of the composition (spec/protocol.yaml), compiled.
+"""The manager's share of the composition (spec/protocol.yaml), compiled.
 
-``ManagerBinding`` resolves the roles the manager moves: ``step`` (the step
-table), ``step_holder`` (a step's staging page), ``read`` (planned reads,
-dropped where their prefetch has not started) and the couplings
+``ManagerBinding`` resolves the roles executor ``manager`` moves: ``step``
+(the step table), ``step_holder`` (a step's staging page), ``read`` (planned
+reads, dropped where their prefetch has not started) and the couplings
 ``slot.take_tenancy`` and ``slot.restore_tenancy`` (the host tier's,
-``reads.tier_fill``). ``FacadeOps`` (a mixin of the manager) compiles once
-per manager: new_step, save's state segment projected on the manager's roles
-and effects (the controller runs its own projection first, in the same lock
-hold), abandon_save's manager segments, materialize, discard and shutdown's
-state segment. ``_run_op`` runs segment by segment under each one's lock; a
-``state`` segment first raises the shutdown error once shutdown began.
+``reads.tier_fill``). ``FacadeOps`` (a mixin of the manager) compiles, once
+per manager, the manager's share of new_step, save, abandon_save,
+materialize, discard and shutdown, and its ``SegmentRunner``: a ``state``
+segment takes the state lock and first raises the shutdown error once
+shutdown began (abandon_save excepted: it undoes a failed save whatever
+happened since); the save barrier waits for the previous step's immediate
+writes.
 """
 
 from __future__ import annotations
@@ -17,123 +18,43 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from omni_prefix_cache.controller import OmniPrefixCacheController
-from omni_prefix_cache.interface import OmniPrefixCacheShutdownError, ReqId, StageCacheOutputs, StepId, Tid
-from omni_prefix_cache.reads.hit_planner import HitJob, HitPlanner
+from omni_prefix_cache.interface import (
+    ModelCachePolicy,
+    OmniPrefixCacheShutdownError,
+    OmniPrefixCacheUnmatchError,
+    StepId,
+    Tid,
+)
+from omni_prefix_cache.manager_calls import AbandonCall, NewStepCall, SaveCall, StepCall
+from omni_prefix_cache.reads.hit_planner import HitPlanner
 from omni_prefix_cache.reads.materializer import Materializer
 from omni_prefix_cache.reads.planned_read import HitReads
-from omni_prefix_cache.reads.tier_fill import Restore, TierDesk
+from omni_prefix_cache.reads.tier_fill import TierDesk
 from omni_prefix_cache.requests.lifecycle import RequestTable
-from omni_prefix_cache.requests.step_input import StepInput
-from omni_prefix_cache.specs.compiled import CompiledMove
-from omni_prefix_cache.specs.composition import CompiledOperation, OperationSpec, ProtocolSpec, compile_operation
+from omni_prefix_cache.specs.composition import CompiledOperation, compile_operation
 from omni_prefix_cache.specs.loader import SpecError, TriggerName
+from omni_prefix_cache.specs.runner import LockRule, SegmentRunner
 from omni_prefix_cache.specs.types.staging_holder import StagingHolderTrigger
 from omni_prefix_cache.specs.types.step_context import StepContextTrigger
+from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
 from omni_prefix_cache.steps.step_context import StepContext, StepTable
-from omni_prefix_cache.steps.step_layout import SchedSnapshot, StepLayout, StepOutputs
-from omni_prefix_cache.steps.step_record import Hit
-from omni_prefix_cache.steps.write_ledger import SaveProgress, WriteLedger
+from omni_prefix_cache.steps.step_layout import SchedSnapshot, StepLayout
+from omni_prefix_cache.steps.write_ledger import WriteLedger
 from omni_prefix_cache.telemetry.registry import dropped
 from omni_prefix_cache.writes.operations import active_protocol
 from omni_prefix_cache.writes.staging import StagingBufferHolder, StagingBufferPool
 
-__all__ = ["AbandonCall", "FacadeOps", "ManagerBinding", "NewStepCall", "SaveCall", "StepCall"]
+__all__ = ["FacadeOps", "ManagerBinding", "ManagerOps"]
 
 logger = logging.getLogger(__name__)
 
 Pred = Callable[[Any], bool]
 Run = Callable[[Any], None]
-
-# The manager's roles and effects: the projections it compiles keep only these.
-MANAGER_ROLES = frozenset({"step", "step_holder", "read", "slot"})
-MANAGER_EFFECTS = frozenset(
-    {
-        "validate_events",
-        "apply_events",
-        "escalate_detached",
-        "plan_hits",
-        "replan_same_step_hits",
-        "apply_tier",
-        "join_for_tier",
-        "fill_reused_blocks",
-        "record_saved",
-        "merge_outputs",
-        "restore_step_input",
-        "fail_stranded",
-        "close_facade",
-    }
-)
-
-
-@dataclass(eq=False, slots=True)
-class NewStepCall:
-    """Operation new_step's context: the step's input, what its events left
-    (hit candidates, writes to escalate) and the hits it registered."""
-
-    given: StepInput
-    candidates: list[Hit] = field(default_factory=list)  # blocks validated
-    escalate: list[Tid] = field(default_factory=list)
-    restores: list[Restore] = field(default_factory=list)  # the host tier's, for restore_tenancy
-
-    def __repr__(self) -> str:
-        return f"new_step_starts(sequence {self.given.sequence})"
-
-
-@dataclass(eq=False, slots=True)
-class SaveCall:
-    """The manager's part of save's state segment: the step to issue and what tenancy and hits need."""
-
-    ctx: StepContext
-    split: StepOutputs
-    slots: torch.Tensor
-    immediate: list[Any]  # the step's JOIN_NEXT_STEP writes
-    deferred_tids: list[Tid]
-    hits: dict[ReqId, Hit]
-    token_ranges: dict[ReqId, tuple[int, int]] | None
-    jobs: list[HitJob] = field(default_factory=list)
-
-    def __repr__(self) -> str:
-        return f"save_outputs(step {self.ctx.step_id})"
-
-
-@dataclass(eq=False, slots=True)
-class StepCall:
-    """materialize, discard or shutdown: the step id asked for (None: every
-    open step, shutdown), the steps the operation moved and, for shutdown,
-    the pending hits it dropped."""
-
-    call: str
-    sid: StepId | None
-    steps: list[StepContext] = field(default_factory=list)
-    # Each step's consume move (None: the spec has none from its state).
-    moves: list[CompiledMove | None] = field(default_factory=list)
-    hits: list[Hit] = field(default_factory=list)
-    req_ids: Sequence[ReqId] = ()
-    outputs: StageCacheOutputs | None = None
-
-    def __repr__(self) -> str:
-        return self.call
-
-
-@dataclass(eq=False, slots=True)
-class AbandonCall:
-    """abandon_save's context: the failed save, its hits, the error and the
-    snapshot to put back (None: it registered something, no retry)."""
-
-    save: SaveProgress
-    hits: dict[ReqId, Hit]
-    error: BaseException
-    retry: SchedSnapshot | None
-
-    def __repr__(self) -> str:
-        return f"save_outputs(step {self.save.sid}) abandoned"
 
 
 def drop_step_reads(ctx: StepContext, reads: HitReads) -> None:
@@ -152,7 +73,8 @@ class ManagerBinding:
     """``Binding`` for the manager's roles. A move over several instances
     (the steps shutdown discards, their reads) fires on each; a required
     move with no instance (a step without a page) is vacuously done, as in
-    the model's binding."""
+    the model's binding. ``claim_page(call)`` is ``step_holder.claim``: it
+    claims the save's page and launches the step's copy into it."""
 
     def __init__(
         self,
@@ -161,18 +83,21 @@ class ManagerBinding:
         hits: HitPlanner,
         reads: HitReads,
         couplings: Mapping[str, Run],
+        claim_page: Run,
     ) -> None:
         self._steps = steps
         self._staging = staging
         self._hits = hits
         self._reads = reads
         self._couplings = couplings  # slot couplings by name
+        self._claim_page = claim_page
 
     def try_move(self, role: str, trigger: TriggerName) -> Pred:
         steps, staging = self._steps, self._staging
         if role == "step" and trigger == "save":
 
             def attempt_save(call: SaveCall) -> bool:
+                assert call.ctx is not None  # the register segment built it
                 steps.publish_locked(call.ctx)  # raises naming the step when refused
                 return True
 
@@ -190,6 +115,14 @@ class ManagerBinding:
                 return True
 
             return attempt_consume
+        if role == "step_holder" and trigger == "claim":
+            claim_page = self._claim_page
+
+            def attempt_claim(call: SaveCall) -> bool:
+                claim_page(call)  # waits for a page (the staging timeout raises)
+                return True
+
+            return attempt_claim
         if role == "step_holder" and trigger == "consume":
 
             def attempt_release(call: StepCall) -> bool:
@@ -232,7 +165,7 @@ class ManagerBinding:
                 return True
 
             return attempt_drop
-        raise SpecError(f"protocol.yaml: the manager fires no {role}.{trigger} (roles {sorted(MANAGER_ROLES)})")
+        raise SpecError(f"protocol.yaml: the manager fires no {role}.{trigger} (its roles: executor manager)")
 
     def move(self, role: str, trigger: TriggerName) -> tuple[Pred, Run]:
         attempt = self.try_move(role, trigger)
@@ -249,37 +182,21 @@ class ManagerBinding:
 
 
 @dataclass(frozen=True, eq=False, slots=True)
-class FacadeOp:
-    """A compiled manager operation (or part) with each segment's lock."""
-
-    op: CompiledOperation
-    locks: tuple[str, ...]
-
-
-@dataclass(frozen=True, eq=False, slots=True)
 class ManagerOps:
-    new_step: FacadeOp
-    save: FacadeOp
-    abandon_save: FacadeOp
-    materialize: FacadeOp
-    discard: FacadeOp
-    shutdown: FacadeOp
+    """Executor ``manager``'s share of each operation it runs, compiled."""
 
-
-def _part(spec: ProtocolSpec, name: str, lock: str | None = None) -> OperationSpec:
-    """Operation ``name`` (its first ``lock`` segment alone when given),
-    projected on the manager's roles and effects."""
-    op = spec.ops[name]
-    if lock is not None:
-        index = next(i for i, seg in enumerate(op.segments) if seg.lock == lock and not seg.wait)
-        op = op.segment(index, f"{name} ({lock} segment)")
-    roles = MANAGER_ROLES - {"read"} if name == "new_step" else MANAGER_ROLES  # new_step's reads: HitReads
-    return op.projected(roles, MANAGER_EFFECTS, name=op.name)
+    new_step: CompiledOperation
+    save: CompiledOperation
+    abandon_save: CompiledOperation
+    materialize: CompiledOperation
+    discard: CompiledOperation
+    shutdown: CompiledOperation
 
 
 class FacadeOps:
-    """The manager's compiled operations and their effect and guard handlers
-    (a mixin of ``OmniPrefixCacheManager``: the handlers are its own)."""
+    """The manager's compiled operations, its runner and their effect and
+    guard handlers (a mixin of ``OmniPrefixCacheManager``: the handlers are
+    its own)."""
 
     _state_lock: threading.Lock
     _controller: OmniPrefixCacheController
@@ -296,24 +213,33 @@ class FacadeOps:
     _closed: bool
     _step_ctxs: dict[StepId, StepContext]
     _finish_escalations: tuple[StepId, list[Tid]]
+    _slot_status: SlotOccupancy
+    _policy: ModelCachePolicy
 
-    def _compile_facade_ops(self) -> ManagerOps:
-        """Compile, once per manager, every manager operation of the active
-        composition (``writes.operations.use_protocol`` swaps it in tests)."""
+    def _check_open(self, call: str) -> None: ...  # the manager's
+
+    def _compile_facade_ops(self) -> tuple[ManagerOps, SegmentRunner]:
+        """Compile, once per manager, the manager's share of the active
+        composition (``writes.operations.use_protocol`` swaps it in tests),
+        and the runner its segments run through."""
         spec = active_protocol()
         tier = self._tier_desk
         couplings = {"take_tenancy": self._couple_take_tenancy, "restore_tenancy": lambda c: tier.restore(c.restores)}
-        binding = ManagerBinding(self._steps, self._controller.staging_pool, self._hits, self._reads, couplings)
+        binding = ManagerBinding(
+            self._steps, self._controller.staging_pool, self._hits, self._reads, couplings, self._claim_page
+        )
         effects: dict[str, Run] = {
             "validate_events": lambda call: self._requests.validate(call.given.events),
             "apply_events": self._apply_events,
             "escalate_detached": self._escalate_detached,
             "plan_hits": self._plan_hits,
+            "take_step_input": self._take_step_input,
             "replan_same_step_hits": self._replan_same_step_hits,
             "apply_tier": lambda c: setattr(c, "restores", tier.apply(c.given.tier, c.candidates, c.given.events)),
             "join_for_tier": lambda c: tier.join_for_loads(c.given.tier, self._ledger.previous_step_writes, c.escalate),
             "fill_reused_blocks": lambda c: tier.fill_reused(c.slots),
             "record_saved": self._record_saved,
+            "start_prefetch": self._start_prefetch,
             "merge_outputs": self._merge_outputs,
             "restore_step_input": self._restore_step_input,
             "fail_stranded": self._fail_stranded,
@@ -323,32 +249,24 @@ class FacadeOps:
         guards["tier_loads"] = lambda call: call.given.tier is not None and bool(call.given.tier.loads)
         guards["tier_joins"] = lambda call: guards["tier_loads"](call) or (tier.active and bool(call.escalate))
 
-        def make(op: OperationSpec) -> FacadeOp:
-            return FacadeOp(compile_operation(op, binding, effects, guards), tuple(s.lock for s in op.segments))
+        def make(name: str) -> CompiledOperation:
+            return compile_operation(spec.share("manager", name), binding, effects, guards)
 
-        return ManagerOps(
-            new_step=make(_part(spec, "new_step")),
-            save=make(_part(spec, "save", lock="state")),
-            abandon_save=make(_part(spec, "abandon_save")),
-            materialize=make(_part(spec, "materialize")),
-            discard=make(_part(spec, "discard")),
-            shutdown=make(_part(spec, "shutdown", lock="state")),
+        ops = ManagerOps(
+            new_step=make("new_step"),
+            save=make("save"),
+            abandon_save=make("abandon_save"),
+            materialize=make("materialize"),
+            discard=make("discard"),
+            shutdown=make("shutdown"),
         )
-
-    def _run_op(self, op: FacadeOp, call: Any, name: str, *, start: int = 0, until: int | None = None) -> None:
-        """Segments ``[start, until)`` of ``op`` for ``call``, each under its
-        lock; a state segment first raises the shutdown error naming
-        ``name`` once shutdown began."""
-        stop = len(op.locks) if until is None else until
-        segments, locks = op.op.segments, op.locks
-        for index in range(start, stop):
-            if locks[index] == "state":
-                with self._state_lock:
-                    if self._closed:
-                        raise OmniPrefixCacheShutdownError(f"{name}: omni prefix cache manager is shut down")
-                    segments[index](call)
-            else:
-                segments[index](call)
+        check_open = self._check_open
+        runner = SegmentRunner(
+            {"state": LockRule.of(self._state_lock, check=lambda call: check_open(call.name))},
+            {"previous_immediate_writes": lambda call: self._ledger.join_previous_step()},
+            unchecked=frozenset({"abandon_save", "save.start_reads"}),
+        )
+        return ops, runner
 
     # ------------------------------------------------------------ new_step
 
@@ -394,22 +312,79 @@ class FacadeOps:
 
     # ------------------------------------------------------------ save
 
+    def _take_step_input(self, call: SaveCall) -> None:
+        """Effect ``take_step_input`` (state lock): the step's snapshot and
+        pending hits become the save's and its step id is issued."""
+        if self._pending_sched is not call.pending or self._steps.next_id != call.sid:
+            # Engine thread only: only a new_step or save on another thread changes these.
+            raise OmniPrefixCacheUnmatchError(f"{call.name}: another call took the step's input meanwhile")
+        self._pending_sched = None
+        call.hits = self._hits.take_all()
+        self._steps.next_id += 1
+
+    def _claim_page(self, call: SaveCall) -> None:
+        """``step_holder.claim``: a staging page for the step, its immediate
+        rows copied into it (no lock: the claim may wait for a page)."""
+        split = call.split
+        call.progress.claimed = self._controller.stage_step_host(
+            split.immediate, call.n, split.freeze_event, StagingBufferHolder.for_step(call.sid)
+        )
+
+    def _register_writes_locked(self, call: SaveCall) -> None:
+        """Save's ``register`` segment, the writes' part (state lock, before
+        the manager's share): drain first (a failure here leaves nothing
+        registered), publish new pool keys, register the step's immediate
+        write and append or open its deferred ones (per task, the ledger and
+        the controller's share of the segment), then build the step context."""
+        call.registering = True
+        ledger, claimed, split = self._ledger, call.progress.claimed, call.split
+        assert claimed is not None  # claim_page claimed it
+        ledger.commit_drained_locked()
+        self._layout.publish_keys(call.new_slabs, split, self._slot_status)
+        registered = call.progress.registered
+        call.immediate = ledger.register_immediate_locked(
+            split, claimed, call.req_order, call.spans, call.slots, registered
+        )
+        call.deferred_tids = ledger.register_deferred_locked(split, registered)
+        call.ctx = self._layout.step_context(
+            call.sid,
+            self._controller,
+            claimed,
+            split,
+            call.n,
+            call.req_order,
+            call.spans,
+            call.snapshot,
+            call.mm_event,
+            self._policy,
+        )
+
     def _couple_take_tenancy(self, call: SaveCall) -> None:
         """Coupling ``slot.take_tenancy``: the step becomes its slots' tenant (reads lock too)."""
-        ctx = call.ctx
+        assert call.ctx is not None
         with self._reads.lock:
             self._ledger.take_tenancy_locked(
-                call.split, call.slots, ctx.record.scheduled_counts(), call.immediate, call.deferred_tids
+                call.split, call.slots, call.ctx.record.scheduled_counts(), call.immediate, call.deferred_tids
             )
 
     def _replan_same_step_hits(self, call: SaveCall) -> None:
         """Effect ``replan_same_step_hits``: hits on slots this step maps are
-        planned again, with every other hit's reads not planned yet, at save."""
+        planned again, with every other hit's reads not planned yet, at save
+        (their prefetches start in segment ``start_reads``)."""
+        assert call.ctx is not None
         self._hits.replan_same_step_hits(call.hits, call.slots)
         call.jobs = self._hits.attach_to_step(call.hits, call.ctx)
 
+    def _start_prefetch(self, call: SaveCall) -> None:
+        """Effect ``start_prefetch`` (state lock, unchecked): after a shutdown
+        released this step (and forgot its unstarted reads) nothing starts;
+        its materialize raises the shutdown error."""
+        if not self._closed:
+            self._hits.start_prefetch(call.jobs)
+
     def _record_saved(self, call: SaveCall) -> None:
         split = call.split
+        assert call.ctx is not None
         self._requests.record_saved(call.ctx, call.token_ranges, bool(split.immediate or split.deferred_clone))
 
     # ------------------------------------------------------------ abandon_save

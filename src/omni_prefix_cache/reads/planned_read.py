@@ -226,7 +226,9 @@ class HitReads:
         self.lock = reads_lock
         self.registry = PlannedReads(pool)
         # Operation prefetch and new_step's read moves, compiled once.
-        self.ops = compile_read_ops(active_protocol(), PLANNED_READ_MACHINE, self.registry, self._fetch_rows)
+        self.ops = compile_read_ops(
+            active_protocol(), PLANNED_READ_MACHINE, self.registry, self._fetch_rows, reads_lock
+        )
 
     @property
     def pending(self) -> set[PlannedRead]:
@@ -349,13 +351,7 @@ class HitReads:
         or ``fail`` when the fetch raised, under the reads lock again, and
         the error is raised. The read is no longer pending either way."""
         call = Fetch(src, out)
-        lock = self.lock
-        for locked, segment in zip(self.ops.prefetch_locked, self.ops.prefetch.segments):
-            if locked:
-                with lock:
-                    segment(call)
-            else:
-                segment(call)
+        self.ops.fetch(call)
         if call.error is not None:
             raise call.error
         assert call.rows is not None

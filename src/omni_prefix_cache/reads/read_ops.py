@@ -23,17 +23,11 @@ from typing import Any, Protocol
 
 import torch
 
-from omni_prefix_cache.specs.batch import Batch, CompiledBatchOperation, compile_batch_operation
+from omni_prefix_cache.specs.batch import Batch
 from omni_prefix_cache.specs.compiled import CompiledMachine
-from omni_prefix_cache.specs.composition import (
-    CompiledOperation,
-    Fire,
-    ProtocolSpec,
-    Segment,
-    compile_operation,
-    walk_steps,
-)
+from omni_prefix_cache.specs.composition import CompiledOperation, Fire, ProtocolSpec, compile_operation
 from omni_prefix_cache.specs.loader import SpecError, TriggerName
+from omni_prefix_cache.specs.runner import LockRule, SegmentRunner
 from omni_prefix_cache.specs.types.planned_read import PlannedReadTrigger
 
 __all__ = ["Fetch", "ReadBinding", "ReadOps", "compile_read_ops"]
@@ -96,29 +90,41 @@ class ReadBinding:
 
 @dataclass(frozen=True, eq=False, slots=True)
 class ReadOps:
-    """The compiled read operations and the lock each prefetch segment takes
-    (True: the reads lock; False: none)."""
+    """The compiled read operations (executor ``reads``) and their runner
+    (the reads lock where a prefetch segment declares it)."""
 
     prefetch: CompiledOperation
-    prefetch_locked: tuple[bool, ...]
-    settle: CompiledBatchOperation
+    settle: CompiledOperation  # new_step's ``hits`` segment, projected on the read moves
+    runner: SegmentRunner
+
+    def fetch(self, call: Fetch) -> None:
+        """Operation ``prefetch`` for one read: ``fetch`` (reads lock), the
+        rows (no lock), then ``serve`` or ``fail`` (reads lock). Raises what
+        a refused move raises (the registry names the read)."""
+        run, op = self.runner.run, self.prefetch
+        run(op, "fetch", call)
+        run(op, "rows", call)
+        run(op, "serve", call)
 
     def settle_planned(self, refs: list[Any]) -> None:
         """``register`` every read whose plan is complete, ``refuse`` the
-        others (reads lock held by the caller). Raises the first refused move."""
+        others (state and reads locks held by the caller). Raises the first
+        refused move."""
         if not refs:
             return
         batch = Batch(list(refs))
-        for segment in self.settle.segments:
-            segment(batch)
+        self.runner.run_segment_batch(self.settle, "hits", batch)
         if batch.errors:
             raise batch.errors[0][1]
 
 
-def compile_read_ops(spec: ProtocolSpec, machine: CompiledMachine, registry: _Registry, fetch_rows: Run) -> ReadOps:
+def compile_read_ops(
+    spec: ProtocolSpec, machine: CompiledMachine, registry: _Registry, fetch_rows: Run, reads_lock: Any
+) -> ReadOps:
     """Compile ``prefetch`` (with ``fetch_rows`` as its effect) and
-    ``new_step``'s read moves against ``registry``."""
-    prefetch = spec.ops["prefetch"]
+    ``new_step``'s read moves against ``registry``; ``reads_lock`` is the
+    lock a prefetch segment under ``reads`` takes."""
+    prefetch = spec.share("reads", "prefetch")
     for seg in prefetch.segments:
         if seg.wait or seg.lock not in ("reads", "none"):
             raise SpecError(f"{spec.origin}: operation prefetch runs under the reads lock or none, not {seg.label}")
@@ -129,25 +135,15 @@ def compile_read_ops(spec: ProtocolSpec, machine: CompiledMachine, registry: _Re
         {"fetch_rows": fetch_rows},
         {"rows_fetched": fetched},
     )
-    new_step = spec.ops["new_step"]
-    index = max(
-        (i for i, seg in enumerate(new_step.segments) if any(role == "read" for role, _ in seg_moves(seg))),
-        default=None,
-    )
-    if index is None:
-        raise SpecError(f"{spec.origin}: operation new_step moves no planned read")
-    settle_op = new_step.segment(index, "new_step (read moves)").projected(frozenset({"read"}), frozenset())
+    new_step = spec.share("reads", "new_step", "hits")
+    if not any(isinstance(s, Fire) for s in new_step.walk()):
+        raise SpecError(f"{spec.origin}: new_step's hits segment moves no planned read")
     planned: Pred = lambda ref: ref.refusal is None  # noqa: E731 - the guard rows_planned
-    settle = compile_batch_operation(
-        settle_op,
+    settle = compile_operation(
+        new_step,
         ReadBinding(machine, registry, lambda ref: ref),
         {},
         {"rows_planned": planned},
         batch_guards={"rows_planned": lambda refs: [ref.refusal is None for ref in refs]},
     )
-    return ReadOps(compiled, tuple(seg.lock == "reads" for seg in prefetch.segments), settle)
-
-
-def seg_moves(seg: Segment) -> list[tuple[str, str]]:
-    """(role, trigger) of every move a segment may fire."""
-    return [(s.role, s.trigger) for s in walk_steps(seg.steps) if isinstance(s, Fire)]
+    return ReadOps(compiled, settle, SegmentRunner({"reads": LockRule.of(reads_lock)}))

@@ -51,6 +51,7 @@ from omni_prefix_cache.requests.tenure import (
     within_saved,
 )
 from omni_prefix_cache.specs.composition import compile_operation, load_protocol
+from omni_prefix_cache.specs.runner import CALLER_HOLDS
 
 __all__ = ["DeliveryDesk", "OmniPrefixCacheDeliveryGapError"]
 
@@ -183,7 +184,7 @@ class DeliveryDesk:
             # for the rows, so a recovered hit must wait for it.
             self._table.see_consumer(consumer)
             for item in items:
-                self._view.run(item)
+                CALLER_HOLDS.run_all(self._view, item)
         ranges = {item.req_id: item.result for item in items}
         view = _clipped(outputs, list(req_ids), ranges, consumer)
         self._issue(view, consumer)
@@ -232,7 +233,7 @@ class DeliveryDesk:
             self._check_open("commit_output")
             if delivery is not None:
                 ctx.record = self.issued_record(delivery, _consumer_of(delivery, "commit_output"), spent=True)
-            self._commit.run(ctx)
+            CALLER_HOLDS.run_all(self._commit, ctx)
         return ctx.live
 
     # ---------------------------------------------------------- issued views
@@ -301,7 +302,7 @@ class DeliveryDesk:
             if not item.issued:
                 _raise_refused(item)
         for item in items:
-            self._ack.run(item)
+            CALLER_HOLDS.run_all(self._ack, item)
 
     def _filter_retired(self, ctx: _Commit) -> None:
         if ctx.record is not None and ctx.record.spent:
@@ -333,7 +334,7 @@ class DeliveryDesk:
 
     def _ack_live(self, ctx: _Commit) -> None:
         for item in ctx.acks:
-            self._ack.run(item)  # each spends the view (spend_view)
+            CALLER_HOLDS.run_all(self._ack, item)  # each spends the view (spend_view)
         if ctx.record is not None:
             ctx.record.spent = True  # also when no request of it was live: it was handed off
 

@@ -14,6 +14,7 @@ Threading: engine thread, under the manager's state lock (every method).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 from weakref import WeakValueDictionary
 
@@ -31,6 +32,7 @@ from omni_prefix_cache.requests.tenure import (
 )
 from omni_prefix_cache.specs.composition import CompiledOperation, compile_operation, load_protocol
 from omni_prefix_cache.specs.loader import SpecError, TriggerName
+from omni_prefix_cache.specs.runner import CALLER_HOLDS
 from omni_prefix_cache.steps.step_context import StepContext
 from omni_prefix_cache.steps.step_record import Hit
 
@@ -157,7 +159,7 @@ class RequestTable:
         if sequence is not None:
             self.last_sequence = sequence
         current = self.current
-        run = self._request_event.run
+        run = partial(CALLER_HOLDS.run_all, self._request_event)
         quiet = REQUEST_MACHINE.recorder is None
         for event in events:
             if quiet and _plain_extend(event, current.get(event.req_id)):
@@ -367,12 +369,12 @@ class RequestTable:
         rid = m.event.req_id if m.event is not None else ""
         for tenure in (self.current.get(rid), self.finished.get(rid)):
             if tenure is not None and tenure.state is not RequestState.RETIRED:
-                self._retire_owner.run(TenureMove(tenure, self, m.event))
+                CALLER_HOLDS.run_all(self._retire_owner, TenureMove(tenure, self, m.event))
 
     def _retire_deliveries(self, m: TenureMove) -> None:
         assert m.tenure is not None
         for consumer in dict.fromkeys([*m.tenure.delivered_upto, *m.tenure.deliveries]):
-            self._retire_delivery.run(TenureMove(m.tenure, self, m.event, consumer))
+            CALLER_HOLDS.run_all(self._retire_delivery, TenureMove(m.tenure, self, m.event, consumer))
 
     def _open_tenure(self, m: TenureMove) -> None:
         event = m.event

@@ -17,7 +17,7 @@ other threads interleave only between segments.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from omni_prefix_cache.specs.loader import TriggerName
@@ -81,8 +81,10 @@ Step = Fire | Do | When | FirstOf | Couple
 
 @dataclass(frozen=True, eq=False)
 class Segment:
-    """Atomic under ``lock`` (``steps``), or a blocking wait (``wait``)."""
+    """Atomic under ``lock`` (``steps``), or a blocking wait (``wait``).
+    ``name`` is unique in its operation: executors run a segment by name."""
 
+    name: str
     lock: str
     steps: tuple[Step, ...] = ()
     wait: str | None = None
@@ -92,6 +94,23 @@ class Segment:
     @property
     def label(self) -> str:
         return f"wait {self.wait}" if self.wait else f"[{self.lock}]"
+
+
+@dataclass(frozen=True, eq=False)
+class Executor:
+    """Who runs a share of the protocol: the moves of ``roles`` (except,
+    per operation, the roles ``leaves`` names) and the effects it lists."""
+
+    name: str
+    meaning: str
+    roles: frozenset[str]
+    effects: frozenset[str]
+    leaves: Mapping[str, frozenset[str]]
+
+    def roles_in(self, operation: str) -> frozenset[str]:
+        """The roles whose moves this executor fires in ``operation``."""
+        left = self.leaves.get(operation)
+        return self.roles - left if left else self.roles
 
 
 @dataclass(frozen=True, eq=False)
@@ -116,11 +135,29 @@ class OperationSpec:
         """(role, trigger) of every move this operation may fire."""
         return frozenset((s.role, s.trigger) for s in self.walk() if isinstance(s, Fire))
 
-    def segment(self, index: int, name: str | None = None) -> OperationSpec:
-        """Segment ``index`` alone, as an operation (an executor runs the
-        segments of an operation it shares with another executor)."""
-        seg = self.segments[index]
-        return OperationSpec(name or f"{self.name}[{index}]", self.caller, self.meaning, self.for_each, (seg,))
+    @functools.cached_property
+    def segment_names(self) -> tuple[str, ...]:
+        return tuple(seg.name for seg in self.segments)
+
+    def index_of(self, segment: str) -> int:
+        """The position of the segment named ``segment`` (KeyError naming the
+        operation's segments when it has none)."""
+        try:
+            return self.segment_names.index(segment)
+        except ValueError:
+            raise KeyError(
+                f"operation {self.name} has no segment {segment!r} (segments: {self.segment_names})"
+            ) from None
+
+    def only(self, *segments: str) -> OperationSpec:
+        """These segments alone, in the operation's order, as an operation of
+        the same name (an executor runs the segments of an operation it
+        shares with another executor)."""
+        keep = {self.index_of(name) for name in segments}
+        kept = tuple(seg for i, seg in enumerate(self.segments) if i in keep)
+        return OperationSpec(
+            self.name, self.caller, self.meaning, self.for_each, kept, self.entry if 0 in keep else None
+        )
 
     def projected(self, roles: frozenset[str], effects: frozenset[str], name: str | None = None) -> OperationSpec:
         """The steps of ``roles`` and ``effects`` only, in the same order and
@@ -147,10 +184,9 @@ class OperationSpec:
                         out.append(FirstOf(alts))
             return tuple(out)
 
-        segments = tuple(
-            seg if seg.wait else Segment(seg.lock, keep(seg.steps), None, None, None) for seg in self.segments
-        )
-        return OperationSpec(name or f"{self.name}|{sorted(roles)}", self.caller, self.meaning, self.for_each, segments)
+        segments = tuple(seg if seg.wait else Segment(seg.name, seg.lock, keep(seg.steps)) for seg in self.segments)
+        entry = self.entry if self.entry is not None and self.entry.role in roles else None
+        return OperationSpec(name or self.name, self.caller, self.meaning, self.for_each, segments, entry)
 
     def order_labels(self) -> list[str]:
         """Step labels in order (waits as ``wait EVENT``), for ordering rules."""

@@ -16,9 +16,11 @@ from typing import Any
 
 import yaml
 
+from omni_prefix_cache.specs.composition_executors import parse_executors
 from omni_prefix_cache.specs.composition_grammar import (
     Couple,
     Do,
+    Executor,
     Fire,
     FirstOf,
     OperationSpec,
@@ -33,6 +35,7 @@ _TOP_KEYS = {
     "description",
     "components",
     "locks",
+    "executors",
     "pairs",
     "links",
     "effects",
@@ -80,6 +83,7 @@ class ProtocolSpec:
     description: str
     components: Mapping[str, MachineSpec]
     locks: tuple[Named, ...]
+    executors: Mapping[str, Executor]
     pairs: Mapping[str, tuple[str, ...]]
     links: tuple[Link, ...]
     effects: tuple[Named, ...]
@@ -93,6 +97,17 @@ class ProtocolSpec:
     @functools.cached_property
     def ops(self) -> dict[str, OperationSpec]:
         return {op.name: op for op in self.operations}
+
+    def share(self, executor: str, operation: str, *segments: str) -> OperationSpec:
+        """What ``executor`` runs of ``operation`` (of the named ``segments``
+        only, when given): its steps projected on the executor's roles in
+        that operation and its effects. KeyError for an unknown executor,
+        operation or segment."""
+        ex = self.executors[executor]
+        op = self.ops[operation]
+        if segments:
+            op = op.only(*segments)
+        return op.projected(ex.roles_in(operation), ex.effects)
 
     @property
     def effect_names(self) -> frozenset[str]:
@@ -262,6 +277,7 @@ def parse_protocol(
     invariants = _invariants(data.get("invariants"), origin)
     parser = _Parser(origin, components, {e.name for e in effects}, {g.name for g in guards})
     operations = _operations(data.get("operations") or [], parser, {lk.name for lk in locks})
+    executors = parse_executors(data.get("executors"), components, {e.name for e in effects}, operations, origin)
     # Checked in this order, so a spec with several faults names the first one.
     links = _links(data.get("links") or [], parser)
     pairs = _pairs(data.get("pairs") or {}, components, origin)
@@ -271,6 +287,7 @@ def parse_protocol(
         description=str(data.get("description", "")).strip(),
         components=components,
         locks=locks,
+        executors=executors,
         pairs=pairs,
         links=links,
         effects=effects,
@@ -309,6 +326,10 @@ def _operations(raw_ops: Any, parser: _Parser, lock_names: set[str]) -> tuple[Op
         )
         if not segments:
             raise _fail(origin, where, "has no segments")
+        names = [seg.name for seg in segments]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise _fail(origin, where, f"segment names {twice} are used twice (executors run a segment by name)")
         entry = parser.fire(str(raw["entry"]), f"{where} entry") if "entry" in raw else None
         op = OperationSpec(name, str(raw.get("caller", "")), str(raw.get("meaning", "")), for_each, segments, entry)
         if entry is not None and (entry.role, entry.trigger) not in op.moves:
@@ -320,14 +341,18 @@ def _operations(raw_ops: Any, parser: _Parser, lock_names: set[str]) -> tuple[Op
 def _segment(seg: Any, parser: _Parser, lock_names: set[str], where: str) -> Segment:
     if not isinstance(seg, Mapping):
         raise _fail(parser.origin, where, "must be a mapping")
+    name = seg.get("name")
+    if not isinstance(name, str) or not name.isidentifier():
+        raise _fail(parser.origin, where, f"needs a 'name' (an identifier), got {name!r}")
+    where = f"{where} ({name})"
     if "wait" in seg:
-        if not set(seg) <= {"wait", "of", "raises"}:
+        if not set(seg) <= {"name", "wait", "of", "raises"}:
             raise _fail(parser.origin, where, "a wait takes 'of' and an optional 'raises'")
         raises = parser.guard(seg["raises"], where)[0] if "raises" in seg else None
-        return Segment("none", (), str(seg["wait"]), str(seg.get("of", "")), raises)
-    if set(seg) != {"lock", "steps"} or seg["lock"] not in lock_names:
-        raise _fail(parser.origin, where, f"needs 'lock' (one of {sorted(lock_names)}) and 'steps'")
-    return Segment(str(seg["lock"]), parser.steps(seg["steps"], where))
+        return Segment(name, "none", (), str(seg["wait"]), str(seg.get("of", "")), raises)
+    if set(seg) != {"name", "lock", "steps"} or seg["lock"] not in lock_names:
+        raise _fail(parser.origin, where, f"needs 'name', 'lock' (one of {sorted(lock_names)}) and 'steps'")
+    return Segment(name, str(seg["lock"]), parser.steps(seg["steps"], where))
 
 
 def _links(raw_links: Any, parser: _Parser) -> tuple[Link, ...]:

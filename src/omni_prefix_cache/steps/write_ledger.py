@@ -41,6 +41,7 @@ from omni_prefix_cache.interface import (
 )
 from omni_prefix_cache.specs.composition import compile_operation
 from omni_prefix_cache.specs.loader import SpecError, TriggerName
+from omni_prefix_cache.specs.runner import CALLER_HOLDS
 from omni_prefix_cache.specs.types.slot_occupancy import SlotOccupancyTrigger
 from omni_prefix_cache.steps.request_tasks import RequestTasks, TaskRecord
 from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
@@ -335,14 +336,14 @@ class WriteLedger:
         as it would be had it come a moment later)."""
         registry = self._controller.registry
         if registry.completed or registry.failed:
-            self._drain.run(_Drained(completions=True))
+            CALLER_HOLDS.run_all(self._drain, _Drained(completions=True))
 
     def drain_failures_locked(self) -> None:
         """``drain`` of the failure record only (state lock held): a save
         that is failing reports the failures nobody drained yet. Not run
         when no failure is published (as ``commit_drained_locked``)."""
         if self._controller.registry.failed:
-            self._drain.run(_Drained(completions=False))
+            CALLER_HOLDS.run_all(self._drain, _Drained(completions=False))
 
     # The drain operation's bindings: its context is a _Drained.
     def move(self, role: str, trigger: TriggerName) -> tuple[Callable[[Any], bool], Callable[[Any], None]]:

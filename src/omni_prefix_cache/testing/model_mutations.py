@@ -46,19 +46,21 @@ def _requeue_claimed(data: dict[str, Any]) -> None:
 def _done_before_publish(data: dict[str, Any]) -> None:
     segs = _op(data, "committer_write")["segments"]
     segs[1]["steps"].remove({"do": "publish_completed"})
-    segs.append({"lock": "controller", "steps": [{"do": "publish_completed"}]})
+    segs.append({"name": "publish_late", "lock": "controller", "steps": [{"do": "publish_completed"}]})
 
 
 def _fail_never_wakes(data: dict[str, Any]) -> None:
     segs = _op(data, "fail")["segments"]
     segs[:] = [s for s in segs if {"do": "wake_failed"} not in s.get("steps", [])]
-    data["effects"] = [e for e in data["effects"] if e["name"] != "wake_failed"]
+    _drop_effect(data, "wake_failed")
 
 
 def _split_claim(data: dict[str, Any]) -> None:
     seg = _op(data, "committer_claim")["segments"][0]
     seg["steps"] = [{"first_of": [["position.claim"], ["position.skip"]]}]
-    _op(data, "committer_claim")["segments"].append({"lock": "task", "steps": ["task.claim_copy?"]})
+    _op(data, "committer_claim")["segments"].append(
+        {"name": "claim_copy", "lock": "task", "steps": ["task.claim_copy?"]}
+    )
 
 
 def _save_without_barrier(data: dict[str, Any]) -> None:
@@ -86,7 +88,10 @@ def _without_effect(effect: str) -> Callable[[MachineSpec], MachineSpec]:
 
 
 def _drop_effect(data: dict[str, Any], name: str) -> None:
+    """``name`` is no longer declared, nor run by its executor."""
     data["effects"] = [e for e in data["effects"] if e["name"] != name]
+    for executor in data["executors"]:
+        executor["effects"] = [e for e in executor["effects"] if e != name]
 
 
 def _view_without_gap_check(data: dict[str, Any]) -> None:

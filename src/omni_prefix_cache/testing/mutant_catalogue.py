@@ -134,7 +134,7 @@ def _committer_dies(stack: contextlib.ExitStack) -> None:
 
     def copy(self: Committer, tids: list[int]) -> None:
         tasks = [t for tid in tids if (t := self._registry.get(tid)) is not None]
-        batch = self._runner.run_many(self._ops.copy, tasks)
+        batch = self._runner.run_batch(self._ops.copy, tasks)
         if batch.errors:
             raise batch.errors[0][1]
 
@@ -154,7 +154,7 @@ def _pool_write_failure_wrong_task(stack: contextlib.ExitStack) -> None:
                 self._queues.blocked.remove(task.tid)
         for task in ready:
             try:
-                op.segments[op.tail - 1](task)
+                op.segments[op.at("pool_write")](task)
             except BaseException:
                 others = [t for t in registry.tasks.values() if t is not task and not t.is_terminal]
                 if others:
@@ -232,7 +232,7 @@ def _fail_keeps_staging_hold(stack: contextlib.ExitStack) -> None:
 
 def _deferred_high(data: dict[str, Any]) -> None:
     # The dispatch's low push becomes a high push.
-    dispatch = next(seg for seg in _op(data, "save")["segments"] if seg.get("lock") == "controller")
+    dispatch = next(seg for seg in _op(data, "save")["segments"] if seg["name"] == "dispatch")
 
     def swap(steps: list[Any]) -> None:
         for i, step in enumerate(steps):

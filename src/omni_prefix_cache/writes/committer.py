@@ -29,10 +29,11 @@ import torch
 from omni_prefix_cache.interface import OmniPrefixCacheJoinTimeoutError, Tid
 from omni_prefix_cache.specs.batch import Batch
 from omni_prefix_cache.specs.composition import ProtocolViolation
+from omni_prefix_cache.specs.runner import SegmentRunner
 from omni_prefix_cache.telemetry.registry import TELEMETRY
 from omni_prefix_cache.writes.copy_queues import CopyQueues
 from omni_prefix_cache.writes.mode import WriteMode
-from omni_prefix_cache.writes.operations import ControllerBinding, ControllerOps, OpRunner
+from omni_prefix_cache.writes.operations import ControllerBinding, ControllerOps
 from omni_prefix_cache.writes.pool_writer import FailTask, PoolWriter
 from omni_prefix_cache.writes.task_registry import TaskRegistry
 from omni_prefix_cache.writes.write_errors import join_error, write_error
@@ -65,7 +66,7 @@ class Committer:
         registry: TaskRegistry,
         queues: CopyQueues,
         ops: ControllerOps,
-        runner: OpRunner,
+        runner: SegmentRunner,
         binding: ControllerBinding,
         writer: PoolWriter,
         mode: WriteMode,
@@ -97,14 +98,14 @@ class Committer:
         copy in the critical section escalate uses; a stale entry is
         dropped. Returns the claimed tid, or None when the queues are empty."""
         queues, registered = self._queues, self._registry.tasks
-        segment = self._ops.claim.segments[0]
+        run, claim = self._runner.run, self._ops.claim
         with self._lock:
             while (tid := queues.head()) is not None:
                 task = registered.get(tid)
                 if task is None:
                     raise ProtocolViolation(f"committer_claim: queued task {tid} is not registered")
                 claimed = len(queues.claimed)
-                segment(task)
+                run(claim, "claim", task)
                 if len(queues.claimed) > claimed:
                     return tid
                 if queues.head() == tid:
@@ -132,7 +133,7 @@ class Committer:
         if not tasks:
             return
         try:
-            batch = self._runner.run_many(self._ops.copy, tasks)
+            batch = self._runner.run_batch(self._ops.copy, tasks)
         except BaseException as interrupt:
             # Which task raised is unknown; a task left claimed is on no
             # queue, so no committer would ever copy it, and its joiners
@@ -156,7 +157,6 @@ class Committer:
         # An eager controller writes what a test staged by hand the way its
         # dispatch would (operation eager_run's tail).
         op = self._ops.pool_write_op(self._mode.eager)
-        pool_write = op.batch.segments[op.tail - 1]
         with self._lock:
             ready = [t for tid in queues.blocked if (t := registered.get(tid)) is not None and self._ready(t)]
             if ready:
@@ -172,7 +172,7 @@ class Committer:
             # The whole pass at once: each task joins the write batch (see
             # PoolWriter.write_batch); one whose pool write raises leaves the
             # pass with its error, the others go on.
-            pool_write(batch)
+            self._runner.run_segment_batch(op, "pool_write", batch)
         except BaseException as exc:
             # Not an Exception (those stay per task): which task raised is
             # unknown, and letting it escape would strand the joins of every
@@ -196,7 +196,6 @@ class Committer:
         them). Returns how many entries it took off the queues (claimed,
         or dropped as stale)."""
         queues, registered = self._queues, self._registry.tasks
-        segment = self._ops.claim.batch.segments[0]
         with self._lock:
             tids = list(queues.high) if queues.high else list(queues.low)[:1]
             if not tids:
@@ -206,7 +205,7 @@ class Committer:
             if missing:
                 raise ProtocolViolation(f"committer_claim: queued tasks {missing} are not registered")
             batch = Batch(tasks)
-            segment(batch)
+            self._runner.run_segment_batch(self._ops.claim, "claim", batch)
             if batch.errors:
                 raise batch.errors[0][1]
             if queues.head() in tids:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from omni_prefix_cache.writes.operations import OpRunner, RuntimeOp
+from omni_prefix_cache.specs.composition import CompiledOperation
+from omni_prefix_cache.specs.runner import SegmentRunner
 from omni_prefix_cache.writes.pool_writer import PoolWriter
 from omni_prefix_cache.writes.write_errors import write_error
 from omni_prefix_cache.writes.write_task import WriteTask
@@ -20,13 +21,13 @@ RunEager = Callable[[WriteTask | list[WriteTask]], None]
 
 class EagerRun:
     """Operation ``eager_run`` for the tasks its entry admits, as one batch
-    (``OpRunner.run_many``) on the calling thread. Inside a dispatch (a
+    (``SegmentRunner.run_batch``) on the calling thread. Inside a dispatch (a
     pool-write batch open on this thread) it stops at the pool write (the
     batch's ``land`` finishes the writes) and hands the batch the first task
     that failed; on its own it runs to the end and raises that task's
     exception."""
 
-    def __init__(self, runner: OpRunner, op: RuntimeOp, writer: PoolWriter) -> None:
+    def __init__(self, runner: SegmentRunner, op: CompiledOperation, writer: PoolWriter) -> None:
         self._runner = runner
         self._op = op
         self._writer = writer
@@ -34,7 +35,7 @@ class EagerRun:
     def __call__(self, tasks: WriteTask | list[WriteTask]) -> None:
         op = self._op
         items = tasks if isinstance(tasks, list) else [tasks]
-        run = self._runner.run_many(op, items, stop=op.tail, truncate=True)
+        run = self._runner.run_batch(op, items, stop="publish", truncate=True)
         if run.errors:
             outer = self._writer.open_batch()
             if outer is None:
@@ -47,7 +48,7 @@ class EagerDispatch:
     ``run`` (an ``EagerRun``) inside one pool-write batch of ``writer``, and
     applies the dispatch's failure rule through ``fail_tasks``."""
 
-    def __init__(self, run: RunEager, writer: PoolWriter, op: RuntimeOp, fail_tasks: FailTasks) -> None:
+    def __init__(self, run: RunEager, writer: PoolWriter, op: CompiledOperation, fail_tasks: FailTasks) -> None:
         self._run = run
         self._writer = writer
         self._op = op

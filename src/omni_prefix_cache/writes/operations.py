@@ -5,39 +5,26 @@ operations fire to closures over the compiled machines: ``task``
 (write_task, on the WriteTask), ``position`` (copy_queue, on the copy
 queues) and ``task_holder`` (staging_holder, on the staging pool). Any other
 role is not the controller's and fails at compile time. ``compile_ops``
-compiles, once per controller, the operations the controller runs:
+compiles, once per controller, what executor ``controller`` runs (its roles
+and effects are the spec's ``executors``): escalate, committer_claim,
+committer_copy, committer_write, eager_run, fail, join, and its share of
+save (register, budget, dispatch), abandon_save (cleanup), new_step (kick)
+and shutdown.
 
-    escalate, committer_claim, committer_copy, committer_write, eager_run,
-    fail, join, shutdown; and of ``save``: the registration (its ``state``
-    segment projected on the controller's roles), the budget (its ``none``
-    segment) and the dispatch (its ``controller`` segment); of
-    ``abandon_save``: the refund.
-
-The controller runs each one segment by segment, taking the lock the
-segment declares. ``use_protocol`` swaps the spec later controllers are
-compiled from (spec mutants and tests only).
+``controller_runner`` is the controller's ``SegmentRunner``: each segment
+runs by name under the lock it declares. ``use_protocol`` swaps the spec
+later controllers are compiled from (spec mutants and tests only).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError
-from omni_prefix_cache.specs.batch import (
-    AttemptMany,
-    Batch,
-    BatchRun,
-    CompiledBatchOperation,
-    MaskMany,
-    RunMany,
-    attempt_each,
-    compile_batch_operation,
-    run_segment,
-)
+from omni_prefix_cache.specs.batch import AttemptMany, BatchRun, MaskMany, RunMany, attempt_each
 from omni_prefix_cache.specs.composition import (
     CompiledOperation,
     ProtocolSpec,
@@ -45,6 +32,7 @@ from omni_prefix_cache.specs.composition import (
     load_protocol,
 )
 from omni_prefix_cache.specs.loader import SpecError, TriggerName
+from omni_prefix_cache.specs.runner import LockRule, SegmentRunner, both
 from omni_prefix_cache.specs.types.copy_queue import CopyQueueTrigger
 from omni_prefix_cache.specs.types.staging_holder import StagingHolderTrigger
 from omni_prefix_cache.specs.types.write_task import WriteTaskTrigger
@@ -52,32 +40,9 @@ from omni_prefix_cache.writes.copy_queues import CopyQueues
 from omni_prefix_cache.writes.staging import StagingBufferHolder, StagingBufferPool
 from omni_prefix_cache.writes.write_task import WRITE_TASK_MACHINE, WriteTask
 
-logger = logging.getLogger(__name__)
-
 Pred = Callable[[Any], bool]
 Run = Callable[[Any], None]
 Trigger = TypeVar("Trigger", WriteTaskTrigger, CopyQueueTrigger, StagingHolderTrigger)
-
-# The roles whose moves the controller fires, and the effects it performs.
-CONTROLLER_ROLES = frozenset({"task", "position", "task_holder"})
-CONTROLLER_EFFECTS = frozenset(
-    {
-        "register_task",
-        "charge_budget",
-        "flush_oldest",
-        "refund_unpinned",
-        "unpin_budget",
-        "wake_committer",
-        "dispatch_inline",
-        "copy_to_host",
-        "pool_write",
-        "publish_completed",
-        "publish_failed",
-        "wake_failed",
-        "close_staging",
-        "drain_queues",
-    }
-)
 
 _override: list[ProtocolSpec] = []
 _FAILURE = WRITE_TASK_MACHINE.tagged("failure")
@@ -129,7 +94,7 @@ class ControllerBinding:
             return (lambda task: queues.enabled(task, position)), (lambda task: queues.fire(task, position))
         if role == "task_holder":
             return self._holder_move(_trigger(StagingHolderTrigger, role, trigger))
-        raise SpecError(f"protocol.yaml: the controller fires no {role}.{trigger} (roles {sorted(CONTROLLER_ROLES)})")
+        raise SpecError(f"protocol.yaml: the controller fires no {role}.{trigger} (its roles: executor controller)")
 
     def try_move(self, role: str, trigger: TriggerName) -> Pred:
         """``attempt(task)``: fire the move if it is enabled, atomically
@@ -268,129 +233,45 @@ def _host_ready_many() -> AttemptMany:
 
 
 @dataclass(frozen=True, eq=False, slots=True)
-class RuntimeOp:
-    """A compiled operation (per instance, and for batches) with the lock
-    each segment declares."""
-
-    op: CompiledOperation
-    batch: CompiledBatchOperation
-    locks: tuple[str, ...]
-    # The first segment after the one that writes the pool (``pool_write``):
-    # where a batch of written tasks resumes.
-    tail: int
-
-    @property
-    def segments(self) -> tuple[Run, ...]:
-        return self.op.segments
-
-    @property
-    def admits(self) -> Pred:
-        return self.op.admits
-
-    def run_segment(self, index: int, batch: Batch) -> None:
-        """Segment ``index`` for ``batch`` (``specs.batch.run_segment``)."""
-        run_segment(self.op.segments[index], self.batch.segments[index], batch)
-
-
-_NO_LOCK = contextlib.nullcontext()
-
-
-class OpRunner:
-    """Runs compiled operations segment by segment, each under the lock it
-    declares: ``controller`` and ``staging`` are the given locks, ``task``
-    the context task's own; ``none`` takes nothing and ``state`` (the
-    manager's) is held by the caller."""
-
-    def __init__(self, controller_lock: Any, staging_lock: Any):
-        self._locks = {"controller": controller_lock, "staging": staging_lock}
-
-    def lock_for(self, name: str, ctx: Any) -> Any:
-        if name == "task":
-            return ctx.lock
-        return self._locks.get(name, _NO_LOCK)
-
-    def run(self, op: RuntimeOp, ctx: Any) -> bool:
-        """Every segment of ``op`` for ``ctx``; the entry move is checked
-        under the first segment's lock. False when it does not admit ``ctx``."""
-        first = True
-        for name, segment in zip(op.locks, op.segments):
-            with self.lock_for(name, ctx):
-                if first and not op.admits(ctx):
-                    return False
-                first = False
-                segment(ctx)
-        return True
-
-    def run_many(
-        self,
-        op: RuntimeOp,
-        tasks: list[WriteTask],
-        *,
-        start: int = 0,
-        stop: int | None = None,
-        truncate: bool = False,
-    ) -> Batch:
-        """Segments ``[start, stop)`` of ``op`` for a batch of tasks, each
-        segment once for the whole batch (``RuntimeOp.run_segment``) under
-        the lock it declares (a controller segment takes the staging lock
-        with it, in that order, since its holder moves need it; a task
-        segment's moves take each task's lock themselves). From segment 0 the entry move is checked
-        under the first lock: a task it does not admit is skipped, as
-        ``run`` skips it. Returns the batch: what went on, and what left it
-        (``errors``, and with ``truncate`` the ``cut`` after the first)."""
-        batch = Batch(list(tasks), truncate=truncate)
-        stop = len(op.segments) if stop is None else stop
-        controller, staging = self._locks["controller"], self._locks["staging"]
-        for index in range(start, stop):
-            both = (name := op.locks[index]) == "controller"
-            with controller if both else self._locks.get(name, _NO_LOCK), staging if both else _NO_LOCK:
-                if index == 0 and op.op.spec.entry is not None:
-                    admitted = op.batch.admits_many(batch.items)
-                    if not all(admitted):
-                        batch.items = [t for t, ok in zip(batch.items, admitted) if ok]
-                op.run_segment(index, batch)
-            if not batch.items:
-                break
-        return batch
-
-    def finish(self, tasks: list[WriteTask], op: RuntimeOp, on_violation: Callable[[WriteTask], object]) -> None:
-        """The segments of ``op`` after its pool write, for tasks whose rows
-        are in the pool, batched (``run_many``). A task whose move the state
-        no longer allows (it failed meanwhile) goes to ``on_violation`` and
-        is dropped."""
-        if not tasks:
-            return
-        batch = self.run_many(op, tasks, start=op.tail)
-        for task, exc in batch.errors:
-            logger.error("omni prefix cache: finishing the write of task %s: %s", task.tid, exc)
-            on_violation(task)
-
-
-@dataclass(frozen=True, eq=False, slots=True)
 class ControllerOps:
-    """Every operation (or operation part) the controller runs."""
+    """Every operation (or share of one) the controller runs, compiled once
+    per controller; ``SegmentRunner`` runs them by segment name."""
 
-    register: RuntimeOp
-    reserve: RuntimeOp
-    dispatch: RuntimeOp
-    refund: RuntimeOp
-    escalate: RuntimeOp
-    claim: RuntimeOp
-    copy: RuntimeOp
-    write: RuntimeOp
-    eager: RuntimeOp
-    fail: RuntimeOp
-    join: RuntimeOp
-    shutdown: RuntimeOp
+    save: CompiledOperation  # the controller's share: register, budget, dispatch
+    abandon_save: CompiledOperation  # the controller's share: the refund (cleanup)
+    new_step: CompiledOperation  # the controller's share: the kick
+    escalate: CompiledOperation
+    claim: CompiledOperation
+    copy: CompiledOperation
+    write: CompiledOperation
+    eager: CompiledOperation
+    fail: CompiledOperation
+    join: CompiledOperation
+    shutdown: CompiledOperation  # the controller's share: close the staging pool, drain
     # The event a join waits for and the guard that makes it raise.
     join_event: str
     join_raises: Pred
 
-    def pool_write_op(self, eager: bool) -> RuntimeOp:
-        """The operation whose pool write (and tail) writes a task outside
-        an open pool-write batch: ``eager_run`` on an eager controller,
-        else ``committer_write``."""
+    def pool_write_op(self, eager: bool) -> CompiledOperation:
+        """The operation whose pool write (and the segments after it) writes
+        a task outside an open pool-write batch: ``eager_run`` on an eager
+        controller, else ``committer_write``."""
         return self.eager if eager else self.write
+
+
+def controller_runner(controller_lock: Any, staging_lock: Any) -> SegmentRunner:
+    """The controller's ``SegmentRunner``: ``controller`` is the given lock
+    (for a batch, with ``staging`` after it: its holder moves need both),
+    ``staging`` the pool's, ``task`` the context task's own (a batch's task
+    moves take each task's lock themselves); ``none`` takes nothing and
+    ``state`` (the manager's) is held by the caller."""
+    return SegmentRunner(
+        {
+            "controller": LockRule.of(controller_lock, many=both(controller_lock, staging_lock)),
+            "staging": LockRule.of(staging_lock),
+            "task": LockRule(lambda task: task.lock),
+        }
+    )
 
 
 def compile_ops(
@@ -401,41 +282,28 @@ def compile_ops(
     batch_effects: Mapping[str, BatchRun] | None = None,
     batch_guards: Mapping[str, MaskMany] | None = None,
 ) -> ControllerOps:
-    """Compile the controller's operations of ``spec`` against ``binding``
-    and the controller's effect and guard handlers (``batch_effects`` /
-    ``batch_guards``: an effect's or a guard's handler for a whole batch,
+    """Compile the controller's share of ``spec`` (executor ``controller``)
+    against ``binding`` and the controller's effect and guard handlers
+    (``batch_effects`` / ``batch_guards``: a handler for a whole batch,
     where it has one)."""
 
-    def make(name: str, *, lock: str | None = None, project: bool = False) -> RuntimeOp:
-        # The per-instance and the batched form compile the same (possibly
-        # mutated) operation: which one runs is the executor's choice.
-        op = spec.ops[name]
-        if lock is not None:
-            index = next(i for i, seg in enumerate(op.segments) if seg.lock == lock and not seg.wait)
-            op = op.segment(index, f"{name} ({lock} segment)")
-        if project:
-            op = op.projected(CONTROLLER_ROLES, CONTROLLER_EFFECTS, name=op.name)
-        writes = [
-            i for i, seg in enumerate(op.segments) if any(getattr(s, "effect", None) == "pool_write" for s in seg.steps)
-        ]
-        tail = writes[0] + 1 if writes else len(op.segments)
-        return RuntimeOp(
-            compile_operation(op, binding, effects, guards),
-            compile_batch_operation(
-                op, binding, effects, guards, batch_effects=batch_effects, batch_guards=batch_guards
-            ),
-            tuple(seg.lock for seg in op.segments),
-            tail,
+    def make(name: str) -> CompiledOperation:
+        return compile_operation(
+            spec.share("controller", name),
+            binding,
+            effects,
+            guards,
+            batch_effects=batch_effects,
+            batch_guards=batch_guards,
         )
 
-    join = spec.ops["join"].segments[0]
-    if not join.wait or join.raises is None or join.raises not in guards:
+    join = next((seg for seg in spec.ops["join"].segments if seg.wait), None)
+    if join is None or join.raises is None or join.raises not in guards:
         raise SpecError(f"{spec.origin}: operation join must wait for an event and raise on a guard")
     return ControllerOps(
-        register=make("save", lock="state", project=True),
-        reserve=make("save", lock="none"),
-        dispatch=make("save", lock="controller"),
-        refund=make("abandon_save", lock="none", project=True),
+        save=make("save"),
+        abandon_save=make("abandon_save"),
+        new_step=make("new_step"),
         escalate=make("escalate"),
         claim=make("committer_claim"),
         copy=make("committer_copy"),
@@ -443,7 +311,7 @@ def compile_ops(
         eager=make("eager_run"),
         fail=make("fail"),
         join=make("join"),
-        shutdown=make("shutdown", project=True),
-        join_event=join.wait,
+        shutdown=make("shutdown"),
+        join_event=join.wait or "",
         join_raises=guards[join.raises],
     )

@@ -20,9 +20,11 @@ import torch
 from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.interface import TensorName
 from omni_prefix_cache.specs.batch import Batch, guarded_each
+from omni_prefix_cache.specs.composition import CompiledOperation
+from omni_prefix_cache.specs.runner import SegmentRunner
 from omni_prefix_cache.writes.chunks import StepRows, step_runs
 from omni_prefix_cache.writes.mode import WriteMode
-from omni_prefix_cache.writes.operations import ControllerOps, OpRunner, RuntimeOp
+from omni_prefix_cache.writes.operations import ControllerOps
 from omni_prefix_cache.writes.write_errors import write_error
 from omni_prefix_cache.writes.write_task import WriteTask
 
@@ -71,8 +73,8 @@ class PoolWriteBatch:
     committer write pass), landed once per key; ``errors``: the tasks the
     dispatch's run stopped at, with their exceptions."""
 
-    def __init__(self, op: RuntimeOp, outer: PoolWriteBatch | None) -> None:
-        self.op = op  # the operation whose tail finishes the written tasks
+    def __init__(self, op: CompiledOperation, outer: PoolWriteBatch | None) -> None:
+        self.op = op  # the operation whose segments after the pool write finish the written tasks
         self.outer = outer  # the batch this one interrupts on the same thread
         self.tasks: list[WriteTask] = []
         self.errors: list[tuple[WriteTask, BaseException]] = []
@@ -105,7 +107,9 @@ class PoolWriter:
     across a pool write.
     """
 
-    def __init__(self, pool: PrefixBlockPool, runner: OpRunner, ops: ControllerOps, mode: WriteMode, fail: FailTask):
+    def __init__(
+        self, pool: PrefixBlockPool, runner: SegmentRunner, ops: ControllerOps, mode: WriteMode, fail: FailTask
+    ):
         self._pool = pool
         self._runner = runner
         self._ops = ops
@@ -120,7 +124,7 @@ class PoolWriter:
         batch: PoolWriteBatch | None = getattr(self._local, "open", None)
         return batch
 
-    def open(self, op: RuntimeOp) -> PoolWriteBatch:
+    def open(self, op: CompiledOperation) -> PoolWriteBatch:
         """Open a pool-write batch on this thread (``close`` it in a finally)."""
         batch = PoolWriteBatch(op, self.open_batch())
         self._local.open = batch
@@ -155,13 +159,17 @@ class PoolWriter:
             return
         guarded_each(batch, self.write)
 
-    def finish(self, tasks: list[WriteTask], op: RuntimeOp) -> None:
-        """The segments of ``op`` after its pool write (see ``OpRunner.finish``);
-        a task the state no longer lets finish fails."""
-        self._runner.finish(tasks, op, self._fail_uncaused)
-
-    def _fail_uncaused(self, task: WriteTask) -> None:
-        self._fail(task, None)
+    def finish(self, tasks: list[WriteTask], op: CompiledOperation) -> None:
+        """The segments of ``op`` from ``publish`` on (the ones after its
+        pool write), batched, for tasks whose rows are in the pool. A task
+        whose move the state no longer allows (it failed meanwhile) is
+        logged and fails with no cause."""
+        if not tasks:
+            return
+        batch = self._runner.run_batch(op, tasks, start="publish")
+        for task, exc in batch.errors:
+            logger.error("omni prefix cache: finishing the write of task %s: %s", task.tid, exc)
+            self._fail(task, None)
 
     # ------------------------------------------------------------ landing a batch
 

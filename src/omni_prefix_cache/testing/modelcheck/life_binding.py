@@ -26,6 +26,7 @@ from typing import Any
 from omni_prefix_cache.specs.compiled import CompiledMachine, compile_machine
 from omni_prefix_cache.specs.composition import CompiledOperation, Fire, ProtocolSpec, ProtocolViolation
 from omni_prefix_cache.specs.loader import SpecError
+from omni_prefix_cache.specs.runner import CALLER_HOLDS
 from omni_prefix_cache.testing.modelcheck.life_world import (
     FINISHED,
     ISSUED,
@@ -271,7 +272,7 @@ class LifeBinding:
         compiled = self.ops.get(op)
         if compiled is None:
             raise Violation("model.outside", f"operation {op} is not in the protocol")
-        compiled.run(c)
+        CALLER_HOLDS.run_all(compiled, c)
 
     def _apply_events(self, c: LCtx) -> None:
         if c.event is None:

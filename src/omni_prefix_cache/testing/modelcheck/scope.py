@@ -154,6 +154,8 @@ WRITE_SCOPE = Scope(
         "flush_oldest": "budget flushes are left out (over_budget is false; escalate covers the flush's escalate)",
         "dispatch_inline": "eager dispatch is left out (eager is false)",
         "restore_step_input": "a save abandons before its step is issued and holds no hit (hits are new_step's reads)",
+        "take_step_input": "the engine's step order is the environment's: each save follows its new_step",
+        "start_prefetch": "a save plans no read here (hits on the step's own writes are not modelled)",
         "fail_stranded": "a save abandons before it registers a write: nothing is stranded",
         "escalate_detached": (
             "the write path's steps carry no events, so nothing is detached; the engine escalates any "
@@ -201,6 +203,9 @@ LIFE_SCOPE = Scope(
         "slot.restore_tenancy": "tier_loads is false here: a step restores no block",
         "validate_events": "the environment sends only events the adapter's rules allow",
         "escalate_detached": "writes are saved positions here: a detached write has landed",
+        "take_step_input": "the engine's step order is the environment's: each save follows its new_step",
+        "start_prefetch": "a save plans no read here (hits on the step's own writes are not modelled)",
+        "wake_committer": "the write path is abstracted as saved positions: there is no committer to wake",
     },
 )
 
