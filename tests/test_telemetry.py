@@ -78,6 +78,26 @@ def test_a_write_held_queued_for_a_known_time_lands_in_its_bucket(clock: Clock) 
     assert summary["count"] == 1 and 2.5e-3 < summary["p50"] <= 1e-2
 
 
+def test_a_trace_opening_or_closing_keeps_the_move_counts(clock: Clock, tmp_path: Any) -> None:
+    """Counts never go backwards while metrics stay on: a trace wraps the
+    machines' metrics recorders, it does not replace them."""
+    from omni_prefix_cache.telemetry.trace import Trace
+
+    key = ("write_task", "enqueue", "PENDING", "QUEUED")
+    _task().fire("enqueue")
+    trace = Trace(tmp_path / "moves.jsonl")
+    TELEMETRY.start_trace(trace)
+    try:
+        assert TELEMETRY.move_counts()[key] == 1
+        _task().fire("enqueue")
+        assert TELEMETRY.move_counts()[key] == 2
+    finally:
+        TELEMETRY.stop_trace(trace)
+    assert TELEMETRY.move_counts()[key] == 2
+    TELEMETRY.reset()  # a reset starts fresh series
+    assert TELEMETRY.move_counts()[key] == 0
+
+
 def test_metrics_off_touches_no_histogram(managers: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(self: Histogram, value: float) -> None:
         raise AssertionError("a histogram was observed with metrics off")
