@@ -34,7 +34,12 @@ class Recorder(Protocol):
     ``MoveRecorder`` (metrics) or a ``telemetry.trace.TraceRecorder`` (a
     trace is open; it feeds the metrics recorder too). ``detail``: what the
     trace keeps beside the instance (a holder's page, a task's deferred
-    wakes); ``group``: the rows of a vectorised move (key and slots)."""
+    wakes); ``group``: the rows of a vectorised move (key and slots).
+    ``per_instance``: whether it needs each instance's moves one by one (a
+    trace does); when False, moves that leave every stay as it is (a
+    self-loop) may be reported as one ``counted`` of many."""
+
+    per_instance: bool
 
     def moved(self, move: Any, key: object, detail: Any = None) -> None: ...
 
@@ -59,6 +64,9 @@ class MoveRecorder:
     an instant (Prometheus tolerates it); counts never go backwards from one
     read to the next.
     """
+
+    # Counts and stays only: self-loops may come as one ``counted`` of many.
+    per_instance = False
 
     def __init__(
         self,
