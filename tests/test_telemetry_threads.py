@@ -18,7 +18,7 @@ import pytest
 from omni_prefix_cache.telemetry.datapath import DataPath
 from omni_prefix_cache.telemetry.histogram import Counter, Histogram, HistogramSummary
 from omni_prefix_cache.telemetry.moves import MoveRecorder
-from omni_prefix_cache.telemetry.shards import Shards, get_ident
+from omni_prefix_cache.telemetry.shards import Shards
 
 THREADS = 4
 EACH = 5_000
@@ -232,7 +232,9 @@ def counted_locks(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[CountingLock
         return made[-1]
 
     with monkeypatch.context() as patch:
-        patch.setattr("omni_prefix_cache.telemetry.shards.threading", SimpleNamespace(Lock=build))
+        patch.setattr(
+            "omni_prefix_cache.telemetry.shards.threading", SimpleNamespace(Lock=build, local=threading.local)
+        )
         yield made
 
 
@@ -255,7 +257,11 @@ def test_each_thread_writes_a_row_of_its_own() -> None:
     mine: dict[int, list[float]] = {}
 
     def work(i: int) -> None:
-        row = shards.rows.get(get_ident()) or shards.register()
+        try:
+            row = shards.local.row
+        except AttributeError:
+            row = shards.register()
+        assert shards.local.row is row and shards.rows[threading.get_ident()] is row
         mine[i] = row
         for _ in range(EACH):
             row[0] += 1
@@ -266,6 +272,18 @@ def test_each_thread_writes_a_row_of_its_own() -> None:
     assert all(mine[i] == [EACH, EACH * i] for i in range(THREADS))
     assert shards.totals() == [THREADS * EACH, EACH * sum(range(THREADS))]
     assert Shards(3).totals() == [0, 0, 0]
+
+
+def test_a_thread_with_a_reused_ident_adds_into_that_idents_row() -> None:
+    """A thread starting with an ident an exited one had finds no cached
+    row (its thread-local is fresh) and takes the ident's row, so the rows
+    stay as many as threads alive at once."""
+    shards = Shards(1)
+    row = shards.register()
+    row[0] += 3
+    del shards.local.row  # what a new thread with this ident sees
+    assert shards.register() is row
+    assert len(shards.rows) == 1 and shards.totals() == [3]
 
 
 def test_shards_refuse_a_zero_width() -> None:

@@ -16,7 +16,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from omni_prefix_cache.telemetry.shards import Shards, get_ident
+from omni_prefix_cache.telemetry.shards import Shards
 
 # Seconds: 1 us to 10 s, roughly three per decade (Prometheus' defaults start
 # at 5 ms, too coarse for a lock wait or one step's copy).
@@ -75,7 +75,7 @@ class Histogram:
     tolerates it); counts never go backwards from one summary to the next.
     """
 
-    __slots__ = ("bounds", "_shards", "_rows", "_sum_at")
+    __slots__ = ("bounds", "_shards", "_local", "_sum_at")
 
     def __init__(self, bounds: Sequence[float] = SECONDS_BUCKETS) -> None:
         self.bounds = tuple(bounds)
@@ -83,12 +83,15 @@ class Histogram:
             raise ValueError(f"histogram bounds must be strictly increasing, got {self.bounds}")
         self._sum_at = len(self.bounds) + 1
         self._shards = Shards(self._sum_at + 1)
-        self._rows = self._shards.rows
+        self._local = self._shards.local
 
     def observe(self, value: float) -> None:
         """Count ``value`` (>= 0) in its bucket and add it to the sum. Any
         thread, no lock (the thread's first observation registers its row)."""
-        row = self._rows.get(get_ident()) or self._shards.register()
+        try:
+            row = self._local.row
+        except AttributeError:  # the thread's first observation
+            row = self._shards.register()
         # An observation equal to a bound lands in that bound's bucket (le).
         row[bisect_left(self.bounds, value)] += 1
         row[self._sum_at] += value
@@ -103,15 +106,18 @@ class Counter:
     """A monotonically growing number (an int or float amount). Any thread;
     adding takes no lock (per-thread rows, ``shards.Shards``)."""
 
-    __slots__ = ("_shards", "_rows")
+    __slots__ = ("_shards", "_local")
 
     def __init__(self) -> None:
         self._shards = Shards(1)
-        self._rows = self._shards.rows
+        self._local = self._shards.local
 
     def add(self, amount: float = 1) -> None:
         """Add ``amount`` (>= 0). Any thread, no lock."""
-        row = self._rows.get(get_ident()) or self._shards.register()
+        try:
+            row = self._local.row
+        except AttributeError:  # the thread's first amount
+            row = self._shards.register()
         row[0] += amount
 
     @property

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from omni_prefix_cache.telemetry.histogram import SECONDS_BUCKETS, HistogramSummary
-from omni_prefix_cache.telemetry.shards import Shards, get_ident
+from omni_prefix_cache.telemetry.shards import Shards
 
 
 class Recorder(Protocol):
@@ -87,7 +87,7 @@ class MoveRecorder:
         names = list(dict.fromkeys(self.timed.values()))
         self._state_at = {name: len(self.labels) + k * per_state for k, name in enumerate(names)}
         self._shards = Shards(len(self.labels) + len(names) * per_state)
-        self._rows = self._shards.rows
+        self._local = self._shards.local
         # Per move: None when it neither ends nor starts a stay (untimed
         # states, or a self-loop, which keeps the stay), else (where the
         # source's histogram starts in a row, -1 if untimed; dest timed).
@@ -104,7 +104,10 @@ class MoveRecorder:
         Counts it; ends the instance's timed stay in the move's source (a
         self-loop keeps it) and starts one in its dest, reading the clock
         once (``detail``: for a trace only). Any thread, no lock."""
-        row = self._rows.get(get_ident()) or self._shards.register()
+        try:
+            row = self._local.row
+        except AttributeError:  # the thread's first move here
+            row = self._shards.register()
         i = move.index
         row[i] += 1
         timing = self._timing[i]
@@ -126,7 +129,10 @@ class MoveRecorder:
         is read once for the batch, at its first timed move. A None move
         (the item had no such move, so nothing moved) is skipped. Any
         thread, no lock."""
-        row = self._rows.get(get_ident()) or self._shards.register()
+        try:
+            row = self._local.row
+        except AttributeError:  # the thread's first move here
+            row = self._shards.register()
         timings, entered, bounds, sum_offset = self._timing, self._entered, self.bounds, self._sum_offset
         now = -1
         for key, move in zip(keys, moves):
@@ -153,7 +159,10 @@ class MoveRecorder:
         """``move`` was applied to ``n`` instances at once (an array machine,
         ``group`` its rows: for a trace only); counted only (see
         ``docs/stats.md`` on untimed array states). Any thread, no lock."""
-        row = self._rows.get(get_ident()) or self._shards.register()
+        try:
+            row = self._local.row
+        except AttributeError:  # the thread's first move here
+            row = self._shards.register()
         row[move.index] += n
 
     def forget(self, key: object) -> None:
