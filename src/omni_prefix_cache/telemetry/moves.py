@@ -134,7 +134,7 @@ class MoveRecorder:
         except AttributeError:  # the thread's first move here
             row = self._shards.register()
         timings, entered, bounds, sum_offset = self._timing, self._entered, self.bounds, self._sum_offset
-        now = -1
+        now: int | None = None
         for key, move in zip(keys, moves):
             if move is None:
                 continue
@@ -143,7 +143,7 @@ class MoveRecorder:
             timing = timings[i]
             if timing is None:
                 continue
-            if now < 0:
+            if now is None:
                 now = self._clock()
             ends, starts = timing
             if ends >= 0:
