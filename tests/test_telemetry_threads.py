@@ -140,6 +140,36 @@ def test_concurrent_data_path_records_total_exactly() -> None:
     assert all(h.count == EACH for h in hists["wait_seconds"].values())
 
 
+class FakeEvent:
+    """A CUDA timing event's surface: done or not, and ms since a start."""
+
+    def __init__(self, ms: float = 0.0) -> None:
+        self.done, self.ms = False, ms
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return end.ms
+
+
+def test_cuda_copies_resolve_once_when_complete_whatever_thread_queued_them() -> None:
+    """``device_copy`` queues without a lock; a read observes each copy
+    once its end event completed, and keeps the rest for a later read."""
+    dp = DataPath()
+    ends = [[FakeEvent(ms=2.0) for _ in range(EACH)] for _ in range(THREADS)]
+    _run_together(lambda i: [dp.device_copy("copy", FakeEvent(), end) for end in ends[i]])
+    for end in ends[0]:
+        end.done = True
+    assert dp.histograms()["device_copy_seconds"]["copy"].count == EACH
+    for group in ends[1:]:
+        for end in group:
+            end.done = True
+    got = dp.histograms()["device_copy_seconds"]["copy"]
+    assert got.count == THREADS * EACH and got.sum == pytest.approx(THREADS * EACH * 2e-3)
+    assert dp.histograms()["device_copy_seconds"]["copy"].count == THREADS * EACH  # none twice
+
+
 def test_a_thread_that_exits_keeps_its_counts() -> None:
     """Each of many short-lived threads observes and exits before the next
     starts (so later ones may reuse an ident); every figure stays."""
