@@ -176,6 +176,20 @@ def test_profile_keeps_the_engine_calls_and_materialize_apart(clock: str) -> Non
         profile_scenario("decode_4", clock="gpu")
 
 
+def test_profile_with_metrics_on_profiles_the_recording_and_leaves_the_switch_off() -> None:
+    """``bench --profile --metrics on``: the manager records (the move
+    recorder shows in the engine calls' profile); the process switch is off
+    after, as ``--metrics both`` leaves it. Without it nothing records."""
+    from omni_prefix_cache.telemetry.registry import TELEMETRY
+    from omni_prefix_cache.tools.bench.profiling import profile_scenario
+
+    on = profile_scenario("decode_4", top=400, iters=3, metrics=True)
+    assert "metrics on" in on.split("\n", 1)[0] and "(moved)" in on
+    assert not TELEMETRY.enabled
+    off = profile_scenario("decode_4", top=400, iters=3)
+    assert "metrics off" in off.split("\n", 1)[0] and "(moved)" not in off
+
+
 def test_the_wake_probe_runs_each_side_with_its_thread_and_leaves_none_behind() -> None:
     from omni_prefix_cache.tools.bench.wake_probe import THREAD_NAME, WakeProbe, probe_wake, wake_probe_lines
 

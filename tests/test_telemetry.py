@@ -78,6 +78,26 @@ def test_a_write_held_queued_for_a_known_time_lands_in_its_bucket(clock: Clock) 
     assert summary["count"] == 1 and 2.5e-3 < summary["p50"] <= 1e-2
 
 
+def test_a_trace_opening_or_closing_keeps_the_move_counts(clock: Clock, tmp_path: Any) -> None:
+    """Counts never go backwards while metrics stay on: a trace wraps the
+    machines' metrics recorders, it does not replace them."""
+    from omni_prefix_cache.telemetry.trace import Trace
+
+    key = ("write_task", "enqueue", "PENDING", "QUEUED")
+    _task().fire("enqueue")
+    trace = Trace(tmp_path / "moves.jsonl")
+    TELEMETRY.start_trace(trace)
+    try:
+        assert TELEMETRY.move_counts()[key] == 1
+        _task().fire("enqueue")
+        assert TELEMETRY.move_counts()[key] == 2
+    finally:
+        TELEMETRY.stop_trace(trace)
+    assert TELEMETRY.move_counts()[key] == 2
+    TELEMETRY.reset()  # a reset starts fresh series
+    assert TELEMETRY.move_counts()[key] == 0
+
+
 def test_metrics_off_touches_no_histogram(managers: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(self: Histogram, value: float) -> None:
         raise AssertionError("a histogram was observed with metrics off")
@@ -308,3 +328,47 @@ def test_simulate_metrics_out_without_matplotlib_says_so(
     assert "pip install 'omni-prefix-cache[plots]'" in capsys.readouterr().err
     assert not out.exists()
     assert main(["simulate", "--steps", "20", "--quiet"]) == 0  # without --metrics-out it still runs
+
+
+def _event_path_moves(tmp_path: Any, traced: bool) -> dict[tuple[str, str, str, str], int]:
+    """The request_lifecycle and delivery moves counted over a few steps of
+    the event API, each kind of usual decode event among them; ``traced``:
+    with a trace open (its recorder needs every event's moves one by one),
+    else metrics alone (a step's extends counted in one add)."""
+    from omni_prefix_cache import OmniPrefixCacheManager, PrefixCacheConfig
+    from test_request_lifecycle import BS, Engine, K
+
+    trace = str(tmp_path / "events.jsonl") if traced else None
+    with TELEMETRY.recording():
+        eng = Engine()
+        eng.m.shutdown()
+        config = PrefixCacheConfig(num_blocks=32, block_size=BS, metrics=True, trace_path=trace)
+        eng.m = OmniPrefixCacheManager(config, eager=True)
+        try:
+            eng.blocks = {"a": [1, 2], "b": [3, 4]}
+            first = eng.step([eng.ev("a", K.STARTED), eng.ev("b", K.STARTED, owner=None)], {"a": (0, 4), "b": (0, 4)})
+            out = eng.m.materialize(first, ["a", "b"])
+            eng.m.ack_delivery(eng.m.delivery_view(out, ["a", "b"], consumer="talker"))
+            # Extends that move: the owner's, an owner-less tenure's owner-less one.
+            eng.step([eng.ev("a", K.EXTENDED), eng.ev("b", K.EXTENDED, owner=None)], {"a": (4, 5), "b": (4, 5)})
+            # Ones that move nothing: owner-less on an owned tenure, a lookup not complete.
+            eng.step(
+                [eng.ev("a", K.EXTENDED, owner=None), eng.ev("b", K.EXTENDED, owner=None, lookup_complete=False)],
+                {"a": (5, 6), "b": (5, 6)},
+            )
+            eng.step([eng.ev("a", K.EXTENDED), eng.ev("b", K.EXTENDED, owner=None)], {"a": (6, 7)})
+            assert (TELEMETRY.trace is not None) == traced
+            counts = TELEMETRY.move_counts()
+        finally:
+            eng.m.shutdown()
+    return {key: n for key, n in counts.items() if key[0] in ("request_lifecycle", "delivery") and n}
+
+
+def test_a_steps_plain_extends_count_as_the_operation_run_event_by_event_would(tmp_path: Any) -> None:
+    """With metrics alone a step's usual decode events are not run through
+    request_event: their extend self-loops are counted in one add. The
+    counts must be what the operation, run per event (a trace open), counts."""
+    alone, traced = _event_path_moves(tmp_path, False), _event_path_moves(tmp_path, True)
+    assert alone == traced
+    assert alone[("request_lifecycle", "extend", "RUNNING", "RUNNING")] == 4
+    assert alone[("delivery", "view", "OPEN", "OPEN")] == alone[("delivery", "ack", "OPEN", "OPEN")] == 2

@@ -1,9 +1,10 @@
 """The runtime metrics (``telemetry``) as Prometheus families, with their
 histogram buckets; used by ``ops.metrics.OmniPrefixCacheCollector``.
 
-Reading them takes only each recorder's own short lock (a copy of a few
-lists), never the manager's or the controller's: a scrape does not hold up
-the engine thread beyond those copies.
+Reading them sums each series' per-thread rows (``telemetry.shards``),
+taking only the series' own registration lock to copy its list of rows,
+never the manager's or the controller's, and never a lock an observing
+thread takes: a scrape does not hold up the engine thread.
 """
 
 from __future__ import annotations

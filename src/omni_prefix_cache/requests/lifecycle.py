@@ -41,6 +41,9 @@ __all__ = ["MAX_CONSUMERS", "RequestBinding", "RequestTable"]
 _TERMINAL = frozenset({PrefixCacheEventKind.FINISHED, PrefixCacheEventKind.ABORTED})
 _OPENING = frozenset({PrefixCacheEventKind.STARTED, PrefixCacheEventKind.REPLACED})
 _ACTIVE = frozenset({RequestState.ADMITTED, RequestState.RUNNING})
+_EXTEND = REQUEST_MACHINE.move(RequestState.RUNNING, "extend")
+if _EXTEND is None:
+    raise SpecError("request_lifecycle.yaml: RUNNING has no extend move (the usual decode event's)")
 
 # The most consumers the table remembers (one per request would otherwise grow it without bound).
 MAX_CONSUMERS = 64
@@ -160,14 +163,24 @@ class RequestTable:
             self.last_sequence = sequence
         current = self.current
         run = partial(CALLER_HOLDS.run_all, self._request_event)
-        quiet = REQUEST_MACHINE.recorder is None
+        recorder = REQUEST_MACHINE.recorder
+        # The usual decode event moves nothing (``extend``'s self-loop, or
+        # ``ignore_event`` for an owner-less one), so it is not run: only a
+        # trace sees each instance's moves; metrics count the self-loops,
+        # all of the step's in one add (a self-loop starts or ends no stay).
+        per_event = recorder is not None and recorder.per_instance
+        counting = recorder is not None and not per_event
+        extends = 0
         for event in events:
-            if quiet and _plain_extend(event, current.get(event.req_id)):
-                # The usual decode event moves nothing (``extend``'s self-loop,
-                # or ``ignore_event`` for an owner-less one): unobservable
-                # unless the machine records moves, so it is not run.
-                continue
+            if not per_event:
+                cur = current.get(event.req_id)
+                if _plain_extend(event, cur):
+                    if counting:
+                        extends += _fires_extend(event, cur)
+                    continue
             run(TenureMove(self.tenure_of(event.req_id), self, event))
+        if extends and recorder is not None:
+            recorder.counted(_EXTEND, extends)
 
     def validate(self, events: Sequence[PrefixCacheRequestEvent]) -> None:
         """Raise the invalid-argument error, before anything moves, for an
@@ -394,6 +407,15 @@ def _plain_extend(event: PrefixCacheRequestEvent, cur: Tenure | None) -> bool:
         and cur.state is RequestState.RUNNING
         and (event.owner is None or event.owner == cur.owner)
     )
+
+
+def _fires_extend(event: PrefixCacheRequestEvent, cur: Tenure | None) -> bool:
+    """What operation request_event does with a ``_plain_extend`` event:
+    ``extend`` when the event is not ignored (an owner-less event of an owned
+    tenure is) and its lookup is complete (else ``admit?``, which a RUNNING
+    tenure has no move for). tests/test_telemetry.py checks this against
+    the operation run event by event."""
+    return cur is not None and (event.owner is not None or cur.owner is None) and bool(event.lookup_complete)
 
 
 def _terminal_event(m: TenureMove) -> bool:

@@ -254,9 +254,14 @@ def apply_delivery_move(move: CompiledMove, m: TenureMove) -> None:
     m.tenure.deliveries[m.consumer] = move.dest
     recorder = DELIVERY_MACHINE.recorder
     if recorder is not None:
-        # One instance per (tenure, consumer); the detail is the move's range
-        # (the trace validator judges delivery from the acknowledged ones).
-        recorder.moved(move, (m.tenure, m.consumer), (m.start, m.end))
+        if recorder.per_instance or move.source != move.dest:
+            # One instance per (tenure, consumer); the detail is the move's range
+            # (the trace validator judges delivery from the acknowledged ones).
+            recorder.moved(move, (m.tenure, m.consumer), (m.start, m.end))
+        else:
+            # A view or an acknowledgement, once per request of a delivery:
+            # metrics only count a self-loop, so no instance key is built.
+            recorder.counted(move, 1)
     for effect in move.effects:
         effect(m)
 

@@ -1,20 +1,22 @@
 """Fixed-bucket histograms and counters that a scrape can copy at any time.
 
-Every figure the runtime records is one of these. They are written by the
-thread that observes (engine, committer, prefetch) and read by a scrape on
-another thread, so each holds a plain ``threading.Lock`` for the few
-arithmetic operations of one observation or one copy. That lock is taken
-directly from ``threading`` (not the ``device.sync`` seam): it never spans a
-wait on another thread, so it is not a synchronization point the
-interleaving explorer needs to see.
+Every data-path figure the runtime records is one of these (a machine's
+move counts and time in state are ``moves.MoveRecorder``'s, stored the same
+way). They are written by the thread that observes (engine, committer,
+prefetch) and read by a scrape on another thread: each keeps one row per
+observing thread (``shards.Shards``), so an observation takes no lock and a
+read sums the rows. A read racing an observation may see its bucket count
+without its sum for an instant; counts never go backwards from one read to
+the next (``shards`` says why).
 """
 
 from __future__ import annotations
 
-import bisect
-import threading
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from omni_prefix_cache.telemetry.shards import Shards
 
 # Seconds: 1 us to 10 s, roughly three per decade (Prometheus' defaults start
 # at 5 ms, too coarse for a lock wait or one step's copy).
@@ -52,51 +54,74 @@ class HistogramSummary:
         """count, sum, p50 and p99 (the snapshot's summary form)."""
         return {"count": self.count, "sum": self.sum, "p50": self.quantile(0.5), "p99": self.quantile(0.99)}
 
+    @classmethod
+    def of(cls, bounds: Sequence[float], counts: Sequence[float], total: float) -> HistogramSummary:
+        """The summary of per-bucket ``counts`` (one per bound, then the
+        overflow bucket's) whose observations sum to ``total``."""
+        cumulative, running = [], 0
+        for bound, n in zip((*bounds, float("inf")), counts):
+            running += int(n)
+            cumulative.append((bound, running))
+        return cls(count=running, sum=float(total), buckets=tuple(cumulative))
+
 
 class Histogram:
     """Counts of observations per bucket (upper bounds ``bounds``, plus one
-    overflow bucket) and their sum. Any thread."""
+    overflow bucket) and their sum. Any thread; observing takes no lock.
 
-    __slots__ = ("bounds", "_counts", "_sum", "_lock")
+    Stored as per-thread rows (``shards.Shards``): the buckets' counts, then
+    the sum. ``summary`` merges them: a summary racing an ``observe`` may
+    count the observation without its sum for an instant (Prometheus
+    tolerates it); counts never go backwards from one summary to the next.
+    """
+
+    __slots__ = ("bounds", "_shards", "_local", "_sum_at")
 
     def __init__(self, bounds: Sequence[float] = SECONDS_BUCKETS) -> None:
         self.bounds = tuple(bounds)
         if list(self.bounds) != sorted(set(self.bounds)):
             raise ValueError(f"histogram bounds must be strictly increasing, got {self.bounds}")
-        self._counts = [0] * (len(self.bounds) + 1)
-        self._sum = 0.0
-        self._lock = threading.Lock()
+        self._sum_at = len(self.bounds) + 1
+        self._shards = Shards(self._sum_at + 1)
+        self._local = self._shards.local
 
     def observe(self, value: float) -> None:
+        """Count ``value`` (>= 0) in its bucket and add it to the sum. Any
+        thread, no lock (the thread's first observation registers its row)."""
+        try:
+            row = self._local.row
+        except AttributeError:  # the thread's first observation
+            row = self._shards.register()
         # An observation equal to a bound lands in that bound's bucket (le).
-        i = bisect.bisect_left(self.bounds, value)
-        with self._lock:
-            self._counts[i] += 1
-            self._sum += value
+        row[bisect_left(self.bounds, value)] += 1
+        row[self._sum_at] += value
 
     def summary(self) -> HistogramSummary:
-        with self._lock:
-            counts, total = list(self._counts), self._sum
-        cumulative, running = [], 0
-        for bound, n in zip((*self.bounds, float("inf")), counts):
-            running += n
-            cumulative.append((bound, running))
-        return HistogramSummary(count=running, sum=total, buckets=tuple(cumulative))
+        """Every thread's observations so far, merged. Any thread."""
+        totals = self._shards.totals()
+        return HistogramSummary.of(self.bounds, totals[: self._sum_at], totals[self._sum_at])
 
 
 class Counter:
-    """A monotonically growing number (an int or float amount). Any thread."""
+    """A monotonically growing number (an int or float amount). Any thread;
+    adding takes no lock (per-thread rows, ``shards.Shards``)."""
 
-    __slots__ = ("_value", "_lock")
+    __slots__ = ("_shards", "_local")
 
     def __init__(self) -> None:
-        self._value: float = 0
-        self._lock = threading.Lock()
+        self._shards = Shards(1)
+        self._local = self._shards.local
 
     def add(self, amount: float = 1) -> None:
-        with self._lock:
-            self._value += amount
+        """Add ``amount`` (>= 0). Any thread, no lock."""
+        try:
+            row = self._local.row
+        except AttributeError:  # the thread's first amount
+            row = self._shards.register()
+        row[0] += amount
 
     @property
     def value(self) -> float:
-        return self._value
+        """The sum of every thread's amounts so far. Any thread; never less
+        than an earlier read's."""
+        return self._shards.totals()[0]

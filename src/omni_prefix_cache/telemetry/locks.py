@@ -24,10 +24,14 @@ class TimedLock:
         self.label = label
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        """As ``threading.Lock.acquire``; a blocking wait is timed. Any thread."""
         if self._lock.acquire(False):
             return True
         if not blocking:
             return False
+        return self._wait(timeout)
+
+    def _wait(self, timeout: float) -> bool:
         dp = TELEMETRY.datapath
         if dp is None:
             return bool(self._lock.acquire(True, timeout))
@@ -43,9 +47,11 @@ class TimedLock:
         return bool(self._lock.locked())
 
     def __enter__(self) -> bool:
-        return self.acquire()
+        # The uncontended try inline, not through ``acquire``: a ``with``
+        # runs two Python frames (enter, exit) on top of the lock's own.
+        return True if self._lock.acquire(False) else self._wait(-1)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         self._lock.release()
 
 

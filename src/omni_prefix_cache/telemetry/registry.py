@@ -66,10 +66,15 @@ class Telemetry:
         name, labels, timed = machine.recorder_spec()
         return MoveRecorder(name, labels, timed, self.clock)
 
-    def _install(self, machine: RecordedMachine) -> None:
+    def _install(self, machine: RecordedMachine, fresh: bool = False) -> None:
         """The machine's recorder for the current switches (lock held):
-        metrics if on, wrapped in the trace's recorder if a trace is open."""
-        metrics = self._recorder(machine) if self.enabled else None
+        metrics if on, wrapped in the trace's recorder if a trace is open.
+        The machine's metrics recorder is kept (a trace opening or closing
+        must not reset its counts) unless ``fresh`` or there is none."""
+        metrics = None
+        if self.enabled:
+            current = getattr(machine.recorder, "metrics", machine.recorder)
+            metrics = current if isinstance(current, MoveRecorder) and not fresh else self._recorder(machine)
         trace = self.trace
         if trace is None:
             machine.recorder = metrics
@@ -108,7 +113,7 @@ class Telemetry:
             self.clock = clock or time.monotonic_ns
             self.datapath = DataPath()
             for machine in list(self._machines):
-                self._install(machine)
+                self._install(machine, fresh=True)
 
     def disable(self) -> None:
         """Stop recording and drop every series."""

@@ -407,6 +407,9 @@ class TraceRecorder:
     """A compiled machine's recorder while a trace is open: each move goes
     to the trace and, when metrics are on, to ``metrics`` as well."""
 
+    # The trace replays each instance's moves (tools.trace_check).
+    per_instance = True
+
     def __init__(
         self, machine: str, labels: Sequence[tuple[str, str, str]], trace: Trace, metrics: MoveRecorder | None
     ):

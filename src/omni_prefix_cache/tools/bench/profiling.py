@@ -10,8 +10,10 @@ import io
 import pstats
 import time
 
+from omni_prefix_cache.telemetry.registry import TELEMETRY
 from omni_prefix_cache.tools.bench.measure import run_scenario
 from omni_prefix_cache.tools.bench.scenarios import SCENARIOS, decode_scenario
+from omni_prefix_cache.tools.bench.sides import with_metrics
 
 PROFILE_CLOCKS = ("wall", "cpu")
 
@@ -33,23 +35,37 @@ def profile_scenario(
     iters: int | None = None,
     clock: str = "wall",
     forward_us: float = 0.0,
+    metrics: bool = False,
 ) -> str:
     """cProfile the timed steps of one scenario: for the engine calls, then
     for materialize, the top functions by own and by cumulative time.
-    ``clock``: ``wall`` or ``cpu`` (``_profiler``). Raises ValueError for an
-    unknown scenario or clock."""
+    ``clock``: ``wall`` or ``cpu`` (``_profiler``). ``metrics``: the manager
+    is built with ``PrefixCacheConfig.metrics`` (the process switch is off
+    again after, as ``bench --metrics both`` leaves it). Raises ValueError
+    for an unknown scenario or clock."""
     if name not in SCENARIOS and not name.startswith("decode_"):
         raise ValueError(f"unknown scenario {name!r}; choose from {sorted(SCENARIOS)} or decode_<requests>")
     if clock not in PROFILE_CLOCKS:
         raise ValueError(f"unknown profile clock {clock!r}; choose from {list(PROFILE_CLOCKS)}")
     sc = SCENARIOS[name]() if name in SCENARIOS else decode_scenario(int(name.split("_", 1)[1]))
     engine, materialize = _profiler(clock), _profiler(clock)
-    res = run_scenario(
-        sc, eager=eager, iters=iters, profiler=engine, materialize_profiler=materialize, forward_us=forward_us
-    )
+    TELEMETRY.disable()
+    try:
+        res = run_scenario(
+            sc,
+            eager=eager,
+            iters=iters,
+            profiler=engine,
+            materialize_profiler=materialize,
+            forward_us=forward_us,
+            manager_factory=with_metrics() if metrics else None,
+        )
+    finally:
+        TELEMETRY.disable()
     buf = io.StringIO()
     buf.write(
-        f"profile of {name} ({res.mode}, {res.steps} timed steps, {clock} clock; engine p50 {res.engine_us_p50:.1f} "
+        f"profile of {name} ({res.mode}, {res.steps} timed steps, {clock} clock, metrics {'on' if metrics else 'off'}; "
+        f"engine p50 {res.engine_us_p50:.1f} "
         f"us, materialize p50 {res.materialize_us_p50:.1f} us, profiler overhead included)\n"
     )
     for title, prof in (("engine calls (new_step_starts + save_outputs)", engine), ("materialize", materialize)):

@@ -256,6 +256,7 @@ def main_bench(args: argparse.Namespace) -> int:
                 iters=args.iters,
                 clock=getattr(args, "profile_clock", "wall"),
                 forward_us=getattr(args, "forward_us", 0.0),
+                metrics=getattr(args, "metrics", "off") == "on",
             )
         )
         return 0

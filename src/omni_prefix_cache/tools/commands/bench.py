@@ -92,7 +92,7 @@ def add_parser(sub: Any) -> None:
         type=profile_scenario,
         help="cProfile one scenario (a name above or decode_<requests>) and print the top functions, "
         "the engine calls and materialize each in their own profile (--forward-us applies, the forward "
-        "left out)",
+        "left out; with --metrics on the manager records metrics, otherwise not)",
     )
     p.add_argument("--top", type=positive, default=25, help="functions shown by --profile")
     p.add_argument(
