@@ -67,8 +67,13 @@ class PrefixCacheRequestOwner:
 class PrefixCacheRequestEvent:
     """One request's event of one step.
 
-    ``hit_start``/``hit_end``: the token span served from the prefix cache
-    (``hit_end`` is vLLM's ``num_computed_tokens``); ``block_ids``: one tuple
+    ``hit_end``: where the prefix-cache hit ends (vLLM's
+    ``num_computed_tokens``). ``hit_start``: kept for upstream's event shape;
+    the adapter always sets 0, and the manager does not read it: a hit is
+    served from the tenure's recovery start (0 for a fresh tenure, the
+    slowest consumer's watermark after a resume; ``steps.step_record.Hit``).
+    A value other than a non-negative int not past ``hit_end`` is refused.
+    ``block_ids``: one tuple
     per KV cache group; ``owner``: None when the engine declares no owners;
     ``lookup_complete``: False on a control that fixes the owner before the
     cache lookup ran.

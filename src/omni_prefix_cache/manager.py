@@ -305,7 +305,8 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
             if error is exc:
                 raise
             raise error from exc
-        run(save, "start_reads", call)  # state: the prefetches of the hits it planned (none after a shutdown)
+        if call.jobs:  # state: the prefetches of the hits it planned (none after a shutdown); no lock for none
+            run(save, "start_reads", call)
         return call.sid
 
     def _route_save(

@@ -15,7 +15,7 @@ Other threads interleave only between segments, as the spec says.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +82,34 @@ def both(first: Any, second: Any) -> Held:
 
 _UNLOCKED = LockRule(_unlocked)
 
+Run = Callable[[Any], None]
+# A segment as ``run`` runs it: its closure, how its lock is taken, the check
+# once held (None: none) and, for a wait segment, the waiter (None: not one).
+_Plan = tuple[Run, Callable[[Any], contextlib.AbstractContextManager[Any]], Run | None, Run | None]
+
+
+class _Hold:
+    """``SegmentRunner.held``: the lock held (and its check passed) from
+    ``__enter__``, which gives the segment's closure, to ``__exit__``."""
+
+    __slots__ = ("_lock", "_check", "_ctx", "_run")
+
+    def __init__(self, lock: contextlib.AbstractContextManager[Any], check: Run | None, ctx: Any, run: Run) -> None:
+        self._lock, self._check, self._ctx, self._run = lock, check, ctx, run
+
+    def __enter__(self) -> Run:
+        self._lock.__enter__()
+        if self._check is not None:
+            try:
+                self._check(self._ctx)
+            except BaseException:
+                self._lock.__exit__(None, None, None)
+                raise
+        return self._run
+
+    def __exit__(self, *exc: Any) -> None:
+        self._lock.__exit__(*exc)
+
 
 class SegmentRunner:
     """Runs compiled operations' segments by name under the locks they
@@ -94,7 +122,7 @@ class SegmentRunner:
     lock rules' checks (the manager's ``abandon_save``, which must undo a
     failed save after shutdown too)."""
 
-    __slots__ = ("_locks", "_waits", "_unchecked")
+    __slots__ = ("_locks", "_waits", "_unchecked", "_plans")
 
     def __init__(
         self,
@@ -106,6 +134,8 @@ class SegmentRunner:
         self._locks = dict(locks or {})
         self._waits = dict(waits or {})
         self._unchecked = unchecked
+        # (op, segment name) -> (closure, take, check or None, waiter or None), built on first use.
+        self._plans: dict[tuple[CompiledOperation, str], _Plan] = {}
 
     def _rule(self, lock: str) -> LockRule:
         return self._locks.get(lock, _UNLOCKED)
@@ -121,32 +151,40 @@ class SegmentRunner:
             raise SpecError(f"operation {op.spec.name}: this executor cannot wait for {seg.wait} of {seg.of!r}")
         waiter(ctx)
 
-    def run(self, op: CompiledOperation, segment: str, ctx: Any) -> None:
-        """Segment ``segment`` of ``op`` for ``ctx``, under its lock (a wait
-        segment blocks through ``waits``). Raises what the segment raises."""
+    def _plan(self, op: CompiledOperation, segment: str) -> _Plan:
+        """What ``run`` does for ``segment`` of ``op``, resolved once."""
         i = op.at(segment)
         seg = op.spec.segments[i]
         if seg.wait:
-            self._wait(op, i, ctx)
-            return
-        rule = self._rule(seg.lock)
-        with rule.take(ctx):
-            if rule.check is not None and self._checks(op, segment):
-                rule.check(ctx)
-            op.segments[i](ctx)
+            waiter = self._waits.get(seg.of or "")
+            if waiter is None:
+                raise SpecError(f"operation {op.spec.name}: this executor cannot wait for {seg.wait} of {seg.of!r}")
+            plan: _Plan = (op.segments[i], _unlocked, None, waiter)
+        else:
+            rule = self._rule(seg.lock)
+            plan = (op.segments[i], rule.take, rule.check if self._checks(op, segment) else None, None)
+        self._plans[(op, segment)] = plan
+        return plan
 
-    @contextlib.contextmanager
-    def held(self, op: CompiledOperation, segment: str, ctx: Any) -> Iterator[Callable[[Any], None]]:
-        """Hold segment ``segment``'s lock (its check run) and yield its
+    def run(self, op: CompiledOperation, segment: str, ctx: Any) -> None:
+        """Segment ``segment`` of ``op`` for ``ctx``, under its lock (a wait
+        segment blocks through ``waits``). Raises what the segment raises."""
+        run, take, check, wait = self._plans.get((op, segment)) or self._plan(op, segment)
+        if wait is not None:
+            wait(ctx)
+            return
+        with take(ctx):
+            if check is not None:
+                check(ctx)
+            run(ctx)
+
+    def held(self, op: CompiledOperation, segment: str, ctx: Any) -> contextlib.AbstractContextManager[Run]:
+        """Hold segment ``segment``'s lock (its check run) and give its
         compiled closure: for a segment whose steps two executors run in one
         hold (save's ``register``: the writes, per task, then the manager's
         share), the caller runs the other executor's part, then this one."""
-        i = op.at(segment)
-        rule = self._rule(op.spec.segments[i].lock)
-        with rule.take(ctx):
-            if rule.check is not None and self._checks(op, segment):
-                rule.check(ctx)
-            yield op.segments[i]
+        run, take, check, _ = self._plans.get((op, segment)) or self._plan(op, segment)
+        return _Hold(take(ctx), check, ctx, run)
 
     def run_all(self, op: CompiledOperation, ctx: Any) -> bool:
         """Every segment of ``op`` for ``ctx``, in order; the entry move is

@@ -150,5 +150,6 @@ def wake_probe_lines(probe: WakeProbe | None) -> list[str]:
         f"wake probe (eager decode x{probe.requests}, engine p50, median of {probe.pairs} runs a side): "
         f"alone {probe.alone_us:.0f} us, a no-op thread woken after every step {probe.woken_us:.0f} us "
         f"({probe.extra_us:+.0f} us){one}",
-        "  a threaded manager wakes its committer every save: threaded engine rows carry about the difference here",
+        "  a threaded manager kicks its committer at the end of new_step (the forward follows): the wake lands in the"
+        " forward when it is long enough (--forward-us), else threaded engine rows carry about the difference here",
     ]
