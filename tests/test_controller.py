@@ -146,7 +146,7 @@ def test_threaded_committer_writes_everything_while_another_thread_escalates_and
     ctrl.escalate(submitted)
     ctrl.join(submitted)
     try:
-        states = {tid: ctrl.get_task(tid).state for tid in submitted if ctrl.get_task(tid)}
+        states = {tid: ctrl.registry.get(tid).state for tid in submitted if ctrl.registry.get(tid)}
         assert all(s is TaskState.WRITTEN for s in states.values()), f"seed={seed}: {states}"
         for slots in plan:
             got = pool.rows(HIDDEN_KEY, torch.tensor(slots))

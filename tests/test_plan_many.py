@@ -33,9 +33,10 @@ WIDTH = {HIDDEN_KEY: 8, "mm_a": 3}
 
 
 class Tasks:
-    """The controller as planning sees it: ``get_task`` by tid."""
+    """The controller as planning sees it: its task registry, ``get`` by tid."""
 
     def __init__(self, rng: random.Random) -> None:
+        self.registry = self
         self.tasks: dict[int, Any] = {}
         for tid in range(1, 7):
             schedule = WriteSchedule.JOIN_NEXT_STEP if tid % 2 else WriteSchedule.JOIN_ON_FINISH
@@ -44,7 +45,7 @@ class Tasks:
             rows = {slot: (tid % 3, slot + tid) for slot in range(BLOCKS * BS)}
             self.tasks[tid] = SimpleNamespace(tid=tid, schedule=schedule, state=state, slot_to_row=lambda r=rows: r)
 
-    def get_task(self, tid: int) -> Any:
+    def get(self, tid: int) -> Any:
         return self.tasks.get(tid)  # tid 7 is unknown
 
 

@@ -470,7 +470,7 @@ class ControllerRace(RuleBasedStateMachine):
     def append_chunk(self, tid, slots):
         """Grow a deferred write by one save (refused once copying)."""
         m = self.model.live(tid)
-        task = self.ctrl.get_task(tid)
+        task = self.ctrl.registry.get(tid)
         if m is None or m.schedule is not WriteSchedule.JOIN_ON_FINISH or m.chunks >= 9:
             return
         chunk = WriteChunk(slots_cpu=torch.tensor(slots), tensors={HIDDEN_KEY: rows(tid, slots, m.chunks)})
@@ -488,7 +488,7 @@ class ControllerRace(RuleBasedStateMachine):
         m = self.model.live(tid)
         if m is None or m.state.is_terminal:
             return
-        self.ctrl.get_task(tid).add_taken_over(HIDDEN_KEY, torch.tensor([slot]))
+        self.ctrl.registry.get(tid).add_taken_over(HIDDEN_KEY, torch.tensor([slot]))
         m.taken_over.add(slot)
 
     @rule(tids=st.lists(tasks, min_size=1, max_size=3))
@@ -504,7 +504,7 @@ class ControllerRace(RuleBasedStateMachine):
     def fail(self, tid):
         """A failure from outside the committer (e.g. shutdown)."""
         self.model.fail(tid)
-        task = self.ctrl.get_task(tid)
+        task = self.ctrl.registry.get(tid)
         if task is not None:
             self.ctrl.fail_task(task, None)
 
@@ -535,7 +535,7 @@ class ControllerRace(RuleBasedStateMachine):
         if m is None or m.schedule is not WriteSchedule.JOIN_ON_FINISH or m.state.is_terminal:
             return
         slots = sorted(m.rows)
-        got = self.ctrl.fetch_host(self.ctrl.get_task(tid), torch.tensor(slots), HIDDEN_KEY)
+        got = self.ctrl.fetch_host(self.ctrl.registry.get(tid), torch.tensor(slots), HIDDEN_KEY)
         assert got[:, 0].tolist() == [m.rows[s] for s in slots]
 
     @rule()
@@ -587,7 +587,7 @@ class ControllerRace(RuleBasedStateMachine):
     @invariant()
     def task_states_match_model(self):
         for tid, m in self.model.tasks.items():
-            task = self.ctrl.get_task(tid)
+            task = self.ctrl.registry.get(tid)
             if tid in self.model.drained:
                 assert task is None, f"task {tid} drained but still registered"
                 continue
@@ -597,7 +597,7 @@ class ControllerRace(RuleBasedStateMachine):
     @invariant()
     def events_follow_states(self):
         for tid, m in self.model.tasks.items():
-            task = self.ctrl.get_task(tid)
+            task = self.ctrl.registry.get(tid)
             if task is None:
                 continue
             assert task.host_ready.is_set() == (m.state in (TaskState.HOST_READY, TaskState.WRITTEN, TaskState.FAILED))

@@ -233,7 +233,7 @@ class SystemRace(RuleBasedStateMachine):
             return None
         # The save barrier: the previous save's immediate writes are in the pool.
         for tid in self.previous_immediate:
-            task = self.ctrl.get_task(tid)
+            task = self.ctrl.registry.get(tid)
             if task is not None and not task.is_terminal:
                 self.violations.append(f"step {sid} saved before task {tid} of the previous step was written")
         self.previous_immediate = list(self.mgr._ledger.previous_step_writes)
@@ -318,7 +318,7 @@ class SystemRace(RuleBasedStateMachine):
                 try:
                     ctrl.join([tid])
                 except OmniPrefixCacheUnmatchError:
-                    assert ctrl.get_task(tid).state is TaskState.FAILED
+                    assert ctrl.registry.get(tid).state is TaskState.FAILED
         elif action.startswith("fail") and not self.dead:
             alive = [t for t in tids if not ctrl.tasks[t].is_terminal]
             if alive:
@@ -382,7 +382,7 @@ class SystemRace(RuleBasedStateMachine):
         assert steps == set(self.mgr._step_ctxs), (steps, set(self.mgr._step_ctxs))
         for h in held:
             if h.kind == "task":
-                task = self.ctrl.get_task(h.owner_id)
+                task = self.ctrl.registry.get(h.owner_id)
                 assert task is not None and not task.is_terminal, f"task {h.owner_id} holds a page after finishing"
 
     @invariant()
@@ -401,7 +401,7 @@ class SystemRace(RuleBasedStateMachine):
             in_transit = status.state == int(SlotState.IN_TRANSIT)
             assert torch.equal(in_transit, status.tids >= 0), f"{key}: owner set iff IN_TRANSIT"
             for tid in set(status.tids[in_transit].tolist()):
-                task = self.ctrl.get_task(tid)
+                task = self.ctrl.registry.get(tid)
                 assert task is not None, f"{key}: slot owned by unregistered task {tid}"
 
     # ------------------------------------------------------------ quiescence

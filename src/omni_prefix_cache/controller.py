@@ -384,14 +384,6 @@ class OmniPrefixCacheController(ControllerSeams):
             failed.clear()
         return out
 
-    def get_task(self, tid: Tid) -> WriteTask | None:
-        """The registered task ``tid`` (None once drained). Only a miss looks further: a negative
-        tid is a per-request view id of compat's seams (``ControllerSeams.request_view``)."""
-        task = self._registry.tasks.get(tid)
-        if task is None and tid is not None and tid < 0:
-            return self.request_view(tid)
-        return task
-
     def registered(self) -> list[WriteTask]:
         """Every registered task (not yet drained)."""
         return self._registry.registered()

@@ -10,10 +10,11 @@ step's immediate rows as one write (its requests as state arrays), so:
   names each request's share of a step's write by a view id (the task's own
   tid when it holds one request), and ``get_task`` of a view id returns a
   ``RequestWriteView`` (``request_view``);
-- wrapping a per-request seam (``_scatter``, ``_run_eager``) records it in
-  ``WriteMode.wrapped_seams``; while it is set, each request's immediate rows
-  are their own write (the same step write, one request in its arrays), so
-  the wrapper sees one request per task.
+- while a per-request seam is wrapped (``_scatter``, ``_run_eager``, or a
+  WriteTask method), each request's immediate rows are their own write, so
+  the wrapper sees one request per task: compat's registration strategy
+  (``compat.registration``), which managers built while compat's seams are
+  installed use (``omni_prefix_cache.compat.install_upstream_seams``).
 """
 
 from __future__ import annotations
@@ -134,7 +135,6 @@ class ControllerSeams:
     fail_task: Callable[[WriteTask, BaseException | None], bool]
     fail_tasks: Callable[[list[WriteTask], BaseException | None], None]
     committer_write: Callable[[], list[Tid]]
-    get_task: Callable[[Tid], WriteTask | None]
 
     @property
     def _queue_hi(self) -> deque[Tid]:
@@ -188,6 +188,16 @@ class ControllerSeams:
         """Effect ``unpin_budget`` for ``task``."""
         self._budget.unpin(task)
 
+    def get_task(self, tid: Tid) -> WriteTask | None:
+        """Upstream's lookup: the registered task ``tid`` (None once
+        drained); only when the registry misses, a view id (negative) names
+        the ``RequestWriteView`` of one request's share of a step's write.
+        The runtime looks tasks up in its ``TaskRegistry``. Any thread."""
+        task = self._registry.tasks.get(tid)
+        if task is None and tid is not None and tid < 0:
+            return self.request_view(tid)
+        return task
+
     def request_view(self, tid: Tid) -> WriteTask | None:
         """``get_task``'s miss path: the ``RequestWriteView`` a view id names
         (None when it names none: its step's write is drained, or it is no
@@ -227,9 +237,7 @@ class ControllerSeams:
         # Setting back the writer's own write (a monkeypatch undone)
         # restores the real stage.
         real = self._writer
-        restored = scatter == real.write
-        self._handlers.stages.use(pool_write=real if restored else _ScatterStage(scatter))
-        self._note_wrapped("_scatter", not restored)
+        self._handlers.stages.use(pool_write=real if scatter == real.write else _ScatterStage(scatter))
 
     @property
     def _run_eager(self) -> RunEager:
@@ -241,11 +249,10 @@ class ControllerSeams:
         # A dispatch that runs its tasks through ``run`` instead (an EagerRun
         # is the real one, set back).
         self._eager_dispatch = EagerDispatch(run, self._writer, self.ops.eager, self.fail_tasks)
-        self._note_wrapped("_run_eager", not isinstance(run, EagerRun))
 
-    def _note_wrapped(self, seam: str, wrapped: bool) -> None:
-        """Per-request write units while ``seam`` is wrapped (see the module doc)."""
-        if wrapped:
-            self.mode.wrapped_seams.add(seam)
-        else:
-            self.mode.wrapped_seams.discard(seam)
+    def per_request_seam_wrapped(self) -> bool:
+        """True while ``_scatter`` or ``_run_eager`` runs through a wrapper
+        an upstream test set (compat's registration strategy asks, per save)."""
+        return isinstance(self._handlers.stages.pool_write, _ScatterStage) or not isinstance(
+            self._eager_dispatch.run, EagerRun
+        )

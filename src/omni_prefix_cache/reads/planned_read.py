@@ -306,7 +306,7 @@ class HitReads:
             pos = transit.nonzero().flatten()
             owners = tids.index_select(0, slots[pos])
             for tid in dict.fromkeys(owners.tolist()):
-                task = self._controller.get_task(tid)
+                task = self._controller.registry.get(tid)
                 where = pos[owners == tid]
                 if task is None:
                     raise OmniPrefixCacheUnmatchError(

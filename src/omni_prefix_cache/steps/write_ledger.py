@@ -42,6 +42,7 @@ from omni_prefix_cache.interface import (
 from omni_prefix_cache.specs.composition import compile_operation
 from omni_prefix_cache.specs.loader import SpecError, TriggerName
 from omni_prefix_cache.specs.types.slot_occupancy import SlotOccupancyTrigger
+from omni_prefix_cache.steps.registration import RegistrationStrategy, strategy_for
 from omni_prefix_cache.steps.request_tasks import RequestTasks, TaskRecord
 from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
 from omni_prefix_cache.steps.step_layout import StepOutputs
@@ -94,8 +95,12 @@ class WriteLedger:
         state_lock: threading.Lock,
         live: set[ReqId],
         counters: Counter[str],
+        units: RegistrationStrategy | None = None,
     ) -> None:
+        """``units``: how a save cuts its step's immediate rows into writes
+        (default: the strategy installed now, ``registration.strategy_for``)."""
         self._controller = controller
+        self.units = strategy_for(controller) if units is None else units
         self._occupancy = occupancy
         self._state_lock = state_lock
         self._live = live
@@ -174,13 +179,9 @@ class WriteLedger:
         requests as state arrays in step order), bound to the page and
         queued (not dispatched). Appends it to ``registered`` as soon as
         the controller may know it; returns ``[task]`` (``[]`` without
-        immediate rows or requests).
-
-        While an upstream test wraps a per-request seam (compat: the
-        controller's ``mode.wrapped_seams`` or a WriteTask method patched on
-        the class, ``seams_wrapped``; two flag reads per save), each
-        request's rows are their own step write instead, one request in its
-        arrays, in step order (the same task and path, smaller units)."""
+        immediate rows or requests). The ledger's registration strategy
+        (``steps.registration``, fixed when the ledger was built) may cut
+        the step into several such writes, in step order."""
         if not split.immediate or not req_order:
             return []
         ctrl = self._controller
@@ -189,11 +190,7 @@ class WriteLedger:
             host=claimed.views,
             tensors={k: split.immediate[k] for k in split.on_device},
         )
-        sizes = [spans[r][1] for r in req_order]
-        if ctrl.mode.wrapped_seams or WriteTask.seams_wrapped:
-            units = [([rid], [size]) for rid, size in zip(req_order, sizes, strict=True)]
-        else:
-            units = [(req_order, sizes)]
+        units = self.units(req_order, [spans[r][1] for r in req_order])
         keys, page, freeze_event, d2h_event = (
             tuple(split.immediate),
             claimed.staging_slot,
@@ -280,8 +277,9 @@ class WriteLedger:
         writes: dict[TensorName, np.ndarray | int] = {}
         if len(immediate) == 1:
             writes.update(dict.fromkeys(split.immediate, immediate[0].tid))
-        elif immediate:  # per-request units (compat): one per request, in step order
-            writes.update(dict.fromkeys(split.immediate, per_row_ids([t.tid for t in immediate], sizes)))
+        elif immediate:  # a strategy cut the step: each write owns its window, in step order
+            rows = [t.chunks[0].end - t.chunks[0].start for t in immediate]
+            writes.update(dict.fromkeys(split.immediate, per_row_ids([t.tid for t in immediate], rows)))
         if deferred_tids:
             writes.update(dict.fromkeys(split.deferred_clone, per_row_ids(deferred_tids, sizes)))
         self._occupancy.take_tenancy(slots, writes)

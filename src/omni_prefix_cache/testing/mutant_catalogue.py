@@ -80,7 +80,7 @@ def _escalate_requeues_claimed(stack: contextlib.ExitStack) -> None:
     def escalate(self: OmniPrefixCacheController, tids: list[int]) -> None:
         with self.lock:
             for tid in tids:
-                task = self.get_task(tid)
+                task = self.registry.get(tid)
                 if task is not None and task.state is TaskState.COPYING:
                     with task.lock:
                         task.state = TaskState.QUEUED  # the old bug: no claim check
@@ -196,7 +196,7 @@ def _holder_released_at_drain(stack: contextlib.ExitStack) -> None:
     original_drain = OmniPrefixCacheController.drain_completed
 
     def drain_completed(self: OmniPrefixCacheController) -> list[int]:
-        tasks = [self.get_task(tid) for tid in list(self.completed)]
+        tasks = [self.registry.get(tid) for tid in list(self.completed)]
         out = original_drain(self)
         pool = self.staging_pool
         for task in tasks:
@@ -375,7 +375,7 @@ def _escalate_pushes_high_queued_twice(stack: contextlib.ExitStack) -> None:
         if not self.eager:
             with self.lock:
                 for tid in tids:
-                    task = self.get_task(tid)
+                    task = self.registry.get(tid)
                     if task is not None and task.position == QueuePosition.HIGH:
                         self.queues.high.appendleft(tid)
         original(self, tids)

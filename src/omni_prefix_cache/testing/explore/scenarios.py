@@ -163,7 +163,7 @@ class Engine:
     def _check_save_barrier(self, sid: int) -> None:
         ctrl = self.mgr.components.controller
         for tid in self.previous_immediate:
-            task = ctrl.get_task(tid)
+            task = ctrl.registry.get(tid)
             if task is not None and not task.is_terminal:
                 raise _fail(
                     "no_join_under_state_lock_and_save_waits_previous_writes",

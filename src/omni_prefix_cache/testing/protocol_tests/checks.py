@@ -111,7 +111,7 @@ class ProtocolChecks:
             steps = {h.owner_id for h in holders if h.kind == "step"}
             for h in holders:
                 if h.kind == "task":
-                    task = self.m.ctrl.get_task(h.owner_id)
+                    task = self.m.ctrl.registry.get(h.owner_id)
                     assert task is not None and not task.is_terminal, f"task {h.owner_id} holds page {page} after done"
                     assert task.staging_slot == page, f"task {h.owner_id} holds page {page}, views {task.staging_slot}"
             assert steps <= set(self.m.mgr.components.steps), f"page {page} held by consumed steps {steps}"

@@ -126,7 +126,7 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
                 race.violations["no_join_under_state_lock"].append(f"join({event_name}) of {list(tids)}")
             if not race.EAGER:
                 for tid in tids:
-                    task = ctrl.get_task(tid)
+                    task = ctrl.registry.get(tid)
                     for _ in range(64):
                         if task is None or getattr(task, event_name).is_set() or not race._committer_unit():
                             break
@@ -138,7 +138,7 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
             register_many(tasks, queued)
 
         def escalating(tids: list[int]) -> None:
-            states = {QueuePosition(int(t.position)).name for tid in tids if (t := ctrl.get_task(tid)) is not None}
+            states = {QueuePosition(int(t.position)).name for tid in tids if (t := ctrl.registry.get(tid)) is not None}
             event(f"escalate at positions {sorted(states)}")
             race.escalated.update(tids)
             escalate(tids)
@@ -407,7 +407,7 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
             return None
         self.saved(int(sid), planned)
         for tid in self.previous_immediate:
-            task = self.ctrl.get_task(tid)
+            task = self.ctrl.registry.get(tid)
             if task is not None and not task.is_terminal:
                 self.violations["save_waits_previous_writes"].append(
                     f"step {sid} mapped its slots while task {tid} of the previous step was {task.state.name}"
@@ -477,7 +477,7 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
         except OmniPrefixCacheUnmatchError:
             # A failed task raises; a live one the committer cannot finish
             # times out (its position is what the invariants check).
-            task = self.ctrl.get_task(tid)
+            task = self.ctrl.registry.get(tid)
             event("join raised: " + ("failed task" if task is not None and task.state is TaskState.FAILED else "stuck"))
 
     def drive_submit_queued(self, slot: int) -> None:
