@@ -48,7 +48,7 @@ def _step_units(mgr: OmniPrefixCacheManager, drv: Driver) -> list[tuple[str, ...
     """Run ``STEP``; the requests of each of its immediate writes, in tid order."""
     sid, want = drv.run(STEP)
     ctrl = mgr.components.controller
-    tasks = sorted(ctrl.registry.tasks.values(), key=lambda t: t.tid)
+    tasks = sorted(ctrl.parts.registry.tasks.values(), key=lambda t: t.tid)
     assert all(type(t) is WriteTask and t.state is TaskState.WRITTEN for t in tasks)
     assert mgr.components.ledger.previous_step_writes == [t.tid for t in tasks]
     drv.check(sid, want)
@@ -134,11 +134,11 @@ def test_reading_seams_serve_one_view_per_request_of_a_step_write() -> None:
         sid, want = drv.run(STEP)
         ctrl, ledger = mgr.components.controller, mgr.components.ledger
         (step_tid,) = ledger.previous_step_writes
-        write = ctrl.registry.tasks[step_tid]
+        write = ctrl.parts.registry.tasks[step_tid]
         ids = request_write_ids(write)
         assert [rid for rid, _ in ids] == list(STEP)
         view_tids = [vid for _, vid in ids]
-        assert len(set(view_tids)) == 3 and all(vid < 0 and vid not in ctrl.registry.tasks for vid in view_tids)
+        assert len(set(view_tids)) == 3 and all(vid < 0 and vid not in ctrl.parts.registry.tasks for vid in view_tids)
         table = RequestTasksView(ledger).tasks
         assert {rid: list(tids) for rid, tids in table.items()} == {rid: [vid] for rid, vid in ids}
         slots = write.chunks[0].slots_cpu
@@ -153,12 +153,12 @@ def test_reading_seams_serve_one_view_per_request_of_a_step_write() -> None:
         # No view id: a tid, an owner array's -1, an index past the step's requests.
         assert ctrl.get_task(-1) is None and ctrl.get_task(min(view_tids) - 1) is None
         assert ctrl.get_task(step_tid) is write
-        while ctrl.committer_step() is not None:
+        while ctrl.parts.committer.step() is not None:
             pass
         assert ctrl.get_task(view_tids[0]).state is TaskState.WRITTEN  # type: ignore[union-attr]
         drv.check(sid, want)
         drv.run({"a": Req([0], 3, 1)})  # drains the step's write
-        assert step_tid not in ctrl.registry.tasks and all(ctrl.get_task(vid) is None for vid in view_tids)
+        assert step_tid not in ctrl.parts.registry.tasks and all(ctrl.get_task(vid) is None for vid in view_tids)
     finally:
         mgr.shutdown()
 
@@ -168,7 +168,7 @@ def test_a_one_request_write_is_named_by_its_own_tid() -> None:
     try:
         drv.run({"a": Req([0], 0, 2)})
         (tid,) = mgr.components.ledger.previous_step_writes
-        write = mgr.components.controller.registry.tasks[tid]
+        write = mgr.components.controller.parts.registry.tasks[tid]
         assert request_write_ids(write) == [("a", tid)]
         assert RequestTasksView(mgr.components.ledger).tasks == {"a": {tid: None}}
     finally:

@@ -33,10 +33,9 @@ WIDTH = {HIDDEN_KEY: 8, "mm_a": 3}
 
 
 class Tasks:
-    """The controller as planning sees it: its task registry, ``get`` by tid."""
+    """The task registry as planning sees it: ``get`` by tid."""
 
     def __init__(self, rng: random.Random) -> None:
-        self.registry = self
         self.tasks: dict[int, Any] = {}
         for tid in range(1, 7):
             schedule = WriteSchedule.JOIN_NEXT_STEP if tid % 2 else WriteSchedule.JOIN_ON_FINISH
@@ -68,7 +67,7 @@ def tables(rng: random.Random, p_committed: float) -> tuple[PrefixBlockPool, Slo
 
 
 def planner(pool: PrefixBlockPool, occupancy: SlotOccupancy, tasks: Tasks) -> HitPlanner:
-    reads = HitReads(pool, tasks, occupancy, threading.Lock())  # type: ignore[arg-type]
+    reads = HitReads(pool, None, tasks, None, occupancy, threading.Lock())  # type: ignore[arg-type]
     policy = ModelCachePolicy(needs_full_hidden_states=True)
     config = PrefixCacheConfig(num_blocks=BLOCKS, block_size=BS)
     return HitPlanner(config, occupancy, reads, None, {}, lambda: policy, lambda: False)  # type: ignore[arg-type]

@@ -106,13 +106,10 @@ def test_open_many_counts_and_lists_each_requests_writes_in_order(seed: int) -> 
 
 
 class _Controller:
-    """What registration asks of the controller: CPU tensors, and the registered batch."""
+    """What registration asks of the controller: the registered batch."""
 
     def __init__(self) -> None:
         self.registered: list[list[WriteTask]] = []
-
-    def is_device(self, tensor: torch.Tensor) -> bool:
-        return False
 
     def register_many(self, tasks: list[WriteTask], queued: bool = True) -> None:
         assert queued
@@ -127,7 +124,7 @@ def test_a_step_registers_one_write_for_all_its_requests_and_owns_its_rows(seed:
     for key in (*keys, "other"):
         occ.add_key(key)
     ctrl = _Controller()
-    ledger = WriteLedger(ctrl, occ, threading.Lock(), set(), Counter())  # type: ignore[arg-type]
+    ledger = WriteLedger(ctrl, None, None, occ, threading.Lock(), set(), Counter())  # type: ignore[arg-type]
     for step in range(3):
         req_order: list[ReqId] = [f"r{i}" for i in rng.sample(range(6), rng.randint(1, 6))]
         spans: dict[ReqId, tuple[int, int]] = {}
@@ -179,7 +176,7 @@ def test_a_per_request_strategy_makes_each_requests_rows_its_own_step_write(seed
     for key in ("h", "other"):
         occ.add_key(key)
     ctrl = _Controller()
-    ledger = WriteLedger(ctrl, occ, threading.Lock(), set(), Counter(), units=per_request)  # type: ignore[arg-type]
+    ledger = WriteLedger(ctrl, None, None, occ, threading.Lock(), set(), Counter(), units=per_request)  # type: ignore[arg-type]
     for step in range(3):
         req_order: list[ReqId] = [f"r{i}" for i in rng.sample(range(6), rng.randint(1, 6))]
         sizes = [rng.choice([0, 1, 1, 3]) for _ in req_order]
@@ -233,7 +230,7 @@ def test_a_finished_request_escalates_the_step_write_holding_its_rows() -> None:
         ctrl.escalate = lambda tids: (escalated.append(list(tids)), real(tids))[1]  # type: ignore[method-assign]
         mgr.new_step_starts(_finish(["a", "b"]))
         assert escalated == [[tid, tid]]  # the controller escalates each task once
-        assert ctrl.tasks[tid].state.name != "PENDING"
+        assert ctrl.parts.registry.tasks[tid].state.name != "PENDING"
         mgr.discard_step(sid)
     finally:
         mgr.shutdown()

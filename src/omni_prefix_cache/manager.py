@@ -137,12 +137,12 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         self._step_ctxs = self._steps.open
         self._finish_escalations: tuple[StepId, list[Tid]] = (-1, [])  # (next step id, tids): see _escalate_detached
         self._closed = False
-        # The components (see the module docstring). The occupancy's hooks
-        # are installed once both sides exist.
-        self._slot_status = SlotOccupancy(self._pool.num_slots)
-        self._layout = StepLayout(config, view, self._pool, self._controller)
-        self._ledger = WriteLedger(self._controller, self._slot_status, self._state_lock, self._live, self._counters)
-        self._reads = HitReads(self._pool, self._controller, self._slot_status, sync.Lock())  # leaf lock
+        # The components (module docstring), each handed the write parts it uses; hooks once both exist.
+        occ = self._slot_status = SlotOccupancy(self._pool.num_slots)
+        ctrl, writes, lock = self._controller, self._controller.parts, self._state_lock
+        self._layout = StepLayout(config, view, self._pool, writes.host_rows.engine, writes.staging_pool)
+        self._ledger = WriteLedger(ctrl, writes.registry, writes.budget, occ, lock, self._live, self._counters)
+        self._reads = HitReads(self._pool, ctrl, writes.registry, writes.host_rows, occ, sync.Lock())  # leaf lock
         self._slot_status.on_takeover = self._ledger.on_takeover
         self._slot_status.on_reuse = self._reads.registry.preserve
         self._hits = HitPlanner(
@@ -303,7 +303,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         try:
             snapshot, mm_event = self._layout.leftover_snapshot(split, n)
             ledger.join_previous_step()
-            claimed = save.claimed = self._controller.stage_step_host(
+            claimed = save.claimed = self._controller.parts.staging_pool.stage_step(
                 split.immediate, n, split.freeze_event, StagingBufferHolder.for_step(sid)
             )
             ledger.reserve_budget(split, save.reserved)
@@ -324,7 +324,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
                 immediate = ledger.register_immediate_locked(split, claimed, req_order, spans, slots, save.registered)
                 deferred_tids = ledger.register_deferred_locked(split, save.registered)
                 ctx = self._layout.step_context(
-                    sid, self._controller, claimed, split, n, req_order, spans, snapshot, mm_event, self._policy
+                    sid, claimed, split, n, req_order, spans, snapshot, mm_event, self._policy
                 )
                 call = SaveCall(ctx, split, slots, immediate, deferred_tids, hits, token_ranges)
                 self._ops.save.op.segments[0](call)

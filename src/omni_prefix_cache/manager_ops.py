@@ -303,7 +303,7 @@ class FacadeOps:
         spec = active_protocol()
         tier = self._tier_desk
         couplings = {"take_tenancy": self._couple_take_tenancy, "restore_tenancy": lambda c: tier.restore(c.restores)}
-        binding = ManagerBinding(self._steps, self._controller.staging_pool, self._hits, self._reads, couplings)
+        binding = ManagerBinding(self._steps, self._controller.parts.staging_pool, self._hits, self._reads, couplings)
         effects: dict[str, Run] = {
             "validate_events": lambda call: self._requests.validate(call.given.events),
             "apply_events": self._apply_events,

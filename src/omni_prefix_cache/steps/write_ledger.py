@@ -48,8 +48,11 @@ from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
 from omni_prefix_cache.steps.step_layout import StepOutputs
 from omni_prefix_cache.steps.sticky_failure import StickyFailure
 from omni_prefix_cache.telemetry.registry import TELEMETRY
+from omni_prefix_cache.writes.budget import GpuBudget
 from omni_prefix_cache.writes.chunks import BudgetTicket, ChunkRuns, StepRequests, StepRows, WriteChunk
 from omni_prefix_cache.writes.operations import active_protocol
+from omni_prefix_cache.writes.task_registry import TaskRegistry
+from omni_prefix_cache.writes.write_errors import write_error
 
 
 @dataclass(eq=False)
@@ -91,15 +94,22 @@ class WriteLedger:
     def __init__(
         self,
         controller: OmniPrefixCacheController,
+        registry: TaskRegistry,
+        budget: GpuBudget,
         occupancy: SlotOccupancy,
         state_lock: threading.Lock,
         live: set[ReqId],
         counters: Counter[str],
         units: RegistrationStrategy | None = None,
     ) -> None:
-        """``units``: how a save cuts its step's immediate rows into writes
+        """``controller`` runs the write operations (register, reserve, join,
+        refund); ``registry`` is its task registry (the records the ledger
+        drains), ``budget`` its GPU-byte budget (the clones writes pin).
+        ``units``: how a save cuts its step's immediate rows into writes
         (default: the strategy installed now, ``registration.strategy_for``)."""
         self._controller = controller
+        self._registry = registry
+        self._budget = budget
         self.units = strategy_for(controller) if units is None else units
         self._occupancy = occupancy
         self._state_lock = state_lock
@@ -109,7 +119,7 @@ class WriteLedger:
         self.records: dict[Tid, TaskRecord] = {}
         self.requests = RequestTasks()
         self.previous_step_writes: list[Tid] = []
-        self.sticky = StickyFailure(controller, state_lock, counters, self.drain_failures_locked)
+        self.sticky = StickyFailure(registry, state_lock, counters, self.drain_failures_locked)
         # Operation `drain`, compiled once against this ledger (its only executor).
         self._drain = compile_operation(
             active_protocol().ops["drain"],
@@ -227,7 +237,7 @@ class WriteLedger:
         for rid, chunk in split.deferred_chunks:
             task = self.requests.deferred.get(rid)
             if task is not None and (
-                task.taken_over_intersects(chunk) or ctrl.append_chunk(task, chunk, split.freeze_event) is not None
+                task.taken_over_intersects(chunk) or task.append_chunk(chunk, split.freeze_event) is not None
             ):
                 task = None
             if task is None:
@@ -242,14 +252,14 @@ class WriteLedger:
                 )
                 self.records[tid] = TaskRecord(task, rid, [(keys, chunk)])
                 if ticket is not None:
-                    ctrl.pin_budget(ticket, tid)
+                    self._budget.pin(ticket, tid)
                 ctrl.register(task, queued=False)
                 registered.append(task)
                 self.requests.deferred[rid] = task
             else:
                 self.records[task.tid].parts.append((keys, chunk))
                 if ticket is not None:
-                    ctrl.pin_budget(ticket, task.tid)
+                    self._budget.pin(ticket, task.tid)
             owners.append(task.tid)
         return owners
 
@@ -314,7 +324,7 @@ class WriteLedger:
         stranded = [] if save.published else self.stranded(save.registered)
         if stranded:
             try:
-                return self._controller.write_error(stranded[0], exc, "registration")
+                return write_error(stranded[0], exc, "registration")
             except Exception:  # noqa: BLE001 - naming the write must not skip the undo (the caller abandons next)
                 pass
         error = OmniPrefixCacheUnmatchError(f"save_outputs (step {save.sid}) failed: {exc!r}")
@@ -331,7 +341,7 @@ class WriteLedger:
         take no record and fire no move, so it is not run (a lock-free read
         of the records; one published meanwhile is taken by the next drain,
         as it would be had it come a moment later)."""
-        registry = self._controller.registry
+        registry = self._registry
         if registry.completed or registry.failed:
             self._drain.run(_Drained(completions=True))
 
@@ -339,7 +349,7 @@ class WriteLedger:
         """``drain`` of the failure record only (state lock held): a save
         that is failing reports the failures nobody drained yet. Not run
         when no failure is published (as ``commit_drained_locked``)."""
-        if self._controller.registry.failed:
+        if self._registry.failed:
             self._drain.run(_Drained(completions=False))
 
     # The drain operation's bindings: its context is a _Drained.
@@ -363,9 +373,9 @@ class WriteLedger:
         raise SpecError(f"write ledger: drain has no coupling {role}.{name}")
 
     def _take_records(self, ctx: _Drained) -> None:
-        ctx.failed = self._controller.drain_failed()
+        ctx.failed = self._registry.take_failed()
         if ctx.completions:
-            ctx.completed = self._controller.drain_completed()
+            ctx.completed = self._registry.take_completed()
 
     def _sticky_failure(self, ctx: _Drained) -> None:
         dropped = ctx.settled.get(SlotOccupancyTrigger.DROP, [])

@@ -19,6 +19,7 @@ import torch
 
 from omni_prefix_cache.compat.write_task_seams import UpstreamTaskSeams
 from omni_prefix_cache.device import sync
+from omni_prefix_cache.device.copy_engine import DeviceEvents
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, ReqId, TensorName, Tid, WriteSchedule
 from omni_prefix_cache.specs import CompiledMove, compile_machine, load_spec
 from omni_prefix_cache.specs.types.copy_queue import QueuePosition
@@ -310,18 +311,16 @@ class WriteTask(UpstreamTaskSeams):
 
     def append_chunk(self, chunk: WriteChunk, freeze_event: Any = None) -> TaskState | None:
         """Grow the write by one save's rows. Returns None if appended, else
-        the state that closed the task (the caller opens a new task).
-
-        The newest ``freeze_event`` covers every earlier clone: events on one
-        compute stream complete in order.
-        """
+        the state that closed the task (the caller opens a new task). Takes
+        the task's lock. Per device the newest ``freeze_event`` covers the
+        older ones (one compute stream's events complete in order); a device
+        only an older chunk used keeps its own (``DeviceEvents.merged``)."""
         with self.lock:
             if self.state not in _ACCEPTS_CHUNKS:
                 return self.state
             self.chunks.append(chunk)
             self._slot_to_row = None
-            if freeze_event is not None:
-                self.freeze_event = freeze_event
+            self.freeze_event = DeviceEvents.merged(self.freeze_event, freeze_event)
             return None
 
     def set_host_tensor(self, rows: Sequence[HostRow]) -> None:
