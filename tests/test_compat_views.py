@@ -90,7 +90,7 @@ def test_a_class_level_method_patch_is_seen_until_undone(monkeypatch: pytest.Mon
     assert not task_seam_wrapped() and "claim_copy" not in vars(WriteTask)
     # Neither a plain class attribute (a field default), a dunder, nor a method off the
     # copy and pool-write path (a runtime mutant's patch) is a per-request seam.
-    monkeypatch.setattr(WriteTask, "staging_slot", 3)
+    monkeypatch.setattr(WriteTask, "page", 3)
     monkeypatch.setattr(WriteTask, "__doc__", "x")
     monkeypatch.setattr(WriteTask, "taken_over_intersects", lambda task, chunk: False)
     assert not task_seam_wrapped()

@@ -90,7 +90,7 @@ def staged_task(ctrl, tid, slots, page, salt=0.0):
     host = rows_for(slots, salt)
     chunk = WriteChunk(slots_cpu=torch.tensor(slots), tensors={}, host={HIDDEN_KEY: host})
     task = WriteTask(
-        tid=tid, req_id=f"r{tid}", write_n=1, schedule=WriteSchedule.JOIN_NEXT_STEP, chunks=[chunk], staging_slot=page
+        tid=tid, req_id=f"r{tid}", write_n=1, schedule=WriteSchedule.JOIN_NEXT_STEP, chunks=[chunk], page=page
     )
     return task
 
@@ -186,8 +186,8 @@ def test_failing_pool_write_fails_only_its_task_and_releases_its_staging_hold():
     try:
         step = StagingBufferHolder.for_step(1)
         claim = ctrl.parts.staging_pool.stage_step({}, 0, None, step)
-        bad = staged_task(ctrl, 1, [2, 3], claim.staging_slot)
-        good = staged_task(ctrl, 2, [6, 7], claim.staging_slot)
+        bad = staged_task(ctrl, 1, [2, 3], claim.page)
+        good = staged_task(ctrl, 2, [6, 7], claim.page)
         pool.poison = {3}
         for task in (bad, good):
             ctrl.register(task)  # binds its holder to the step's page
@@ -197,11 +197,11 @@ def test_failing_pool_write_fails_only_its_task_and_releases_its_staging_hold():
         ctrl.join([2])
         assert bad.state is TaskState.FAILED and good.state is TaskState.WRITTEN
         # Both task holds are gone (written / failed); only the step still holds the page.
-        assert ctrl.parts.staging_pool.page_holders(claim.staging_slot) == {step}
-        ctrl.parts.staging_pool.release(claim.staging_slot, step)
+        assert ctrl.parts.staging_pool.page_holders(claim.page) == {step}
+        ctrl.parts.staging_pool.release(claim.page, step)
         assert not ctrl.parts.staging_pool.holders()
         pool.poison = set()
-        page = ctrl.parts.staging_pool.stage_step({}, 0, None, StagingBufferHolder.for_step(2)).staging_slot
+        page = ctrl.parts.staging_pool.stage_step({}, 0, None, StagingBufferHolder.for_step(2)).page
         again = staged_task(ctrl, 3, [3], page)
         ctrl.submit(again)
         ctrl.join([3])
@@ -290,20 +290,20 @@ def test_eager_dispatch_writes_pool_once_per_key_for_a_batch():
     ctrl, pool = make(eager=True)
     step = StagingBufferHolder.for_step(1)
     claim = ctrl.parts.staging_pool.stage_step({}, 0, None, step)
-    tasks = [staged_task(ctrl, tid, [tid * 2, tid * 2 + 1], claim.staging_slot) for tid in range(1, 5)]
+    tasks = [staged_task(ctrl, tid, [tid * 2, tid * 2 + 1], claim.page) for tid in range(1, 5)]
     for task in tasks:
         ctrl.register(task)  # binds its holder to the step's page
     ctrl.dispatch(tasks)
     assert len(pool.writes) == 1 and sorted(pool.writes[0][1]) == list(range(2, 10))
     assert all(t.state is TaskState.WRITTEN for t in tasks)
-    assert ctrl.parts.staging_pool.page_holders(claim.staging_slot) == {step}
+    assert ctrl.parts.staging_pool.page_holders(claim.page) == {step}
     assert torch.equal(pool.rows(HIDDEN_KEY, torch.arange(2, 10)), rows_for(list(range(2, 10))))
 
 
 def test_eager_batch_write_failure_is_attributed_to_the_failing_task_only():
     ctrl, pool = make(eager=True)
     claim = ctrl.parts.staging_pool.stage_step({}, 0, None, StagingBufferHolder.for_step(1))
-    tasks = [staged_task(ctrl, tid, [tid], claim.staging_slot) for tid in range(1, 4)]
+    tasks = [staged_task(ctrl, tid, [tid], claim.page) for tid in range(1, 4)]
     for task in tasks:
         ctrl.register(task)
     pool.poison = {2}
@@ -316,8 +316,8 @@ def test_eager_batch_write_failure_is_attributed_to_the_failing_task_only():
 def test_eager_batch_with_a_slot_written_twice_keeps_the_later_task():
     ctrl, pool = make(eager=True)
     claim = ctrl.parts.staging_pool.stage_step({}, 0, None, StagingBufferHolder.for_step(1))
-    first = staged_task(ctrl, 1, [5], claim.staging_slot, salt=1.0)
-    second = staged_task(ctrl, 2, [5], claim.staging_slot, salt=2.0)
+    first = staged_task(ctrl, 1, [5], claim.page, salt=1.0)
+    second = staged_task(ctrl, 2, [5], claim.page, salt=2.0)
     for task in (first, second):
         ctrl.register(task)
     ctrl.dispatch([first, second])
@@ -329,9 +329,9 @@ def test_eager_dispatch_mixing_staged_and_deferred_tasks_copies_the_deferred_row
     # deferred write anywhere in the dispatch still gets its rows copied.
     ctrl, pool = make(eager=True)
     claim = ctrl.parts.staging_pool.stage_step({}, 0, None, StagingBufferHolder.for_step(1))
-    first = staged_task(ctrl, 1, [1], claim.staging_slot)
+    first = staged_task(ctrl, 1, [1], claim.page)
     deferred = deferred_task(ctrl, 2, [2], salt=0.5)
-    last = staged_task(ctrl, 3, [3], claim.staging_slot)
+    last = staged_task(ctrl, 3, [3], claim.page)
     for task in (first, deferred, last):
         ctrl.register(task)
     ctrl.dispatch([first, deferred, last])
@@ -370,7 +370,7 @@ def test_eager_dispatch_goes_through_installed_copy_and_pool_write_stages_for_ev
     # dispatch to the installed stages (a harness's fakes see them all).
     ctrl, pool = make(eager=True)
     claim = ctrl.parts.staging_pool.stage_step({}, 0, None, StagingBufferHolder.for_step(1))
-    tasks = [staged_task(ctrl, tid, [tid], claim.staging_slot) for tid in range(1, 4)]
+    tasks = [staged_task(ctrl, tid, [tid], claim.page) for tid in range(1, 4)]
     for task in tasks:
         ctrl.register(task)
     stages = RecordingStages(ctrl)
@@ -385,9 +385,9 @@ def test_staging_release_twice_raises_naming_the_holder():
     ctrl, _ = make(eager=True)
     step = StagingBufferHolder.for_step(7)
     claim = ctrl.parts.staging_pool.stage_step({}, 0, None, step)
-    ctrl.parts.staging_pool.release(claim.staging_slot, step)
+    ctrl.parts.staging_pool.release(claim.page, step)
     with pytest.raises(OmniPrefixCacheUnmatchError, match="step 7 cannot consume"):
-        ctrl.parts.staging_pool.release(claim.staging_slot, step)
+        ctrl.parts.staging_pool.release(claim.page, step)
 
 
 def test_task_cannot_bind_to_a_free_page():
@@ -405,7 +405,7 @@ def test_stats_counts_tasks_holders_and_bytes():
     assert stats["tasks_by_state"]["PENDING"] == 1
     assert stats["holders"] == {"step": 1, "task": 0}
     assert stats["staged_bytes"] == task.chunks[0].budget.nbytes
-    ctrl.parts.staging_pool.release(claim.staging_slot, StagingBufferHolder.for_step(1))
+    ctrl.parts.staging_pool.release(claim.page, StagingBufferHolder.for_step(1))
     ctrl.shutdown()
     assert ctrl.stats()["tasks_by_state"]["FAILED"] == 1
 
@@ -443,7 +443,7 @@ def test_cuda_engine_stages_and_copies_after_freeze_event():  # pragma: no cover
         ctrl.join([1])
         assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([8, 9, 10, 11])), src.cpu())
         assert ctrl.parts.budget.staged_bytes == 0
-        ctrl.parts.staging_pool.release(claim.staging_slot, step)
+        ctrl.parts.staging_pool.release(claim.page, step)
     finally:
         ctrl.shutdown()
 
@@ -549,7 +549,7 @@ def test_released_holder_is_released_not_unheld_and_cannot_hold_again():
     assert pool.holder_state(step).name == "UNHELD"
     claim = ctrl.parts.staging_pool.stage_step({}, 0, None, step)
     assert pool.holder_state(step).name == "HELD"
-    ctrl.parts.staging_pool.release(claim.staging_slot, step)
+    ctrl.parts.staging_pool.release(claim.page, step)
     assert pool.holder_state(step).name == "RELEASED"
     with pytest.raises(OmniPrefixCacheUnmatchError, match="step 4 cannot claim from RELEASED"):
         ctrl.parts.staging_pool.stage_step({}, 0, None, step)

@@ -158,7 +158,7 @@ def test_pinned_memory_only_where_a_device_copy_lands(fake: Any) -> None:
     assert engine.rt.pinned_bytes == page_bytes
     assert ctrl.stats()["staging_host_bytes"] == page_bytes
     assert pool.host_bytes() == NUM_SLOTS * WIDTH * 4
-    ctrl.parts.staging_pool.release(claim.staging_slot, step)
+    ctrl.parts.staging_pool.release(claim.page, step)
 
 
 def test_manager_stats_report_pool_host_bytes() -> None:
@@ -192,7 +192,7 @@ def test_staging_copy_waits_the_freeze_records_the_clone_and_lands_before_the_po
             )
         ],
         freeze_event=freeze,
-        staging_slot=claim.staging_slot,
+        page=claim.page,
         step_d2h_event=claim.event,
     )
     ctrl.register(task)  # binds its holder to the step's page
@@ -213,7 +213,7 @@ def test_staging_copy_waits_the_freeze_records_the_clone_and_lands_before_the_po
     assert {calls[i].stream for i in (waited, marked, copied, done)} == {"copy0"}
     assert task.state is TaskState.WRITTEN
     assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([4, 5, 6])), src)
-    ctrl.parts.staging_pool.release(claim.staging_slot, step)
+    ctrl.parts.staging_pool.release(claim.page, step)
 
 
 def test_deferred_copy_has_no_device_cat_and_lands_in_one_host_tensor(
@@ -485,6 +485,6 @@ def test_cuda_lanes_pin_only_landing_memory_and_order_after_a_slow_forward() -> 
         assert torch.equal(claim.views[HIDDEN_KEY], rows_for(list(range(8))))
         assert engine.lane_uses["copy"] == 1
         del garbage
-        ctrl.parts.staging_pool.release(claim.staging_slot, step)
+        ctrl.parts.staging_pool.release(claim.page, step)
     finally:
         ctrl.shutdown()

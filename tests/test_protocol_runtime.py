@@ -77,9 +77,7 @@ def test_a_listed_move_that_is_not_enabled_raises_a_protocol_violation() -> None
 def test_an_immediate_write_on_a_free_page_cannot_register() -> None:
     ctrl = _controller(eager=True)
     chunk = WriteChunk(slots_cpu=torch.tensor([0]), tensors={}, host={HIDDEN_KEY: torch.zeros(1, 2)})
-    task = WriteTask(
-        tid=1, req_id="r", write_n=1, schedule=WriteSchedule.JOIN_NEXT_STEP, chunks=[chunk], staging_slot=0
-    )
+    task = WriteTask(tid=1, req_id="r", write_n=1, schedule=WriteSchedule.JOIN_NEXT_STEP, chunks=[chunk], page=0)
     with pytest.raises(ProtocolViolation, match=r"save \(state segment\).*: task_holder.bind is not enabled"):
         ctrl.register(task)
 

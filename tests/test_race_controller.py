@@ -383,8 +383,8 @@ class ControllerRace(RuleBasedStateMachine):
                 self.ctrl.parts.staging_pool.stage_step({HIDDEN_KEY: host}, host.shape[0], None, holder)
             return multiple()
         claim = self.ctrl.parts.staging_pool.stage_step({HIDDEN_KEY: host}, host.shape[0], None, holder)
-        assert claim.staging_slot == free[0]
-        page = claim.staging_slot
+        assert claim.page == free[0]
+        page = claim.page
         self.step_pages[step] = page
         self.model.pages[page].add(holder)
         tasks, start = [], 0
@@ -398,7 +398,7 @@ class ControllerRace(RuleBasedStateMachine):
                 write_n=1,
                 schedule=WriteSchedule.JOIN_NEXT_STEP,
                 chunks=[chunk],
-                staging_slot=page,
+                page=page,
                 step_d2h_event=StepEvent(self.inject, tid),
             )
             self._probe(task)

@@ -22,7 +22,7 @@ import omni_prefix_cache
 from omni_prefix_cache import group_view
 from omni_prefix_cache.adapter import PrefixCacheStep
 from omni_prefix_cache.block_pool import PrefixBlockPool
-from omni_prefix_cache.controller import OmniPrefixCacheController, StagingBufferHolder, WriteTask
+from omni_prefix_cache.controller import OmniPrefixCacheController, StagingBufferHolder, StepD2HClaim, WriteTask
 from omni_prefix_cache.group_view import (
     FullAttentionGroupView,
     check_prefix_cache_block_layout,
@@ -34,6 +34,7 @@ from omni_prefix_cache.group_view import (
 from omni_prefix_cache.interface import (
     HIDDEN_KEY,
     ModelCachePolicy,
+    OmniPrefixCacheInvalidTypeError,
     OmniPrefixCacheUnmatchError,
     PrefixCacheConfig,
     WriteSchedule,
@@ -204,10 +205,23 @@ def test_the_controller_answers_what_upstream_calls_on_it_through_its_parts() ->
             pass
         assert ctrl.drain_failed() == [] and ctrl.drain_completed() == [1] and ctrl.get_task(1) is None
         assert block_pool.rows(HIDDEN_KEY, torch.tensor([0, 1]))[:, 0].tolist() == [0.0, 1.0]
-        ctrl.staging_release(claim.staging_slot, step)
+        ctrl.staging_release(claim.page, step)
         assert not pool.holds(step)
     finally:
         ctrl.shutdown()
+
+
+def test_the_staging_page_keeps_upstreams_name_staging_slot() -> None:
+    def task(**page: int) -> WriteTask:
+        return WriteTask(tid=1, req_id="r", write_n=1, schedule=WriteSchedule.JOIN_NEXT_STEP, chunks=[], **page)
+
+    upstream = task(staging_slot=2)
+    assert upstream.page == upstream.staging_slot == 2 and task(page=2).staging_slot == 2
+    upstream.staging_slot = 3
+    assert upstream.page == 3 and task().staging_slot is None
+    with pytest.raises(OmniPrefixCacheInvalidTypeError, match="both page and staging_slot"):
+        task(page=1, staging_slot=2)
+    assert StepD2HClaim(page=4, views={}).staging_slot == 4
 
 
 def _chunk(slots: list[int]) -> WriteChunk:

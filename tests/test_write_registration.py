@@ -42,7 +42,7 @@ def test_step_write_builds_what_the_constructor_builds() -> None:
         schedule=WriteSchedule.JOIN_NEXT_STEP,
         chunks=[chunk],
         freeze_event="freeze",
-        staging_slot=3,
+        page=3,
         step_d2h_event=event,
         requests=requests,
     )
@@ -145,7 +145,7 @@ def test_a_step_registers_one_write_for_all_its_requests_and_owns_its_rows(seed:
         assert registered == tasks == ctrl.registered[-1]
         (task,) = tasks
         assert task.tid == first_tid
-        assert (task.staging_slot, task.schedule) == (step, WriteSchedule.JOIN_NEXT_STEP)
+        assert (task.page, task.schedule) == (step, WriteSchedule.JOIN_NEXT_STEP)
         assert torch.equal(task.chunks[0].slots_cpu, slots)
         assert ledger.records[task.tid].parts == [(keys, task.chunks[0])]
         # Per request: its rows as offsets on the one write, in step order; nothing per request.

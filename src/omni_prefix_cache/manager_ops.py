@@ -218,7 +218,7 @@ class ManagerBinding:
                 # No page claimed, or shutdown already released it: no instance.
                 if claimed is None or not staging.holds(holder):
                     return True
-                return staging.try_fire(abandon, claimed.staging_slot, holder)
+                return staging.try_fire(abandon, claimed.page, holder)
 
             return attempt_abandon
         if role == "read" and trigger == "drop":

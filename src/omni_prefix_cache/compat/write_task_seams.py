@@ -1,7 +1,9 @@
 """WriteTask's upstream spellings that the seed suite (tests/test_seed_suite.py)
-still calls: the write takeover's old word "reassigned", and the direct
-moves ``claim_copy`` / ``mark_done`` / ``mark_failed`` that the runtime no
-longer makes (its moves run through the compiled operations).
+still calls: the write takeover's old word "reassigned", the staging page's
+old name ``staging_slot`` (an attribute, and a constructor keyword through
+``upstream_keywords``), and the direct moves ``claim_copy`` / ``mark_done``
+/ ``mark_failed`` that the runtime no longer makes (its moves run through
+the compiled operations).
 
 ``PER_REQUEST_SEAMS`` names the methods upstream's tests wrap on the class
 (for example ``monkeypatch.setattr(WriteTask, "mark_host_ready", ...)``) to
@@ -11,12 +13,16 @@ fail one request's write; compat's registration strategy
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
-from omni_prefix_cache.interface import TensorName
+from omni_prefix_cache.interface import OmniPrefixCacheInvalidTypeError, TensorName
 from omni_prefix_cache.specs.types.write_task import TaskState, WriteTaskTrigger
+
+T = TypeVar("T")
 
 # The per-task methods of a write's copy -> host_ready -> pool write path: the
 # ones a wrapper can single one request's write out by. Other methods (chunk
@@ -38,6 +44,26 @@ PER_REQUEST_SEAMS = frozenset(
 )
 
 
+def upstream_keywords(cls: type[T]) -> type[T]:
+    """Class decorator (above ``@dataclass``): the constructor also takes
+    upstream's ``staging_slot=`` for ``page``. Raises the invalid-type
+    error when both are given."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if "staging_slot" in kwargs:
+            if "page" in kwargs:
+                raise OmniPrefixCacheInvalidTypeError(
+                    f"{cls.__name__}() got both page and staging_slot (upstream's name for page)"
+                )
+            kwargs["page"] = kwargs.pop("staging_slot")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
+
+
 def class_member(cls: type, name: str) -> object:
     """``name`` as ``cls`` finds it in its MRO, unbound (None if absent)."""
     for klass in cls.__mro__:
@@ -54,6 +80,17 @@ class UpstreamTaskSeams:
     try_fire: Callable[..., bool]
     try_transition: Callable[[TaskState], bool]
     transition: Callable[[TaskState], None]
+
+    page: int | None
+
+    @property
+    def staging_slot(self) -> int | None:
+        """The staging page this write views (``page``)."""
+        return self.page
+
+    @staging_slot.setter
+    def staging_slot(self, page: int | None) -> None:
+        self.page = page
 
     @property
     def reassigned(self) -> dict[TensorName, torch.Tensor]:

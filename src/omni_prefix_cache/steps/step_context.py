@@ -75,7 +75,7 @@ class StepContext:
 
 def _release_step_holder(ctx: StepContext) -> None:
     if ctx.d2h is not None:
-        ctx.staging.release(ctx.d2h.staging_slot, ctx.holder, StagingHolderTrigger.CONSUME)
+        ctx.staging.release(ctx.d2h.page, ctx.holder, StagingHolderTrigger.CONSUME)
 
 
 STEP_MACHINE = compile_machine(

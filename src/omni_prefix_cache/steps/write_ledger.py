@@ -203,7 +203,7 @@ class WriteLedger:
         units = self.units(req_order, [spans[r][1] for r in req_order])
         keys, page, freeze_event, d2h_event = (
             tuple(split.immediate),
-            claimed.staging_slot,
+            claimed.page,
             split.freeze_event,
             claimed.event,
         )

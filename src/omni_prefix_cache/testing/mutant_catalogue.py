@@ -198,7 +198,7 @@ def _holder_released_at_drain(stack: contextlib.ExitStack) -> None:
         registry, pool, drain = self.parts.registry, self.parts.staging_pool, self.parts.registry.take_completed
 
         def take_completed() -> list[int]:
-            held = [(t.staging_slot, t.tid) for tid in list(registry.completed) if (t := registry.get(tid)) is not None]
+            held = [(t.page, t.tid) for tid in list(registry.completed) if (t := registry.get(tid)) is not None]
             out = drain()
             for page, tid in held:
                 if page is not None and pool.enabled("written", page, holder := StagingBufferHolder.for_task(tid)):

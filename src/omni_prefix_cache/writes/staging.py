@@ -17,6 +17,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
+from omni_prefix_cache.compat.staging_seams import UpstreamClaimSeams
 from omni_prefix_cache.device import sync
 from omni_prefix_cache.device.copy_engine import CopyEngine
 from omni_prefix_cache.interface import (
@@ -40,7 +41,7 @@ class PageViewer(Protocol):
     the page it views (None: it views none)."""
 
     tid: Tid
-    staging_slot: int | None
+    page: int | None
 
 
 class StagingBufferHolder(NamedTuple):
@@ -199,14 +200,14 @@ class StagingBufferPool:
             return self._try_locked(trigger, page, holder)
 
     def try_fire_tasks(self, trigger: HolderTrigger, tasks: Sequence[PageViewer]) -> list[bool | BaseException]:
-        """``try_fire`` of each task's holder on its ``staging_slot``, under
+        """``try_fire`` of each task's holder on its ``page``, under
         one acquisition (a batched step); False for a task with no page,
         the exception for a holder whose move raised."""
         out: list[bool | BaseException] = [False] * len(tasks)
         moves = HOLDER_MACHINE.by_state(trigger)
         with self._page_freed:
             for i, task in enumerate(tasks):
-                page = task.staging_slot
+                page = task.page
                 if page is None:
                     continue
                 try:
@@ -368,7 +369,7 @@ class StagingBufferPool:
                     dp.copied("step", sum(dst.nbytes for dst, _ in copies), start, TELEMETRY.cpu_clock())
             if dp is not None and event is not None:
                 dp.add("d2h_bytes_total", "step", sum(dst.nbytes for dst, _ in copies))
-            return StepD2HClaim(staging_slot=page, views=views, event=event)
+            return StepD2HClaim(page=page, views=views, event=event)
         except BaseException as exc:
             self.release(page, step_holder, StagingHolderTrigger.ABANDON)
             if isinstance(exc, OmniPrefixCacheUnmatchError) or not isinstance(exc, Exception):
@@ -403,12 +404,12 @@ class StagingBufferPool:
 
 
 @dataclass(eq=False)
-class StepD2HClaim:
+class StepD2HClaim(UpstreamClaimSeams):
     """One step's landing in the staging pool (returned by ``stage_step``).
 
     ``event`` completes the device-to-host copy; None when already complete.
     """
 
-    staging_slot: int
+    page: int
     views: dict[TensorName, torch.Tensor]
     event: Any = None

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from omni_prefix_cache.compat.write_task_seams import UpstreamTaskSeams
+from omni_prefix_cache.compat.write_task_seams import UpstreamTaskSeams, upstream_keywords
 from omni_prefix_cache.device import sync
 from omni_prefix_cache.device.copy_engine import DeviceEvents
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, ReqId, TensorName, Tid, WriteSchedule
@@ -113,6 +113,7 @@ def illegal_move(task: WriteTask, to: TaskState | WriteTaskTrigger) -> OmniPrefi
     return OmniPrefixCacheUnmatchError(f"task {task.tid}: illegal transition {task.state.name} -> {name}")
 
 
+@upstream_keywords  # compat: upstream's ``staging_slot=`` for ``page``
 @dataclass(eq=False, repr=False)
 class WriteTask(UpstreamTaskSeams):
     """One write of (slot, key) rows. A JOIN_NEXT_STEP write is a whole
@@ -154,7 +155,7 @@ class WriteTask(UpstreamTaskSeams):
     enqueued_time: float = field(default_factory=time.monotonic)
     # Immediate path: the staging page this write views, and the step's
     # device-to-host event (None once complete or on CPU).
-    staging_slot: int | None = None
+    page: int | None = None
     step_d2h_event: Any = None
     _slot_to_row: dict[int, tuple[int, int]] | None = None
     # Effects a deferred ``fail`` still owes (run by wake_failed_waiters).
@@ -169,7 +170,7 @@ class WriteTask(UpstreamTaskSeams):
         requests: StepRequests,
         chunk: WriteChunk,
         freeze_event: Any,
-        staging_slot: int,
+        page: int,
         step_d2h_event: Any,
     ) -> WriteTask:
         """A step's immediate (JOIN_NEXT_STEP) write: ``chunk`` holds the
@@ -192,7 +193,7 @@ class WriteTask(UpstreamTaskSeams):
         task.queued_at_submit = False
         task.copied_rows = ()
         task.enqueued_time = time.monotonic()
-        task.staging_slot = staging_slot
+        task.page = page
         task.step_d2h_event = step_d2h_event
         task._slot_to_row = None
         task._owed_wakes = ()

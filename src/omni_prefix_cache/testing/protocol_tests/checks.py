@@ -118,7 +118,7 @@ class ProtocolChecks:
                 if h.kind == "task":
                     task = self.m.ctrl.parts.registry.get(h.owner_id)
                     assert task is not None and not task.is_terminal, f"task {h.owner_id} holds page {page} after done"
-                    assert task.staging_slot == page, f"task {h.owner_id} holds page {page}, views {task.staging_slot}"
+                    assert task.page == page, f"task {h.owner_id} holds page {page}, views {task.page}"
             assert steps <= set(self.m.mgr.components.steps), f"page {page} held by consumed steps {steps}"
             assert kinds <= {"step", "task"}, kinds
         held = {h.owner_id for page in range(pool.depth) for h in pool.page_holders(page) if h.kind == "step"}
