@@ -163,7 +163,7 @@ def test_1_a_failed_pool_write_raises_the_write_failed_error_naming_it(eager: bo
             drv.run({"b": Req([1], 0, 4)})
     else:
         sid, _ = drv.run({"b": Req([1], 0, 4)})
-        tids = [t.tid for t in list(mgr._controller.tasks.values()) if t.req_id == "b"]
+        tids = [t.tid for t in list(mgr._controller.parts.registry.tasks.values()) if t.req_id == "b"]
         with pytest.raises(OmniPrefixCacheWriteFailedError) as info:
             mgr._controller.join(tids)
         mgr.discard_step(sid)
@@ -311,7 +311,7 @@ def test_3_every_entry_after_shutdown_raises_the_shutdown_error_and_nothing_is_h
             call()
     mgr._hits.prefetch.shutdown(wait=True)
     assert not mgr._step_ctxs and not mgr._hits.pending and not mgr._reads.pending
-    assert not mgr._controller.staging_pool.holders()
+    assert not mgr._controller.parts.staging_pool.holders()
     assert mgr.stats()["open_steps"] == 0
 
 
@@ -354,7 +354,7 @@ def test_3_a_materialize_waiting_on_a_hit_read_cancelled_by_shutdown_raises_the_
     thread.join(10)
     assert not thread.is_alive()
     assert len(got) == 1 and isinstance(got[0], OmniPrefixCacheShutdownError), got
-    assert not mgr._controller.staging_pool.holders()
+    assert not mgr._controller.parts.staging_pool.holders()
 
 
 # ============================================================ 4. bounded tables: see test_long_run_tables_stay_bounded
@@ -396,7 +396,7 @@ def test_5_device_and_none_count_are_invalid_arguments(eager: bool, managers: li
 def test_5_a_failed_staging_copy_names_the_step_and_loses_only_that_step(eager: bool, managers: list) -> None:
     mgr, drv = make(eager)
     managers.append(mgr)
-    pool = mgr._controller.staging_pool
+    pool = mgr._controller.parts.staging_pool
     real = pool.views
     cause = RuntimeError("injected staging view failure")
 
@@ -495,7 +495,7 @@ def test_7_stats_report_a_failure_waiting_to_be_drained(eager: bool, managers: l
     except OmniPrefixCacheWriteFailedError:
         assert eager
     else:
-        tids = [t.tid for t in list(mgr._controller.tasks.values()) if t.req_id == "b"]
+        tids = [t.tid for t in list(mgr._controller.parts.registry.tasks.values()) if t.req_id == "b"]
         with pytest.raises(OmniPrefixCacheWriteFailedError):
             mgr._controller.join(tids)  # the committer failed it; no facade entry has drained it
         mgr.discard_step(sid)

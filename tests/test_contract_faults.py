@@ -40,9 +40,9 @@ MODES = [pytest.param(True, id="eager"), pytest.param(False, id="threaded")]
 
 # seam -> (object, attribute) of the manager it patches
 SEAMS: dict[str, Callable[[OmniPrefixCacheManager], tuple[Any, str]]] = {
-    "copy engine launch": lambda m: (m._controller.engine, "launch"),
-    "copy engine host copy": lambda m: (m._controller.engine, "copy_into"),
-    "staging view": lambda m: (m._controller.staging_pool, "views"),
+    "copy engine launch": lambda m: (m._controller.parts.host_rows.engine, "launch"),
+    "copy engine host copy": lambda m: (m._controller.parts.host_rows.engine, "copy_into"),
+    "staging view": lambda m: (m._controller.parts.staging_pool, "views"),
     "pool write": lambda m: (m._pool, "write"),
     "pool read": lambda m: (m._pool, "rows"),
     "prefetch executor": lambda m: (m._hits.prefetch, "submit"),
@@ -101,9 +101,9 @@ def plan(model: ServingModel, rng: random.Random) -> PlannedStep | None:
 def assert_nothing_held(mgr: OmniPrefixCacheManager) -> None:
     ctrl = mgr._controller
     assert not mgr._step_ctxs and not mgr._hits.pending and not mgr._reads.pending
-    assert not ctrl.staging_pool.holders(), ctrl.staging_pool.holders()
-    assert ctrl.budget.staged_bytes == 0
-    assert all(t.is_terminal for t in list(ctrl.tasks.values()))
+    assert not ctrl.parts.staging_pool.holders(), ctrl.parts.staging_pool.holders()
+    assert ctrl.parts.budget.staged_bytes == 0
+    assert all(t.is_terminal for t in list(ctrl.parts.registry.tasks.values()))
 
 
 @pytest.mark.parametrize("nth", [1, 2, 4])
@@ -154,7 +154,7 @@ def test_a_fault_at_any_seam_gives_exact_rows_or_a_documented_error(eager: bool,
             try:
                 mgr.new_step_starts(SchedOut([], model.finished_pending, {}))
                 ctrl = mgr._controller
-                ctrl.join([t.tid for t in list(ctrl.tasks.values())])
+                ctrl.join([t.tid for t in list(ctrl.parts.registry.tasks.values())])
             except OmniPrefixCacheUnmatchError as exc:
                 assert isinstance(exc, OmniPrefixCacheWriteFailedError), exc
                 outcome = "sticky OmniPrefixCacheWriteFailedError"
@@ -205,20 +205,20 @@ def test_long_run_tables_stay_bounded_by_the_live_working_set(eager: bool) -> No
             # plus the immediate writes of the steps whose pool writes are
             # not drained yet (a few steps' worth of requests).
             assert len(mgr._ledger.records) <= live + 3 * CAPACITY
-            assert len(ctrl.tasks) <= len(mgr._ledger.records) + 3 * CAPACITY
+            assert len(ctrl.parts.registry.tasks) <= len(mgr._ledger.records) + 3 * CAPACITY
             assert not mgr._step_ctxs and len(mgr._reads.pending) <= 2 * live + 2
-            assert len(ctrl.staging_pool.holders()) <= 1 + 3 * CAPACITY
+            assert len(ctrl.parts.staging_pool.holders()) <= 1 + 3 * CAPACITY
             peak["live"] = max(peak["live"], live)
             peak["records"] = max(peak["records"], len(mgr._ledger.records))
         assert steps > 100  # far more requests than ever live at once
         for rid in list(model.requests):
             model.end(rid)
         mgr.new_step_starts(SchedOut([], model.finished_pending, {}))
-        ctrl.join([t.tid for t in list(ctrl.tasks.values())])
+        ctrl.join([t.tid for t in list(ctrl.parts.registry.tasks.values())])
         mgr.new_step_starts(SchedOut([], set(), {}))
         rt = mgr._ledger.requests
         assert not mgr._live and not rt.opened and not rt.tasks and not rt.deferred and not mgr._ledger.records
-        assert not ctrl.tasks and not mgr._reads.pending and not ctrl.failures
+        assert not ctrl.parts.registry.tasks and not mgr._reads.pending and not ctrl.parts.registry.failures()
         print(f"{'eager' if eager else 'threaded'}: {model._next} requests over {steps} steps; peaks {dict(peak)}")
     finally:
         mgr.shutdown()
@@ -244,7 +244,7 @@ def test_the_fault_seams_are_called_by_the_scenario() -> None:
                 model.end(rid)
             mgr.new_step_starts(SchedOut([], model.finished_pending, {}))
             ctrl = mgr._controller
-            ctrl.join([t.tid for t in list(ctrl.tasks.values())])
+            ctrl.join([t.tid for t in list(ctrl.parts.registry.tasks.values())])
         finally:
             mgr.shutdown()
         reached = {seam: f.calls for seam, f in counters.items()}

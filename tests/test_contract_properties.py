@@ -215,8 +215,8 @@ def assert_nothing_leaked(mgr: OmniPrefixCacheManager) -> None:
     assert not mgr._step_ctxs and not mgr._hits.pending and not mgr._ledger.records
     rt = mgr._ledger.requests
     assert not rt.tasks and not rt.deferred and not rt.opened and not mgr._live
-    assert not ctrl.staging_pool.holders()
-    assert ctrl.budget.staged_bytes == 0 and not ctrl.tasks and not ctrl.failed
+    assert not ctrl.parts.staging_pool.holders()
+    assert ctrl.parts.budget.staged_bytes == 0 and not ctrl.parts.registry.tasks and not ctrl.parts.registry.failed
 
 
 @pytest.mark.parametrize("eager", [pytest.param(True, id="eager"), pytest.param(False, id="threaded")])
@@ -271,10 +271,10 @@ def test_every_call_gives_exact_rows_or_a_documented_error_and_a_refusal_changes
         mgr.new_step_starts(SchedOut([], model.finished_pending, {}))
         model.finished_pending = set()
         ctrl = mgr._controller
-        ctrl.join([t.tid for t in list(ctrl.tasks.values())])
+        ctrl.join([t.tid for t in list(ctrl.parts.registry.tasks.values())])
         mgr.new_step_starts(SchedOut([], set(), {}))
         assert_nothing_leaked(mgr)
     finally:
         mgr.shutdown()
         mgr._hits.prefetch.shutdown(wait=True)
-    assert not mgr._reads.pending and not mgr._controller.staging_pool.holders()
+    assert not mgr._reads.pending and not mgr._controller.parts.staging_pool.holders()

@@ -81,7 +81,7 @@ def deferred_task(ctrl, tid, slots, salt=0.0, ticket=None):
     ctrl.reserve(ticket.nbytes)
     chunk = WriteChunk(slots_cpu=torch.tensor(slots), tensors={HIDDEN_KEY: clone}, budget=ticket)
     task = WriteTask(tid=tid, req_id=f"r{tid}", write_n=1, schedule=WriteSchedule.JOIN_ON_FINISH, chunks=[chunk])
-    ctrl.pin_budget(ticket, tid)
+    ctrl.parts.budget.pin(ticket, tid)
     return task
 
 
@@ -90,7 +90,7 @@ def staged_task(ctrl, tid, slots, page, salt=0.0):
     host = rows_for(slots, salt)
     chunk = WriteChunk(slots_cpu=torch.tensor(slots), tensors={}, host={HIDDEN_KEY: host})
     task = WriteTask(
-        tid=tid, req_id=f"r{tid}", write_n=1, schedule=WriteSchedule.JOIN_NEXT_STEP, chunks=[chunk], staging_slot=page
+        tid=tid, req_id=f"r{tid}", write_n=1, schedule=WriteSchedule.JOIN_NEXT_STEP, chunks=[chunk], page=page
     )
     return task
 
@@ -146,13 +146,13 @@ def test_threaded_committer_writes_everything_while_another_thread_escalates_and
     ctrl.escalate(submitted)
     ctrl.join(submitted)
     try:
-        states = {tid: ctrl.get_task(tid).state for tid in submitted if ctrl.get_task(tid)}
+        states = {tid: ctrl.parts.registry.get(tid).state for tid in submitted if ctrl.parts.registry.get(tid)}
         assert all(s is TaskState.WRITTEN for s in states.values()), f"seed={seed}: {states}"
         for slots in plan:
             got = pool.rows(HIDDEN_KEY, torch.tensor(slots))
             assert torch.equal(got, rows_for(slots, 0.5)), f"seed={seed} slots={slots}"
-        assert ctrl.budget.staged_bytes == 0, f"seed={seed}"
-        assert sorted(ctrl.drain_completed()) == sorted(submitted), f"seed={seed}"
+        assert ctrl.parts.budget.staged_bytes == 0, f"seed={seed}"
+        assert sorted(ctrl.parts.registry.take_completed()) == sorted(submitted), f"seed={seed}"
     finally:
         ctrl.shutdown()
 
@@ -171,8 +171,8 @@ def test_failing_copy_fails_only_its_task_and_committer_keeps_serving():
             ctrl.join([1])
         ctrl.join([2])
         assert bad.state is TaskState.FAILED and good.state is TaskState.WRITTEN
-        assert ctrl.drain_failed() == [1]
-        assert ctrl.budget.staged_bytes == 0
+        assert ctrl.parts.registry.take_failed() == [1]
+        assert ctrl.parts.budget.staged_bytes == 0
         later = deferred_task(ctrl, 3, [8])
         ctrl.submit(later)
         ctrl.join([3])
@@ -185,9 +185,9 @@ def test_failing_pool_write_fails_only_its_task_and_releases_its_staging_hold():
     ctrl, pool = make()
     try:
         step = StagingBufferHolder.for_step(1)
-        claim = ctrl.stage_step_host({}, 0, None, step)
-        bad = staged_task(ctrl, 1, [2, 3], claim.staging_slot)
-        good = staged_task(ctrl, 2, [6, 7], claim.staging_slot)
+        claim = ctrl.parts.staging_pool.stage_step({}, 0, None, step)
+        bad = staged_task(ctrl, 1, [2, 3], claim.page)
+        good = staged_task(ctrl, 2, [6, 7], claim.page)
         pool.poison = {3}
         for task in (bad, good):
             ctrl.register(task)  # binds its holder to the step's page
@@ -197,11 +197,11 @@ def test_failing_pool_write_fails_only_its_task_and_releases_its_staging_hold():
         ctrl.join([2])
         assert bad.state is TaskState.FAILED and good.state is TaskState.WRITTEN
         # Both task holds are gone (written / failed); only the step still holds the page.
-        assert ctrl.staging_pool.page_holders(claim.staging_slot) == {step}
-        ctrl.staging_release(claim.staging_slot, step)
-        assert not ctrl.staging_pool.holders()
+        assert ctrl.parts.staging_pool.page_holders(claim.page) == {step}
+        ctrl.parts.staging_pool.release(claim.page, step)
+        assert not ctrl.parts.staging_pool.holders()
         pool.poison = set()
-        page = ctrl.stage_step_host({}, 0, None, StagingBufferHolder.for_step(2)).staging_slot
+        page = ctrl.parts.staging_pool.stage_step({}, 0, None, StagingBufferHolder.for_step(2)).page
         again = staged_task(ctrl, 3, [3], page)
         ctrl.submit(again)
         ctrl.join([3])
@@ -217,13 +217,13 @@ def test_shutdown_with_queued_work_writes_it_and_does_not_hang():
         ctrl.submit(task, queued=True)
     for task in tasks[3:]:
         ctrl.submit(task, queued=False)  # pending deferred writes: never queued
-    ctrl.committer_claim()
-    ctrl.committer_copy()
-    ctrl.committer_write()  # task 1 written before shutdown
+    ctrl.parts.committer.claim()
+    ctrl.parts.committer.copy()
+    ctrl.parts.committer.write()  # task 1 written before shutdown
     ctrl.shutdown()
     assert [t.state for t in tasks] == [TaskState.WRITTEN] * 3 + [TaskState.FAILED] * 2
     assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([1, 2, 3])), rows_for([1, 2, 3]))
-    assert ctrl.budget.staged_bytes == 0
+    assert ctrl.parts.budget.staged_bytes == 0
     assert all(t.done.is_set() for t in tasks)
 
 
@@ -252,14 +252,14 @@ def test_manual_committer_escalate_between_claim_and_copy_does_not_requeue():
     ctrl, pool = make(committer="manual")
     task = deferred_task(ctrl, 1, [0, 1])
     ctrl.submit(task, queued=True)
-    assert ctrl.committer_claim() == 1
+    assert ctrl.parts.committer.claim() == 1
     assert task.state is TaskState.COPYING
     ctrl.escalate([1])
     assert not ctrl.queues.high and not ctrl.queues.low
-    assert ctrl.committer_copy() == 1 and task.state is TaskState.HOST_READY
-    assert ctrl.committer_write() == [1]
+    assert ctrl.parts.committer.copy() == 1 and task.state is TaskState.HOST_READY
+    assert ctrl.parts.committer.write() == [1]
     assert task.state is TaskState.WRITTEN
-    assert ctrl.committer_step() is None
+    assert ctrl.parts.committer.step() is None
     ctrl.shutdown()
 
 
@@ -270,8 +270,8 @@ def test_manual_committer_serves_high_priority_first():
     pending = deferred_task(ctrl, 2, [1])
     ctrl.submit(pending, queued=False)
     ctrl.escalate([2])
-    assert ctrl.committer_claim() == 2
-    assert ctrl.committer_claim() == 1
+    assert ctrl.parts.committer.claim() == 2
+    assert ctrl.parts.committer.claim() == 1
     ctrl.shutdown()
 
 
@@ -279,45 +279,45 @@ def test_fail_while_claimed_is_not_resurrected_by_the_copy_stage():
     ctrl, _ = make(committer="manual")
     task = deferred_task(ctrl, 1, [0])
     ctrl.submit(task)
-    ctrl.committer_claim()
+    ctrl.parts.committer.claim()
     ctrl.fail_task(task, None)
-    assert ctrl.committer_copy() is None  # the failure dropped its claim
-    assert task.state is TaskState.FAILED and ctrl.budget.staged_bytes == 0
+    assert ctrl.parts.committer.copy() is None  # the failure dropped its claim
+    assert task.state is TaskState.FAILED and ctrl.parts.budget.staged_bytes == 0
     ctrl.shutdown()
 
 
 def test_eager_dispatch_writes_pool_once_per_key_for_a_batch():
     ctrl, pool = make(eager=True)
     step = StagingBufferHolder.for_step(1)
-    claim = ctrl.stage_step_host({}, 0, None, step)
-    tasks = [staged_task(ctrl, tid, [tid * 2, tid * 2 + 1], claim.staging_slot) for tid in range(1, 5)]
+    claim = ctrl.parts.staging_pool.stage_step({}, 0, None, step)
+    tasks = [staged_task(ctrl, tid, [tid * 2, tid * 2 + 1], claim.page) for tid in range(1, 5)]
     for task in tasks:
         ctrl.register(task)  # binds its holder to the step's page
     ctrl.dispatch(tasks)
     assert len(pool.writes) == 1 and sorted(pool.writes[0][1]) == list(range(2, 10))
     assert all(t.state is TaskState.WRITTEN for t in tasks)
-    assert ctrl.staging_pool.page_holders(claim.staging_slot) == {step}
+    assert ctrl.parts.staging_pool.page_holders(claim.page) == {step}
     assert torch.equal(pool.rows(HIDDEN_KEY, torch.arange(2, 10)), rows_for(list(range(2, 10))))
 
 
 def test_eager_batch_write_failure_is_attributed_to_the_failing_task_only():
     ctrl, pool = make(eager=True)
-    claim = ctrl.stage_step_host({}, 0, None, StagingBufferHolder.for_step(1))
-    tasks = [staged_task(ctrl, tid, [tid], claim.staging_slot) for tid in range(1, 4)]
+    claim = ctrl.parts.staging_pool.stage_step({}, 0, None, StagingBufferHolder.for_step(1))
+    tasks = [staged_task(ctrl, tid, [tid], claim.page) for tid in range(1, 4)]
     for task in tasks:
         ctrl.register(task)
     pool.poison = {2}
     with pytest.raises(RuntimeError, match="injected pool write failure"):
         ctrl.dispatch(tasks)
     assert [t.state for t in tasks] == [TaskState.WRITTEN, TaskState.FAILED, TaskState.WRITTEN]
-    assert ctrl.drain_failed() == [2]
+    assert ctrl.parts.registry.take_failed() == [2]
 
 
 def test_eager_batch_with_a_slot_written_twice_keeps_the_later_task():
     ctrl, pool = make(eager=True)
-    claim = ctrl.stage_step_host({}, 0, None, StagingBufferHolder.for_step(1))
-    first = staged_task(ctrl, 1, [5], claim.staging_slot, salt=1.0)
-    second = staged_task(ctrl, 2, [5], claim.staging_slot, salt=2.0)
+    claim = ctrl.parts.staging_pool.stage_step({}, 0, None, StagingBufferHolder.for_step(1))
+    first = staged_task(ctrl, 1, [5], claim.page, salt=1.0)
+    second = staged_task(ctrl, 2, [5], claim.page, salt=2.0)
     for task in (first, second):
         ctrl.register(task)
     ctrl.dispatch([first, second])
@@ -328,17 +328,17 @@ def test_eager_dispatch_mixing_staged_and_deferred_tasks_copies_the_deferred_row
     # The copy stage is skipped for a batch of staging views only: one
     # deferred write anywhere in the dispatch still gets its rows copied.
     ctrl, pool = make(eager=True)
-    claim = ctrl.stage_step_host({}, 0, None, StagingBufferHolder.for_step(1))
-    first = staged_task(ctrl, 1, [1], claim.staging_slot)
+    claim = ctrl.parts.staging_pool.stage_step({}, 0, None, StagingBufferHolder.for_step(1))
+    first = staged_task(ctrl, 1, [1], claim.page)
     deferred = deferred_task(ctrl, 2, [2], salt=0.5)
-    last = staged_task(ctrl, 3, [3], claim.staging_slot)
+    last = staged_task(ctrl, 3, [3], claim.page)
     for task in (first, deferred, last):
         ctrl.register(task)
     ctrl.dispatch([first, deferred, last])
     assert [t.state for t in (first, deferred, last)] == [TaskState.WRITTEN] * 3
     expected = torch.cat([rows_for([1]), rows_for([2], 0.5), rows_for([3])])
     assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([1, 2, 3])), expected)
-    assert ctrl.budget.staged_bytes == 0
+    assert ctrl.parts.budget.staged_bytes == 0
 
 
 class RecordingStages:
@@ -346,7 +346,7 @@ class RecordingStages:
     then run the controller's own stages."""
 
     def __init__(self, ctrl):
-        self.copy_inner, self.write_inner = ctrl.stages.copy, ctrl.stages.pool_write
+        self.copy_inner, self.write_inner = ctrl.parts.stages.copy, ctrl.parts.stages.pool_write
         self.copied: list[int] = []
         self.written: list[int] = []
 
@@ -369,12 +369,12 @@ def test_eager_dispatch_goes_through_installed_copy_and_pool_write_stages_for_ev
     # The batched copy_to_host / pool_write effects hand every task of the
     # dispatch to the installed stages (a harness's fakes see them all).
     ctrl, pool = make(eager=True)
-    claim = ctrl.stage_step_host({}, 0, None, StagingBufferHolder.for_step(1))
-    tasks = [staged_task(ctrl, tid, [tid], claim.staging_slot) for tid in range(1, 4)]
+    claim = ctrl.parts.staging_pool.stage_step({}, 0, None, StagingBufferHolder.for_step(1))
+    tasks = [staged_task(ctrl, tid, [tid], claim.page) for tid in range(1, 4)]
     for task in tasks:
         ctrl.register(task)
     stages = RecordingStages(ctrl)
-    ctrl.stages.use(copy=stages, pool_write=stages)
+    ctrl.parts.stages.use(copy=stages, pool_write=stages)
     ctrl.dispatch(tasks)
     assert stages.copied == stages.written == [1, 2, 3]
     assert all(t.state is TaskState.WRITTEN for t in tasks)
@@ -384,10 +384,10 @@ def test_eager_dispatch_goes_through_installed_copy_and_pool_write_stages_for_ev
 def test_staging_release_twice_raises_naming_the_holder():
     ctrl, _ = make(eager=True)
     step = StagingBufferHolder.for_step(7)
-    claim = ctrl.stage_step_host({}, 0, None, step)
-    ctrl.staging_release(claim.staging_slot, step)
+    claim = ctrl.parts.staging_pool.stage_step({}, 0, None, step)
+    ctrl.parts.staging_pool.release(claim.page, step)
     with pytest.raises(OmniPrefixCacheUnmatchError, match="step 7 cannot consume"):
-        ctrl.staging_release(claim.staging_slot, step)
+        ctrl.parts.staging_pool.release(claim.page, step)
 
 
 def test_task_cannot_bind_to_a_free_page():
@@ -400,12 +400,12 @@ def test_stats_counts_tasks_holders_and_bytes():
     ctrl, _ = make(committer="manual")
     task = deferred_task(ctrl, 1, [0, 1])
     ctrl.submit(task, queued=False)
-    claim = ctrl.stage_step_host({}, 0, None, StagingBufferHolder.for_step(1))
+    claim = ctrl.parts.staging_pool.stage_step({}, 0, None, StagingBufferHolder.for_step(1))
     stats = ctrl.stats()
     assert stats["tasks_by_state"]["PENDING"] == 1
     assert stats["holders"] == {"step": 1, "task": 0}
     assert stats["staged_bytes"] == task.chunks[0].budget.nbytes
-    ctrl.staging_release(claim.staging_slot, StagingBufferHolder.for_step(1))
+    ctrl.parts.staging_pool.release(claim.page, StagingBufferHolder.for_step(1))
     ctrl.shutdown()
     assert ctrl.stats()["tasks_by_state"]["FAILED"] == 1
 
@@ -418,12 +418,12 @@ def test_cuda_engine_stages_and_copies_after_freeze_event():  # pragma: no cover
     pool.ensure_key(HIDDEN_KEY, torch.float32, WIDTH)
     ctrl = OmniPrefixCacheController(pool, cfg, eager=False)
     try:
-        assert ctrl.engine.name == "cuda" and ctrl.staging_pool.pin_memory
+        assert ctrl.parts.host_rows.engine.name == "cuda" and ctrl.parts.staging_pool.pin_memory
         src = rows_for([0, 1, 2, 3]).cuda()
         freeze = torch.cuda.Event()
         freeze.record()
         step = StagingBufferHolder.for_step(1)
-        claim = ctrl.stage_step_host({HIDDEN_KEY: src}, 4, freeze, step)
+        claim = ctrl.parts.staging_pool.stage_step({HIDDEN_KEY: src}, 4, freeze, step)
         assert claim.event is not None
         claim.event.synchronize()
         assert claim.views[HIDDEN_KEY].is_pinned()
@@ -435,15 +435,15 @@ def test_cuda_engine_stages_and_copies_after_freeze_event():  # pragma: no cover
         task = WriteTask(tid=1, req_id="r", write_n=1, schedule=WriteSchedule.JOIN_ON_FINISH, chunks=[chunk])
         task.freeze_event = torch.cuda.Event()
         task.freeze_event.record()
-        ctrl.pin_budget(ticket, 1)
+        ctrl.parts.budget.pin(ticket, 1)
         ctrl.submit(task, queued=False)
-        got = ctrl.fetch_host(task, torch.tensor([10, 8]), HIDDEN_KEY)
+        got = ctrl.parts.host_rows.fetch(task, torch.tensor([10, 8]), HIDDEN_KEY)
         assert got.device.type == "cpu" and torch.equal(got, src.cpu()[[2, 0]])
         ctrl.escalate([1])
         ctrl.join([1])
         assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([8, 9, 10, 11])), src.cpu())
-        assert ctrl.budget.staged_bytes == 0
-        ctrl.staging_release(claim.staging_slot, step)
+        assert ctrl.parts.budget.staged_bytes == 0
+        ctrl.parts.staging_pool.release(claim.page, step)
     finally:
         ctrl.shutdown()
 
@@ -472,7 +472,7 @@ def test_committer_step_finishes_a_claimed_copy_before_anything_else():
     ctrl, _ = make(committer="on_demand", timeout=0.0)
     task = deferred_task(ctrl, 1, [0])
     ctrl.submit(task)
-    assert ctrl.committer_claim() == 1
+    assert ctrl.parts.committer.claim() == 1
     ctrl.join([1])
     assert task.state is TaskState.WRITTEN
     ctrl.shutdown()
@@ -503,9 +503,9 @@ def test_on_demand_join_writes_a_task_another_joiner_copied_while_it_looked(monk
     ctrl, pool = make(committer="on_demand", timeout=10.0)
     task = deferred_task(ctrl, 1, [0])
     ctrl.submit(task)
-    paused = PausingCopyStage(ctrl.stages.copy)
-    ctrl.stages.use(copy=paused)
-    joiner_a = threading.Thread(target=ctrl.committer_step)
+    paused = PausingCopyStage(ctrl.parts.stages.copy)
+    ctrl.parts.stages.use(copy=paused)
+    joiner_a = threading.Thread(target=ctrl.parts.committer.step)
     joiner_a.start()
     try:
         assert paused.in_copy.wait(10)
@@ -544,18 +544,18 @@ def test_on_demand_join_writes_a_task_another_joiner_copied_while_it_looked(monk
 
 def test_released_holder_is_released_not_unheld_and_cannot_hold_again():
     ctrl, _ = make(eager=True)
-    pool = ctrl.staging_pool
+    pool = ctrl.parts.staging_pool
     step = StagingBufferHolder.for_step(4)
     assert pool.holder_state(step).name == "UNHELD"
-    claim = ctrl.stage_step_host({}, 0, None, step)
+    claim = ctrl.parts.staging_pool.stage_step({}, 0, None, step)
     assert pool.holder_state(step).name == "HELD"
-    ctrl.staging_release(claim.staging_slot, step)
+    ctrl.parts.staging_pool.release(claim.page, step)
     assert pool.holder_state(step).name == "RELEASED"
     with pytest.raises(OmniPrefixCacheUnmatchError, match="step 4 cannot claim from RELEASED"):
-        ctrl.stage_step_host({}, 0, None, step)
+        ctrl.parts.staging_pool.stage_step({}, 0, None, step)
     # An id below one that already held a page had its turn too.
     with pytest.raises(OmniPrefixCacheUnmatchError, match="step 2 cannot claim from RELEASED"):
-        ctrl.stage_step_host({}, 0, None, StagingBufferHolder.for_step(2))
+        ctrl.parts.staging_pool.stage_step({}, 0, None, StagingBufferHolder.for_step(2))
     assert not pool.holders()
 
 
@@ -594,18 +594,18 @@ def test_a_committer_pass_takes_the_high_queue_whole_and_deferred_writes_one_at_
     for task in lows:
         ctrl.submit(task, queued=True)
     assert list(ctrl.queues.low) == [1, 2]
-    assert ctrl.committer_step() == "copy"
+    assert ctrl.parts.committer.step() == "copy"
     assert list(ctrl.queues.low) == [2] and lows[0].state is TaskState.HOST_READY
     highs = [deferred_task(ctrl, tid, [tid]) for tid in (3, 4)]
     for task in highs:
         ctrl.submit(task, queued=False)
     ctrl.escalate([3, 4])
     assert list(ctrl.queues.high) == [4, 3]
-    assert ctrl.committer_step() == "write"  # the first pass's copy is written first
-    assert ctrl.committer_step() == "copy"
+    assert ctrl.parts.committer.step() == "write"  # the first pass's copy is written first
+    assert ctrl.parts.committer.step() == "copy"
     assert not ctrl.queues.high and list(ctrl.queues.low) == [2]
     assert all(t.state is TaskState.HOST_READY for t in highs)
-    while ctrl.committer_step() is not None:
+    while ctrl.parts.committer.step() is not None:
         pass
     for tid in (1, 2, 3, 4):
         assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([tid])), rows_for([tid]))
@@ -648,6 +648,6 @@ def test_the_committer_thread_calls_after_write_once_a_pass_wrote_with_no_lock_h
         assert called.wait(10), "the committer never called after_write"
         name, free, states = seen[0]
         assert name == "omni-prefix-cache-committer" and free
-        assert states == [TaskState.WRITTEN] and 1 in ctrl.completed
+        assert states == [TaskState.WRITTEN] and 1 in ctrl.parts.registry.completed
     finally:
         ctrl.shutdown()

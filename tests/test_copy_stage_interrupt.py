@@ -66,7 +66,9 @@ def drv_sched(*, finished: set[str]) -> Any:
 
 def _deferred_tids(mgr: OmniPrefixCacheManager) -> list[int]:
     return sorted(
-        tid for tid, task in mgr.components.controller.tasks.items() if task.schedule.value == "join_on_finish"
+        tid
+        for tid, task in mgr.components.controller.parts.registry.tasks.items()
+        if task.schedule.value == "join_on_finish"
     )
 
 
@@ -85,11 +87,11 @@ def _join_each_fails(mgr: OmniPrefixCacheManager, tids: list[int]) -> None:
 
 def _assert_released(mgr: OmniPrefixCacheManager, tids: list[int]) -> None:
     ctrl = mgr.components.controller
-    states = {tid: ctrl.tasks[tid].state.name for tid in tids}
+    states = {tid: ctrl.parts.registry.tasks[tid].state.name for tid in tids}
     assert set(states.values()) == {"FAILED"}, states
     assert ctrl.stats()["tasks_by_state"]["COPYING"] == 0
-    assert ctrl.budget.staged_bytes == 0
-    assert [h for h in ctrl.staging_pool.holders() if h.kind == "task" and h.owner_id in tids] == []
+    assert ctrl.parts.budget.staged_bytes == 0
+    assert [h for h in ctrl.parts.staging_pool.holders() if h.kind == "task" and h.owner_id in tids] == []
 
 
 def _assert_sticky_naming(mgr: OmniPrefixCacheManager, drv: Driver, tids: list[int]) -> None:
@@ -109,7 +111,7 @@ def test_threaded_copy_pass_interrupted_fails_its_tasks_without_waiting_out_the_
     ctrl = mgr.components.controller
     drv.check(*drv.run({"a": Req([0, 1], 0, 4), "b": Req([2, 3], 0, 4)}))
     tids = _deferred_tids(mgr)
-    assert len(tids) == 2 and ctrl.budget.staged_bytes > 0
+    assert len(tids) == 2 and ctrl.parts.budget.staged_bytes > 0
     engine.arm(error)
     # Both finish: their deferred writes are escalated together, so one
     # committer pass claims both and the first copy raises.

@@ -95,7 +95,7 @@ def deferred_task(ctrl: OmniPrefixCacheController, engine: FakeDeviceEngine, tid
         ticket = BudgetTicket(nbytes=clone.numel() * clone.element_size())
         ctrl.reserve(ticket.nbytes)
         chunk = WriteChunk(slots_cpu=torch.tensor(slots), tensors={HIDDEN_KEY: clone}, budget=ticket)
-        freeze = ctrl.freeze([clone])
+        freeze = ctrl.parts.host_rows.engine.freeze([clone])
         if task is None:
             task = WriteTask(
                 tid=tid,
@@ -105,11 +105,11 @@ def deferred_task(ctrl: OmniPrefixCacheController, engine: FakeDeviceEngine, tid
                 chunks=[chunk],
                 freeze_event=freeze,
             )
-            ctrl.pin_budget(ticket, tid)
+            ctrl.parts.budget.pin(ticket, tid)
             ctrl.submit(task, queued=False)
         else:
-            assert ctrl.append_chunk(task, chunk, freeze) is None
-            ctrl.pin_budget(ticket, tid)
+            assert task.append_chunk(chunk, freeze) is None
+            ctrl.parts.budget.pin(ticket, tid)
     assert task is not None
     return task, clones
 
@@ -153,12 +153,12 @@ def test_pinned_memory_only_where_a_device_copy_lands(fake: Any) -> None:
     ctrl, pool, engine = fake
     step = StagingBufferHolder.for_step(1)
     src = rows_for([0, 1, 2])
-    claim = ctrl.stage_step_host({HIDDEN_KEY: src}, 3, ctrl.freeze([src]), step)
+    claim = ctrl.parts.staging_pool.stage_step({HIDDEN_KEY: src}, 3, ctrl.parts.host_rows.engine.freeze([src]), step)
     page_bytes = 2 * NUM_SLOTS * WIDTH * 4
     assert engine.rt.pinned_bytes == page_bytes
     assert ctrl.stats()["staging_host_bytes"] == page_bytes
     assert pool.host_bytes() == NUM_SLOTS * WIDTH * 4
-    ctrl.staging_release(claim.staging_slot, step)
+    ctrl.parts.staging_pool.release(claim.page, step)
 
 
 def test_manager_stats_report_pool_host_bytes() -> None:
@@ -178,9 +178,9 @@ def test_manager_stats_report_pool_host_bytes() -> None:
 def test_staging_copy_waits_the_freeze_records_the_clone_and_lands_before_the_pool_write(fake: Any) -> None:
     ctrl, pool, engine = fake
     src = rows_for([4, 5, 6])
-    freeze = ctrl.freeze([src])
+    freeze = ctrl.parts.host_rows.engine.freeze([src])
     step = StagingBufferHolder.for_step(1)
-    claim = ctrl.stage_step_host({HIDDEN_KEY: src}, 3, freeze, step)
+    claim = ctrl.parts.staging_pool.stage_step({HIDDEN_KEY: src}, 3, freeze, step)
     task = WriteTask(
         tid=1,
         req_id="r",
@@ -192,12 +192,12 @@ def test_staging_copy_waits_the_freeze_records_the_clone_and_lands_before_the_po
             )
         ],
         freeze_event=freeze,
-        staging_slot=claim.staging_slot,
+        page=claim.page,
         step_d2h_event=claim.event,
     )
     ctrl.register(task)  # binds its holder to the step's page
     ctrl.dispatch([task])
-    while ctrl.committer_step() is not None:
+    while ctrl.parts.committer.step() is not None:
         pass
     calls = engine.rt.ops()
     (freeze_ev,) = freeze.events.values()
@@ -213,7 +213,7 @@ def test_staging_copy_waits_the_freeze_records_the_clone_and_lands_before_the_po
     assert {calls[i].stream for i in (waited, marked, copied, done)} == {"copy0"}
     assert task.state is TaskState.WRITTEN
     assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([4, 5, 6])), src)
-    ctrl.staging_release(claim.staging_slot, step)
+    ctrl.parts.staging_pool.release(claim.page, step)
 
 
 def test_deferred_copy_has_no_device_cat_and_lands_in_one_host_tensor(
@@ -231,7 +231,7 @@ def test_deferred_copy_has_no_device_cat_and_lands_in_one_host_tensor(
 
     monkeypatch.setattr(torch, "cat", spy_cat)
     ctrl.escalate([1])
-    while ctrl.committer_step() is not None:
+    while ctrl.parts.committer.step() is not None:
         pass
     assert task.state is TaskState.WRITTEN
     assert not device_ptrs & set(cat_inputs), "a device chunk was concatenated on the copy path"
@@ -275,7 +275,7 @@ def test_read_of_a_device_clone_allocates_nothing_on_the_device(fake: Any, monke
     monkeypatch.setattr(torch.Tensor, "index_select", spy_select)
     monkeypatch.setattr(torch, "cat", spy_cat)
     slots = torch.tensor([10, 0, 1, 3, 8, 2])
-    got = ctrl.fetch_host(task, slots, HIDDEN_KEY)
+    got = ctrl.parts.host_rows.fetch(task, slots, HIDDEN_KEY)
     assert torch.equal(got, rows_for(slots.tolist(), 0.5))
     assert not device_ptrs & set(touched), "a gather or cat ran on a device clone"
     calls = engine.rt.ops()
@@ -293,7 +293,7 @@ def test_lanes_and_freeze_events_follow_the_tensors_device(fake: Any) -> None:
     ctrl, _, engine = fake
     on1 = engine.rt.place(rows_for([0, 1]), 1)
     on0 = rows_for([2, 3])
-    freeze = ctrl.freeze([on1, on0])
+    freeze = ctrl.parts.host_rows.engine.freeze([on1, on0])
     assert isinstance(freeze, DeviceEvents) and set(freeze.events) == {0, 1}
     assert {freeze.events[d].stream for d in (0, 1)} == {"compute0", "compute1"}
     a, b = torch.empty(2, WIDTH), torch.empty(2, WIDTH)
@@ -305,7 +305,7 @@ def test_lanes_and_freeze_events_follow_the_tensors_device(fake: Any) -> None:
     done.synchronize()
     assert torch.equal(a, on1) and torch.equal(b, on0)
     # A newer single-device freeze keeps the older event of the other device.
-    merged = DeviceEvents.merged(freeze, ctrl.freeze([on0]))
+    merged = DeviceEvents.merged(freeze, ctrl.parts.host_rows.engine.freeze([on0]))
     assert set(merged.events) == {0, 1} and merged.events[1] is freeze.events[1]
 
 
@@ -326,7 +326,7 @@ def test_failed_copy_marks_clones_on_the_lane_fails_the_task_and_frees_the_budge
 
     engine.copy_into = failing  # type: ignore[method-assign]
     ctrl.escalate([1])
-    while ctrl.committer_step() is not None:
+    while ctrl.parts.committer.step() is not None:
         pass
     assert task.state is TaskState.FAILED
     assert all(not chunk.tensors for chunk in task.chunks), "the clone is dropped on failure"
@@ -422,9 +422,9 @@ def test_a_steps_device_clones_are_freed_once_its_rows_are_on_the_host() -> None
         (step,) = steps.values()
         assert set(step.tensors) == {HIDDEN_KEY, "m"}, "the fake device engine treats the outputs as device tensors"
         ctrl = mgr._controller
-        assert ctrl.committer_claim() is not None and ctrl.committer_copy() is not None
+        assert ctrl.parts.committer.claim() is not None and ctrl.parts.committer.copy() is not None
         assert step.tensors == {}
-        while ctrl.committer_step() is not None:
+        while ctrl.parts.committer.step() is not None:
             pass
         drv.check(sid, want)
     finally:
@@ -453,7 +453,7 @@ def test_device_fault_in_materialize_raises_then_sticks() -> None:
             mgr.new_step_starts(SimpleNamespace(scheduled_new_reqs=[], finished_req_ids={"a"}))
     finally:
         mgr.shutdown()
-    assert all(t.is_terminal for t in mgr._controller.tasks.values())
+    assert all(t.is_terminal for t in mgr._controller.parts.registry.tasks.values())
 
 
 # ================================================================ CUDA only
@@ -474,10 +474,10 @@ def test_cuda_lanes_pin_only_landing_memory_and_order_after_a_slow_forward() -> 
         torch.cuda._sleep(50_000_000)  # the forward is still running when the host saves
         live.copy_(rows)
         clone = live.clone()
-        freeze = ctrl.freeze([clone])
+        freeze = ctrl.parts.host_rows.engine.freeze([clone])
         live.fill_(-1.0)  # the next "forward" overwrites the static buffer
         step = StagingBufferHolder.for_step(1)
-        claim = ctrl.stage_step_host({HIDDEN_KEY: clone}, 8, freeze, step)
+        claim = ctrl.parts.staging_pool.stage_step({HIDDEN_KEY: clone}, 8, freeze, step)
         del clone
         garbage = torch.full((8, WIDTH), float("nan"), device="cuda")  # may recycle the clone's block
         claim.event.synchronize()
@@ -485,6 +485,6 @@ def test_cuda_lanes_pin_only_landing_memory_and_order_after_a_slow_forward() -> 
         assert torch.equal(claim.views[HIDDEN_KEY], rows_for(list(range(8))))
         assert engine.lane_uses["copy"] == 1
         del garbage
-        ctrl.staging_release(claim.staging_slot, step)
+        ctrl.parts.staging_pool.release(claim.page, step)
     finally:
         ctrl.shutdown()

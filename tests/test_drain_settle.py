@@ -121,7 +121,7 @@ def _ledger(seed: int) -> tuple[WriteLedger, list[Tid], list[Tid]]:
     for key in ("h", "mm", "mm2"):
         occ.add_key(key)
     live: set[ReqId] = set()
-    ledger = WriteLedger(cast(Any, None), occ, threading.Lock(), live, Counter())
+    ledger = WriteLedger(cast(Any, None), cast(Any, None), cast(Any, None), occ, threading.Lock(), live, Counter())
     reqs = [f"r{i}" for i in range(rng.randint(1, 5))]
     live.update(r for r in reqs if rng.random() < 0.5)
     tids: list[Tid] = []

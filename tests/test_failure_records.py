@@ -11,6 +11,7 @@ import torch
 from omni_prefix_cache.interface import OmniPrefixCacheWriteFailedError, PrefixCacheConfig, WriteSchedule
 from omni_prefix_cache.manager import OmniPrefixCacheManager
 from omni_prefix_cache.writes.chunks import WriteChunk
+from omni_prefix_cache.writes.write_errors import write_error
 from omni_prefix_cache.writes.write_task import WriteTask
 from test_manager import BS, MODES, NUM_BLOCKS, BlockView, Driver, Req, make, quiesce
 
@@ -40,23 +41,23 @@ def test_one_fault_failing_several_writes_leaves_one_record_naming_them_all(eage
     else:
         mgr.discard_step(sid)
         # One join per write: a join raises at the first failed one.
-        for tid in [t.tid for t in list(ctrl.tasks.values()) if set(t.req_ids) & reqs.keys()]:
+        for tid in [t.tid for t in list(ctrl.parts.registry.tasks.values()) if set(t.req_ids) & reqs.keys()]:
             with pytest.raises(OmniPrefixCacheWriteFailedError):
                 ctrl.join([tid])
     pool.write = real_write  # type: ignore[method-assign]
-    failed = {tid for tid, t in ctrl.tasks.items() if t.state.name == "FAILED"}
+    failed = {tid for tid, t in ctrl.parts.registry.tasks.items() if t.state.name == "FAILED"}
     # The step's rows are one write: it holds every request of the step.
-    assert [rid for tid in sorted(failed) for rid in ctrl.tasks[tid].req_ids] == list(reqs)
-    assert len(ctrl.failures) == 1, "one fault, one record"
-    records = ctrl.failures
+    assert [rid for tid in sorted(failed) for rid in ctrl.parts.registry.tasks[tid].req_ids] == list(reqs)
+    assert len(ctrl.parts.registry.failures()) == 1, "one fault, one record"
+    records = ctrl.parts.registry.failures()
     assert len(records) == 1
     (record,) = records
     assert record.tids == failed and record.error.__cause__ is fault
-    assert all(ctrl.failure_of(tid) is record.error for tid in failed)
+    assert all(ctrl.parts.registry.failure_of(tid) is record.error for tid in failed)
     # A joiner of any of them is told about its own write, with the shared cause,
     # naming every request it holds and each one's slot range.
     for tid in sorted(failed):
-        task = ctrl.tasks[tid]
+        task = ctrl.parts.registry.tasks[tid]
         with pytest.raises(OmniPrefixCacheWriteFailedError) as info:
             ctrl.join([tid])
         assert info.value.tid == tid and info.value.req_ids == task.req_ids == tuple(reqs)
@@ -83,12 +84,12 @@ def test_distinct_causes_keep_distinct_records(managers: list[Any]) -> None:
     chunk = WriteChunk(slots_cpu=torch.tensor([60, 61]), tensors={}, host={"m": torch.zeros(2, 1)})
     side = WriteTask(tid=999, req_id="z", write_n=1, schedule=WriteSchedule.JOIN_ON_FINISH, chunks=[chunk])
     ctrl.register(side, queued=False)
-    tasks = sorted(ctrl.tasks.values(), key=lambda t: t.tid)
+    tasks = sorted(ctrl.parts.registry.tasks.values(), key=lambda t: t.tid)
     assert len(tasks) == 2
     first, second = RuntimeError("first"), RuntimeError("second")
-    ctrl.fail_task(tasks[0], ctrl.write_error(tasks[0], first, "copy"))
-    ctrl.fail_task(tasks[1], ctrl.write_error(tasks[1], second, "copy"))
-    records = ctrl.failures
+    ctrl.fail_task(tasks[0], write_error(tasks[0], first, "copy"))
+    ctrl.fail_task(tasks[1], write_error(tasks[1], second, "copy"))
+    records = ctrl.parts.registry.failures()
     assert [r.error.__cause__ for r in records] == [first, second]
     assert [r.tids for r in records] == [{tasks[0].tid}, {tasks[1].tid}]
     assert all(r.error.tid == next(iter(r.tids)) for r in records)

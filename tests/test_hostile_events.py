@@ -59,9 +59,9 @@ def snapshot(m: OmniPrefixCacheManager) -> dict[str, Any]:
             "next_step": m._steps.next_id,
             "tasks": {r: dict(t) for r, t in rt.tasks.items()},
             "deferred": dict(rt.deferred),
-            "controller_tasks": set(c.controller.tasks),
-            "holders": list(c.controller.staging_pool.holders()),
-            "staged_bytes": c.controller.budget.staged_bytes,
+            "controller_tasks": set(c.controller.parts.registry.tasks),
+            "holders": list(c.controller.parts.staging_pool.holders()),
+            "staged_bytes": c.controller.parts.budget.staged_bytes,
             "stats": stats,
         }
 
@@ -346,7 +346,7 @@ def test_a_float_row_bound_leaks_no_holder_task_or_step_and_the_retry_works(eng:
     with pytest.raises(OmniPrefixCacheInvalidTypeError, match="row_end"):
         eng.m.save_outputs(hidden, mm, num_tokens_unpadded=4, num_tokens_padded=4, write_layout=bad)
     c = eng.m.components
-    assert not c.controller.staging_pool.holders() and not c.controller.tasks and not c.steps
+    assert not c.controller.parts.staging_pool.holders() and not c.controller.parts.registry.tasks and not c.steps
     eng.m.materialize(eng.save({"a": (0, 4)}), ["a"])
 
 

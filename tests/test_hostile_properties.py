@@ -143,7 +143,7 @@ def test_a_malformed_step_event_or_layout_changes_nothing_and_the_valid_call_fol
                 running[rid] = e
         eng.m.new_step_starts([ev(r, K.FINISHED, owner=owners[r]) for r in running])
         c = eng.m.components
-        assert not c.steps and not c.controller.staging_pool.holders() and not c.controller.tasks
-        assert c.controller.budget.staged_bytes == 0
+        assert not c.steps and not c.controller.parts.staging_pool.holders() and not c.controller.parts.registry.tasks
+        assert c.controller.parts.budget.staged_bytes == 0
     finally:
         eng.m.shutdown()

@@ -45,7 +45,7 @@ def test_save_barrier_join_timing_out_raises_the_join_timeout_error_and_register
     managers.append(mgr)
     drv = Driver(mgr, view)
     drv.run({"a": Req([0, 1], 0, 4)})
-    tids = sorted(mgr.components.controller.tasks)
+    tids = sorted(mgr.components.controller.parts.registry.tasks)
     before = mgr.stats()
     with pytest.raises(kind) as info:
         drv.run({"b": Req([2], 0, 2)})  # its save joins step 1's writes first

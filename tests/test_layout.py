@@ -1,6 +1,7 @@
 """The package's layout rules (docs/layout.md): no import circle, no
 cross-module ``_private`` access in src/ outside ``compat/``, no use of a
-compat seam alias outside ``compat/`` and the seed suite, and module sizes.
+compat seam alias outside ``compat/`` and the seed suite (nor of compat's
+public upstream aliases outside the tests of upstream's names), and module sizes.
 
 Run ``python tests/test_layout.py`` for the full list of what breaks a rule.
 """
@@ -23,6 +24,8 @@ PKG = SRC / "omni_prefix_cache"
 COMPAT = PKG / "compat"
 TESTING = PKG / "testing"
 SEED_SUITE = ROOT / "tests" / "test_seed_suite.py"
+# The tests of upstream's names themselves: they may call compat's public aliases.
+UPSTREAM_NAME_TESTS = {SEED_SUITE, ROOT / "tests" / "test_compat_views.py", ROOT / "tests" / "test_upstream_names.py"}
 MAX_LINES = 450
 MAX_LINES_TESTING = 600
 # `self._x` and friends: the object's own names.
@@ -169,6 +172,48 @@ def seam_alias_uses() -> list[Hit]:
     return hits
 
 
+def upstream_public_aliases() -> set[str]:
+    """Upstream's public spellings the compat mixins define (``get_task``,
+    ``fetch_host``, ``claim_copy``...) that nothing outside ``compat/``
+    defines: a use of one is a use of compat, whatever the receiver."""
+    names: set[str] = set()
+    for path in COMPAT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and not item.name.startswith("_"):
+                        names.add(item.name)
+    defined: set[str] = set()
+    for path in src_modules().values():
+        if _in(path, COMPAT):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                defined.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                defined.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                defined.add(node.attr)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                defined.add(node.target.id)
+    return names - defined
+
+
+def upstream_alias_uses() -> list[Hit]:
+    """Uses of ``upstream_public_aliases`` outside ``compat/`` and the tests of
+    upstream's names (the seed suite, compat's own, the name list)."""
+    aliases = upstream_public_aliases()
+    paths = [p for p in src_modules().values() if not _in(p, COMPAT)]
+    paths += [p for p in sorted((ROOT / "tests").rglob("*.py")) if p not in UPSTREAM_NAME_TESTS]
+    paths += sorted((ROOT / "tests_vllm").rglob("*.py")) + sorted((ROOT / "examples").rglob("*.py"))
+    hits: list[Hit] = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in aliases:
+                hits.append(Hit(path, node.lineno, f"uses upstream alias {node.attr}"))
+    return hits
+
+
 # ------------------------------------------------------------------ sizes
 
 
@@ -198,6 +243,24 @@ def test_no_cross_module_private_access_outside_compat() -> None:
 def test_seam_aliases_only_in_compat_and_the_seed_suite() -> None:
     hits = seam_alias_uses()
     assert not hits, f"{len(hits)} uses of compat seam aliases:\n" + "\n".join(map(str, hits[:40]))
+
+
+def test_upstream_public_aliases_only_in_compat_and_the_tests_of_upstreams_names() -> None:
+    hits = upstream_alias_uses()
+    assert not hits, f"{len(hits)} uses of compat's public upstream aliases:\n" + "\n".join(map(str, hits[:40]))
+
+
+def test_the_upstream_alias_rule_can_fail() -> None:
+    # The controller's moved names are compat's alone; ``append_chunk`` is WriteTask's too.
+    aliases = upstream_public_aliases()
+    assert {"get_task", "fetch_host", "pin_budget", "stage_step_host", "drain_completed", "claim_copy"} <= aliases
+    assert "append_chunk" not in aliases and "join" not in aliases
+    path = ROOT / "tests" / "_layout_probe.py"
+    path.write_text("def f(ctrl):\n    return ctrl.fetch_host, ctrl.join\n")
+    try:
+        assert [h.what for h in upstream_alias_uses() if h.path == path] == ["uses upstream alias fetch_host"]
+    finally:
+        path.unlink()
 
 
 def test_module_sizes() -> None:
@@ -253,6 +316,10 @@ def report() -> None:
     uses = seam_alias_uses()
     print(f"seam alias uses outside compat/ and the seed suite: {len(uses)}")
     for hit in uses:
+        print(f"  {hit}")
+    upstream = upstream_alias_uses()
+    print(f"upstream alias uses outside compat/ and the tests of upstream's names: {len(upstream)}")
+    for hit in upstream:
         print(f"  {hit}")
     big = oversized()
     print(f"oversized modules: {len(big)}")

@@ -162,15 +162,17 @@ def make(eager: bool, policy: ModelCachePolicy | None = None, **cfg: Any) -> tup
 def quiesce(mgr: OmniPrefixCacheManager) -> None:
     """Wait for every queued write (not pending deferred ones) to finish."""
     ctrl = mgr._controller
-    busy = [t.tid for t in list(ctrl.tasks.values()) if t.state.name not in ("PENDING", "WRITTEN", "FAILED")]
+    busy = [
+        t.tid for t in list(ctrl.parts.registry.tasks.values()) if t.state.name not in ("PENDING", "WRITTEN", "FAILED")
+    ]
     ctrl.join(busy)
 
 
 def assert_nothing_held(mgr: OmniPrefixCacheManager, *, staged_bytes: int = 0) -> None:
     quiesce(mgr)
     assert not mgr._step_ctxs
-    assert not mgr._controller.staging_pool.holders(), mgr._controller.staging_pool.holders()
-    assert mgr._controller.budget.staged_bytes == staged_bytes
+    assert not mgr._controller.parts.staging_pool.holders(), mgr._controller.parts.staging_pool.holders()
+    assert mgr._controller.parts.budget.staged_bytes == staged_bytes
 
 
 # ============================================================ end to end, both committers
@@ -291,7 +293,7 @@ def test_budget_pressure_closes_the_deferred_write_and_opens_another(eager: bool
     now = mgr._ledger.requests.deferred["a"]
     assert now is not first and now.write_n > first.write_n and len(now.chunks) == 2
     assert first.state.name == "WRITTEN" and len(first.chunks) == 3
-    assert mgr._controller.budget.staged_bytes == 2 * 2 * 4
+    assert mgr._controller.parts.budget.staged_bytes == 2 * 2 * 4
     sid, want = drv.run({"z": Req([9], 0, 1)}, finished=["a"])
     drv.check(sid, want)
     assert_nothing_held(mgr, staged_bytes=2 * 4)  # only z's pending one-row chunk is still charged
@@ -393,8 +395,14 @@ def test_lock_never_covers_a_wait_a_copy_or_a_dispatch(eager: bool, managers: li
 
         return wrapped
 
-    for name in ("join", "join_host_ready", "fetch_host", "escalate", "dispatch", "reserve", "stage_step_host"):
+    for name in ("join", "join_host_ready", "escalate", "dispatch", "reserve"):
         setattr(ctrl, name, probe(name, getattr(ctrl, name)))
+    # The parts the manager's components hold directly: probed on those objects.
+    for part, method, name in (
+        (ctrl.parts.host_rows, "fetch", "fetch_host"),
+        (ctrl.parts.staging_pool, "stage_step", "stage_step_host"),
+    ):
+        setattr(part, method, probe(name, getattr(part, method)))
     sid, want = drv.run({"a": Req([0], 0, 4)})
     drv.check(sid, want)
     sid, want = drv.run({"b": Req([0, 1], 4, 2, hit=4)})
@@ -429,7 +437,7 @@ def test_failed_pool_write_is_sticky(eager: bool, managers: list) -> None:
         mgr.discard_step(sid)
         # Threaded: b's write runs on the committer; wait for it to fail
         # before the pool is repaired, or it may simply succeed later.
-        b_writes = [t.tid for t in list(mgr._controller.tasks.values()) if t.req_id == "b"]
+        b_writes = [t.tid for t in list(mgr._controller.parts.registry.tasks.values()) if t.req_id == "b"]
         with pytest.raises(OmniPrefixCacheUnmatchError, match="write failed before done"):
             mgr._controller.join(b_writes)
     mgr._pool.write = real_write
@@ -630,7 +638,7 @@ def test_discard_releases_the_step_and_its_task_holders(eager: bool, managers: l
     managers.append(mgr)
     for i in range(3):
         sid, _ = drv.run({"a": Req([0, 1], i, 1)}, new=["a"] if i == 0 else [])
-        busy = mgr._controller.staging_pool.page_holders(0)
+        busy = mgr._controller.parts.staging_pool.page_holders(0)
         assert StagingBufferHolder.for_step(sid) in busy
         mgr.discard_step(sid)
     assert_nothing_held(mgr)
@@ -686,9 +694,9 @@ def test_the_committer_thread_drains_only_when_the_state_lock_is_free_and_never_
         tried.start()
         tried.join(5)
         assert not tried.is_alive(), "the committer's drain waited for the state lock"
-        assert list(ctrl.completed), "a drain ran while the state lock was held"
+        assert list(ctrl.parts.registry.completed), "a drain ran while the state lock was held"
     finally:
         lock.release()
     mgr._drain_off_engine()
-    assert not list(ctrl.completed)
+    assert not list(ctrl.parts.registry.completed)
     assert mgr.stats()["rows_committed"] == 4 * len(want["a"])

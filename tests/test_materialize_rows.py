@@ -90,7 +90,7 @@ def _ctx(sizes: list[int]) -> StepContext:
     order = [f"r{i}" for i in range(len(sizes))]
     starts = [0, *accumulate(sizes)]
     spans = {rid: (start, rows) for rid, start, rows in zip(order, starts, sizes)}
-    return StepContext(step_id=1, controller=None, n=starts[-1], record=StepRecord.of_rows(order, spans))  # type: ignore[arg-type]
+    return StepContext(step_id=1, staging=None, n=starts[-1], record=StepRecord.of_rows(order, spans))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("seed", range(8))

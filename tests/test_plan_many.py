@@ -33,7 +33,7 @@ WIDTH = {HIDDEN_KEY: 8, "mm_a": 3}
 
 
 class Tasks:
-    """The controller as planning sees it: ``get_task`` by tid."""
+    """The task registry as planning sees it: ``get`` by tid."""
 
     def __init__(self, rng: random.Random) -> None:
         self.tasks: dict[int, Any] = {}
@@ -44,7 +44,7 @@ class Tasks:
             rows = {slot: (tid % 3, slot + tid) for slot in range(BLOCKS * BS)}
             self.tasks[tid] = SimpleNamespace(tid=tid, schedule=schedule, state=state, slot_to_row=lambda r=rows: r)
 
-    def get_task(self, tid: int) -> Any:
+    def get(self, tid: int) -> Any:
         return self.tasks.get(tid)  # tid 7 is unknown
 
 
@@ -67,7 +67,7 @@ def tables(rng: random.Random, p_committed: float) -> tuple[PrefixBlockPool, Slo
 
 
 def planner(pool: PrefixBlockPool, occupancy: SlotOccupancy, tasks: Tasks) -> HitPlanner:
-    reads = HitReads(pool, tasks, occupancy, threading.Lock())  # type: ignore[arg-type]
+    reads = HitReads(pool, None, tasks, None, occupancy, threading.Lock())  # type: ignore[arg-type]
     policy = ModelCachePolicy(needs_full_hidden_states=True)
     config = PrefixCacheConfig(num_blocks=BLOCKS, block_size=BS)
     return HitPlanner(config, occupancy, reads, None, {}, lambda: policy, lambda: False)  # type: ignore[arg-type]

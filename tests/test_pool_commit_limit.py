@@ -72,7 +72,7 @@ def test_first_save_of_an_oversized_pool_is_refused_before_it_changes_anything(
     assert f"overcommit_memory={mode}" in message
     assert "num_blocks 32" in message and "float32" in message and "smaller dtype" in message
     assert_same_state(before, after)
-    assert mgr.components.controller.budget.staged_bytes == 0 and not mgr.stats()["sticky_failure"]
+    assert mgr.components.controller.parts.budget.staged_bytes == 0 and not mgr.stats()["sticky_failure"]
     assert_nothing_held(mgr)
     # Refused before it changed anything: once the host allows it, the same
     # save (same step, same snapshot) goes through and serves its rows.

@@ -234,7 +234,9 @@ def test_a_failed_pool_write_is_charged_to_its_own_task(monkeypatch: pytest.Monk
         first = machine.drive_new_step(_Script(**{"admit q0": 2}))
         assert first is not None, "the trace no longer saves its first step"
         immediate = machine.mgr.components.ledger.previous_step_writes
-        others = [t for t, task in machine.ctrl.tasks.items() if t not in immediate and not task.is_terminal]
+        others = [
+            t for t, task in machine.ctrl.parts.registry.tasks.items() if t not in immediate and not task.is_terminal
+        ]
         assert len(immediate) == 1 and others, "the trace no longer leaves a second open task"
         machine.drive_inject_failure("write", _Script(**{"fail write": immediate[0]}))
         while machine._committer_unit():

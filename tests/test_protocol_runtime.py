@@ -17,10 +17,11 @@ from omni_prefix_cache.controller import (
     WriteChunk,
     WriteTask,
 )
-from omni_prefix_cache.interface import HIDDEN_KEY, PrefixCacheConfig, WriteSchedule
+from omni_prefix_cache.interface import HIDDEN_KEY, OmniPrefixCacheUnmatchError, PrefixCacheConfig, WriteSchedule
 from omni_prefix_cache.specs.composition import ProtocolViolation, load_protocol
 from omni_prefix_cache.specs.loader import SpecError
 from omni_prefix_cache.specs.types.copy_queue import QueuePosition
+from omni_prefix_cache.specs.types.staging_holder import StagingHolderTrigger
 from omni_prefix_cache.writes.copy_queues import CopyQueues
 from omni_prefix_cache.writes.operations import use_protocol
 
@@ -44,9 +45,9 @@ def test_positions_follow_the_committer_stages() -> None:
     assert task.position is QueuePosition.LOW and list(ctrl.queues.low) == [1]
     ctrl.escalate([1])
     assert task.position is QueuePosition.HIGH and list(ctrl.queues.high) == [1]
-    assert ctrl.committer_claim() == 1 and task.position is QueuePosition.CLAIMED
-    assert ctrl.committer_copy() == 1 and task.position is QueuePosition.BLOCKED
-    assert ctrl.committer_write() == [1]
+    assert ctrl.parts.committer.claim() == 1 and task.position is QueuePosition.CLAIMED
+    assert ctrl.parts.committer.copy() == 1 and task.position is QueuePosition.BLOCKED
+    assert ctrl.parts.committer.write() == [1]
     assert task.position is QueuePosition.DONE and task.state is TaskState.WRITTEN
     ctrl.shutdown()
 
@@ -57,7 +58,7 @@ def test_a_failed_queued_task_leaves_a_stale_entry_the_claim_drops() -> None:
     ctrl.submit(task, queued=True)
     ctrl.fail_task(task, None)
     assert task.position is QueuePosition.STALE and list(ctrl.queues.low) == [1]
-    assert ctrl.committer_claim() is None
+    assert ctrl.parts.committer.claim() is None
     assert task.position is QueuePosition.DONE and not ctrl.queues.has_work()
     ctrl.shutdown()
 
@@ -76,9 +77,7 @@ def test_a_listed_move_that_is_not_enabled_raises_a_protocol_violation() -> None
 def test_an_immediate_write_on_a_free_page_cannot_register() -> None:
     ctrl = _controller(eager=True)
     chunk = WriteChunk(slots_cpu=torch.tensor([0]), tensors={}, host={HIDDEN_KEY: torch.zeros(1, 2)})
-    task = WriteTask(
-        tid=1, req_id="r", write_n=1, schedule=WriteSchedule.JOIN_NEXT_STEP, chunks=[chunk], staging_slot=0
-    )
+    task = WriteTask(tid=1, req_id="r", write_n=1, schedule=WriteSchedule.JOIN_NEXT_STEP, chunks=[chunk], page=0)
     with pytest.raises(ProtocolViolation, match=r"save \(register\): task_holder.bind is not enabled"):
         ctrl.register(task)
 
@@ -91,10 +90,17 @@ def test_the_controller_binds_only_its_own_roles() -> None:
         CopyQueues().fire(_deferred(1), "claim")  # UNQUEUED cannot be claimed
 
 
-def test_task_holders_are_released_only_by_their_write_or_failure() -> None:
-    ctrl = _controller(eager=True)
-    with pytest.raises(Exception, match="released by its own write or failure"):
-        ctrl.staging_release(0, StagingBufferHolder.for_task(1))
+@pytest.mark.parametrize("trigger", [StagingHolderTrigger.CONSUME, StagingHolderTrigger.ABANDON])
+def test_task_holders_are_released_only_by_their_write_or_failure(trigger: StagingHolderTrigger) -> None:
+    pool = _controller(eager=True).parts.staging_pool
+    step, task = StagingBufferHolder.for_step(1), StagingBufferHolder.for_task(1)
+    page = pool.claim(step, 0)
+    pool.bind(page, task)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=f"{trigger} does not release a task holder"):
+        pool.release(page, task, trigger)
+    assert pool.holds(task)
+    pool.release(page, step, trigger)  # a step holder it releases
+    assert not pool.holds(step) and pool.holds(task)
 
 
 def test_a_mutated_composition_changes_what_the_controller_does() -> None:

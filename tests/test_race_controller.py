@@ -336,9 +336,9 @@ class ControllerRace(RuleBasedStateMachine):
             original = event.set
 
             def checked() -> None:
-                if task.state is TaskState.FAILED and tid not in ctrl.failed:
+                if task.state is TaskState.FAILED and tid not in ctrl.parts.registry.failed:
                     self.violations.append(f"task {tid}: {name} fired before its failure record")
-                if task.state is TaskState.WRITTEN and tid not in ctrl.completed:
+                if task.state is TaskState.WRITTEN and tid not in ctrl.parts.registry.completed:
                     self.violations.append(f"task {tid}: {name} fired before its completion record")
                 original()
 
@@ -376,15 +376,15 @@ class ControllerRace(RuleBasedStateMachine):
         free = [p for p in range(PAGES) if not self.model.pages[p]]
         if host.shape[0] > NUM_SLOTS:
             with pytest.raises(OmniPrefixCacheUnmatchError, match=f"staging capacity is {NUM_SLOTS}"):
-                self.ctrl.stage_step_host({HIDDEN_KEY: host}, host.shape[0], None, holder)
+                self.ctrl.parts.staging_pool.stage_step({HIDDEN_KEY: host}, host.shape[0], None, holder)
             return multiple()
         if not free:
             with pytest.raises(OmniPrefixCacheStagingTimeoutError, match="unconsumed step contexts"):
-                self.ctrl.stage_step_host({HIDDEN_KEY: host}, host.shape[0], None, holder)
+                self.ctrl.parts.staging_pool.stage_step({HIDDEN_KEY: host}, host.shape[0], None, holder)
             return multiple()
-        claim = self.ctrl.stage_step_host({HIDDEN_KEY: host}, host.shape[0], None, holder)
-        assert claim.staging_slot == free[0]
-        page = claim.staging_slot
+        claim = self.ctrl.parts.staging_pool.stage_step({HIDDEN_KEY: host}, host.shape[0], None, holder)
+        assert claim.page == free[0]
+        page = claim.page
         self.step_pages[step] = page
         self.model.pages[page].add(holder)
         tasks, start = [], 0
@@ -398,7 +398,7 @@ class ControllerRace(RuleBasedStateMachine):
                 write_n=1,
                 schedule=WriteSchedule.JOIN_NEXT_STEP,
                 chunks=[chunk],
-                staging_slot=page,
+                page=page,
                 step_d2h_event=StepEvent(self.inject, tid),
             )
             self._probe(task)
@@ -425,9 +425,9 @@ class ControllerRace(RuleBasedStateMachine):
         page = self.step_pages[step]
         if holder not in self.model.pages[page]:
             with pytest.raises(OmniPrefixCacheUnmatchError):
-                self.ctrl.staging_release(page, holder)
+                self.ctrl.parts.staging_pool.release(page, holder)
             return
-        self.ctrl.staging_release(page, holder)
+        self.ctrl.parts.staging_pool.release(page, holder)
         self.model.pages[page].discard(holder)
 
     @rule(
@@ -455,7 +455,7 @@ class ControllerRace(RuleBasedStateMachine):
         chunk = WriteChunk(slots_cpu=torch.tensor(slots), tensors={HIDDEN_KEY: clone}, budget=ticket)
         task = WriteTask(tid=tid, req_id=f"r{tid}", write_n=1, schedule=WriteSchedule.JOIN_ON_FINISH, chunks=[chunk])
         self._probe(task)
-        self.ctrl.pin_budget(ticket, tid)
+        self.ctrl.parts.budget.pin(ticket, tid)
         self.model.tickets[key][1].add(tid)
         m = MTask(tid, WriteSchedule.JOIN_ON_FINISH, TaskState.PENDING, {s: value(tid, s) for s in slots}, ticket=key)
         self.model.tasks[tid] = m
@@ -470,11 +470,11 @@ class ControllerRace(RuleBasedStateMachine):
     def append_chunk(self, tid, slots):
         """Grow a deferred write by one save (refused once copying)."""
         m = self.model.live(tid)
-        task = self.ctrl.get_task(tid)
+        task = self.ctrl.parts.registry.get(tid)
         if m is None or m.schedule is not WriteSchedule.JOIN_ON_FINISH or m.chunks >= 9:
             return
         chunk = WriteChunk(slots_cpu=torch.tensor(slots), tensors={HIDDEN_KEY: rows(tid, slots, m.chunks)})
-        closed = self.ctrl.append_chunk(task, chunk)
+        closed = task.append_chunk(chunk)
         if m.state in (TaskState.PENDING, TaskState.QUEUED):
             assert closed is None
             m.rows.update({s: value(tid, s, m.chunks) for s in slots})
@@ -488,7 +488,7 @@ class ControllerRace(RuleBasedStateMachine):
         m = self.model.live(tid)
         if m is None or m.state.is_terminal:
             return
-        self.ctrl.get_task(tid).add_taken_over(HIDDEN_KEY, torch.tensor([slot]))
+        self.ctrl.parts.registry.get(tid).add_taken_over(HIDDEN_KEY, torch.tensor([slot]))
         m.taken_over.add(slot)
 
     @rule(tids=st.lists(tasks, min_size=1, max_size=3))
@@ -504,7 +504,7 @@ class ControllerRace(RuleBasedStateMachine):
     def fail(self, tid):
         """A failure from outside the committer (e.g. shutdown)."""
         self.model.fail(tid)
-        task = self.ctrl.get_task(tid)
+        task = self.ctrl.parts.registry.get(tid)
         if task is not None:
             self.ctrl.fail_task(task, None)
 
@@ -535,18 +535,18 @@ class ControllerRace(RuleBasedStateMachine):
         if m is None or m.schedule is not WriteSchedule.JOIN_ON_FINISH or m.state.is_terminal:
             return
         slots = sorted(m.rows)
-        got = self.ctrl.fetch_host(self.ctrl.get_task(tid), torch.tensor(slots), HIDDEN_KEY)
+        got = self.ctrl.parts.host_rows.fetch(self.ctrl.parts.registry.get(tid), torch.tensor(slots), HIDDEN_KEY)
         assert got[:, 0].tolist() == [m.rows[s] for s in slots]
 
     @rule()
     def drain(self):
-        assert self.ctrl.drain_completed() == self.model.completed
+        assert self.ctrl.parts.registry.take_completed() == self.model.completed
         self.model.drained.update(self.model.completed)
         self.model.completed = []
         # Failures of one dispatch have no promised order among themselves: an
         # eager batch may charge a pool-write failure before a copy failure that
         # the model records first (fuzz seed 2387001397). Compare as sets.
-        assert sorted(self.ctrl.drain_failed()) == sorted(self.model.failed)
+        assert sorted(self.ctrl.parts.registry.take_failed()) == sorted(self.model.failed)
         self.model.failed = []
 
     # ------------------------------------------------------------ committer
@@ -554,13 +554,13 @@ class ControllerRace(RuleBasedStateMachine):
     @precondition(lambda self: not self.EAGER)
     @rule()
     def committer_claim(self):
-        assert self.ctrl.committer_claim() == self.model.claim()
+        assert self.ctrl.parts.committer.claim() == self.model.claim()
 
     @precondition(lambda self: not self.EAGER)
     @rule()
     def committer_copy(self):
         try:
-            got = self.ctrl.committer_copy()
+            got = self.ctrl.parts.committer.copy()
         except Exception as exc:  # checked by committer_stages_never_raise
             self.escaped.append(f"committer_copy raised {exc!r}")
             return
@@ -569,7 +569,7 @@ class ControllerRace(RuleBasedStateMachine):
     @precondition(lambda self: not self.EAGER)
     @rule()
     def committer_write(self):
-        assert self.ctrl.committer_write() == self.model.write()
+        assert self.ctrl.parts.committer.write() == self.model.write()
 
     @precondition(lambda self: not self.EAGER)
     @rule()
@@ -587,7 +587,7 @@ class ControllerRace(RuleBasedStateMachine):
     @invariant()
     def task_states_match_model(self):
         for tid, m in self.model.tasks.items():
-            task = self.ctrl.get_task(tid)
+            task = self.ctrl.parts.registry.get(tid)
             if tid in self.model.drained:
                 assert task is None, f"task {tid} drained but still registered"
                 continue
@@ -597,7 +597,7 @@ class ControllerRace(RuleBasedStateMachine):
     @invariant()
     def events_follow_states(self):
         for tid, m in self.model.tasks.items():
-            task = self.ctrl.get_task(tid)
+            task = self.ctrl.parts.registry.get(tid)
             if task is None:
                 continue
             assert task.host_ready.is_set() == (m.state in (TaskState.HOST_READY, TaskState.WRITTEN, TaskState.FAILED))
@@ -624,7 +624,7 @@ class ControllerRace(RuleBasedStateMachine):
         """Composition invariant: a task's queue position and its state form
         a pair spec/protocol.yaml lists (``pairs``)."""
         pairs = load_protocol().pairs
-        for tid, task in self.ctrl.tasks.items():
+        for tid, task in self.ctrl.parts.registry.tasks.items():
             position = QueuePosition(int(task.position)).name
             assert task.state.name in pairs[position], f"task {tid}: {task.state.name} at queue position {position}"
 
@@ -637,12 +637,12 @@ class ControllerRace(RuleBasedStateMachine):
 
     @invariant()
     def holders_match_live_steps_and_unwritten_tasks(self):
-        pool = self.ctrl.staging_pool
+        pool = self.ctrl.parts.staging_pool
         assert [pool.page_holders(p) for p in range(pool.depth)] == self.model.pages
 
     @invariant()
     def staged_bytes_equal_live_tickets(self):
-        assert self.ctrl.budget.staged_bytes == self.model.staged
+        assert self.ctrl.parts.budget.staged_bytes == self.model.staged
         live = sum(n for n, tids, freed in self.model.tickets.values() if not freed)
         assert self.model.staged == live
 

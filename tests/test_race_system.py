@@ -144,7 +144,7 @@ class SystemRace(RuleBasedStateMachine):
     # ------------------------------------------------------------ helpers
 
     def _any_failed(self) -> bool:
-        return any(t.state is TaskState.FAILED for t in list(self.ctrl.tasks.values()))
+        return any(t.state is TaskState.FAILED for t in list(self.ctrl.parts.registry.tasks.values()))
 
     def _facade(self, fn, *args):
         """Call a facade entry; after a failed write it must raise."""
@@ -233,7 +233,7 @@ class SystemRace(RuleBasedStateMachine):
             return None
         # The save barrier: the previous save's immediate writes are in the pool.
         for tid in self.previous_immediate:
-            task = self.ctrl.get_task(tid)
+            task = self.ctrl.parts.registry.get(tid)
             if task is not None and not task.is_terminal:
                 self.violations.append(f"step {sid} saved before task {tid} of the previous step was written")
         self.previous_immediate = list(self.mgr._ledger.previous_step_writes)
@@ -300,10 +300,14 @@ class SystemRace(RuleBasedStateMachine):
         """One racing action between engine calls: a committer stage,
         escalate, join, a prefetch, or an injected failure."""
         ctrl = self.ctrl
-        tids = sorted(ctrl.tasks)
+        tids = sorted(ctrl.parts.registry.tasks)
         if action in ("claim", "copy", "write"):
             if not self.EAGER:
-                {"claim": ctrl.committer_claim, "copy": ctrl.committer_copy, "write": ctrl.committer_write}[action]()
+                {
+                    "claim": ctrl.parts.committer.claim,
+                    "copy": ctrl.parts.committer.copy,
+                    "write": ctrl.parts.committer.write,
+                }[action]()
         elif action == "prefetch":
             self.prefetch.run_next()
         elif action == "escalate" and tids:
@@ -312,15 +316,15 @@ class SystemRace(RuleBasedStateMachine):
             except RuntimeError:
                 assert self.EAGER and self._any_failed()
         elif action == "join":
-            joinable = [t for t in tids if ctrl.tasks[t].state is not TaskState.PENDING]
+            joinable = [t for t in tids if ctrl.parts.registry.tasks[t].state is not TaskState.PENDING]
             if joinable:
                 tid = data.draw(st.sampled_from(joinable), label="join")
                 try:
                     ctrl.join([tid])
                 except OmniPrefixCacheUnmatchError:
-                    assert ctrl.get_task(tid).state is TaskState.FAILED
+                    assert ctrl.parts.registry.get(tid).state is TaskState.FAILED
         elif action.startswith("fail") and not self.dead:
-            alive = [t for t in tids if not ctrl.tasks[t].is_terminal]
+            alive = [t for t in tids if not ctrl.parts.registry.tasks[t].is_terminal]
             if alive:
                 self.poison[action.split()[1]].add(data.draw(st.sampled_from(alive), label=action))
 
@@ -377,20 +381,22 @@ class SystemRace(RuleBasedStateMachine):
     def holders_match_live_steps_and_unwritten_tasks(self):
         if self.dead:
             return
-        held = set(self.ctrl.staging_pool.holders())
+        held = set(self.ctrl.parts.staging_pool.holders())
         steps = {h.owner_id for h in held if h.kind == "step"}
         assert steps == set(self.mgr._step_ctxs), (steps, set(self.mgr._step_ctxs))
         for h in held:
             if h.kind == "task":
-                task = self.ctrl.get_task(h.owner_id)
+                task = self.ctrl.parts.registry.get(h.owner_id)
                 assert task is not None and not task.is_terminal, f"task {h.owner_id} holds a page after finishing"
 
     @invariant()
     def staged_bytes_equal_live_tickets(self):
         if self.dead:
             return
-        tickets = {id(c.budget): c.budget for t in self.ctrl.tasks.values() for c in t.chunks if c.budget}
-        assert self.ctrl.budget.staged_bytes == sum(t.nbytes for t in tickets.values() if not t.freed)
+        tickets = {
+            id(c.budget): c.budget for t in self.ctrl.parts.registry.tasks.values() for c in t.chunks if c.budget
+        }
+        assert self.ctrl.parts.budget.staged_bytes == sum(t.nbytes for t in tickets.values() if not t.freed)
 
     @invariant()
     def occupancy_matches_tasks(self):
@@ -401,7 +407,7 @@ class SystemRace(RuleBasedStateMachine):
             in_transit = status.state == int(SlotState.IN_TRANSIT)
             assert torch.equal(in_transit, status.tids >= 0), f"{key}: owner set iff IN_TRANSIT"
             for tid in set(status.tids[in_transit].tolist()):
-                task = self.ctrl.get_task(tid)
+                task = self.ctrl.parts.registry.get(tid)
                 assert task is not None, f"{key}: slot owned by unregistered task {tid}"
 
     # ------------------------------------------------------------ quiescence
@@ -417,7 +423,7 @@ class SystemRace(RuleBasedStateMachine):
         self.expects.clear()
         try:
             self.mgr.new_step_starts(_Sched(finished=self.model.finished_pending))
-            while not self.EAGER and self.ctrl.committer_step() is not None:
+            while not self.EAGER and self.ctrl.parts.committer.step() is not None:
                 pass
             self.mgr.new_step_starts(_EMPTY)  # drains what the committer finished
         except (OmniPrefixCacheUnmatchError, RuntimeError) as exc:
@@ -427,10 +433,10 @@ class SystemRace(RuleBasedStateMachine):
             self.dead = True
         if self.dead:
             self.mgr.shutdown()
-        left = {t: task.state.name for t, task in self.ctrl.tasks.items() if not task.is_terminal}
+        left = {t: task.state.name for t, task in self.ctrl.parts.registry.tasks.items() if not task.is_terminal}
         assert not left, f"unfinished tasks after quiescing: {left}"
-        assert not self.ctrl.staging_pool.holders(), self.ctrl.staging_pool.holders()
-        assert self.ctrl.budget.staged_bytes == 0
+        assert not self.ctrl.parts.staging_pool.holders(), self.ctrl.parts.staging_pool.holders()
+        assert self.ctrl.parts.budget.staged_bytes == 0
         assert not self.mgr._step_ctxs
         if not self.dead:
             self._check_cached_blocks_hold_their_rows()

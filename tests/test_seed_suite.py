@@ -7,8 +7,10 @@
 # files); the module-scope vllm import check scans src/omni_prefix_cache and its
 # subpackages; the CUDA leftover-snapshot test is marked ``cuda``;
 # test_codes_ref_matches_old_build_mm_cpu_path skips unless upstream's own
-# ``vllm_omni.utils.mm_outputs`` imports (vllm alone lacks it); ruff's B008 is
-# silenced for the file (the next line).
+# ``vllm_omni.utils.mm_outputs`` imports (vllm alone lacks it); the module
+# installs compat's upstream seams for its tests (the ``upstream_seams``
+# fixture, ``omni_prefix_cache.compat``); ruff's B008 is silenced for the
+# file (the next line).
 # ruff: noqa: B008
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
@@ -29,6 +31,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from omni_prefix_cache import compat
 from omni_prefix_cache.controller import StagingBufferHolder
 from omni_prefix_cache.group_view import (
     FullAttentionGroupView,
@@ -50,6 +53,14 @@ from omni_prefix_cache.manager import (
 )
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def upstream_seams():
+    """Managers built here serve upstream's per-request seams (compat)."""
+    with compat.upstream_seams():
+        yield
+
 
 NUM_BLOCKS = 16
 BLOCK_SIZE = 4

@@ -509,6 +509,7 @@ def test_short_simulation_has_no_mismatch_or_leak(eager: bool, api: str) -> None
     assert res.error is None, res.error
     assert res.mismatches == 0, res.mismatch_details
     assert res.leaks and not res.leaked, res.leaks
+    assert None not in res.leaks.values(), f"a leak probe found no such table: {res.leaks}"
     assert res.view_off_thread_calls == 0
     assert res.scheduler["hits"] > 0 and res.rows_from_cache > 0
     assert res.config["lag"] is (not eager)

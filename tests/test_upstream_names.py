@@ -21,6 +21,8 @@ import torch
 import omni_prefix_cache
 from omni_prefix_cache import group_view
 from omni_prefix_cache.adapter import PrefixCacheStep
+from omni_prefix_cache.block_pool import PrefixBlockPool
+from omni_prefix_cache.controller import OmniPrefixCacheController, StagingBufferHolder, StepD2HClaim, WriteTask
 from omni_prefix_cache.group_view import (
     FullAttentionGroupView,
     check_prefix_cache_block_layout,
@@ -32,7 +34,10 @@ from omni_prefix_cache.group_view import (
 from omni_prefix_cache.interface import (
     HIDDEN_KEY,
     ModelCachePolicy,
+    OmniPrefixCacheInvalidTypeError,
     OmniPrefixCacheUnmatchError,
+    PrefixCacheConfig,
+    WriteSchedule,
     output_progress,
 )
 from omni_prefix_cache.writes.chunks import BudgetTicket, WriteChunk
@@ -154,6 +159,75 @@ def test_the_manager_seams_read_progress_hits_and_finish_escalations(eng: Engine
     # Weak values: once no output holds the finished tenure, it is gone.
     del out, tenure
     assert "a" not in seam(eng, "_finished_progress")
+
+
+# ------------------------------------------------------------------ controller names
+
+# What upstream's manager (9b356ef) and tests call on the controller. The operations are the
+# controller's own; the rest are compat's aliases of the parts that own them now (the runtime
+# calls the parts). Upstream's manager also calls ``in_flight_tasks`` and ``staging_bind``, which
+# this library never had.
+UPSTREAM_CONTROLLER_OPERATIONS = ("dispatch", "escalate", "join", "join_host_ready", "register", "reserve", "shutdown")
+UPSTREAM_CONTROLLER_ALIASES = (
+    "append_chunk",
+    "drain_completed",
+    "drain_failed",
+    "fetch_host",
+    "get_task",
+    "pin_budget",
+    "stage_step_host",
+    "staging_release",
+    "submit",
+)
+
+
+def test_the_controller_answers_what_upstream_calls_on_it_through_its_parts() -> None:
+    config = PrefixCacheConfig(num_blocks=4, block_size=BS)
+    block_pool = PrefixBlockPool(config)
+    block_pool.ensure_key(HIDDEN_KEY, torch.float32, 3)
+    ctrl = OmniPrefixCacheController(block_pool, config, eager=False, committer="manual")
+    try:
+        for name in UPSTREAM_CONTROLLER_OPERATIONS + UPSTREAM_CONTROLLER_ALIASES:
+            assert callable(getattr(ctrl, name)), name
+        pool, registry = ctrl.parts.staging_pool, ctrl.parts.registry
+        step = StagingBufferHolder.for_step(1)
+        claim = ctrl.stage_step_host({HIDDEN_KEY: torch.ones(2, 3)}, 2, None, step)
+        assert pool.holds(step) and claim.views[HIDDEN_KEY].sum().item() == 6
+        ticket = BudgetTicket(nbytes=8)
+        task = WriteTask(tid=1, req_id="a", write_n=1, schedule=WriteSchedule.JOIN_ON_FINISH, chunks=[_chunk([0])])
+        ctrl.pin_budget(ticket, 1)
+        ctrl.register(task, queued=False)
+        assert ticket.tids == {1} and ctrl.get_task(1) is task is registry.get(1)
+        assert ctrl.append_chunk(task, _chunk([1])) is None and len(task.chunks) == 2
+        assert torch.equal(ctrl.fetch_host(task, torch.tensor([1, 0]), HIDDEN_KEY)[:, 0], torch.tensor([1.0, 0.0]))
+        ctrl.escalate([1])
+        while ctrl.parts.committer.step() is not None:
+            pass
+        assert ctrl.drain_failed() == [] and ctrl.drain_completed() == [1] and ctrl.get_task(1) is None
+        assert block_pool.rows(HIDDEN_KEY, torch.tensor([0, 1]))[:, 0].tolist() == [0.0, 1.0]
+        ctrl.staging_release(claim.page, step)
+        assert not pool.holds(step)
+    finally:
+        ctrl.shutdown()
+
+
+def test_the_staging_page_keeps_upstreams_name_staging_slot() -> None:
+    def task(**page: int) -> WriteTask:
+        return WriteTask(tid=1, req_id="r", write_n=1, schedule=WriteSchedule.JOIN_NEXT_STEP, chunks=[], **page)
+
+    upstream = task(staging_slot=2)
+    assert upstream.page == upstream.staging_slot == 2 and task(page=2).staging_slot == 2
+    upstream.staging_slot = 3
+    assert upstream.page == 3 and task().staging_slot is None
+    with pytest.raises(OmniPrefixCacheInvalidTypeError, match="both page and staging_slot"):
+        task(page=1, staging_slot=2)
+    assert StepD2HClaim(page=4, views={}).staging_slot == 4
+
+
+def _chunk(slots: list[int]) -> WriteChunk:
+    """One deferred chunk: row ``i`` of ``slots`` holds the slot's own number."""
+    rows = torch.tensor(slots, dtype=torch.float32).unsqueeze(1).expand(len(slots), 3).clone()
+    return WriteChunk(torch.tensor(slots), {HIDDEN_KEY: rows})
 
 
 # ------------------------------------------------------------------ group view entry points

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from omni_prefix_cache import vllm_plugin
+from omni_prefix_cache import compat, vllm_plugin
 
 
 @pytest.fixture
@@ -56,9 +56,12 @@ def test_register_is_idempotent_and_uninstall_leaves_nothing(monkeypatch: pytest
     vllm_plugin.register()
     vllm_plugin.register()
     assert sum(isinstance(f, vllm_plugin.PrefixCacheAlias) for f in sys.meta_path) == 1
+    assert not compat.upstream_seams_installed()  # nothing imported through the alias yet
     importlib.import_module("vllm_omni.core.prefix_cache.interface")
+    # Upstream's code runs against the library now: managers serve its per-request seams.
+    assert compat.upstream_seams_installed()
     vllm_plugin.uninstall()
-    assert sys.meta_path == before
+    assert sys.meta_path == before and not compat.upstream_seams_installed()
     assert not [name for name in sys.modules if name.startswith("vllm_omni")]
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("vllm_omni.core.prefix_cache")

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from omni_prefix_cache.compat.registration import per_request
 from omni_prefix_cache.device import sync
 from omni_prefix_cache.interface import ReqId, Tid, WriteSchedule
 from omni_prefix_cache.steps.request_tasks import RequestTasks
@@ -21,7 +22,6 @@ from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy, SlotState
 from omni_prefix_cache.steps.step_layout import StepOutputs
 from omni_prefix_cache.steps.write_ledger import WriteLedger
 from omni_prefix_cache.writes.chunks import StepRequests, StepRows, WriteChunk
-from omni_prefix_cache.writes.mode import WriteMode
 from omni_prefix_cache.writes.staging import StepD2HClaim
 from omni_prefix_cache.writes.write_task import TaskEvent, WriteTask
 
@@ -42,7 +42,7 @@ def test_step_write_builds_what_the_constructor_builds() -> None:
         schedule=WriteSchedule.JOIN_NEXT_STEP,
         chunks=[chunk],
         freeze_event="freeze",
-        staging_slot=3,
+        page=3,
         step_d2h_event=event,
         requests=requests,
     )
@@ -106,16 +106,10 @@ def test_open_many_counts_and_lists_each_requests_writes_in_order(seed: int) -> 
 
 
 class _Controller:
-    """What registration asks of the controller: CPU tensors, and the registered batch."""
+    """What registration asks of the controller: the registered batch."""
 
-    def __init__(self, wrapped: bool = False) -> None:
+    def __init__(self) -> None:
         self.registered: list[list[WriteTask]] = []
-        self.mode = WriteMode(eager=False, committer="manual")
-        if wrapped:  # compat's record of a wrapped per-request seam
-            self.mode.wrapped_seams.add("_scatter")
-
-    def is_device(self, tensor: torch.Tensor) -> bool:
-        return False
 
     def register_many(self, tasks: list[WriteTask], queued: bool = True) -> None:
         assert queued
@@ -130,7 +124,7 @@ def test_a_step_registers_one_write_for_all_its_requests_and_owns_its_rows(seed:
     for key in (*keys, "other"):
         occ.add_key(key)
     ctrl = _Controller()
-    ledger = WriteLedger(ctrl, occ, threading.Lock(), set(), Counter())  # type: ignore[arg-type]
+    ledger = WriteLedger(ctrl, None, None, occ, threading.Lock(), set(), Counter())  # type: ignore[arg-type]
     for step in range(3):
         req_order: list[ReqId] = [f"r{i}" for i in rng.sample(range(6), rng.randint(1, 6))]
         spans: dict[ReqId, tuple[int, int]] = {}
@@ -151,7 +145,7 @@ def test_a_step_registers_one_write_for_all_its_requests_and_owns_its_rows(seed:
         assert registered == tasks == ctrl.registered[-1]
         (task,) = tasks
         assert task.tid == first_tid
-        assert (task.staging_slot, task.schedule) == (step, WriteSchedule.JOIN_NEXT_STEP)
+        assert (task.page, task.schedule) == (step, WriteSchedule.JOIN_NEXT_STEP)
         assert torch.equal(task.chunks[0].slots_cpu, slots)
         assert ledger.records[task.tid].parts == [(keys, task.chunks[0])]
         # Per request: its rows as offsets on the one write, in step order; nothing per request.
@@ -173,15 +167,16 @@ def test_a_step_registers_one_write_for_all_its_requests_and_owns_its_rows(seed:
 
 
 @pytest.mark.parametrize("seed", range(10))
-def test_a_wrapped_per_request_seam_makes_each_requests_rows_its_own_step_write(seed: int) -> None:
-    # Compat: while a per-request seam is wrapped, each request's immediate rows are a step
-    # write of their own (one request in its arrays), in step order, each owning its rows.
+def test_a_per_request_strategy_makes_each_requests_rows_its_own_step_write(seed: int) -> None:
+    # A ledger whose registration strategy cuts per request (compat's, while a per-request
+    # seam is wrapped): each request's immediate rows are a step write of their own (one
+    # request in its arrays), in step order, each owning its rows.
     rng = random.Random(seed)
     occ = SlotOccupancy(64)
     for key in ("h", "other"):
         occ.add_key(key)
-    ctrl = _Controller(wrapped=True)
-    ledger = WriteLedger(ctrl, occ, threading.Lock(), set(), Counter())  # type: ignore[arg-type]
+    ctrl = _Controller()
+    ledger = WriteLedger(ctrl, None, None, occ, threading.Lock(), set(), Counter(), units=per_request)  # type: ignore[arg-type]
     for step in range(3):
         req_order: list[ReqId] = [f"r{i}" for i in rng.sample(range(6), rng.randint(1, 6))]
         sizes = [rng.choice([0, 1, 1, 3]) for _ in req_order]
@@ -235,7 +230,7 @@ def test_a_finished_request_escalates_the_step_write_holding_its_rows() -> None:
         ctrl.escalate = lambda tids: (escalated.append(list(tids)), real(tids))[1]  # type: ignore[method-assign]
         mgr.new_step_starts(_finish(["a", "b"]))
         assert escalated == [[tid, tid]]  # the controller escalates each task once
-        assert ctrl.tasks[tid].state.name != "PENDING"
+        assert ctrl.parts.registry.tasks[tid].state.name != "PENDING"
         mgr.discard_step(sid)
     finally:
         mgr.shutdown()

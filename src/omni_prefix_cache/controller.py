@@ -15,13 +15,17 @@ position and its staging hold move only through those compiled segments, each un
 the lock it declares. The controller builds its parts and hands each the few it needs:
 ``task_registry``, ``copy_queues``, ``host_rows`` (copy stage, reads), ``pool_writer``,
 ``handlers`` (effects, guards), ``committer`` (threaded, manual, on_demand), ``eager``, ``budget``.
+It keeps only the operations; the parts its callers use directly (``WriteParts``:
+the registry, the budget, the staging pool, the host rows, the committer, the
+stages) are in ``parts``, which the manager hands out when it builds its components.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,31 +34,27 @@ from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.compat.controller_seams import ControllerSeams
 from omni_prefix_cache.compat.controller_seams import controller_module_attr as __getattr__  # noqa: F401 (PEP 562)
 from omni_prefix_cache.device import sync
-from omni_prefix_cache.device.copy_engine import CopyEngine, DeviceEvents, default_engine
+from omni_prefix_cache.device.copy_engine import CopyEngine, default_engine
 from omni_prefix_cache.interface import (
     OmniPrefixCacheUnmatchError,
-    OmniPrefixCacheWriteFailedError,
     PrefixCacheConfig,
-    TensorName,
     Tid,
     WriteSchedule,
 )
 from omni_prefix_cache.specs.batch import Batch
-from omni_prefix_cache.specs.types.staging_holder import StagingHolderTrigger
 from omni_prefix_cache.writes.budget import GpuBudget
 from omni_prefix_cache.writes.chunks import BudgetTicket, WriteChunk
 from omni_prefix_cache.writes.committer import Committer
 from omni_prefix_cache.writes.copy_queues import CopyQueues
 from omni_prefix_cache.writes.eager import EagerDispatch, EagerRun
 from omni_prefix_cache.writes.handlers import WriteHandlers, WriteStages
-from omni_prefix_cache.writes.host_rows import HostRows, Pinned
+from omni_prefix_cache.writes.host_rows import HostRows
 from omni_prefix_cache.writes.mode import CommitterKind, WriteMode
 from omni_prefix_cache.writes.op_trace import compile_controller_ops
 from omni_prefix_cache.writes.operations import ControllerBinding, active_protocol, controller_runner
 from omni_prefix_cache.writes.pool_writer import PoolWriter
-from omni_prefix_cache.writes.staging import HolderTrigger, StagingBufferHolder, StagingBufferPool, StepD2HClaim
+from omni_prefix_cache.writes.staging import StagingBufferHolder, StagingBufferPool, StepD2HClaim
 from omni_prefix_cache.writes.task_registry import TaskRegistry
-from omni_prefix_cache.writes.write_errors import FailureRecord, write_error
 from omni_prefix_cache.writes.write_task import TaskEvent, TaskState, WriteTask
 
 __all__ = [
@@ -66,9 +66,28 @@ __all__ = [
     "TaskEvent",
     "TaskState",
     "WriteChunk",
+    "WriteParts",
     "WriteSchedule",
     "WriteTask",
 ]
+
+
+@dataclass(frozen=True, eq=False)
+class WriteParts:
+    """The controller's parts its callers hold directly (the manager hands
+    each caller the ones it uses): ``registry`` (tasks, completion and
+    failure records, under the controller's ``lock``), ``budget``,
+    ``staging_pool`` (its own lock), ``host_rows`` (the copy stage, reads of
+    unwritten rows, the copy ``engine``), ``committer`` (its units of work,
+    for harnesses that step it), ``stages`` (what effects ``copy_to_host``
+    and ``pool_write`` call; ``stages.use`` replaces them)."""
+
+    registry: TaskRegistry
+    budget: GpuBudget
+    staging_pool: StagingBufferPool
+    host_rows: HostRows
+    committer: Committer
+    stages: WriteStages
 
 
 class OmniPrefixCacheController(ControllerSeams):
@@ -79,8 +98,9 @@ class OmniPrefixCacheController(ControllerSeams):
     and the budget counter. Never held across a copy, a pool write, a join
     or a budget flush. Each task's own lock covers its state.
 
-    Failures: one record per failure cause (``failures``), not per failed
-    task; records and failed tasks stay until shutdown (failure is sticky).
+    Failures: one record per failure cause (``parts.registry.failures()``),
+    not per failed task; records and failed tasks stay until shutdown
+    (failure is sticky).
     """
 
     def __init__(
@@ -107,8 +127,8 @@ class OmniPrefixCacheController(ControllerSeams):
         self._staging_pool = StagingBufferPool(
             config.staging_depth,
             config.staging_capacity_tokens,
-            pin_memory=self.engine.pin_memory,
-            alloc=self.engine.host_empty,
+            engine=self._host.engine,
+            claim_timeout_s=config.staging_claim_timeout_s,
         )
         self.queues = CopyQueues()
         self._runner = controller_runner(self.lock, self._staging_pool.lock)
@@ -143,86 +163,13 @@ class OmniPrefixCacheController(ControllerSeams):
             timeout_s=config.staging_claim_timeout_s,
             after_write=after_write,
         )
+        self.parts = WriteParts(
+            self._registry, self._budget, self._staging_pool, self._host, self._committer, self._handlers.stages
+        )
         self._worker: threading.Thread | None = None
         if not self.mode.eager and committer == "thread":
             self._worker = sync.Thread(target=self._committer.loop, name="omni-prefix-cache-committer", daemon=True)
             self._worker.start()
-
-    # ------------------------------------------------------------ components
-
-    @property
-    def eager(self) -> bool:
-        """True if dispatch runs copy and pool write inline (no committer)."""
-        return self.mode.eager
-
-    @property
-    def budget(self) -> GpuBudget:
-        """The GPU-byte budget (its counters under ``lock``)."""
-        return self._budget
-
-    @property
-    def staging_pool(self) -> StagingBufferPool:
-        """The staging pages and their holders (under ``staging_pool.lock``)."""
-        return self._staging_pool
-
-    @property
-    def host_rows(self) -> HostRows:
-        """The copy stage and the reads of rows not yet in the pool."""
-        return self._host
-
-    @property
-    def registry(self) -> TaskRegistry:
-        """The task registry, its records and the failure causes."""
-        return self._registry
-
-    @property
-    def tasks(self) -> Mapping[Tid, WriteTask]:
-        """Registered tasks, not yet drained, read without the lock (a checker
-        between scheduled steps; callers racing the committer: ``registered()``)."""
-        return self._registry.tasks
-
-    @property
-    def completed(self) -> Sequence[Tid]:
-        """Pool-written tids not yet drained by the manager (read as ``tasks``)."""
-        return self._registry.completed
-
-    @property
-    def failed(self) -> Sequence[Tid]:
-        """Failed tids not yet drained by the manager (read as ``tasks``)."""
-        return self._registry.failed
-
-    @property
-    def engine(self) -> CopyEngine:
-        """Where rows leave the device."""
-        return self._host.engine
-
-    @property
-    def stages(self) -> WriteStages:
-        """What effects ``copy_to_host`` and ``pool_write`` call (``host_rows``
-        and the pool writer, unless ``stages.use`` replaced them)."""
-        return self._handlers.stages
-
-    # ------------------------------------------------------------ staging
-
-    def stage_step_host(
-        self, tensors: dict[TensorName, torch.Tensor], n: int, freeze_event: Any, step_holder: StagingBufferHolder
-    ) -> StepD2HClaim:
-        """Claim a staging page for ``step_holder`` and launch one whole-step
-        device-to-host copy of ``tensors`` (see ``StagingBufferPool.stage_step``)."""
-        return self._staging_pool.stage_step(
-            tensors, n, freeze_event, step_holder, self.engine, self.config.staging_claim_timeout_s
-        )
-
-    def staging_release(
-        self, slot: int, holder: StagingBufferHolder, trigger: HolderTrigger = StagingHolderTrigger.CONSUME
-    ) -> None:
-        """Release a step holder by a ``staging_holder`` spec trigger
-        (``consume``, ``abandon``). Task holders move only in operations."""
-        if holder.kind != "step":
-            raise OmniPrefixCacheUnmatchError(
-                f"staging: task {holder.owner_id} is released by its own write or failure, not by a caller"
-            )
-        self._staging_pool.release(slot, holder, trigger)
 
     # ------------------------------------------------------------ submit
 
@@ -272,12 +219,6 @@ class OmniPrefixCacheController(ControllerSeams):
             self.dispatch([task])
             self.kick()
 
-    def append_chunk(self, task: WriteTask, chunk: WriteChunk, freeze_event: Any = None) -> TaskState | None:
-        """Append to a pending task. None when appended, else the closing state.
-        Per device the newest freeze event covers the older ones; a device
-        only an older chunk used keeps its own event."""
-        return task.append_chunk(chunk, DeviceEvents.merged(task.freeze_event, freeze_event))
-
     # ------------------------------------------------------------ failure
 
     def fail_tasks(self, tasks: list[WriteTask], error: BaseException | None) -> None:
@@ -293,35 +234,7 @@ class OmniPrefixCacheController(ControllerSeams):
         self._registry.record_cause(task, error)
         return self._runner.run_all(self.ops.fail, task)
 
-    write_error = staticmethod(write_error)  # the error a task failing at a stage raises
-
-    def failure_of(self, tid: Tid) -> OmniPrefixCacheWriteFailedError | None:
-        """The error of the failure record naming a failed task (see
-        ``TaskRegistry.failure_of``); None if it failed without one."""
-        return self._registry.failure_of(tid)
-
-    @property
-    def failures(self) -> list[FailureRecord]:
-        """The failure records, one per failure cause (not per failed task)."""
-        return self._registry.failures()
-
-    # ------------------------------------------------------------ device
-
-    def is_device(self, t: torch.Tensor) -> bool:
-        """True if ``t`` is copied on the engine's device lanes (frozen first: a clone and a freeze event)."""
-        return self.engine.is_device(t)
-
-    def freeze(self, tensors: list[torch.Tensor]) -> Any:
-        """The blocking freeze event for clones just taken, recorded on each
-        tensor device's current stream (the one the forward ran on; see
-        docs/cuda.md); None when none is a device tensor."""
-        return self.engine.freeze(tensors)
-
     # ------------------------------------------------------------ budget
-
-    def pin_budget(self, ticket: BudgetTicket, tid: Tid) -> None:
-        """Record that ``tid`` views the clone ``ticket`` charges."""
-        self._budget.pin(ticket, tid)
 
     def reserve(self, nbytes: int) -> None:
         """``save``'s budget steps: over budget, flush the oldest unfinished
@@ -376,42 +289,6 @@ class OmniPrefixCacheController(ControllerSeams):
                 break
         self._committer.wait(tids, event)  # type: ignore[arg-type]
 
-    def drain_completed(self) -> list[Tid]:
-        """Pop pool-written tids and forget their tasks (manager, under its lock)."""
-        registry = self._registry
-        with self.lock:
-            completed = registry.completed
-            if not completed:
-                return []
-            out = list(completed)
-            completed.clear()
-            forget = registry.tasks.pop
-            for tid in out:
-                forget(tid, None)
-        return out
-
-    def drain_failed(self) -> list[Tid]:
-        """Pop failed tids (one-shot). Their tasks stay registered."""
-        with self.lock:
-            failed = self._registry.failed
-            if not failed:
-                return []
-            out = list(failed)
-            failed.clear()
-        return out
-
-    def get_task(self, tid: Tid) -> WriteTask | None:
-        """The registered task ``tid`` (None once drained). Only a miss looks further: a negative
-        tid is a per-request view id of compat's seams (``ControllerSeams.request_view``)."""
-        task = self._registry.tasks.get(tid)
-        if task is None and tid is not None and tid < 0:
-            return self.request_view(tid)
-        return task
-
-    def registered(self) -> list[WriteTask]:
-        """Every registered task (not yet drained)."""
-        return self._registry.registered()
-
     def shutdown(self) -> None:
         """Operation ``shutdown``: close the staging pool (waiting claims
         wake and raise); the committer writes what is queued (threaded: the
@@ -419,30 +296,6 @@ class OmniPrefixCacheController(ControllerSeams):
         unfinished (pending deferred writes, a stuck copy) then fails so no
         joiner hangs."""
         self._runner.run_all(self.ops.shutdown, None)
-
-    # ------------------------------------------------------------ committer
-
-    def committer_claim(self) -> Tid | None:
-        """Operation ``committer_claim`` (see ``Committer.claim``)."""
-        return self._committer.claim()
-
-    def committer_copy(self) -> Tid | None:
-        """Operation ``committer_copy`` (see ``Committer.copy``)."""
-        return self._committer.copy()
-
-    def committer_write(self) -> list[Tid]:
-        """Operation ``committer_write`` (see ``Committer.write``)."""
-        return self._committer.write()
-
-    def committer_step(self) -> str | None:
-        """One unit of committer work (see ``Committer.step``)."""
-        return self._committer.step()
-
-    # ------------------------------------------------------------ reads
-
-    def fetch_host(self, task: WriteTask, slots: torch.Tensor, key: TensorName, pinned: Pinned = None) -> torch.Tensor:
-        """Rows of ``slots`` for ``key`` from a task not yet in the pool (see ``HostRows.fetch``)."""
-        return self._host.fetch(task, slots, key, pinned)
 
     # ------------------------------------------------------------ metrics
 
@@ -462,5 +315,5 @@ class OmniPrefixCacheController(ControllerSeams):
         out["staging_host_bytes"] = self._staging_pool.host_bytes()
         holders = Counter(h.kind for h in self._staging_pool.holders())
         out["holders"] = {"step": holders.get("step", 0), "task": holders.get("task", 0)}
-        out["mode"] = "eager" if self.mode.eager else f"{self.mode.committer}:{self.engine.name}"
+        out["mode"] = "eager" if self.mode.eager else f"{self.mode.committer}:{self._host.engine.name}"
         return out

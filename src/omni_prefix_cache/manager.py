@@ -138,12 +138,12 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         self._step_ctxs = self._steps.open
         self._finish_escalations: tuple[StepId, list[Tid]] = (-1, [])  # (next step id, tids): see _escalate_detached
         self._closed = False
-        # The components (see the module docstring). The occupancy's hooks
-        # are installed once both sides exist.
-        self._slot_status = SlotOccupancy(self._pool.num_slots)
-        self._layout = StepLayout(config, view, self._pool, self._controller)
-        self._ledger = WriteLedger(self._controller, self._slot_status, self._state_lock, self._live, self._counters)
-        self._reads = HitReads(self._pool, self._controller, self._slot_status, sync.Lock())  # leaf lock
+        # The components (module docstring), each handed the write parts it uses; hooks once both exist.
+        occ = self._slot_status = SlotOccupancy(self._pool.num_slots)
+        ctrl, writes, lock = self._controller, self._controller.parts, self._state_lock
+        self._layout = StepLayout(config, view, self._pool, writes.host_rows.engine, writes.staging_pool)
+        self._ledger = WriteLedger(ctrl, writes.registry, writes.budget, occ, lock, self._live, self._counters)
+        self._reads = HitReads(self._pool, ctrl, writes.registry, writes.host_rows, occ, sync.Lock())  # leaf lock
         self._slot_status.on_takeover = self._ledger.on_takeover
         self._slot_status.on_reuse = self._reads.registry.preserve
         self._hits = HitPlanner(

@@ -151,7 +151,7 @@ class ManagerBinding:
                 # No page claimed, or shutdown already released it: no instance.
                 if claimed is None or not staging.holds(holder):
                     return True
-                return staging.try_fire(abandon, claimed.staging_slot, holder)
+                return staging.try_fire(abandon, claimed.page, holder)
 
             return attempt_abandon
         if role == "read" and trigger == "drop":
@@ -226,7 +226,7 @@ class FacadeOps:
         tier = self._tier_desk
         couplings = {"take_tenancy": self._couple_take_tenancy, "restore_tenancy": lambda c: tier.restore(c.restores)}
         binding = ManagerBinding(
-            self._steps, self._controller.staging_pool, self._hits, self._reads, couplings, self._claim_page
+            self._steps, self._controller.parts.staging_pool, self._hits, self._reads, couplings, self._claim_page
         )
         effects: dict[str, Run] = {
             "validate_events": lambda call: self._requests.validate(call.given.events),
@@ -326,7 +326,7 @@ class FacadeOps:
         """``step_holder.claim``: a staging page for the step, its immediate
         rows copied into it (no lock: the claim may wait for a page)."""
         split = call.split
-        call.progress.claimed = self._controller.stage_step_host(
+        call.progress.claimed = self._controller.parts.staging_pool.stage_step(
             split.immediate, call.n, split.freeze_event, StagingBufferHolder.for_step(call.sid)
         )
 
@@ -348,7 +348,6 @@ class FacadeOps:
         call.deferred_tids = ledger.register_deferred_locked(split, registered)
         call.ctx = self._layout.step_context(
             call.sid,
-            self._controller,
             claimed,
             split,
             call.n,

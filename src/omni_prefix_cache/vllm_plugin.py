@@ -14,6 +14,12 @@ Where vLLM-Omni itself is installed its own ``vllm_omni`` and
 ``vllm_omni.core`` packages load as usual; only ``prefix_cache`` under them is
 replaced. Where it is not, those two parents are empty placeholder packages,
 so the alias still imports. Nothing here imports vLLM or torch.
+
+Upstream's code runs against the library under the alias, its tests too, so
+the first module imported through it also installs compat's upstream seams
+(``omni_prefix_cache.compat.install_upstream_seams``): managers built from
+then on serve the per-request seams upstream's tests wrap. ``uninstall``
+takes them back out.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ class PrefixCacheAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def __init__(self) -> None:
         # alias name -> the library module's own spec, while it is loaded under the alias
         self._own_specs: dict[str, importlib.machinery.ModuleSpec | None] = {}
+        # None until the first alias import; then whether it installed compat's seams.
+        self.installed_seams: bool | None = None
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
@@ -70,6 +78,10 @@ class PrefixCacheAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         assert name is not None  # find_spec answered only for upstream's names
         module = importlib.import_module(name)
         self._own_specs[spec.name] = module.__spec__
+        if self.installed_seams is None:
+            from omni_prefix_cache import compat
+
+            self.installed_seams = compat.install_upstream_seams()
         return module
 
     def exec_module(self, module: ModuleType) -> None:
@@ -111,7 +123,12 @@ def install() -> None:
 
 def uninstall() -> None:
     """Take the alias off ``sys.meta_path`` and drop the modules imported
-    through it (and the placeholder parents) from ``sys.modules``."""
+    through it (and the placeholder parents) from ``sys.modules``; takes
+    out compat's seams where the alias installed them."""
+    if any(isinstance(f, PrefixCacheAlias) and f.installed_seams for f in sys.meta_path):
+        from omni_prefix_cache import compat
+
+        compat.uninstall_upstream_seams()
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, PrefixCacheAlias | PlaceholderParents)]
     for name, module in list(sys.modules.items()):
         placeholder = name in PARENTS and getattr(module.__spec__, "loader_state", None) == _PLACEHOLDER

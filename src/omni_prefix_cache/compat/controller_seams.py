@@ -10,10 +10,11 @@ step's immediate rows as one write (its requests as state arrays), so:
   names each request's share of a step's write by a view id (the task's own
   tid when it holds one request), and ``get_task`` of a view id returns a
   ``RequestWriteView`` (``request_view``);
-- wrapping a per-request seam (``_scatter``, ``_run_eager``) records it in
-  ``WriteMode.wrapped_seams``; while it is set, each request's immediate rows
-  are their own write (the same step write, one request in its arrays), so
-  the wrapper sees one request per task.
+- while a per-request seam is wrapped (``_scatter``, ``_run_eager``, or a
+  WriteTask method), each request's immediate rows are their own write, so
+  the wrapper sees one request per task: compat's registration strategy
+  (``compat.registration``), which managers built while compat's seams are
+  installed use (``omni_prefix_cache.compat.install_upstream_seams``).
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, cast
 
+import torch
+
 from omni_prefix_cache.device.copy_engine import CopyEngine
-from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, ReqId, Tid
+from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, ReqId, TensorName, Tid
 from omni_prefix_cache.specs.batch import Batch, guarded_each
+from omni_prefix_cache.specs.types.staging_holder import StagingHolderTrigger
 from omni_prefix_cache.writes.budget import GpuBudget
 from omni_prefix_cache.writes.chunks import BudgetTicket, WriteChunk
+from omni_prefix_cache.writes.committer import Committer
 from omni_prefix_cache.writes.copy_queues import CopyQueues
 from omni_prefix_cache.writes.eager import EagerDispatch, EagerRun, RunEager
 from omni_prefix_cache.writes.handlers import WriteHandlers
@@ -34,8 +39,9 @@ from omni_prefix_cache.writes.host_rows import HostRows
 from omni_prefix_cache.writes.mode import WriteMode
 from omni_prefix_cache.writes.operations import ControllerOps
 from omni_prefix_cache.writes.pool_writer import PoolWriter
+from omni_prefix_cache.writes.staging import HolderTrigger, StagingBufferHolder, StagingBufferPool, StepD2HClaim
 from omni_prefix_cache.writes.task_registry import TaskRegistry
-from omni_prefix_cache.writes.write_task import WriteTask
+from omni_prefix_cache.writes.write_task import TaskState, WriteTask
 
 # Upstream's spellings of the public chunk types: upstream's tests import them
 # from ``omni_prefix_cache.controller``, which serves them through
@@ -56,6 +62,8 @@ def controller_module_attr(name: str) -> Any:
 
 
 Scatter = Callable[[WriteTask], Any]
+# ``HostRows.fetch``: (task, slots, key, pinned=None) -> rows.
+FetchHost = Callable[..., torch.Tensor]
 
 # View ids: -((step tid + 1) * _VIEW_STRIDE + request index), so every view id
 # is <= -_VIEW_STRIDE (never a tid, never an owner array's -1) and a step's
@@ -120,7 +128,10 @@ class _ScatterStage:
 
 
 class ControllerSeams:
-    """Mixin of OmniPrefixCacheController: ``_queue_hi`` and friends."""
+    """Mixin of OmniPrefixCacheController: ``_queue_hi`` and friends, and
+    upstream's public names of what the controller's parts own now
+    (``get_task``, ``fetch_host``, ``pin_budget``...: upstream's tests and
+    manager call them on the controller; the runtime calls the parts)."""
 
     queues: CopyQueues
     mode: WriteMode
@@ -128,13 +139,59 @@ class ControllerSeams:
     _host: HostRows
     _budget: GpuBudget
     _registry: TaskRegistry
+    _staging_pool: StagingBufferPool
+    _committer: Committer
     _writer: PoolWriter
     _handlers: WriteHandlers
     _eager_dispatch: EagerDispatch
     fail_task: Callable[[WriteTask, BaseException | None], bool]
     fail_tasks: Callable[[list[WriteTask], BaseException | None], None]
-    committer_write: Callable[[], list[Tid]]
-    get_task: Callable[[Tid], WriteTask | None]
+
+    # ------------------------------------------------------------ upstream's public names
+
+    def stage_step_host(
+        self, tensors: dict[TensorName, torch.Tensor], n: int, freeze_event: Any, step_holder: StagingBufferHolder
+    ) -> StepD2HClaim:
+        """``StagingBufferPool.stage_step``: claim a page for ``step_holder``
+        and copy the step's rows into it (engine thread, no state lock)."""
+        return self._staging_pool.stage_step(tensors, n, freeze_event, step_holder)
+
+    def staging_release(
+        self, slot: int, holder: StagingBufferHolder, trigger: HolderTrigger = StagingHolderTrigger.CONSUME
+    ) -> None:
+        """``StagingBufferPool.release`` of a step holder (the spec refuses
+        to release a task holder by ``consume`` or ``abandon``: raises)."""
+        self._staging_pool.release(slot, holder, trigger)
+
+    def append_chunk(self, task: WriteTask, chunk: WriteChunk, freeze_event: Any = None) -> TaskState | None:
+        """``WriteTask.append_chunk``: None when appended, else the closing state."""
+        return task.append_chunk(chunk, freeze_event)
+
+    def pin_budget(self, ticket: BudgetTicket, tid: Tid) -> None:
+        """``GpuBudget.pin``: ``tid`` views the clone ``ticket`` charges."""
+        self._budget.pin(ticket, tid)
+
+    @property
+    def fetch_host(self) -> FetchHost:
+        """``HostRows.fetch``: rows of ``slots`` from a task not yet in the
+        pool (or what replaced it)."""
+        return self._host.fetch
+
+    @fetch_host.setter
+    def fetch_host(self, fetch: FetchHost) -> None:
+        # Upstream's tests wrap it on the controller; the hit reads hold the
+        # host rows, so the wrapper shadows ``fetch`` on that one object.
+        self._host.fetch = fetch  # type: ignore[method-assign]
+
+    def drain_completed(self) -> list[Tid]:
+        """``TaskRegistry.take_completed``: pop the pool-written tids, forget their tasks."""
+        return self._registry.take_completed()
+
+    def drain_failed(self) -> list[Tid]:
+        """``TaskRegistry.take_failed``: pop the failed tids."""
+        return self._registry.take_failed()
+
+    # ------------------------------------------------------------ private names
 
     @property
     def _queue_hi(self) -> deque[Tid]:
@@ -176,10 +233,6 @@ class ControllerSeams:
     def _engine(self) -> CopyEngine:
         return self._host.engine
 
-    @_engine.setter
-    def _engine(self, engine: CopyEngine) -> None:
-        self._host.engine = engine
-
     @property
     def _staged_bytes(self) -> int:
         return self._budget.staged_bytes
@@ -187,6 +240,16 @@ class ControllerSeams:
     def _release_staged_bytes(self, task: WriteTask) -> None:
         """Effect ``unpin_budget`` for ``task``."""
         self._budget.unpin(task)
+
+    def get_task(self, tid: Tid) -> WriteTask | None:
+        """Upstream's lookup: the registered task ``tid`` (None once
+        drained); only when the registry misses, a view id (negative) names
+        the ``RequestWriteView`` of one request's share of a step's write.
+        The runtime looks tasks up in its ``TaskRegistry``. Any thread."""
+        task = self._registry.tasks.get(tid)
+        if task is None and tid is not None and tid < 0:
+            return self.request_view(tid)
+        return task
 
     def request_view(self, tid: Tid) -> WriteTask | None:
         """``get_task``'s miss path: the ``RequestWriteView`` a view id names
@@ -213,7 +276,7 @@ class ControllerSeams:
 
     def _scatter_host_ready(self) -> list[Tid]:
         """Operation ``committer_write`` (``Committer.write``)."""
-        return self.committer_write()
+        return self._committer.write()
 
     @property
     def _scatter(self) -> Scatter:
@@ -227,9 +290,7 @@ class ControllerSeams:
         # Setting back the writer's own write (a monkeypatch undone)
         # restores the real stage.
         real = self._writer
-        restored = scatter == real.write
-        self._handlers.stages.use(pool_write=real if restored else _ScatterStage(scatter))
-        self._note_wrapped("_scatter", not restored)
+        self._handlers.stages.use(pool_write=real if scatter == real.write else _ScatterStage(scatter))
 
     @property
     def _run_eager(self) -> RunEager:
@@ -241,11 +302,10 @@ class ControllerSeams:
         # A dispatch that runs its tasks through ``run`` instead (an EagerRun
         # is the real one, set back).
         self._eager_dispatch = EagerDispatch(run, self._writer, self.ops.eager, self.fail_tasks)
-        self._note_wrapped("_run_eager", not isinstance(run, EagerRun))
 
-    def _note_wrapped(self, seam: str, wrapped: bool) -> None:
-        """Per-request write units while ``seam`` is wrapped (see the module doc)."""
-        if wrapped:
-            self.mode.wrapped_seams.add(seam)
-        else:
-            self.mode.wrapped_seams.discard(seam)
+    def per_request_seam_wrapped(self) -> bool:
+        """True while ``_scatter`` or ``_run_eager`` runs through a wrapper
+        an upstream test set (compat's registration strategy asks, per save)."""
+        return isinstance(self._handlers.stages.pool_write, _ScatterStage) or not isinstance(
+            self._eager_dispatch.run, EagerRun
+        )

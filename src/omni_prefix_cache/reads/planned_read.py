@@ -47,7 +47,9 @@ from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
 from omni_prefix_cache.steps.slot_tags import READ_FROM_BASELINE, READ_FROM_OWNER, READ_SOURCE, rows_tagged
 from omni_prefix_cache.steps.step_context import KeyLayout
 from omni_prefix_cache.steps.validation import listed
+from omni_prefix_cache.writes.host_rows import HostRows
 from omni_prefix_cache.writes.operations import active_protocol, task_failed
+from omni_prefix_cache.writes.task_registry import TaskRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +79,7 @@ class PlannedRead:
     from the pool are valid only if the version is unchanged, or if a reuse
     copied the old rows into ``preserved`` first (copy on write). ``preserved``
     also holds the baseline of mm slots that were ABSENT at planning, so a
-    later tenant's write can never leak into this read.
-    """
+    later tenant's write can never leak into this read."""
 
     req_id: ReqId
     key: TensorName
@@ -164,8 +165,7 @@ class PlannedReads:
     """Every live (PENDING or FETCHING) planned read, indexed by key.
 
     ``pending`` and ``by_key`` change only through the spec's effects.
-    Callers hold the manager's reads lock for every method.
-    """
+    Callers hold the manager's reads lock for every method."""
 
     def __init__(self, pool: PrefixBlockPool) -> None:
         self.pool = pool
@@ -210,18 +210,19 @@ class HitReads:
 
     ``registry`` holds every live read; ``lock`` is the manager's reads lock
     (a leaf: taken inside the state lock, or alone by the prefetch thread).
-    The occupancy's ``on_reuse`` hook is ``registry.preserve``.
-    """
+    The occupancy's ``on_reuse`` hook is ``registry.preserve``. A read's owners
+    are ``tasks``' (read via ``host_rows`` until written, joined by ``controller``)."""
 
     def __init__(
         self,
         pool: PrefixBlockPool,
         controller: OmniPrefixCacheController,
+        tasks: TaskRegistry,
+        host_rows: HostRows,
         occupancy: SlotOccupancy,
         reads_lock: threading.Lock,
     ) -> None:
-        self._pool = pool
-        self._controller = controller
+        self._pool, self._controller, self._tasks, self._host_rows = pool, controller, tasks, host_rows
         self._occupancy = occupancy
         self.lock = reads_lock
         self.registry = PlannedReads(pool)
@@ -239,12 +240,11 @@ class HitReads:
         """Plan a read of ``slots`` for ``key`` and register it as pending,
         so a reuse of a committed slot preserves its rows. The hit planner
         calls it with the state lock held; takes the reads lock.
-
         COMMITTED rows read the pool; rows in transit wait for their
         JOIN_NEXT_STEP write (``join_tids``) or read their JOIN_ON_FINISH
         task (``staged_list``); ABSENT mm rows keep the baseline (zeros) taken
         now. Raises OmniPrefixCacheUnmatchError for ABSENT hidden rows, an
-        in-transit owner the controller no longer knows, or a failed owner.
+        in-transit owner the registry no longer holds, or a failed owner.
         """
         got = self.plan_many([slots], key, [req_id])[0]
         if isinstance(got, OmniPrefixCacheUnmatchError):
@@ -308,7 +308,7 @@ class HitReads:
             pos = transit.nonzero().flatten()
             owners = tids.index_select(0, slots[pos])
             for tid in dict.fromkeys(owners.tolist()):
-                task = self._controller.get_task(tid)
+                task = self._tasks.get(tid)
                 where = pos[owners == tid]
                 if task is None:
                     raise OmniPrefixCacheUnmatchError(
@@ -375,7 +375,7 @@ class HitReads:
             rows = self._pool.rows(src.key, src.slots, out=out)
             staged: torch.Tensor | None = None
             for part in src.staged_list:
-                got = self._controller.fetch_host(part.task, part.slots, src.key, pinned=part.rows)
+                got = self._host_rows.fetch(part.task, part.slots, src.key, pinned=part.rows)
                 rows.index_copy_(0, part.positions, got.reshape(int(got.shape[0]), int(rows.shape[1])).to(rows.dtype))
                 if staged is None:
                     staged = torch.zeros(int(src.slots.numel()), dtype=torch.bool)
@@ -403,15 +403,15 @@ class HitReads:
         preserved: Mapping[int, torch.Tensor] | None = None,
         skip: torch.Tensor | None = None,
     ) -> list[tuple[int, torch.Tensor]]:
-        """Check a delayed pool read against the versions it was planned at
-        (see below). Returns ``(position, row)`` overlays from
-        ``preserved``; raises OmniPrefixCacheUnmatchError ("overwritten")
-        naming the request, key and slots that changed version with no
-        preserved copy: a new tenant overwrote rows the read needs. ``skip`` masks positions not read from the pool.
-        Any thread; takes the reads lock (versions and preserved copies
-        change together under it). ``preserved`` is the read's own dict,
-        looked at only under that lock: a reuse may fill it between this
-        call and the lock, together with the version bump."""
+        """Check a delayed pool read against the versions it was planned at.
+        Returns ``(position, row)`` overlays from ``preserved``; raises
+        OmniPrefixCacheUnmatchError ("overwritten") naming the request, key
+        and slots that changed version with no preserved copy (a new tenant
+        overwrote rows the read needs). ``skip`` masks positions not read
+        from the pool. Any thread; takes the reads lock (versions and
+        preserved copies change together under it). ``preserved`` is the
+        read's own dict, read only under that lock (a reuse may fill it,
+        with the version bump, between this call and the lock)."""
         with self.lock:
             if preserved is None:
                 preserved = {}

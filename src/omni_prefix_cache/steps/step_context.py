@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
-from omni_prefix_cache.controller import OmniPrefixCacheController
 from omni_prefix_cache.device.copy_engine import DeviceEvent
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, ReqId, StepId, TensorName
 from omni_prefix_cache.specs import CompiledMove, SpecState, compile_machine, load_spec
+from omni_prefix_cache.specs.types.staging_holder import StagingHolderTrigger
 from omni_prefix_cache.specs.types.step_context import INITIAL, StepContextTrigger
 from omni_prefix_cache.specs.types.step_context import StepState as StepState  # re-exported
 from omni_prefix_cache.steps.step_record import StepRecord
-from omni_prefix_cache.writes.staging import StagingBufferHolder, StepD2HClaim
+from omni_prefix_cache.writes.staging import StagingBufferHolder, StagingBufferPool, StepD2HClaim
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class StepContext:
     its group view."""
 
     step_id: StepId
-    controller: OmniPrefixCacheController  # holds the staging page
+    staging: StagingBufferPool  # the pool of the step's page
     state: SpecState = INITIAL  # a StepState
     d2h: StepD2HClaim | None = None
     n: int = 0
@@ -75,7 +75,7 @@ class StepContext:
 
 def _release_step_holder(ctx: StepContext) -> None:
     if ctx.d2h is not None:
-        ctx.controller.staging_release(ctx.d2h.staging_slot, ctx.holder, trigger="consume")
+        ctx.staging.release(ctx.d2h.page, ctx.holder, StagingHolderTrigger.CONSUME)
 
 
 STEP_MACHINE = compile_machine(

@@ -23,8 +23,7 @@ from typing import Any
 import torch
 
 from omni_prefix_cache.block_pool import PrefixBlockPool
-from omni_prefix_cache.controller import OmniPrefixCacheController
-from omni_prefix_cache.device.copy_engine import CudaRuntime, DeviceEvent
+from omni_prefix_cache.device.copy_engine import CopyEngine, CudaRuntime, DeviceEvent
 from omni_prefix_cache.device.index_tensors import out_of_range
 from omni_prefix_cache.engine_types import GroupViewLike
 from omni_prefix_cache.interface import (
@@ -44,7 +43,7 @@ from omni_prefix_cache.steps.step_context import KeyLayout, StepContext
 from omni_prefix_cache.steps.step_record import StepRecord
 from omni_prefix_cache.steps.validation import check_step_tensors, listed
 from omni_prefix_cache.writes.chunks import BudgetTicket, WriteChunk
-from omni_prefix_cache.writes.staging import StepD2HClaim
+from omni_prefix_cache.writes.staging import StagingBufferPool, StepD2HClaim
 
 
 @dataclass(eq=False)
@@ -154,12 +153,16 @@ class StepLayout:
         config: PrefixCacheConfig,
         view: GroupViewLike | None,
         pool: PrefixBlockPool,
-        controller: OmniPrefixCacheController,
+        engine: CopyEngine,
+        staging: StagingBufferPool,
     ) -> None:
+        """``engine``: where the step's rows leave the device (its clones are
+        frozen on it); ``staging``: the pool a step context's page is in."""
         self._config = config
         self._view = view
         self._pool = pool
-        self._controller = controller
+        self._engine = engine
+        self._staging = staging
         self.known: dict[TensorName, KeyLayout] = {}
 
     def new_slabs(self, split: StepOutputs) -> dict[TensorName, torch.Tensor]:
@@ -335,7 +338,7 @@ class StepLayout:
             else:
                 immediate[key] = rows
         out = StepOutputs(immediate=immediate, leftover=leftover, deferred_chunks=[], layouts=layouts)
-        on_device = out.on_device = tuple(k for k, t in immediate.items() if self._controller.is_device(t))
+        on_device = out.on_device = tuple(k for k, t in immediate.items() if self._engine.is_device(t))
         # Freeze on the compute stream: the copy stream reads the clone,
         # never the static buffers the next CUDA-graph replay overwrites.
         # Not charged to the budget: it lives until its task's host_ready,
@@ -361,13 +364,12 @@ class StepLayout:
                 ]
         # After the clones, on the current stream of their devices (the
         # forward's stream: see docs/cuda.md). None when nothing is on a device.
-        out.freeze_event = self._controller.freeze([*immediate.values(), *out.deferred_clone.values()])
+        out.freeze_event = self._engine.freeze([*immediate.values(), *out.deferred_clone.values()])
         return out
 
     def step_context(
         self,
         sid: StepId,
-        controller: OmniPrefixCacheController,
         claimed: StepD2HClaim | None,
         split: StepOutputs,
         n: int,
@@ -383,7 +385,7 @@ class StepLayout:
         produce too) and its CPU snapshot (save, under the state lock)."""
         return StepContext(
             step_id=sid,
-            controller=controller,
+            staging=self._staging,
             d2h=claimed,
             n=n,
             record=StepRecord.of_rows(req_order, spans),

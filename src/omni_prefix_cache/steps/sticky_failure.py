@@ -19,8 +19,8 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
 
-from omni_prefix_cache.controller import OmniPrefixCacheController
 from omni_prefix_cache.interface import OmniPrefixCacheWriteFailedError, ReqId, Tid
+from omni_prefix_cache.writes.task_registry import TaskRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +36,12 @@ class StickyFailure:
 
     def __init__(
         self,
-        controller: OmniPrefixCacheController,
+        registry: TaskRegistry,
         state_lock: threading.Lock,
         counters: Counter[str],
         drain_failures_locked: Callable[[], None],
     ) -> None:
-        self._controller = controller
+        self._registry = registry
         self._state_lock = state_lock
         self._counters = counters
         self._drain_failures_locked = drain_failures_locked
@@ -50,11 +50,11 @@ class StickyFailure:
     def note_locked(self, failed: list[Tid], req_of: Mapping[Tid, tuple[ReqId, ...]]) -> None:
         """The drain found ``failed`` writes (``req_of``: the requests of
         each one the ledger still knew; a step's write holds several). Logs them; the first failure ever
-        becomes ``error``, naming the first cause the controller recorded
+        becomes ``error``, naming the first cause the registry recorded
         (its task, request, keys and slots). State lock held."""
         self._counters["failed_writes"] += len(failed)
         names = [f"task {tid} ({_requests(req_of[tid])})" if tid in req_of else f"task {tid}" for tid in failed]
-        causes = [c for tid in failed if (c := self._controller.failure_of(tid)) is not None]
+        causes = [c for tid in failed if (c := self._registry.failure_of(tid)) is not None]
         first = causes[0] if causes else None
         message = (
             f"omni prefix cache write failed: {', '.join(names)}; rows behind published block hashes never "
@@ -80,7 +80,7 @@ class StickyFailure:
         With no failure recorded or published it returns without the lock
         (both read lock-free: a failure published meanwhile is raised by the
         next entry, as if it had come a moment later)."""
-        if self.error is None and not self._controller.registry.failed:
+        if self.error is None and not self._registry.failed:
             return
         with self._state_lock:
             self._drain_failures_locked()

@@ -43,13 +43,17 @@ from omni_prefix_cache.specs.composition import compile_operation
 from omni_prefix_cache.specs.loader import SpecError, TriggerName
 from omni_prefix_cache.specs.runner import CALLER_HOLDS
 from omni_prefix_cache.specs.types.slot_occupancy import SlotOccupancyTrigger
+from omni_prefix_cache.steps.registration import RegistrationStrategy, strategy_for
 from omni_prefix_cache.steps.request_tasks import RequestTasks, TaskRecord
 from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
 from omni_prefix_cache.steps.step_layout import StepOutputs
 from omni_prefix_cache.steps.sticky_failure import StickyFailure
 from omni_prefix_cache.telemetry.registry import TELEMETRY
+from omni_prefix_cache.writes.budget import GpuBudget
 from omni_prefix_cache.writes.chunks import BudgetTicket, ChunkRuns, StepRequests, StepRows, WriteChunk
 from omni_prefix_cache.writes.operations import active_protocol
+from omni_prefix_cache.writes.task_registry import TaskRegistry
+from omni_prefix_cache.writes.write_errors import write_error
 
 
 @dataclass(eq=False)
@@ -91,12 +95,23 @@ class WriteLedger:
     def __init__(
         self,
         controller: OmniPrefixCacheController,
+        registry: TaskRegistry,
+        budget: GpuBudget,
         occupancy: SlotOccupancy,
         state_lock: threading.Lock,
         live: set[ReqId],
         counters: Counter[str],
+        units: RegistrationStrategy | None = None,
     ) -> None:
+        """``controller`` runs the write operations (register, reserve, join,
+        refund); ``registry`` is its task registry (the records the ledger
+        drains), ``budget`` its GPU-byte budget (the clones writes pin).
+        ``units``: how a save cuts its step's immediate rows into writes
+        (default: the strategy installed now, ``registration.strategy_for``)."""
         self._controller = controller
+        self._registry = registry
+        self._budget = budget
+        self.units = strategy_for(controller) if units is None else units
         self._occupancy = occupancy
         self._state_lock = state_lock
         self._live = live
@@ -105,7 +120,7 @@ class WriteLedger:
         self.records: dict[Tid, TaskRecord] = {}
         self.requests = RequestTasks()
         self.previous_step_writes: list[Tid] = []
-        self.sticky = StickyFailure(controller, state_lock, counters, self.drain_failures_locked)
+        self.sticky = StickyFailure(registry, state_lock, counters, self.drain_failures_locked)
         # Operation `drain`, compiled once against this ledger (its only executor).
         self._drain = compile_operation(
             active_protocol().ops["drain"],
@@ -175,13 +190,9 @@ class WriteLedger:
         requests as state arrays in step order), bound to the page and
         queued (not dispatched). Appends it to ``registered`` as soon as
         the controller may know it; returns ``[task]`` (``[]`` without
-        immediate rows or requests).
-
-        While an upstream test wraps a per-request seam (compat: the
-        controller's ``mode.wrapped_seams`` or a WriteTask method patched on
-        the class, ``seams_wrapped``; two flag reads per save), each
-        request's rows are their own step write instead, one request in its
-        arrays, in step order (the same task and path, smaller units)."""
+        immediate rows or requests). The ledger's registration strategy
+        (``steps.registration``, fixed when the ledger was built) may cut
+        the step into several such writes, in step order."""
         if not split.immediate or not req_order:
             return []
         ctrl = self._controller
@@ -190,14 +201,10 @@ class WriteLedger:
             host=claimed.views,
             tensors={k: split.immediate[k] for k in split.on_device},
         )
-        sizes = [spans[r][1] for r in req_order]
-        if ctrl.mode.wrapped_seams or WriteTask.seams_wrapped:
-            units = [([rid], [size]) for rid, size in zip(req_order, sizes, strict=True)]
-        else:
-            units = [(req_order, sizes)]
+        units = self.units(req_order, [spans[r][1] for r in req_order])
         keys, page, freeze_event, d2h_event = (
             tuple(split.immediate),
-            claimed.staging_slot,
+            claimed.page,
             split.freeze_event,
             claimed.event,
         )
@@ -231,7 +238,7 @@ class WriteLedger:
         for rid, chunk in split.deferred_chunks:
             task = self.requests.deferred.get(rid)
             if task is not None and (
-                task.taken_over_intersects(chunk) or ctrl.append_chunk(task, chunk, split.freeze_event) is not None
+                task.taken_over_intersects(chunk) or task.append_chunk(chunk, split.freeze_event) is not None
             ):
                 task = None
             if task is None:
@@ -246,14 +253,14 @@ class WriteLedger:
                 )
                 self.records[tid] = TaskRecord(task, rid, [(keys, chunk)])
                 if ticket is not None:
-                    ctrl.pin_budget(ticket, tid)
+                    self._budget.pin(ticket, tid)
                 ctrl.register(task, queued=False)
                 registered.append(task)
                 self.requests.deferred[rid] = task
             else:
                 self.records[task.tid].parts.append((keys, chunk))
                 if ticket is not None:
-                    ctrl.pin_budget(ticket, task.tid)
+                    self._budget.pin(ticket, task.tid)
             owners.append(task.tid)
         return owners
 
@@ -281,8 +288,9 @@ class WriteLedger:
         writes: dict[TensorName, np.ndarray | int] = {}
         if len(immediate) == 1:
             writes.update(dict.fromkeys(split.immediate, immediate[0].tid))
-        elif immediate:  # per-request units (compat): one per request, in step order
-            writes.update(dict.fromkeys(split.immediate, per_row_ids([t.tid for t in immediate], sizes)))
+        elif immediate:  # a strategy cut the step: each write owns its window, in step order
+            rows = [t.chunks[0].end - t.chunks[0].start for t in immediate]
+            writes.update(dict.fromkeys(split.immediate, per_row_ids([t.tid for t in immediate], rows)))
         if deferred_tids:
             writes.update(dict.fromkeys(split.deferred_clone, per_row_ids(deferred_tids, sizes)))
         self._occupancy.take_tenancy(slots, writes)
@@ -317,7 +325,7 @@ class WriteLedger:
         stranded = [] if save.published else self.stranded(save.registered)
         if stranded:
             try:
-                return self._controller.write_error(stranded[0], exc, "registration")
+                return write_error(stranded[0], exc, "registration")
             except Exception:  # noqa: BLE001 - naming the write must not skip the undo (the caller abandons next)
                 pass
         error = OmniPrefixCacheUnmatchError(f"save_outputs (step {save.sid}) failed: {exc!r}")
@@ -334,7 +342,7 @@ class WriteLedger:
         take no record and fire no move, so it is not run (a lock-free read
         of the records; one published meanwhile is taken by the next drain,
         as it would be had it come a moment later)."""
-        registry = self._controller.registry
+        registry = self._registry
         if registry.completed or registry.failed:
             CALLER_HOLDS.run_all(self._drain, _Drained(completions=True))
 
@@ -342,7 +350,7 @@ class WriteLedger:
         """``drain`` of the failure record only (state lock held): a save
         that is failing reports the failures nobody drained yet. Not run
         when no failure is published (as ``commit_drained_locked``)."""
-        if self._controller.registry.failed:
+        if self._registry.failed:
             CALLER_HOLDS.run_all(self._drain, _Drained(completions=False))
 
     # The drain operation's bindings: its context is a _Drained.
@@ -366,9 +374,9 @@ class WriteLedger:
         raise SpecError(f"write ledger: drain has no coupling {role}.{name}")
 
     def _take_records(self, ctx: _Drained) -> None:
-        ctx.failed = self._controller.drain_failed()
+        ctx.failed = self._registry.take_failed()
         if ctx.completions:
-            ctx.completed = self._controller.drain_completed()
+            ctx.completed = self._registry.take_completed()
 
     def _sticky_failure(self, ctx: _Drained) -> None:
         dropped = ctx.settled.get(SlotOccupancyTrigger.DROP, [])

@@ -1,11 +1,9 @@
-"""The mutant catalogue: bugs this design has had (or that the seed suite
-documents), each re-injectable into the runtime by a patch that lives only
-here (and in ``tier_mutants``); the runtime carries no switch for any.
-``applied(name)`` applies one for a block (tests/conftest.py does, for a
-session, with ``OMNI_PREFIX_CACHE_MUTANT=<name>``). ``make mutants`` judges
-them all with ``mutant_runner``, which says what counts as a kill.
-(``testing.mutants`` mutates *specs*, for the generated state-machine tests.)
-"""
+"""The mutant catalogue: bugs this design has had (or that the seed suite documents), each
+re-injectable into the runtime by a patch that lives only here (and in ``tier_mutants``); the
+runtime carries no switch for any. ``applied(name)`` applies one for a block (tests/conftest.py
+does, for a session, with ``OMNI_PREFIX_CACHE_MUTANT=<name>``). ``make mutants`` judges them all
+with ``mutant_runner``, which says what counts as a kill. (``testing.mutants`` mutates *specs*,
+for the generated state-machine tests.)"""
 
 from __future__ import annotations
 
@@ -80,7 +78,7 @@ def _escalate_requeues_claimed(stack: contextlib.ExitStack) -> None:
     def escalate(self: OmniPrefixCacheController, tids: list[int]) -> None:
         with self.lock:
             for tid in tids:
-                task = self.get_task(tid)
+                task = self.parts.registry.get(tid)
                 if task is not None and task.state is TaskState.COPYING:
                     with task.lock:
                         task.state = TaskState.QUEUED  # the old bug: no claim check
@@ -193,20 +191,23 @@ def _holder_released_at_drain(stack: contextlib.ExitStack) -> None:
     from omni_prefix_cache.writes.staging import StagingBufferHolder
 
     _spec_mutant(stack, _no_release_at_write)
-    original_drain = OmniPrefixCacheController.drain_completed
+    init = OmniPrefixCacheController.__init__
 
-    def drain_completed(self: OmniPrefixCacheController) -> list[int]:
-        tasks = [self.get_task(tid) for tid in list(self.completed)]
-        out = original_drain(self)
-        pool = self.staging_pool
-        for task in tasks:
-            if task is not None and task.staging_slot is not None:
-                holder = StagingBufferHolder.for_task(task.tid)
-                if pool.enabled("written", task.staging_slot, holder):
-                    pool.fire("written", task.staging_slot, holder)
-        return out
+    def released_at_drain(self: OmniPrefixCacheController, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)  # then its registry's drain releases what the pool writes no longer do
+        registry, pool, drain = self.parts.registry, self.parts.staging_pool, self.parts.registry.take_completed
 
-    _set(stack, OmniPrefixCacheController, "drain_completed", drain_completed)
+        def take_completed() -> list[int]:
+            held = [(t.page, t.tid) for tid in list(registry.completed) if (t := registry.get(tid)) is not None]
+            out = drain()
+            for page, tid in held:
+                if page is not None and pool.enabled("written", page, holder := StagingBufferHolder.for_task(tid)):
+                    pool.fire("written", page, holder)
+            return out
+
+        registry.take_completed = take_completed  # type: ignore[method-assign]
+
+    _set(stack, OmniPrefixCacheController, "__init__", released_at_drain)
 
 
 # Composition rules broken by a spec mutation alone.
@@ -364,18 +365,17 @@ def _cow_copy_missed_before_reads_lock(stack: contextlib.ExitStack) -> None:
     "escalate pushes a task already on the high queue to its head again (escalate's first_of runs both branches)",
 )
 def _escalate_pushes_high_queued_twice(stack: contextlib.ExitStack) -> None:
-    # Patches OmniPrefixCacheController.escalate: a second head entry for a
-    # task whose position is already HIGH.
+    # Patches OmniPrefixCacheController.escalate: a second head entry for a task already HIGH.
     from omni_prefix_cache.controller import OmniPrefixCacheController
     from omni_prefix_cache.specs.types.copy_queue import QueuePosition
 
     original = OmniPrefixCacheController.escalate
 
     def escalate(self: OmniPrefixCacheController, tids: list[int]) -> None:
-        if not self.eager:
+        if not self.mode.eager:
             with self.lock:
                 for tid in tids:
-                    task = self.get_task(tid)
+                    task = self.parts.registry.get(tid)
                     if task is not None and task.position == QueuePosition.HIGH:
                         self.queues.high.appendleft(tid)
         original(self, tids)

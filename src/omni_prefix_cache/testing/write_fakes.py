@@ -66,7 +66,7 @@ def install_failing_stages(
 ) -> tuple[FailingCopyStage, FailingPoolWriteStage]:
     """Wrap the controller's copy and pool-write stages so they raise for
     the tasks ``copy`` / ``write`` name; returns the installed fakes."""
-    current = ctrl.stages
+    current = ctrl.parts.stages
     stages = FailingCopyStage(current.copy, copy), FailingPoolWriteStage(current.pool_write, write)
     current.use(copy=stages[0], pool_write=stages[1])
     return stages

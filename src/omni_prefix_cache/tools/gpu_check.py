@@ -235,10 +235,10 @@ def check_copy_failure(backend: Backend) -> Check:
             write_n=1,
             schedule=WriteSchedule.JOIN_ON_FINISH,
             chunks=[chunk],
-            freeze_event=ctrl.freeze([clone]),
+            freeze_event=ctrl.parts.host_rows.engine.freeze([clone]),
         )
         del clone
-        ctrl.pin_budget(ticket, 1)
+        ctrl.parts.budget.pin(ticket, 1)
         ctrl.submit(task, queued=False)
         ctrl.escalate([1])
         try:

@@ -119,9 +119,7 @@ class ControllerBinding:
         if role == "task_holder":
             staging, holder_move = self._staging, _trigger(StagingHolderTrigger, role, trigger)
             for_task = StagingBufferHolder.for_task
-            return lambda task: (
-                task.staging_slot is not None and staging.try_fire(holder_move, task.staging_slot, for_task(task.tid))
-            )
+            return lambda task: task.page is not None and staging.try_fire(holder_move, task.page, for_task(task.tid))
         return self.move(role, trigger)[0]  # raises: not the controller's role
 
     def coupling(self, role: str, name: str) -> Run:
@@ -188,11 +186,11 @@ class ControllerBinding:
         staging = self._staging
 
         def enabled(task: WriteTask) -> bool:
-            page = task.staging_slot
+            page = task.page
             return page is not None and staging.enabled(trigger, page, StagingBufferHolder.for_task(task.tid))
 
         def fire(task: WriteTask) -> None:
-            page = task.staging_slot
+            page = task.page
             if page is None:
                 raise OmniPrefixCacheUnmatchError(f"staging: task {task.tid} holds no page, so it cannot {trigger}")
             staging.fire(trigger, page, StagingBufferHolder.for_task(task.tid))

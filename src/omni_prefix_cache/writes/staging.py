@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
+from omni_prefix_cache.compat.staging_seams import UpstreamClaimSeams
 from omni_prefix_cache.device import sync
 from omni_prefix_cache.device.copy_engine import CopyEngine
 from omni_prefix_cache.interface import (
@@ -40,7 +41,7 @@ class PageViewer(Protocol):
     the page it views (None: it views none)."""
 
     tid: Tid
-    staging_slot: int | None
+    page: int | None
 
 
 class StagingBufferHolder(NamedTuple):
@@ -108,19 +109,19 @@ class StagingBufferPool:
     """
 
     def __init__(
-        self,
-        depth: int,
-        capacity: int,
-        *,
-        pin_memory: bool = False,
-        alloc: Callable[[Sequence[int], torch.dtype], torch.Tensor] | None = None,
-    ):
+        self, depth: int, capacity: int, *, engine: CopyEngine | None = None, claim_timeout_s: float = 0.0
+    ) -> None:
+        """``engine``: where ``stage_step`` copies a step's rows from (None:
+        host copies only); ``claim_timeout_s``: how long its claim waits
+        for a free page."""
         self.depth = depth
         self.capacity = capacity
-        self.pin_memory = pin_memory
+        self.engine = engine
+        self.claim_timeout_s = claim_timeout_s
         # Pages are device-copy landing zones: pinned exactly when a device
-        # engine copies into them (``alloc`` is the engine's host_empty).
-        self._alloc = alloc
+        # engine copies into them (its host_empty allocates them).
+        self.pin_memory = engine is not None and engine.pin_memory
+        self._alloc = None if engine is None else engine.host_empty
         self._bufs: dict[TensorName, torch.Tensor] = {}
         self._busy: list[set[StagingBufferHolder]] = [set() for _ in range(depth)]
         self._page_of: dict[StagingBufferHolder, int] = {}
@@ -199,14 +200,14 @@ class StagingBufferPool:
             return self._try_locked(trigger, page, holder)
 
     def try_fire_tasks(self, trigger: HolderTrigger, tasks: Sequence[PageViewer]) -> list[bool | BaseException]:
-        """``try_fire`` of each task's holder on its ``staging_slot``, under
+        """``try_fire`` of each task's holder on its ``page``, under
         one acquisition (a batched step); False for a task with no page,
         the exception for a holder whose move raised."""
         out: list[bool | BaseException] = [False] * len(tasks)
         moves = HOLDER_MACHINE.by_state(trigger)
         with self._page_freed:
             for i, task in enumerate(tasks):
-                page = task.staging_slot
+                page = task.page
                 if page is None:
                     continue
                 try:
@@ -331,18 +332,16 @@ class StagingBufferPool:
         n: int,
         freeze_event: Any,
         step_holder: StagingBufferHolder,
-        engine: CopyEngine,
-        timeout: float,
     ) -> StepD2HClaim:
         """Claim a page for ``step_holder`` and launch one whole-step
-        device-to-host copy of ``tensors`` (each ``n`` rows) into it on
-        ``engine``.
+        device-to-host copy of ``tensors`` (each ``n`` rows) into it on the
+        pool's ``engine``.
 
         Engine thread, outside the manager's state lock (the claim may wait).
         A leftover-only save passes no tensors and still claims a page.
         Raises OmniPrefixCacheUnmatchError when ``n`` exceeds the page, and
-        the timeout error when no page frees in ``timeout`` seconds. On any
-        failure the step holder is released (``abandon``) before raising.
+        the timeout error when no page frees in ``claim_timeout_s`` seconds.
+        On any failure the step holder is released (``abandon``) before raising.
         """
         if tensors and n > self.capacity:
             raise OmniPrefixCacheUnmatchError(
@@ -351,7 +350,7 @@ class StagingBufferPool:
             )
         dp = TELEMETRY.datapath
         start = TELEMETRY.clock() if dp is not None else 0
-        page = self.claim(step_holder, timeout)
+        page = self.claim(step_holder, self.claim_timeout_s)
         if dp is not None:
             dp.waited("staging_claim", start, TELEMETRY.clock())
         try:
@@ -359,8 +358,8 @@ class StagingBufferPool:
             # Each key's rows land straight in its slice of the page: no
             # device-side temporary on the copy stream.
             copies = [(views[key], src) for key, src in tensors.items()]
-            event = None
-            if any(engine.is_device(src) for _, src in copies):
+            event, engine = None, self.engine
+            if engine is not None and any(engine.is_device(src) for _, src in copies):
                 event = engine.launch(freeze_event, copies)
             else:
                 start = TELEMETRY.cpu_clock() if dp is not None else 0
@@ -370,7 +369,7 @@ class StagingBufferPool:
                     dp.copied("step", sum(dst.nbytes for dst, _ in copies), start, TELEMETRY.cpu_clock())
             if dp is not None and event is not None:
                 dp.add("d2h_bytes_total", "step", sum(dst.nbytes for dst, _ in copies))
-            return StepD2HClaim(staging_slot=page, views=views, event=event)
+            return StepD2HClaim(page=page, views=views, event=event)
         except BaseException as exc:
             self.release(page, step_holder, StagingHolderTrigger.ABANDON)
             if isinstance(exc, OmniPrefixCacheUnmatchError) or not isinstance(exc, Exception):
@@ -405,12 +404,12 @@ class StagingBufferPool:
 
 
 @dataclass(eq=False)
-class StepD2HClaim:
-    """One step's landing in the staging pool (returned by stage_step_host).
+class StepD2HClaim(UpstreamClaimSeams):
+    """One step's landing in the staging pool (returned by ``stage_step``).
 
     ``event`` completes the device-to-host copy; None when already complete.
     """
 
-    staging_slot: int
+    page: int
     views: dict[TensorName, torch.Tensor]
     event: Any = None

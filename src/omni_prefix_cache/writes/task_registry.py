@@ -22,7 +22,9 @@ class TaskRegistry:
 
     ``lock`` is the controller's (reentrant) lock; it covers every table.
     Effects run with it held; the other methods take it themselves, except
-    the lock-free reads (``tasks``, ``completed``, ``failed``, ``get``).
+    the lock-free reads (``tasks``, ``completed``, ``failed``, ``get``:
+    a checker between scheduled steps; callers racing the committer use
+    ``registered()``).
     Failed tasks stay registered (a joiner still finds them).
     """
 
@@ -61,6 +63,34 @@ class TaskRegistry:
     def publish_failed(self, task: WriteTask) -> None:
         """Effect ``publish_failed``."""
         self.failed.append(task.tid)
+
+    # ------------------------------------------------------------ the drain's records (effect take_records)
+
+    def take_completed(self) -> list[Tid]:
+        """Pop the pool-written tids and forget their tasks (effect
+        ``take_records`` of the ledger's drain, under the manager's state
+        lock; takes ``lock``)."""
+        with self.lock:
+            completed = self.completed
+            if not completed:
+                return []
+            out = list(completed)
+            completed.clear()
+            forget = self.tasks.pop
+            for tid in out:
+                forget(tid, None)
+        return out
+
+    def take_failed(self) -> list[Tid]:
+        """Pop the failed tids (one-shot; takes ``lock``). Their tasks stay
+        registered (a joiner still finds them)."""
+        with self.lock:
+            failed = self.failed
+            if not failed:
+                return []
+            out = list(failed)
+            failed.clear()
+        return out
 
     # ------------------------------------------------------------ reads
 

@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from omni_prefix_cache.compat.write_task_seams import UpstreamTaskSeams
+from omni_prefix_cache.compat.write_task_seams import UpstreamTaskSeams, upstream_keywords
 from omni_prefix_cache.device import sync
+from omni_prefix_cache.device.copy_engine import DeviceEvents
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, ReqId, TensorName, Tid, WriteSchedule
 from omni_prefix_cache.specs import CompiledMove, compile_machine, load_spec
 from omni_prefix_cache.specs.types.copy_queue import QueuePosition
@@ -112,6 +113,7 @@ def illegal_move(task: WriteTask, to: TaskState | WriteTaskTrigger) -> OmniPrefi
     return OmniPrefixCacheUnmatchError(f"task {task.tid}: illegal transition {task.state.name} -> {name}")
 
 
+@upstream_keywords  # compat: upstream's ``staging_slot=`` for ``page``
 @dataclass(eq=False, repr=False)
 class WriteTask(UpstreamTaskSeams):
     """One write of (slot, key) rows. A JOIN_NEXT_STEP write is a whole
@@ -153,7 +155,7 @@ class WriteTask(UpstreamTaskSeams):
     enqueued_time: float = field(default_factory=time.monotonic)
     # Immediate path: the staging page this write views, and the step's
     # device-to-host event (None once complete or on CPU).
-    staging_slot: int | None = None
+    page: int | None = None
     step_d2h_event: Any = None
     _slot_to_row: dict[int, tuple[int, int]] | None = None
     # Effects a deferred ``fail`` still owes (run by wake_failed_waiters).
@@ -168,7 +170,7 @@ class WriteTask(UpstreamTaskSeams):
         requests: StepRequests,
         chunk: WriteChunk,
         freeze_event: Any,
-        staging_slot: int,
+        page: int,
         step_d2h_event: Any,
     ) -> WriteTask:
         """A step's immediate (JOIN_NEXT_STEP) write: ``chunk`` holds the
@@ -191,7 +193,7 @@ class WriteTask(UpstreamTaskSeams):
         task.queued_at_submit = False
         task.copied_rows = ()
         task.enqueued_time = time.monotonic()
-        task.staging_slot = staging_slot
+        task.page = page
         task.step_d2h_event = step_d2h_event
         task._slot_to_row = None
         task._owed_wakes = ()
@@ -310,18 +312,16 @@ class WriteTask(UpstreamTaskSeams):
 
     def append_chunk(self, chunk: WriteChunk, freeze_event: Any = None) -> TaskState | None:
         """Grow the write by one save's rows. Returns None if appended, else
-        the state that closed the task (the caller opens a new task).
-
-        The newest ``freeze_event`` covers every earlier clone: events on one
-        compute stream complete in order.
-        """
+        the state that closed the task (the caller opens a new task). Takes
+        the task's lock. Per device the newest ``freeze_event`` covers the
+        older ones (one compute stream's events complete in order); a device
+        only an older chunk used keeps its own (``DeviceEvents.merged``)."""
         with self.lock:
             if self.state not in _ACCEPTS_CHUNKS:
                 return self.state
             self.chunks.append(chunk)
             self._slot_to_row = None
-            if freeze_event is not None:
-                self.freeze_event = freeze_event
+            self.freeze_event = DeviceEvents.merged(self.freeze_event, freeze_event)
             return None
 
     def set_host_tensor(self, rows: Sequence[HostRow]) -> None:

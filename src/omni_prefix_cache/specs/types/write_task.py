@@ -15,12 +15,10 @@ class TaskState(SpecState):
     """
     A strict chain PENDING -> QUEUED -> COPYING -> HOST_READY -> WRITTEN, plus FAILED from any non-terminal
     state. The wait events host_ready / done are set only by the effects declared here. A task is a step's write
-    (every immediate row of one save, its requests kept as state arrays on the task: request ids in step order
-    and their row offsets; one copy, one pool write per key, one completion record); or, while an upstream test
-    wraps a per-request seam (the controller's _scatter or _run_eager, or a WriteTask copy or pool-write method
-    patched on the class), one request's immediate write (the same step write with one request in its arrays,
-    one per request in step order); or one request's deferred write (growing by a chunk per save, escalated per
-    request on finish or abort). The lifecycle is the same for all three.
+    (the immediate rows of one save, its requests kept as state arrays on the task: request ids in step order
+    and their row offsets; one copy, one pool write per key, one completion record; the save's registration
+    strategy may cut a step into several such writes, in step order), or one request's deferred write (growing
+    by a chunk per save, escalated per request on finish or abort). The lifecycle is the same for both.
     """
 
     PENDING = 0

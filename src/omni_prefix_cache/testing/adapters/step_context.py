@@ -110,7 +110,7 @@ class StepContextAdapter(SpecAdapter):
         from omni_prefix_cache.writes.staging import StagingBufferHolder
 
         holder = StagingBufferHolder.for_step(self._sid(system, handle))
-        pool = system.mgr.components.controller.staging_pool
+        pool = system.mgr.components.controller.parts.staging_pool
         return sum(holder in pool.page_holders(p) for p in range(pool.depth))
 
     def observe(self, system: _ManagerSystem, handles: Sequence[int]) -> dict[Hashable, Any]:

@@ -79,12 +79,14 @@ def _join_each(mgr: OmniPrefixCacheManager, tids: Sequence[Tid]) -> None:
 
 def _check_released(mgr: OmniPrefixCacheManager, tids: Sequence[Tid]) -> None:
     ctrl = mgr.components.controller
-    unfinished = {tid: task.state.name for tid in tids if (task := ctrl.tasks.get(tid)) and not task.is_terminal}
+    unfinished = {
+        tid: task.state.name for tid in tids if (task := ctrl.parts.registry.tasks.get(tid)) and not task.is_terminal
+    }
     if unfinished:
         raise _broken("interrupted_pass_released", f"tasks of the interrupted pass unfinished: {unfinished}")
-    if ctrl.budget.staged_bytes != 0:
-        raise _broken("interrupted_pass_released", f"{ctrl.budget.staged_bytes} budget bytes still staged")
-    held = sorted(h.owner_id for h in ctrl.staging_pool.holders() if h.kind == "task" and h.owner_id in tids)
+    if ctrl.parts.budget.staged_bytes != 0:
+        raise _broken("interrupted_pass_released", f"{ctrl.parts.budget.staged_bytes} budget bytes still staged")
+    held = sorted(h.owner_id for h in ctrl.parts.staging_pool.holders() if h.kind == "task" and h.owner_id in tids)
     if held:
         raise _broken("interrupted_pass_released", f"tasks {held} still hold staging pages")
 
@@ -119,7 +121,7 @@ def copy_interrupted_mid_batch(sched: Scheduler) -> None:
     watch = Watch(sched, mgr)
     ctrl = mgr.components.controller
     engine.check(*engine.run({"a": Req([0, 1], 0, 3), "b": Req([2], 0, 2)}))
-    deferred = sorted(tid for tid, task in ctrl.tasks.items() if task.schedule.value == "join_on_finish")
+    deferred = sorted(tid for tid, task in ctrl.parts.registry.tasks.items() if task.schedule.value == "join_on_finish")
     if len(deferred) != 2:
         raise AssertionError(f"explore scenario: expected two deferred writes, got {deferred}")
     copies.arm(2)  # one copy per deferred write: the pass's second task raises
@@ -130,7 +132,7 @@ def copy_interrupted_mid_batch(sched: Scheduler) -> None:
     _join_each(mgr, deferred)
     if not copies.raised:
         raise AssertionError("explore scenario: the interrupt never fired")
-    failed = {tid for tid in deferred if ctrl.tasks[tid].state.name == "FAILED"}
+    failed = {tid for tid in deferred if ctrl.parts.registry.tasks[tid].state.name == "FAILED"}
     if not failed:
         raise _broken("interrupted_pass_released", f"the pass was interrupted, yet tasks {deferred} were written")
     _check_released(mgr, deferred)

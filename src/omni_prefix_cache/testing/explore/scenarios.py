@@ -163,7 +163,7 @@ class Engine:
     def _check_save_barrier(self, sid: int) -> None:
         ctrl = self.mgr.components.controller
         for tid in self.previous_immediate:
-            task = ctrl.get_task(tid)
+            task = ctrl.parts.registry.get(tid)
             if task is not None and not task.is_terminal:
                 raise _fail(
                     "no_join_under_state_lock_and_save_waits_previous_writes",
@@ -205,10 +205,10 @@ class Watch:
         self.poison: dict[str, Callable[[Any], bool]] = {}
         self.violations: list[str] = []
         self.claimed: set[int] = set()  # tasks seen past QUEUED (their copy claimed)
-        drain_failed = ctrl.drain_failed
+        take_failed = ctrl.parts.registry.take_failed
 
         def drained() -> list[int]:
-            out = drain_failed()
+            out = take_failed()
             self.ever_failed.update(out)
             return out
 
@@ -220,7 +220,7 @@ class Watch:
         def poisoned(stage: str) -> Callable[[Any], bool]:
             return lambda task: stage in self.poison and self.poison[stage](task)
 
-        ctrl.drain_failed = drained  # type: ignore[method-assign]
+        ctrl.parts.registry.take_failed = drained  # type: ignore[method-assign]
         probe_joins(ctrl, joining)
         copy_stage, _ = install_failing_stages(ctrl, copy=poisoned("copy"), write=poisoned("write"))
         self.copying = copy_stage.copying
@@ -236,7 +236,7 @@ class Watch:
         # task's state is under its own lock, so this is read whenever that
         # lock is free, whoever holds the controller's (where an escalate
         # requeues).
-        for tid, seen in list(ctrl.tasks.items()):
+        for tid, seen in list(ctrl.parts.registry.tasks.items()):
             if seen.lock.locked():
                 continue
             if seen.state in _PAST_QUEUED:
@@ -252,16 +252,20 @@ class Watch:
                 f"a task is queued twice: hi={list(ctrl.queues.high)} lo={list(ctrl.queues.low)}",
             )
         for tid in queued:
-            task = ctrl.tasks.get(tid)
+            task = ctrl.parts.registry.tasks.get(tid)
             if task is not None and task.state not in (TaskState.QUEUED, TaskState.FAILED):
                 raise _fail("composed.queued_not_claimed", f"task {tid} is on a copy queue while {task.state.name}")
         # Claimed (popped, copy stage not taken yet) or copying: one claim only.
         for tid in self.copying | set(ctrl.queues.claimed):
-            task = ctrl.tasks.get(tid)
+            task = ctrl.parts.registry.tasks.get(tid)
             if task is not None and (task.state is TaskState.QUEUED or tid in queued):
                 raise _fail("write_task.single_copy_claim", f"task {tid} is queued again while its copy runs")
-        for tid, task in list(ctrl.tasks.items()):
-            if task.done.is_set() and tid not in ctrl.completed and tid not in ctrl.failed:
+        for tid, task in list(ctrl.parts.registry.tasks.items()):
+            if (
+                task.done.is_set()
+                and tid not in ctrl.parts.registry.completed
+                and tid not in ctrl.parts.registry.failed
+            ):
                 if tid not in self.ever_failed:
                     raise _fail(
                         "composed.done_after_record",
@@ -271,48 +275,48 @@ class Watch:
     def fingerprint(self) -> Any:
         ctrl, mgr = self.ctrl, self.mgr
         return (
-            tuple(sorted((tid, t.state.name, t.done.is_set()) for tid, t in ctrl.tasks.items())),
+            tuple(sorted((tid, t.state.name, t.done.is_set()) for tid, t in ctrl.parts.registry.tasks.items())),
             tuple(ctrl.queues.high),
             tuple(ctrl.queues.low),
             tuple(ctrl.queues.claimed),
             tuple(ctrl.queues.blocked),
-            tuple(ctrl.completed),
-            tuple(ctrl.failed),
+            tuple(ctrl.parts.registry.completed),
+            tuple(ctrl.parts.registry.failed),
             tuple(sorted((sid, str(ctx.state)) for sid, ctx in mgr.components.steps.items())),
             len(mgr.components.reads.pending),
-            tuple(tuple(sorted((h.kind, h.owner_id) for h in page)) for page in _pages(ctrl.staging_pool)),
+            tuple(tuple(sorted((h.kind, h.owner_id) for h in page)) for page in _pages(ctrl.parts.staging_pool)),
         )
 
     # ------------------------------------------------------------ at the end of a schedule
 
     def any_failed(self) -> bool:
-        return any(t.state is TaskState.FAILED for t in list(self.ctrl.tasks.values()))
+        return any(t.state is TaskState.FAILED for t in list(self.ctrl.parts.registry.tasks.values()))
 
     def check_quiesced(self, dead: bool) -> None:
         """After every request ended and every step was consumed: the racing
         tests' invariants, then nothing leaked."""
         mgr, ctrl = self.mgr, self.ctrl
         if not dead:
-            held = {h for page in _pages(ctrl.staging_pool) for h in page}
+            held = {h for page in _pages(ctrl.parts.staging_pool) for h in page}
             steps = {h.owner_id for h in held if h.kind == "step"}
             if steps != set(mgr.components.steps):
                 raise _fail("holders_match_live_steps_and_unwritten_tasks", f"{steps} != {set(mgr.components.steps)}")
-            tickets = {id(c.budget): c.budget for t in ctrl.tasks.values() for c in t.chunks if c.budget}
-            if ctrl.budget.staged_bytes != sum(t.nbytes for t in tickets.values() if not t.freed):
-                raise _fail("staged_bytes_equal_live_tickets", f"staged {ctrl.budget.staged_bytes}")
+            tickets = {id(c.budget): c.budget for t in ctrl.parts.registry.tasks.values() for c in t.chunks if c.budget}
+            if ctrl.parts.budget.staged_bytes != sum(t.nbytes for t in tickets.values() if not t.freed):
+                raise _fail("staged_bytes_equal_live_tickets", f"staged {ctrl.parts.budget.staged_bytes}")
             for key in list(mgr.components.occupancy.state):
                 status = mgr.components.occupancy.get_slot_status(key)
                 in_transit = status.state == int(SlotState.IN_TRANSIT)
                 if not torch.equal(in_transit, status.tids >= 0):
                     raise _fail("occupancy_matches_tasks", f"{key}: owner set iff IN_TRANSIT")
-        left = {t: task.state.name for t, task in ctrl.tasks.items() if not task.is_terminal}
+        left = {t: task.state.name for t, task in ctrl.parts.registry.tasks.items() if not task.is_terminal}
         if left:
             raise _fail("nothing_leaked", f"unfinished tasks after quiescing: {left}")
-        pages = [set(page) for page in _pages(ctrl.staging_pool)]
+        pages = [set(page) for page in _pages(ctrl.parts.staging_pool)]
         if any(pages):
             raise _fail("nothing_leaked", f"staging pages still held: {pages}")
-        if ctrl.budget.staged_bytes != 0:
-            raise _fail("nothing_leaked", f"{ctrl.budget.staged_bytes} staged budget bytes left")
+        if ctrl.parts.budget.staged_bytes != 0:
+            raise _fail("nothing_leaked", f"{ctrl.parts.budget.staged_bytes} staged budget bytes left")
         if mgr.components.steps:
             raise _fail("nothing_leaked", f"step contexts left: {sorted(mgr.components.steps)}")
         if mgr.components.reads.pending and not dead:
@@ -399,7 +403,7 @@ def _quiesce(engine: Engine, watch: Watch, *, dead: bool) -> None:
         finished = SimpleNamespace(scheduled_new_reqs=[], finished_req_ids=ended, num_scheduled_tokens={})
         mgr.new_step_starts(finished)
         engine.live.clear()
-        ctrl.join([tid for tid, t in list(ctrl.tasks.items()) if not t.is_terminal])
+        ctrl.join([tid for tid, t in list(ctrl.parts.registry.tasks.items()) if not t.is_terminal])
         mgr.new_step_starts(_EMPTY)
         watch.check_quiesced(dead=False)
     mgr.shutdown()
@@ -493,12 +497,12 @@ def _failure_while_joining(sched: Scheduler, stage: str) -> None:
             dead = True
     if not poisoned:
         raise AssertionError("explore scenario: the poisoned write never ran")
-    failed = {tid for tid, t in list(watch.ctrl.tasks.items()) if t.state is TaskState.FAILED}
+    failed = {tid for tid, t in list(watch.ctrl.parts.registry.tasks.items()) if t.state is TaskState.FAILED}
     if failed - poisoned:
         raise _fail(
             "failure_attributed_to_its_task", f"tasks {sorted(failed - poisoned)} failed; only {poisoned} were poisoned"
         )
-    if not (failed & poisoned) and poisoned & set(watch.ctrl.tasks):
+    if not (failed & poisoned) and poisoned & set(watch.ctrl.parts.registry.tasks):
         raise _fail("failure_attributed_to_its_task", f"poisoned tasks {sorted(poisoned)} did not fail")
     watch.check_sticky()
     _quiesce(engine, watch, dead=True)

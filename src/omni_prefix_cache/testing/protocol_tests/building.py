@@ -140,7 +140,7 @@ def _rule_defs(eager: bool) -> dict[str, Callable[[type[ProtocolMachine]], Any]]
             where=st.sampled_from(["copy", "write"]),
             data=st.data(),
         ),
-        "join": plain("join", lambda self: bool(self.ctrl.tasks), data=st.data()),
+        "join": plain("join", lambda self: bool(self.ctrl.parts.registry.tasks), data=st.data()),
         "submit_queued": plain(
             "submit_queued",
             lambda self: not self.dead and not self.side_submitted,  # once per run

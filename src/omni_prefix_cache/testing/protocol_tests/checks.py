@@ -65,7 +65,7 @@ class ProtocolChecks:
         """Every task's copy_queue state (``task.position``, the runtime's
         own) and its task state form a pair the spec's ``pairs`` lists."""
         pairs = self.m.SPEC.pairs
-        for tid, task in list(self.m.ctrl.tasks.items()):
+        for tid, task in list(self.m.ctrl.parts.registry.tasks.items()):
             pos = QueuePosition(int(task.position)).name
             assert task.state.name in pairs[pos], (
                 f"task {tid} is {task.state.name} at queue position {pos} (pairs allow {list(pairs[pos])})"
@@ -83,37 +83,42 @@ class ProtocolChecks:
             f"{name}={list(box)}" for name, box in lists.items()
         )
         where = {tid: name for name, box in lists.items() for tid in box}
-        for tid, task in list(self.m.ctrl.tasks.items()):
+        for tid, task in list(self.m.ctrl.parts.registry.tasks.items()):
             pos = QueuePosition(int(task.position)).name
             allowed = ENTRY_OF.get(pos, ())
             got = where.get(tid)
             assert (got in allowed) if allowed else got is None, (
                 f"task {tid} at position {pos} has queue entry {got or 'none'} (expected {allowed or 'none'})"
             )
-        unknown = sorted(t for t in where if t not in self.m.ctrl.tasks)
+        unknown = sorted(t for t in where if t not in self.m.ctrl.parts.registry.tasks)
         assert not unknown, f"queue entries {unknown} name no registered task"
 
     def done_after_record(self) -> None:
         assert not self.m.violations["done_after_record"], self.m.violations["done_after_record"]
 
     def staged_bytes(self) -> None:
-        tickets = {id(c.budget): c.budget for t in list(self.m.ctrl.tasks.values()) for c in t.chunks if c.budget}
+        tickets = {
+            id(c.budget): c.budget
+            for t in list(self.m.ctrl.parts.registry.tasks.values())
+            for c in t.chunks
+            if c.budget
+        }
         live = sum(t.nbytes for t in tickets.values() if not t.freed)
-        assert self.m.ctrl.budget.staged_bytes == live, (
-            f"budget counter {self.m.ctrl.budget.staged_bytes} != live clone bytes {live}"
+        assert self.m.ctrl.parts.budget.staged_bytes == live, (
+            f"budget counter {self.m.ctrl.parts.budget.staged_bytes} != live clone bytes {live}"
         )
 
     def task_views_step_page(self) -> None:
-        pool = self.m.ctrl.staging_pool
+        pool = self.m.ctrl.parts.staging_pool
         for page in range(pool.depth):
             holders = pool.page_holders(page)
             kinds = {h.kind for h in holders}
             steps = {h.owner_id for h in holders if h.kind == "step"}
             for h in holders:
                 if h.kind == "task":
-                    task = self.m.ctrl.get_task(h.owner_id)
+                    task = self.m.ctrl.parts.registry.get(h.owner_id)
                     assert task is not None and not task.is_terminal, f"task {h.owner_id} holds page {page} after done"
-                    assert task.staging_slot == page, f"task {h.owner_id} holds page {page}, views {task.staging_slot}"
+                    assert task.page == page, f"task {h.owner_id} holds page {page}, views {task.page}"
             assert steps <= set(self.m.mgr.components.steps), f"page {page} held by consumed steps {steps}"
             assert kinds <= {"step", "task"}, kinds
         held = {h.owner_id for page in range(pool.depth) for h in pool.page_holders(page) if h.kind == "step"}
@@ -135,8 +140,8 @@ class ProtocolChecks:
 
     def failure_is_sticky(self) -> None:
         assert not self.m.violations["failure_is_sticky"], self.m.violations["failure_is_sticky"]
-        drained = [t for t, task in list(self.m.ctrl.tasks.items()) if task.state is TaskState.FAILED]
-        drained = [t for t in drained if t not in self.m.ctrl.failed]
+        drained = [t for t, task in list(self.m.ctrl.parts.registry.tasks.items()) if task.state is TaskState.FAILED]
+        drained = [t for t in drained if t not in self.m.ctrl.parts.registry.failed]
         if drained:
             try:
                 self.m.mgr.new_step_starts(Sched([], set(), {}))
@@ -150,7 +155,7 @@ class ProtocolChecks:
         assert not self.m.violations["save_waits_previous_writes"], self.m.violations["save_waits_previous_writes"]
 
     def queue_by_priority(self) -> None:
-        for tid, task in list(self.m.ctrl.tasks.items()):
+        for tid, task in list(self.m.ctrl.parts.registry.tasks.items()):
             pos = QueuePosition(int(task.position))
             immediate = task.schedule is WriteSchedule.JOIN_NEXT_STEP
             if pos is QueuePosition.HIGH:

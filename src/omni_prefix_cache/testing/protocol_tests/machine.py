@@ -126,7 +126,7 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
                 race.violations["no_join_under_state_lock"].append(f"join({event_name}) of {list(tids)}")
             if not race.EAGER:
                 for tid in tids:
-                    task = ctrl.get_task(tid)
+                    task = ctrl.parts.registry.get(tid)
                     for _ in range(64):
                         if task is None or getattr(task, event_name).is_set() or not race._committer_unit():
                             break
@@ -138,7 +138,9 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
             register_many(tasks, queued)
 
         def escalating(tids: list[int]) -> None:
-            states = {QueuePosition(int(t.position)).name for tid in tids if (t := ctrl.get_task(tid)) is not None}
+            states = {
+                QueuePosition(int(t.position)).name for tid in tids if (t := ctrl.parts.registry.get(tid)) is not None
+            }
             event(f"escalate at positions {sorted(states)}")
             race.escalated.update(tids)
             escalate(tids)
@@ -161,11 +163,11 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
         out = self.violations["done_after_record"]
 
         def checked() -> None:
-            if task.state is TaskState.FAILED and tid not in ctrl.failed:
+            if task.state is TaskState.FAILED and tid not in ctrl.parts.registry.failed:
                 out.append(f"task {tid}: done fired before its failure record")
-            if task.state is TaskState.WRITTEN and tid not in ctrl.completed:
+            if task.state is TaskState.WRITTEN and tid not in ctrl.parts.registry.completed:
                 out.append(f"task {tid}: done fired before its completion record")
-            if ctrl.staging_pool.holds(StagingBufferHolder.for_task(tid)):
+            if ctrl.parts.staging_pool.holds(StagingBufferHolder.for_task(tid)):
                 out.append(f"task {tid}: done fired while it still holds its staging page")
             original()
 
@@ -204,7 +206,7 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
     # ------------------------------------------------------------ helpers
 
     def _any_failed(self) -> bool:
-        return any(t.state is TaskState.FAILED for t in list(self.ctrl.tasks.values()))
+        return any(t.state is TaskState.FAILED for t in list(self.ctrl.parts.registry.tasks.values()))
 
     def _facade(self, fn: Callable[..., Any], *args: Any) -> Any:
         """A facade entry; after a drained write failure it must raise."""
@@ -230,11 +232,11 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
         """One committer operation (copy, else write, else claim): True if it moved."""
         try:
             if self.ctrl.queues.claimed:
-                self.ctrl.committer_copy()
+                self.ctrl.parts.committer.copy()
                 return True
-            if self.ctrl.committer_write():
+            if self.ctrl.parts.committer.write():
                 return True
-            return self.ctrl.committer_claim() is not None
+            return self.ctrl.parts.committer.claim() is not None
         except Exception as exc:
             self.violations["committer_never_raises"].append(f"a committer step raised {exc!r}")
             return False
@@ -272,7 +274,7 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
             self.mgr.discard_step(sid)
         self.expects.clear()
         self.mgr.shutdown()
-        left = {t: task.state.name for t, task in self.ctrl.tasks.items() if not task.is_terminal}
+        left = {t: task.state.name for t, task in self.ctrl.parts.registry.tasks.items() if not task.is_terminal}
         assert not left, f"unfinished tasks after shutdown: {left}"
 
     # ------------------------------------------------------------ workload
@@ -407,7 +409,7 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
             return None
         self.saved(int(sid), planned)
         for tid in self.previous_immediate:
-            task = self.ctrl.get_task(tid)
+            task = self.ctrl.parts.registry.get(tid)
             if task is not None and not task.is_terminal:
                 self.violations["save_waits_previous_writes"].append(
                     f"step {sid} mapped its slots while task {tid} of the previous step was {task.state.name}"
@@ -449,26 +451,28 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
             self.violations["committer_never_raises"].append(f"{getattr(op, '__name__', op)} raised {exc!r}")
 
     def drive_committer_claim(self) -> None:
-        self._committer_op(self.ctrl.committer_claim)
+        self._committer_op(self.ctrl.parts.committer.claim)
 
     def drive_committer_copy(self) -> None:
-        self._committer_op(self.ctrl.committer_copy)
+        self._committer_op(self.ctrl.parts.committer.copy)
 
     def drive_committer_write(self) -> None:
-        self._committer_op(self.ctrl.committer_write)
+        self._committer_op(self.ctrl.parts.committer.write)
 
     def drive_inject_failure(self, where: str, data: Any) -> None:
         """Arm a copy or pool-write failure for a live task or one of the
         next tasks a save registers."""
         if self.dead:
             return
-        alive = [t for t, task in list(self.ctrl.tasks.items()) if not task.is_terminal]
+        alive = [t for t, task in list(self.ctrl.parts.registry.tasks.items()) if not task.is_terminal]
         future = list(range(self.max_tid + 1, self.max_tid + 4))
         self.poison[where].add(data.draw(st.sampled_from(sorted(alive) + future), label=f"fail {where}"))
 
     def drive_join(self, data: Any) -> None:
         """join a queued (or later) task from the engine thread."""
-        joinable = [t for t, task in list(self.ctrl.tasks.items()) if task.state is not TaskState.PENDING]
+        joinable = [
+            t for t, task in list(self.ctrl.parts.registry.tasks.items()) if task.state is not TaskState.PENDING
+        ]
         if not joinable:
             return
         tid = data.draw(st.sampled_from(sorted(joinable)), label="join")
@@ -477,7 +481,7 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
         except OmniPrefixCacheUnmatchError:
             # A failed task raises; a live one the committer cannot finish
             # times out (its position is what the invariants check).
-            task = self.ctrl.get_task(tid)
+            task = self.ctrl.parts.registry.get(tid)
             event("join raised: " + ("failed task" if task is not None and task.state is TaskState.FAILED else "stuck"))
 
     def drive_submit_queued(self, slot: int) -> None:

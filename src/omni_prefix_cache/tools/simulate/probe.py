@@ -44,15 +44,17 @@ def probe_leaks(mgr: Any) -> dict[str, int | None]:
     Values are None where the manager has no such attribute (reported as n/a).
     """
     ctrl = _controller(mgr)
+    # The controller's parts (``WriteParts``), or a double that has the tables itself.
+    parts = getattr(ctrl, "parts", ctrl)
     out: dict[str, int | None] = {"holders": None, "staged_bytes": None, "tasks": None, "step_contexts": None}
-    pool = getattr(ctrl, "staging_pool", None)
+    pool = getattr(parts, "staging_pool", None)
     if pool is not None:
         # Lock-free reads: a probe after an error must not wait on a lock a stuck thread holds.
         out["holders"] = sum(len(pool.page_holders(page)) for page in range(pool.depth))
-    budget = getattr(ctrl, "budget", None)
+    budget = getattr(parts, "budget", None)
     if budget is not None:
         out["staged_bytes"] = int(budget.staged_bytes)
-    tasks = getattr(ctrl, "tasks", None)
+    tasks = getattr(getattr(parts, "registry", parts), "tasks", None)
     if tasks is not None:
         out["tasks"] = sum(1 for t in list(tasks.values()) if not _is_terminal(t))
     components = _components(mgr)
