@@ -52,19 +52,31 @@ def test_a_module_the_library_lacks_stays_missing() -> None:
 
 def test_register_is_idempotent_and_uninstall_leaves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(vllm_plugin.ENV_VAR, "1")
+    monkeypatch.setenv(vllm_plugin.SEAMS_ENV_VAR, "1")
     before = list(sys.meta_path)
     vllm_plugin.register()
     vllm_plugin.register()
     assert sum(isinstance(f, vllm_plugin.PrefixCacheAlias) for f in sys.meta_path) == 1
     assert not compat.upstream_seams_installed()  # nothing imported through the alias yet
     importlib.import_module("vllm_omni.core.prefix_cache.interface")
-    # Upstream's code runs against the library now: managers serve its per-request seams.
+    # Upstream's tests run against the library now: managers serve its per-request seams.
     assert compat.upstream_seams_installed()
     vllm_plugin.uninstall()
     assert sys.meta_path == before and not compat.upstream_seams_installed()
     assert not [name for name in sys.modules if name.startswith("vllm_omni")]
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("vllm_omni.core.prefix_cache")
+
+
+def test_a_deployment_alias_installs_no_test_seams(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(vllm_plugin.ENV_VAR, "1")
+    monkeypatch.delenv(vllm_plugin.SEAMS_ENV_VAR, raising=False)
+    vllm_plugin.register()
+    try:
+        importlib.import_module("vllm_omni.core.prefix_cache.interface")
+        assert not compat.upstream_seams_installed()
+    finally:
+        vllm_plugin.uninstall()
 
 
 @pytest.mark.parametrize("value", [None, "0", "yes"])

@@ -15,11 +15,13 @@ Where vLLM-Omni itself is installed its own ``vllm_omni`` and
 replaced. Where it is not, those two parents are empty placeholder packages,
 so the alias still imports. Nothing here imports vLLM or torch.
 
-Upstream's code runs against the library under the alias, its tests too, so
-the first module imported through it also installs compat's upstream seams
+Upstream's own tests run against the library under the alias too. With
+``OMNI_PREFIX_CACHE_UPSTREAM_SEAMS=1`` as well, the first module imported
+through the alias also installs compat's upstream seams
 (``omni_prefix_cache.compat.install_upstream_seams``): managers built from
-then on serve the per-request seams upstream's tests wrap. ``uninstall``
-takes them back out.
+then on serve the per-request seams those tests wrap. A deployment leaves it
+unset, so its managers never look for a wrapped seam. ``uninstall`` takes
+the seams back out.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from collections.abc import Sequence
 from types import ModuleType
 
 ENV_VAR = "OMNI_PREFIX_CACHE_AS_VLLM_OMNI"
+# With the alias: also serve upstream's test seams (running upstream's own tests; never in a deployment).
+SEAMS_ENV_VAR = "OMNI_PREFIX_CACHE_UPSTREAM_SEAMS"
 UPSTREAM = "vllm_omni.core.prefix_cache"
 LIBRARY = "omni_prefix_cache"
 # The upstream package's parents, given as empty placeholders only when no
@@ -79,9 +83,11 @@ class PrefixCacheAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module = importlib.import_module(name)
         self._own_specs[spec.name] = module.__spec__
         if self.installed_seams is None:
-            from omni_prefix_cache import compat
+            self.installed_seams = False
+            if os.environ.get(SEAMS_ENV_VAR) == "1":
+                from omni_prefix_cache import compat
 
-            self.installed_seams = compat.install_upstream_seams()
+                self.installed_seams = compat.install_upstream_seams()
         return module
 
     def exec_module(self, module: ModuleType) -> None:

@@ -6,6 +6,7 @@ One behaviour is opt-in: ``install_upstream_seams()`` makes every manager
 built afterwards cut a step's immediate rows into one write per request
 while upstream's tests wrap a per-request seam (``compat.registration``).
 Upstream's suite (tests/test_seed_suite.py) and the vLLM plugin's alias mode
+(with ``OMNI_PREFIX_CACHE_UPSTREAM_SEAMS=1``)
 install it; a production manager built without it registers one write per
 step and never looks for a wrapped seam.
 """
