@@ -455,6 +455,9 @@ def escalate_while_copying(sched: Scheduler) -> None:
     mgr, engine, watch = _build(sched, policy, staging_depth=2, gpu_staging_bytes=3 * WIDTHS["d"] * 4)
     engine.check(*engine.run({"a": Req([0, 1], 0, 4)}))  # four deferred rows: over budget, flushed
     engine.check(*engine.run({"a": Req([0, 1, 2], 4, 1)}, new=()))
+    # A save queues a's new deferred write without a wake; a joiner's kick (a prefetch, a budget flush
+    # on another path) may come at any time, so the committer may be copying it when a finishes.
+    mgr.components.controller.kick()
     engine.check(*engine.run({"b": Req([3], 0, 2)}, finished=("a",)))  # a finishes: escalate its writes
     _quiesce(engine, watch, dead=False)
 
