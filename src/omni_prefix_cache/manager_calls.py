@@ -67,10 +67,10 @@ class SaveCall:
     deferred_tids: list[Tid] = field(default_factory=list)
     jobs: list[HitJob] = field(default_factory=list)  # the prefetches start_reads starts
     registering: bool = False  # past this, a failed save cannot be retried
+    sid: StepId = field(init=False)  # the step id it issues (``progress.sid``)
 
-    @property
-    def sid(self) -> StepId:
-        return self.progress.sid
+    def __post_init__(self) -> None:
+        self.sid = self.progress.sid
 
     @property
     def name(self) -> str:

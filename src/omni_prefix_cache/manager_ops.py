@@ -262,7 +262,7 @@ class FacadeOps:
         )
         check_open = self._check_open
         runner = SegmentRunner(
-            {"state": LockRule.of(self._state_lock, check=lambda call: check_open(call.name))},
+            {"state": LockRule(lock=self._state_lock, check=lambda call: check_open(call.name))},
             {"previous_immediate_writes": lambda call: self._ledger.join_previous_step()},
             unchecked=frozenset({"abandon_save", "save.start_reads"}),
         )

@@ -146,4 +146,4 @@ def compile_read_ops(
         {"rows_planned": planned},
         batch_guards={"rows_planned": lambda refs: [ref.refusal is None for ref in refs]},
     )
-    return ReadOps(compiled, settle, SegmentRunner({"reads": LockRule.of(reads_lock)}))
+    return ReadOps(compiled, settle, SegmentRunner({"reads": LockRule(lock=reads_lock)}))

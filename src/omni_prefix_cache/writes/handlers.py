@@ -90,6 +90,15 @@ class WriteHandlers:
     def _flush_oldest(self, nbytes: int) -> None:
         self._budget.flush(nbytes, self._registry.unfinished, self._escalate, self._join)
 
+    def _wake_committer(self) -> Callable[[Any], None]:
+        """Effect ``wake_committer``: notify the committer's condition, where
+        a committer thread waits on it; with none (eager, manual, on_demand)
+        nothing waits, so it is nothing."""
+        mode, wake = self._mode, self._wake
+        if mode.eager or mode.committer != "thread":
+            return _nothing
+        return lambda _: wake.notify_all()
+
     def effects(self) -> Effects:
         budget, registry, stages = self._budget, self._registry, self.stages
         return {
@@ -98,7 +107,7 @@ class WriteHandlers:
             "flush_oldest": self._flush_oldest,
             "refund_unpinned": budget.refund_unpinned,
             "unpin_budget": budget.unpin,
-            "wake_committer": lambda _: self._wake.notify_all(),
+            "wake_committer": self._wake_committer(),
             "dispatch_inline": self.inline.append,
             "copy_to_host": lambda task: stages.copy.copy_task(task),
             "pool_write": lambda task: stages.pool_write.write(task),
@@ -117,7 +126,7 @@ class WriteHandlers:
             "pool_write": lambda batch: stages.pool_write.write_batch(batch),
             "register_task": lambda batch: registry.register(batch.items, self.registering_queued),
             "unpin_budget": lambda batch: budget.unpin_many(batch.items),
-            "wake_committer": lambda _: self._wake.notify_all(),
+            "wake_committer": self._wake_committer(),
             "publish_completed": registry.publish_completed_batch,
             "dispatch_inline": lambda batch: self.inline.extend(batch.items),
         }
@@ -143,3 +152,7 @@ class WriteHandlers:
             "immediate": lambda tasks: [task.schedule is immediate for task in tasks],
             "eager": lambda tasks: [mode.eager] * len(tasks),
         }
+
+
+def _nothing(ctx: Any) -> None:
+    return None

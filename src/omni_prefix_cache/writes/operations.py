@@ -32,7 +32,7 @@ from omni_prefix_cache.specs.composition import (
     load_protocol,
 )
 from omni_prefix_cache.specs.loader import SpecError, TriggerName
-from omni_prefix_cache.specs.runner import LockRule, SegmentRunner, both
+from omni_prefix_cache.specs.runner import LockRule, SegmentRunner
 from omni_prefix_cache.specs.types.copy_queue import CopyQueueTrigger
 from omni_prefix_cache.specs.types.staging_holder import StagingHolderTrigger
 from omni_prefix_cache.specs.types.write_task import WriteTaskTrigger
@@ -265,9 +265,9 @@ def controller_runner(controller_lock: Any, staging_lock: Any) -> SegmentRunner:
     ``state`` (the manager's) is held by the caller."""
     return SegmentRunner(
         {
-            "controller": LockRule.of(controller_lock, many=both(controller_lock, staging_lock)),
-            "staging": LockRule.of(staging_lock),
-            "task": LockRule(lambda task: task.lock),
+            "controller": LockRule(lock=controller_lock, many=(controller_lock, staging_lock)),
+            "staging": LockRule(lock=staging_lock),
+            "task": LockRule(take=lambda task: task.lock),
         }
     )
 
