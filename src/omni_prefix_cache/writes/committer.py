@@ -55,7 +55,7 @@ class Committer:
     or pool write raised goes to ``fail`` with its cause.
 
     ``wake`` is the condition over the controller lock (``registry.lock``)
-    that a dispatch notifies and the committer thread waits on.
+    that a kick notifies (new_step's end, a joiner, shutdown) and the committer thread waits on.
     ``after_write`` (optional) is what the thread calls, with no lock held,
     after a pass that wrote: the manager's drain.
     """
