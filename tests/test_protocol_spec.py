@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from omni_prefix_cache.specs.batch import Batch
 from omni_prefix_cache.specs.composition import (
     ProtocolViolation,
     compile_operation,
@@ -14,7 +15,7 @@ from omni_prefix_cache.specs.composition import (
     parse_protocol,
 )
 from omni_prefix_cache.specs.loader import SpecError
-from omni_prefix_cache.specs.runner import CALLER_HOLDS
+from omni_prefix_cache.specs.runner import CALLER_HOLDS, SegmentRunner
 
 
 class _Recorder:
@@ -163,3 +164,17 @@ def test_the_swimlane_lists_an_operations_steps_in_order_under_their_locks() -> 
     assert "order release_publish_done" in label
     mutated = spec.mutated(lambda d: d["operations"][0]["segments"][0].update(lock="controller"))
     assert "under lock controller" in swimlane_label(mutated.ops[spec.operations[0].name], mutated)
+
+
+def test_a_segment_run_alone_and_a_range_from_it_keep_their_own_plans() -> None:
+    rec = _Recorder()
+    op = compile_operation(load_protocol().ops["committer_write"], rec, *_handlers(rec))
+    runner = SegmentRunner()
+    runner.run_segment_batch(op, "publish", Batch([None]))
+    assert rec.log == ["task_holder.written", "publish_completed", "position.written"]
+    rec.log.clear()
+    runner.run_batch(op, [None], start="publish")  # publish, then done
+    assert rec.log == ["task_holder.written", "publish_completed", "position.written", "task.written"]
+    rec.log.clear()
+    runner.run_segment_batch(op, "publish", Batch([None]))
+    assert rec.log == ["task_holder.written", "publish_completed", "position.written"]

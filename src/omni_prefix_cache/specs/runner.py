@@ -73,7 +73,7 @@ class SegmentRunner:
     lock rules' checks (the manager's ``abandon_save``, which must undo a
     failed save after shutdown too)."""
 
-    __slots__ = ("_locks", "_waits", "_unchecked", "_plans", "_batch_plans")
+    __slots__ = ("_locks", "_waits", "_unchecked", "_plans", "_batch_plans", "_segment_plans")
 
     def __init__(
         self,
@@ -87,6 +87,7 @@ class SegmentRunner:
         self._unchecked = unchecked
         self._plans: dict[tuple[CompiledOperation, str], _Plan] = {}
         self._batch_plans: dict[tuple[CompiledOperation, str | None, str | None], tuple[_BatchPlan, ...]] = {}
+        self._segment_plans: dict[tuple[CompiledOperation, str], _BatchPlan] = {}
 
     def _check(self, op: CompiledOperation, segment: str) -> Run | None:
         """The check segment ``segment`` of ``op`` runs once its lock is held."""
@@ -212,14 +213,17 @@ class SegmentRunner:
     def run_segment_batch(self, op: CompiledOperation, segment: str, batch: Batch) -> None:
         """Segment ``segment`` for an existing ``batch`` (its items and errors
         carry over), under its lock rule's batch locks; no entry check."""
-        ((i, locks, check),) = self._batch_plans.get((op, segment, None)) or self._segment_plan(op, segment)
+        i, locks, check = self._segment_plans.get((op, segment)) or self._segment_plan(op, segment)
         _locked_segment(op, i, batch, locks, check, False)
 
-    def _segment_plan(self, op: CompiledOperation, segment: str) -> tuple[_BatchPlan, ...]:
+    def _segment_plan(self, op: CompiledOperation, segment: str) -> _BatchPlan:
+        """One segment for a batch (kept apart from ``run_batch``'s ranges, which start at a segment too)."""
         i = op.at(segment)
-        seg = op.spec.segments[i]
-        plan = ((i, self._locks.get(seg.lock, _UNLOCKED).for_batch, self._check(op, segment)),)
-        self._batch_plans[(op, segment, None)] = plan
+        plan = self._segment_plans[(op, segment)] = (
+            i,
+            self._locks.get(op.spec.segments[i].lock, _UNLOCKED).for_batch,
+            self._check(op, segment),
+        )
         return plan
 
 
