@@ -369,7 +369,17 @@ def _closure(start: Iterable[str], edges: Mapping[str, set[str]]) -> set[str]:
 
 
 def spec_dir() -> Path:
-    """Directory holding the installed spec files (the repo's spec/ folder)."""
+    """Directory holding the spec files this package was built with.
+
+    In a source checkout (``<root>/src/omni_prefix_cache`` beside ``<root>/spec``) that is the
+    checkout's own ``spec/``: an editable install maps ``omni_prefix_cache._spec`` to the
+    checkout it was installed from, which is the wrong one for a second worktree run with
+    ``PYTHONPATH=<worktree>/src``. Installed from a wheel, it is the shipped ``_spec`` package.
+    """
+    package = Path(__file__).resolve().parents[1]
+    checkout = package.parent.parent / "spec"
+    if package.parent.name == "src" and (checkout / "protocol.yaml").is_file():
+        return checkout
     return Path(str(resources.files(SPEC_PACKAGE)))
 
 
