@@ -2,7 +2,7 @@
 
 ``FakeDeviceEngine`` is the real ``CudaCopyEngine`` over a runtime that logs
 every stream and event call and treats CPU tensors as device tensors, so the
-ordering rules (freeze before copy, record_stream on the reading lane, host
+ordering rules (freeze before copy, sources held on the reading lane, host
 wait before the host reads) and the memory rules (no pinned pool, no device
 temporaries on the copy and read lanes, one budget on every engine) fail
 here when broken. The ``cuda``-marked tests at the end run only on a GPU.
@@ -204,13 +204,13 @@ def test_staging_copy_waits_the_freeze_records_the_clone_and_lands_before_the_po
     frozen = index(calls, lambda c: c.op == "record" and c.event == freeze_ev.id)
     assert calls[frozen].stream == "compute0"
     waited = index(calls, lambda c: c.op == "wait" and c.event == freeze_ev.id)
-    marked = index(calls, lambda c: c.op == "record_stream" and c.ptr == storage_ptr(src))
     copied = index(calls, lambda c: c.op == "copy")
     done = index(calls, lambda c: c.op == "record" and c.event == claim.event.id)
+    held = index(calls, lambda c: c.op == "hold" and c.ptr == storage_ptr(src) and c.event == claim.event.id)
     synced = index(calls, lambda c: c.op == "sync" and c.event == claim.event.id)
     written = index(calls, lambda c: c.op == "pool_write")
-    assert frozen < waited < marked < copied < done < synced < written, calls
-    assert {calls[i].stream for i in (waited, marked, copied, done)} == {"copy0"}
+    assert frozen < waited < copied < done < held < synced < written, calls
+    assert {calls[i].stream for i in (waited, copied, done, held)} == {"copy0"}
     assert task.state is TaskState.WRITTEN
     assert torch.equal(pool.rows(HIDDEN_KEY, torch.tensor([4, 5, 6])), src)
     ctrl.parts.staging_pool.release(claim.page, step)
@@ -239,11 +239,11 @@ def test_deferred_copy_has_no_device_cat_and_lands_in_one_host_tensor(
     copies = [c for c in calls if c.op == "copy"]
     assert [c.ptr for c in copies] == [storage_ptr(c) for c in clones]
     assert {c.stream for c in copies} == {"copy0"}
-    # Every clone is marked on the lane that reads it, before its copy.
+    # Every clone is held on the lane that reads it, until the event recorded after its copy.
     for ptr in (storage_ptr(clone) for clone in clones):
-        marked = [i for i, c in enumerate(calls) if c.op == "record_stream" and c.ptr == ptr]
+        held = [i for i, c in enumerate(calls) if c.op == "hold" and c.ptr == ptr]
         copied = [i for i, c in enumerate(calls) if c.op == "copy" and c.ptr == ptr]
-        assert marked and copied and calls[marked[0]].stream == "copy0" and marked[0] < copied[0]
+        assert held and copied and calls[held[0]].stream == "copy0" and copied[0] < held[0]
     # The last freeze (newest chunk) is waited before the first copy.
     first_copy = index(calls, lambda c: c.op == "copy")
     waits = [i for i, c in enumerate(calls) if c.op == "wait" and c.stream == "copy0"]
@@ -283,7 +283,7 @@ def test_read_of_a_device_clone_allocates_nothing_on_the_device(fake: Any, monke
     assert reads, "the read lane was not used"
     read_calls = [calls[i] for i in reads]
     ops = [c.op for c in read_calls]
-    assert ops.index("wait") < ops.index("copy") and ops[-2:] == ["record", "sync"]
+    assert ops.index("wait") < ops.index("copy") and [op for op in ops if op != "hold"][-2:] == ["record", "sync"]
     # Runs of consecutive rows are one copy each: [10], [0,1], [3], [8], [2].
     assert ops.count("copy") == 5
     assert engine.lane_uses["read"] == 2
@@ -299,7 +299,7 @@ def test_lanes_and_freeze_events_follow_the_tensors_device(fake: Any) -> None:
     a, b = torch.empty(2, WIDTH), torch.empty(2, WIDTH)
     done = engine.launch(freeze, [(a, on1), (b, on0)])
     assert isinstance(done, DeviceEvents) and {done.events[d].stream for d in (0, 1)} == {"copy0", "copy1"}
-    calls = engine.rt.ops("copy", "record_stream")
+    calls = engine.rt.ops("copy", "hold")
     assert {c.stream for c in calls if c.ptr == storage_ptr(on1)} == {"copy1"}
     assert {c.stream for c in calls if c.ptr == storage_ptr(on0)} == {"copy0"}
     done.synchronize()
@@ -309,7 +309,7 @@ def test_lanes_and_freeze_events_follow_the_tensors_device(fake: Any) -> None:
     assert set(merged.events) == {0, 1} and merged.events[1] is freeze.events[1]
 
 
-def test_failed_copy_marks_clones_on_the_lane_fails_the_task_and_frees_the_budget(fake: Any) -> None:
+def test_failed_copy_holds_clones_on_the_lane_fails_the_task_and_frees_the_budget(fake: Any) -> None:
     ctrl, _, engine = fake
     task, clones = deferred_task(ctrl, engine, 1, [[0, 1], [2, 3]])
     poisoned = storage_ptr(clones[1])
@@ -330,11 +330,31 @@ def test_failed_copy_marks_clones_on_the_lane_fails_the_task_and_frees_the_budge
         pass
     assert task.state is TaskState.FAILED
     assert all(not chunk.tensors for chunk in task.chunks), "the clone is dropped on failure"
-    marked = {c.ptr for c in engine.rt.ops("record_stream") if c.stream == "copy0"}
-    assert storage_ptr(clones[0]) in marked, "a clone a queued copy reads was dropped without record_stream"
+    held = {c.ptr for c in engine.rt.ops("hold") if c.stream == "copy0"}
+    assert storage_ptr(clones[0]) in held, "a clone a queued copy reads was dropped without a hold"
     assert ctrl.stats()["staged_bytes"] == 0
     with pytest.raises(OmniPrefixCacheUnmatchError, match="write failed"):
         ctrl.join([1])
+
+
+def test_a_lane_holds_its_sources_until_its_event_is_done_and_for_good_after_a_fault(fake: Any) -> None:
+    _, _, engine = fake
+    first, second, third = rows_for([0, 1]), rows_for([2, 3]), rows_for([4, 5])
+    done = engine.launch(None, [(torch.empty(2, WIDTH), first)])
+    engine.rt.busy_events.add(done.id)  # the lane has not reached the event yet
+    engine.launch(None, [(torch.empty(2, WIDTH), second)])
+    held = {storage_ptr(t) for t in engine.held_sources()}
+    assert held == {storage_ptr(first), storage_ptr(second)}, "a source was released before its copy was done"
+    engine.rt.busy_events.clear()
+    engine.launch(None, [(torch.empty(2, WIDTH), third)])
+    assert {storage_ptr(t) for t in engine.held_sources()} == {storage_ptr(third)}
+    # A dead context: the query raises, and nothing is released again (freeing device memory
+    # after a fault can abort the process inside torch's allocator).
+    engine.rt.fault = "CUDA error: an illegal memory access was encountered (injected)"
+    engine.launch(None, [(torch.empty(2, WIDTH), first)])
+    engine.rt.fault = None
+    engine.launch(None, [(torch.empty(2, WIDTH), second)])
+    assert {storage_ptr(t) for t in engine.held_sources()} == {storage_ptr(t) for t in (third, first, second)}
 
 
 def test_cuda_runtime_events_block_and_streams_bind_to_the_device(monkeypatch: pytest.MonkeyPatch) -> None:

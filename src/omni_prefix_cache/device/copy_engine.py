@@ -16,7 +16,7 @@ See docs/cuda.md for the integration contract.
 from __future__ import annotations
 
 import functools
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -177,9 +177,6 @@ class CudaRuntime:
     def wait(self, stream: Any, event: Any) -> None:  # pragma: no cover - CUDA only
         stream.wait_event(event)
 
-    def record_stream(self, t: torch.Tensor, stream: Any) -> None:  # pragma: no cover - CUDA only
-        t.record_stream(stream)
-
     def host_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:  # pragma: no cover - CUDA only
         return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
 
@@ -196,9 +193,15 @@ class CudaRuntime:
 class CudaCopyEngine:
     """Per-device copy and read streams; pinned host memory; non-blocking copies.
 
-    Every device source is ``record_stream``-ed on the lane that reads it,
-    so a clone dropped early (a failed task) is not handed to another
-    allocation until the lane's queued work is done.
+    The engine holds every device source a lane reads until the event recorded
+    after its copies has completed, so a clone dropped early (a failed task, a
+    failed save) is not handed to another allocation while a queued copy still
+    reads it. Holds are released by a later launch that finds the event done.
+    Not ``record_stream``: once a device fault kills the CUDA context, freeing a
+    block marked by ``record_stream`` makes torch's allocator record an event,
+    which throws inside a destructor and aborts the process; a hold is simply
+    never released after a fault (the process must restart anyway), so
+    ``shutdown`` still returns.
     """
 
     name = "cuda"
@@ -209,6 +212,37 @@ class CudaCopyEngine:
         self._lanes: dict[tuple[int, str], Any] = {}
         self._lanes_lock = sync.Lock()
         self.lane_uses: Counter[str] = Counter()  # diagnostics: "copy"/"read" launches
+        # Per lane, in launch order (a stream completes its events in order): the event
+        # recorded after a launch's copies and the sources they read.
+        self._holds: dict[tuple[int, str], deque[tuple[Any, tuple[torch.Tensor, ...]]]] = {}
+        self._holds_lock = sync.Lock()
+        self._faulted = False  # an event query raised: the context is gone, nothing is released again
+
+    def held_sources(self) -> list[torch.Tensor]:
+        """The device sources still held for a lane's queued copies (diagnostics, tests)."""
+        with self._holds_lock:
+            return [t for holds in self._holds.values() for _, sources in holds for t in sources]
+
+    def _hold(self, key: tuple[int, str], event: Any, sources: tuple[torch.Tensor, ...]) -> None:
+        """Keep ``sources`` alive until ``event`` is done; first release every
+        earlier hold whose event is done. Any thread; takes the holds lock."""
+        with self._holds_lock:
+            self._release_done()
+            self._holds.setdefault(key, deque()).append((event, sources))
+
+    def _release_done(self) -> None:
+        if self._faulted:
+            return
+        for holds in self._holds.values():
+            while holds:
+                try:
+                    done = holds[0][0].query()
+                except RuntimeError:  # a dead context: keep every hold for good
+                    self._faulted = True
+                    return
+                if not done:
+                    break
+                holds.popleft()
 
     def is_device(self, t: torch.Tensor) -> bool:
         return bool(self._rt.is_device(t))
@@ -249,15 +283,29 @@ class CudaCopyEngine:
                 for event in waits:
                     self._rt.wait(stream, event)
                 timing = self._timing_start(stream)
-                for dst, src in items:
-                    self._rt.record_stream(src, stream)
-                    self.copy_into(dst, src)
-                event = self._rt.new_event()
-                event.record(stream)
+                try:
+                    for dst, src in items:
+                        self.copy_into(dst, src)
+                finally:
+                    # Also after a failed copy: the copies queued before it still read their sources.
+                    event = self._end_launch((device, lane), stream, tuple(src for _, src in items))
                 if timing is not None:
                     self._timing_end(lane, stream, timing)
             done[device] = event
         return next(iter(done.values())) if len(done) == 1 else DeviceEvents(done)
+
+    def _end_launch(self, key: tuple[int, str], stream: Any, sources: tuple[torch.Tensor, ...]) -> Any:
+        """Record the launch's event on ``stream`` and hold its sources until it is done."""
+        event = self._rt.new_event()
+        try:
+            event.record(stream)
+        except RuntimeError:  # a dead context: the sources are never released
+            with self._holds_lock:
+                self._faulted = True
+                self._holds.setdefault(key, deque()).append((event, sources))
+            raise
+        self._hold(key, event, sources)
+        return event
 
     @staticmethod
     def _timing_start(stream: Any) -> Any:  # pragma: no cover - CUDA only

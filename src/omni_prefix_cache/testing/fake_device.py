@@ -2,11 +2,13 @@
 
 ``FakeRuntime`` treats every tensor as a device tensor (device 0 unless
 ``place``-d elsewhere), so the manager's and the controller's device branches
-(clone, freeze event, per-device lanes, ``record_stream``, host waits) run on
+(clone, freeze event, per-device lanes, source holds, host waits) run on
 CPU through the same engine code a GPU runs. Each stream and event call is
 appended to ``calls`` in order; copies run on the host at once. ``pinned_*``
 counts what a real run would pin (every ``host_empty``). ``fault`` makes
-every later event wait raise, as a dead CUDA context does.
+every later event wait or query raise, as a dead CUDA context does; ``pending_fault``
+becomes ``fault`` at the next event recorded on a copy lane, as a fault queued
+ahead of a step's copy lands while that copy is in flight.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ from omni_prefix_cache.device.copy_engine import CudaCopyEngine, CudaRuntime
 class Call:
     """One logged runtime call. ``stream`` is a lane name such as ``copy0``,
     ``read1`` or ``compute0``; ``event`` the event's id; ``ptr`` the storage
-    a copy or ``record_stream`` touched."""
+    a copy or a source hold touched."""
 
-    op: str  # new_stream, record, wait, record_stream, copy, sync, host_empty
+    op: str  # new_stream, record, wait, hold, copy, sync, host_empty
     stream: str | None = None
     event: int | None = None
     ptr: int | None = None
@@ -57,6 +59,8 @@ class FakeEvent:
     def record(self, stream: FakeStream) -> None:
         self.stream = stream.name
         self._rt.log(Call("record", stream.name, self.id))
+        if self._rt.pending_fault is not None and stream.name.startswith("copy"):
+            self._rt.fault, self._rt.pending_fault = self._rt.pending_fault, None
 
     def synchronize(self) -> None:
         if self.stream is None:
@@ -66,7 +70,9 @@ class FakeEvent:
         self._rt.log(Call("sync", self.stream, self.id))
 
     def query(self) -> bool:
-        return self.stream is not None
+        if self._rt.fault is not None:
+            raise RuntimeError(self._rt.fault)
+        return self.stream is not None and self.id not in self._rt.busy_events
 
 
 def storage_ptr(t: torch.Tensor) -> int:
@@ -81,6 +87,8 @@ class FakeRuntime(CudaRuntime):
         self.pinned_bytes = 0
         self.pinned_allocs = 0
         self.fault: str | None = None
+        self.pending_fault: str | None = None  # becomes ``fault`` at the next copy-lane event record
+        self.busy_events: set[int] = set()  # ids whose ``query`` says not done yet
         self.wait_delay_s = 0.0  # lag injected after each lane wait (the GPU check's dry run)
         self._lock = threading.Lock()
         self._places: dict[int, int] = {}
@@ -141,9 +149,6 @@ class FakeRuntime(CudaRuntime):
         if self.wait_delay_s:
             time.sleep(self.wait_delay_s)
 
-    def record_stream(self, t: torch.Tensor, stream: FakeStream) -> None:
-        self.log(Call("record_stream", stream.name, ptr=storage_ptr(t)))
-
     def host_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(tuple(shape), dtype=dtype)
         nbytes = out.numel() * out.element_size()
@@ -171,3 +176,8 @@ class FakeDeviceEngine(CudaCopyEngine):
     def copy_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.rt.log(Call("copy", self.rt.lane(), ptr=storage_ptr(src), nbytes=src.numel() * src.element_size()))
         super().copy_into(dst, src)
+
+    def _hold(self, key: tuple[int, str], event: Any, sources: tuple[torch.Tensor, ...]) -> None:
+        for src in sources:
+            self.rt.log(Call("hold", f"{key[1]}{key[0]}", event.id, ptr=storage_ptr(src)))
+        super()._hold(key, event, sources)

@@ -63,7 +63,10 @@ def cuda_backend(lag_ms: float, forward_ms: float) -> Backend:  # pragma: no cov
     per_ms = _sleep_cycles_per_ms()
 
     def fault(engine: CopyEngine) -> None:
-        # An out-of-bounds gather: a device-side assert, raised asynchronously.
+        # An out-of-bounds gather: a device-side assert, raised asynchronously. Queued behind a
+        # 100 ms kernel on the current stream, so it lands after the host has saved the step whose
+        # forward it belongs to, while that step's copy (ordered after it) is still in flight.
+        torch.cuda._sleep(int(per_ms * 100))
         torch.zeros(4, device="cuda")[torch.tensor([1 << 20], device="cuda")]
 
     return Backend(
@@ -84,7 +87,8 @@ def fake_backend(lag_ms: float) -> Backend:
         return engine
 
     def fault(engine: CopyEngine) -> None:
-        engine.rt.fault = "CUDA error: an illegal memory access was encountered (fake)"  # type: ignore[attr-defined]
+        # Lands with the step's copy, as the CUDA backend's fault lands behind its slow kernel.
+        engine.rt.pending_fault = "CUDA error: an illegal memory access was encountered (fake)"  # type: ignore[attr-defined]
 
     return Backend(name="fake-lanes", device=torch.device("cpu"), make_engine=make, inject_fault=fault)
 

@@ -276,13 +276,19 @@ def check_device_fault(
     started = time.monotonic()
     numbers: dict[str, Any] = {}
 
-    def step(new: bool, start: int, count: int, finished: tuple[str, ...] = ()) -> int:
+    def step(new: bool, start: int, count: int, fault: bool = False) -> int:
         view.set_step(["a"], {"a": [0, 1, 2]}, {"a": start})
         req = SimpleNamespace(req_id="a", num_computed_tokens=0, block_ids=([0, 1, 2],))
         sched = SimpleNamespace(
-            scheduled_new_reqs=[req] if new else [], finished_req_ids=set(finished), num_scheduled_tokens={"a": count}
+            scheduled_new_reqs=[req] if new else [], finished_req_ids=set(), num_scheduled_tokens={"a": count}
         )
         mgr.new_step_starts(sched)
+        if fault:
+            # The fault is part of this step's forward: the step's copy is ordered after it on the
+            # device, so it is in flight when the fault lands (a fault queued after the copy may
+            # land once the copy is done, and then rightly loses nothing of this step).
+            assert backend.inject_fault is not None
+            backend.inject_fault(engine)
         rows = torch.arange(count * 8, dtype=torch.float32, device=backend.device).reshape(count, 8) + start
         mm = {"d": rows[:, :2].contiguous()}
         return mgr.save_outputs(rows, mm, num_tokens_unpadded=count, num_tokens_padded=count)
@@ -291,8 +297,7 @@ def check_device_fault(
         first = step(True, 0, 6)
         hidden = mgr.materialize(first, ["a"]).hidden_states
         numbers["first_ok"] = hidden is not None and bool(hidden["a"].shape[0] == 6)
-        second = step(False, 6, 1)
-        backend.inject_fault(engine)
+        second = step(False, 6, 1, fault=True)
         for name, call in (
             ("materialize", lambda: mgr.materialize(second, ["a"])),
             ("next_call", lambda: mgr.new_step_starts(SimpleNamespace(scheduled_new_reqs=[], finished_req_ids={"a"}))),
@@ -336,7 +341,11 @@ def _device_fault_in_child(timeout_s: float) -> Check:  # pragma: no cover - CUD
     except (ValueError, IndexError):
         return Check("device_fault[cuda]", False, {"rc": out.returncode}, (out.stdout + out.stderr)[-800:])
     if "name" not in got:  # only the pre-shutdown report: the child died tearing down
-        note = f"child exited rc={out.returncode} during shutdown: {out.stderr[-400:]}"
+        # The cause (a C++ ``what():``, a Python traceback's last line) comes before the frames.
+        causes = [ln for ln in out.stderr.splitlines() if "what():" in ln or "terminate" in ln or "Error" in ln]
+        note = (
+            f"child exited rc={out.returncode} during shutdown: {' | '.join(causes[:6])[:800]} ... {out.stderr[-300:]}"
+        )
         return Check("device_fault[cuda]", False, got, note)
     return Check(got["name"], bool(got["ok"]), got["numbers"], got.get("note", ""))
 
