@@ -223,10 +223,24 @@ def test_the_sweep_is_judged_against_vllms_scheduler_step_at_each_size() -> None
     # threaded x64: (300 + 128) / 700 = 0.611 > 0.5; x256: (300 + 512) / 3000 = 0.27 <= 0.5
     assert got["threaded x64 / vLLM sched step"] == (pytest.approx(428 / 700), False)
     assert got["threaded x256 / vLLM sched step"] == (pytest.approx(812 / 3000), True)
-    assert "vLLM scheduler step 200 us" in next(v.context for v in judge_report(rep) if v.name.startswith("eager x16"))
+    context = next(v.context for v in judge_report(rep) if v.name.startswith("eager x16"))
+    assert "vLLM scheduler step back to back 200 us" in context
     text = format_report(rep)
-    assert "vLLM's scheduler step" in text and "256 requests:   3000.0 us" in text
+    assert "vLLM's scheduler step" in text
+    assert "256                    -       3000 us    1680 us (0.56x)     812 us (0.27x)" in text
     assert rep.to_dict()["vllm_step_us"] == vllm
+    # Measured with the engine's gap too: the targets judge that step, and the table shows both.
+    rep.vllm_step_gap_us, rep.vllm_gap_us = {16: 400.0, 64: 1400.0, 256: 6000.0}, 5000.0
+    got = _verdicts(rep)
+    assert got["eager x16 / vLLM sched step"] == (pytest.approx(1.2), True)
+    assert got["threaded x64 / vLLM sched step"] == (pytest.approx(428 / 1400), True)
+    context = next(v.context for v in judge_report(rep) if v.name.startswith("eager x16"))
+    assert "vLLM scheduler step with a 5000 us gap 400 us" in context
+    text = format_report(rep)
+    assert "vLLM, 5000 us gap" in text
+    assert "16               400 us        200 us     480 us (1.20x)     332 us (0.83x)" in text
+    assert rep.to_dict()["vllm_step_gap_us"] == rep.vllm_step_gap_us and rep.to_dict()["vllm_gap_us"] == 5000.0
+    rep.vllm_step_gap_us, rep.vllm_gap_us = {}, 0.0
     # Not measured (no vLLM venv): the six targets are not judged, and say why.
     rep.vllm_step_us, rep.vllm_step_note = {}, "vLLM's scheduler step not measured (no vLLM venv)"
     assert not [name for name in _verdicts(rep) if "vLLM" in name]
@@ -239,10 +253,12 @@ def test_the_sweep_is_judged_against_vllms_scheduler_step_at_each_size() -> None
 def test_vllms_scheduler_step_is_skipped_with_a_reason_when_its_venv_is_missing(tmp_path) -> None:
     from omni_prefix_cache.tools.bench.vllm_step import scheduler_step_us
 
-    assert scheduler_step_us(None, (16,)) == ({}, "vLLM's scheduler step not measured (no vLLM venv)")
+    none = scheduler_step_us(None, (16,))
+    assert (none.back_to_back_us, none.with_gap_us) == ({}, {})
+    assert none.note == "vLLM's scheduler step not measured (no vLLM venv)"
     missing = str(tmp_path / "python")
-    got, note = scheduler_step_us(missing, (16,))
-    assert got == {} and missing in note and "setup-vllm.sh" in note
+    got = scheduler_step_us(missing, (16,), gap_us=5000.0)
+    assert got.back_to_back_us == got.with_gap_us == {} and missing in got.note and "setup-vllm.sh" in got.note
 
 
 # ---------------------------------------------------------------- issue 40's targets

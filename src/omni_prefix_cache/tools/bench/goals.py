@@ -104,12 +104,13 @@ def _per_request_context(name: str, other: str, mode: str) -> Callable[[BenchRep
 
 def _over_vllm_step(mode: str, requests: int) -> Callable[[BenchReport], float | None]:
     """The ``mode`` sweep's engine p50 per step at ``requests`` over vLLM's
-    scheduler step at the same size, measured in the same run."""
+    scheduler step at the same size, measured in the same run with the same
+    gap between its calls as the engine's (``vllm_step_judged_us``)."""
 
     def metric(rep: BenchReport) -> float | None:
         rows = rep.sweep if mode == "eager" else rep.sweep_threaded
         ours = next((r for r in rows if r.requests_per_step == requests), None)
-        theirs = rep.vllm_step_us.get(requests)
+        theirs = rep.vllm_step_judged_us.get(requests)
         return None if ours is None or not theirs else ours.engine_us_p50 / theirs
 
     return metric
@@ -119,10 +120,11 @@ def _vllm_step_context(mode: str, requests: int) -> Callable[[BenchReport], str]
     def context(rep: BenchReport) -> str:
         rows = rep.sweep if mode == "eager" else rep.sweep_threaded
         ours = next((r for r in rows if r.requests_per_step == requests), None)
-        theirs = rep.vllm_step_us.get(requests)
+        theirs = rep.vllm_step_judged_us.get(requests)
         if ours is None or not theirs:
             return ""
-        return f"engine {ours.engine_us_p50:.0f} us, vLLM scheduler step {theirs:.0f} us"
+        gap = f" with a {rep.vllm_gap_us:g} us gap" if rep.vllm_step_gap_us else " back to back"
+        return f"engine {ours.engine_us_p50:.0f} us, vLLM scheduler step{gap} {theirs:.0f} us"
 
     return context
 

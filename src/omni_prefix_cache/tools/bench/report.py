@@ -83,7 +83,7 @@ def format_report(rep: BenchReport) -> str:
         lines += wake_probe_lines(WakeProbe(**rep.wake_probe))
     if rep.vllm_step_us or rep.vllm_step_note:
         lines += ["", f"vLLM's scheduler step (schedule + update_from_output, decode, p50): {rep.vllm_step_note}"]
-        lines += [f"  {n:>4} requests: {us:8.1f} us" for n, us in sorted(rep.vllm_step_us.items())]
+        lines += vllm_step_lines(rep)
     lines += _baseline_lines(rep) if rep.baseline else ["", NO_BASELINE]
     lines.append("all targets met" if rep.all_met else "some targets MISSED")
     return "\n".join(lines)
@@ -199,3 +199,22 @@ def _baseline_lines(rep: BenchReport) -> list[str]:
         if (r.name, r.mode) not in judged:
             lines.append(f"  {r.name:<13} {r.mode:<8} not judged: the baseline has no such row")
     return lines
+
+
+def vllm_step_lines(rep: BenchReport) -> list[str]:
+    """The sweep's engine p50 per step beside vLLM's scheduler step at each size: the step
+    with the engine's gap between its calls (what the targets judge) and back to back."""
+    if not rep.vllm_step_us:
+        return []
+    gap = rep.vllm_gap_us
+    head = f"vLLM, {gap:g} us gap" if rep.vllm_step_gap_us else "vLLM (no gap)"
+    out = [f"  {'requests':>8} {head:>20} {'back to back':>13} {'eager':>18} {'threaded':>18}"]
+    for n, plain in sorted(rep.vllm_step_us.items()):
+        judged = rep.vllm_step_judged_us.get(n, plain)
+        cells = []
+        for rows in (rep.sweep, rep.sweep_threaded):
+            ours = next((r for r in rows if r.requests_per_step == n), None)
+            cells.append("-" if ours is None else f"{ours.engine_us_p50:.0f} us ({ours.engine_us_p50 / judged:.2f}x)")
+        gapped = f"{judged:.0f} us" if rep.vllm_step_gap_us else "-"
+        out.append(f"  {n:>8} {gapped:>20} {plain:>10.0f} us {cells[0]:>18} {cells[1]:>18}")
+    return out

@@ -276,9 +276,18 @@ class BenchReport:
     # The machine's wake cost (``wake_probe.WakeProbe.to_dict``; None: not run).
     wake_probe: dict[str, Any] | None = None
     # vLLM's own decode scheduler step, median us by requests per step, measured in the
-    # same run (``vllm_step``; empty: not measured, ``vllm_step_note`` says why).
+    # same run (``vllm_step``; empty: not measured, ``vllm_step_note`` says why): back to
+    # back, and with ``vllm_gap_us`` slept between its two calls (the run's --forward-us;
+    # empty without one). The targets compare the engine with the step given the same gap.
     vllm_step_us: dict[int, float] = field(default_factory=dict)
     vllm_step_note: str = ""
+    vllm_step_gap_us: dict[int, float] = field(default_factory=dict)
+    vllm_gap_us: float = 0.0
+
+    @property
+    def vllm_step_judged_us(self) -> dict[int, float]:
+        """vLLM's step the targets compare with: the one given the engine's gap when measured."""
+        return self.vllm_step_gap_us or self.vllm_step_us
 
     @property
     def mode(self) -> str:
@@ -375,6 +384,8 @@ class BenchReport:
             "wake_probe": self.wake_probe,
             "vllm_step_us": self.vllm_step_us,
             "vllm_step_note": self.vllm_step_note,
+            "vllm_step_gap_us": self.vllm_step_gap_us,
+            "vllm_gap_us": self.vllm_gap_us,
         }
 
 

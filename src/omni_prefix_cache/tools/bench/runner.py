@@ -204,7 +204,7 @@ def run_bench(
         if sweep_results:
             sweep_spread = spread([r.engine_us_per_request for r in sweep_results])
             cpu_spread = spread([r.engine_cpu_us_p50 / r.requests_per_step for r in sweep_results])
-        vllm_step, vllm_note = scheduler_step_us(vllm_python if sweep else None, SWEEP_SIZES)
+        vllm_step = scheduler_step_us(vllm_python if sweep else None, SWEEP_SIZES, gap_us=forward_us)
     finally:
         if metrics == "both" or scrape_hz > 0:
             TELEMETRY.disable()  # fresh series when it was on: the pairs' runs replaced them
@@ -226,8 +226,10 @@ def run_bench(
         tier_fill=time_tier_fill().to_dict() if pool_write else None,
         warm_pool=warm,
         wake_probe=probe_wake().to_dict() if wake_probe else None,
-        vllm_step_us=vllm_step,
-        vllm_step_note=vllm_note,
+        vllm_step_us=vllm_step.back_to_back_us,
+        vllm_step_gap_us=vllm_step.with_gap_us,
+        vllm_gap_us=vllm_step.gap_us,
+        vllm_step_note=vllm_step.note,
     )
     rep.report_verdicts = judge_report(rep)
     targets = {name: make().targets for name, make in SCENARIOS.items()}

@@ -8,8 +8,15 @@ The bench runs it in a subprocess of that venv's python beside its own
 rows (``scheduler_step_us``), so both sides share the machine's state;
 ``goals`` judges the sweep's engine time per step against it.
 
+With a gap (``--gap-us``, the bench's ``--forward-us``) the thread sleeps
+that long between ``schedule()`` and ``update_from_output()``, as the
+forward sits between them in a real engine and between the cache's
+``new_step_starts`` and ``save_outputs`` in the bench: on these VMs a sleep
+roughly doubles the next Python's cost, so only a step timed with the same
+gap compares fairly. Both are timed, one after the other at each size.
+
 Run alone: ``.venv-vllm/bin/python -m omni_prefix_cache.tools.bench.vllm_step
---sizes 16,64,256 --json``.
+--sizes 16,64,256 --gap-us 5000 --json``.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -32,9 +40,10 @@ PROMPT_TOKENS = 32
 BLOCK_SIZE = 16
 
 
-def _time_decode(v: SimpleNamespace, requests: int, steps: int, warmup: int) -> list[float]:
+def _time_decode(v: SimpleNamespace, requests: int, steps: int, warmup: int, gap_s: float = 0.0) -> list[float]:
     """Per-step wall us of ``schedule()`` + ``update_from_output()`` with
-    ``requests`` requests decoding one token each."""
+    ``requests`` requests decoding one token each; ``gap_s`` slept between
+    the two (not counted)."""
     from omni_prefix_cache.tools.simulate import vllm_setup as setup
     from omni_prefix_cache.tools.simulate.engine import SimConfig
     from omni_prefix_cache.tools.simulate.vllm_setup import VllmOptions
@@ -61,6 +70,8 @@ def _time_decode(v: SimpleNamespace, requests: int, steps: int, warmup: int) -> 
             t0 = time.perf_counter()
             so = sched.schedule()
             t1 = time.perf_counter()
+            if gap_s > 0:
+                time.sleep(gap_s)
             ids = list(so.num_scheduled_tokens)
             out = v.ModelRunnerOutput(
                 req_ids=ids,
@@ -80,8 +91,18 @@ def _time_decode(v: SimpleNamespace, requests: int, steps: int, warmup: int) -> 
     return times
 
 
-def measure(sizes: Sequence[int], steps: int = 200, warmup: int = 20) -> dict[int, float]:
-    """Median us of vLLM's decode scheduler step at each size (imports vLLM: seconds)."""
+def measure(sizes: Sequence[int], steps: int = 200, warmup: int = 20, gap_us: float = 0.0) -> dict[int, float]:
+    """Median us of vLLM's decode scheduler step at each size, ``gap_us``
+    slept between ``schedule()`` and ``update_from_output()`` (imports vLLM: seconds)."""
+    return measure_both(sizes, steps, warmup, gap_us)[1 if gap_us > 0 else 0]
+
+
+def measure_both(
+    sizes: Sequence[int], steps: int = 200, warmup: int = 20, gap_us: float = 0.0
+) -> tuple[dict[int, float], dict[int, float]]:
+    """``(back to back, with the gap)``: median us at each size; the second is
+    empty without a gap. The two runs of a size alternate, so they share the
+    machine's state."""
     import torch
 
     from omni_prefix_cache.tools.simulate.vllm_setup import load_vllm
@@ -90,46 +111,77 @@ def measure(sizes: Sequence[int], steps: int = 200, warmup: int = 20) -> dict[in
     # The config sizes max_model_len from the whole KV cache (no weights, no positions).
     os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     v = load_vllm()
-    return {n: statistics.median(_time_decode(v, n, steps, warmup)) for n in sizes}
+    plain: dict[int, float] = {}
+    gapped: dict[int, float] = {}
+    for n in sizes:
+        plain[n] = statistics.median(_time_decode(v, n, steps, warmup))
+        if gap_us > 0:
+            gapped[n] = statistics.median(_time_decode(v, n, steps, warmup, gap_us / 1e6))
+    return plain, gapped
+
+
+@dataclass
+class VllmStep:
+    """vLLM's decode scheduler step measured in a vLLM venv (``scheduler_step_us``):
+    median us by requests per step, back to back and with ``gap_us`` slept between
+    ``schedule()`` and ``update_from_output()`` (empty: not measured; ``note`` says why)."""
+
+    back_to_back_us: dict[int, float] = field(default_factory=dict)
+    with_gap_us: dict[int, float] = field(default_factory=dict)
+    gap_us: float = 0.0
+    note: str = ""
 
 
 def scheduler_step_us(
-    python: str | None, sizes: Sequence[int], *, timeout_s: float = 600.0
-) -> tuple[dict[int, float], str]:
-    """Run ``measure`` with ``python`` (a vLLM venv's interpreter) in a
-    subprocess: ``({size: median us}, note)``. Empty with a note saying why
-    when ``python`` is None or missing, or the run failed."""
+    python: str | None, sizes: Sequence[int], *, gap_us: float = 0.0, timeout_s: float = 900.0
+) -> VllmStep:
+    """Run ``measure_both`` with ``python`` (a vLLM venv's interpreter) in a
+    subprocess. Empty with a note saying why when ``python`` is None or
+    missing, or the run failed."""
     if not python:
-        return {}, "vLLM's scheduler step not measured (no vLLM venv)"
+        return VllmStep(note="vLLM's scheduler step not measured (no vLLM venv)")
     if not Path(python).exists():
-        return {}, f"vLLM's scheduler step not measured ({python} not found; bash .ci/setup-vllm.sh builds it)"
+        missing = f"{python} not found; bash .ci/setup-vllm.sh builds it"
+        return VllmStep(note=f"vLLM's scheduler step not measured ({missing})")
     cmd = [python, "-m", "omni_prefix_cache.tools.bench.vllm_step", "--json", "--sizes", ",".join(map(str, sizes))]
+    cmd += ["--gap-us", f"{gap_us:g}"]
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
-        return {}, f"vLLM's scheduler step not measured ({python} took over {timeout_s:.0f} s)"
+        return VllmStep(note=f"vLLM's scheduler step not measured ({python} took over {timeout_s:.0f} s)")
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        return {}, f"vLLM's scheduler step not measured ({python} exited {done.returncode}: {tail[0]})"
+        return VllmStep(note=f"vLLM's scheduler step not measured ({python} exited {done.returncode}: {tail[0]})")
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    return {int(k): float(us) for k, us in found["step_us"].items()}, f"vLLM {found['vllm']} via {python}"
+    return VllmStep(
+        back_to_back_us={int(k): float(us) for k, us in found["step_us"].items()},
+        with_gap_us={int(k): float(us) for k, us in found.get("step_gap_us", {}).items()},
+        gap_us=float(found.get("gap_us", 0.0)),
+        note=f"vLLM {found['vllm']} via {python}",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="vLLM's decode scheduler step (schedule + update_from_output), median us")
     p.add_argument("--sizes", default="16,64,256", help="requests decoding per step, comma separated")
     p.add_argument("--steps", type=int, default=200, help="timed steps per size")
-    p.add_argument("--json", action="store_true", help="one JSON line: {vllm, step_us: {size: us}}")
+    p.add_argument(
+        "--gap-us", type=float, default=0.0, help="also time each size with this sleep between the two calls"
+    )
+    p.add_argument(
+        "--json", action="store_true", help="one JSON line: {vllm, step_us: {size: us}, step_gap_us, gap_us}"
+    )
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    step_us = measure(sizes, steps=args.steps)
+    plain, gapped = measure_both(sizes, steps=args.steps, gap_us=args.gap_us)
     version = importlib.metadata.version("vllm")
     if args.json:
-        print(json.dumps({"vllm": version, "step_us": step_us}))
+        print(json.dumps({"vllm": version, "step_us": plain, "step_gap_us": gapped, "gap_us": args.gap_us}))
     else:
-        for n, us in step_us.items():
-            print(f"vLLM {version} scheduler decode step, {n} requests: {us:.1f} us (median)")
+        for n, us in plain.items():
+            gap = f"; with a {args.gap_us:g} us gap {gapped[n]:.1f} us" if n in gapped else ""
+            print(f"vLLM {version} scheduler decode step, {n} requests: {us:.1f} us back to back{gap} (median)")
     return 0
 
 
