@@ -34,7 +34,7 @@ class NewRequestDataLike(Protocol):
     @property
     def num_computed_tokens(self) -> int: ...  # prefix-cache hit tokens (block aligned) for a brand-new request
     @property
-    def block_ids(self) -> Sequence[Sequence[int]]: ...  # one list per KV cache group; group 0 is read
+    def block_ids(self) -> Sequence[Sequence[int]]: ...  # one list per KV cache group; the keyed one is read
 
 
 @runtime_checkable
