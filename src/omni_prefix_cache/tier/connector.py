@@ -70,7 +70,7 @@ def _define() -> dict[str, Any]:  # noqa: C901
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     from omni_prefix_cache.errors import OmniPrefixCacheInvalidArgumentError, OmniPrefixCacheUnmatchError
-    from omni_prefix_cache.kv_layout_gate import select_prefix_cache_kv_group
+    from omni_prefix_cache.kv_layout_gate import MAMBA, kv_group_kind, select_prefix_cache_kv_group
     from omni_prefix_cache.tier.forwarding import ForwardingConnector, WrappedConnectorMetadata
     from omni_prefix_cache.tier.index import TierIndex
     from omni_prefix_cache.tier.metadata import BlockHash, TierLoad, TierStepMetadata
@@ -102,6 +102,9 @@ def _define() -> dict[str, Any]:  # noqa: C901
             keyed = select_prefix_cache_kv_group(kv_cache_config.kv_cache_groups)
             self.group_index: int = keyed.index
             self.block_size: int = keyed.group.kv_cache_spec.block_size
+            # A Mamba group's state is loaded as of the hit's end, and the inner connector
+            # stored it only at the ends it offers: such a hit is served whole or not at all.
+            self._whole_hits_only = any(kv_group_kind(g) == MAMBA for g in kv_cache_config.kv_cache_groups)
             self.index = TierIndex(
                 _positive_int(extra, MAX_BYTES_KEY), _positive_int(extra, BYTES_PER_TOKEN_KEY) * self.block_size
             )
@@ -137,7 +140,8 @@ def _define() -> dict[str, Any]:  # noqa: C901
             the host tier holds from there, short of the last token: vLLM computes
             the rest. A hit ending inside a block the tier would not cover (a
             partial tail) is refused whole, since the inner planned its load to end
-            exactly there."""
+            exactly there; so is any shortened hit beside a Mamba group, whose
+            state the inner stored only as of the end it offered."""
             num_tokens, load_async = self.inner.get_num_new_matched_tokens(request, num_computed_tokens)
             self._matched.pop(request.request_id, None)
             if not num_tokens:
@@ -155,7 +159,7 @@ def _define() -> dict[str, Any]:  # noqa: C901
                 return 0, False
             covered = self.index.covered(self.kv_block_hashes(request), first, room)
             capped = covered * bs
-            if capped < num_tokens and (num_computed_tokens + num_tokens) % bs:
+            if capped < num_tokens and ((num_computed_tokens + num_tokens) % bs or self._whole_hits_only):
                 capped = 0
             if capped == 0:
                 return 0, False
