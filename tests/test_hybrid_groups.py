@@ -38,6 +38,7 @@ class SchedulerOutput:
     scheduled_new_reqs: list[NewRequest] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: Any = None
+    scheduled_cached_reqs: Any = None
 
 
 class Table:
@@ -114,8 +115,10 @@ class Engine:
     def check(self, prompts: dict[str, list[int]]) -> None:
         """The row oracle: every request received exactly its own rows."""
         for rid, tokens in prompts.items():
-            got = self.got.get(rid)
-            assert got is not None and torch.equal(got, forward(tokens, 0)), f"request {rid!r}: wrong rows {got}"
+            got, want = self.got.get(rid), forward(tokens, 0)
+            if got is None or not torch.equal(got, want):
+                wrong = None if got is None or got.shape != want.shape else (got != want).any(dim=1).nonzero()
+                raise AssertionError(f"row oracle: request {rid!r} got wrong rows at positions {wrong}")
 
 
 PROMPT = list(range(11, 23))  # 3 blocks
@@ -131,6 +134,28 @@ def _a_then_b_hits_past_the_window(engine: Engine) -> None:
     engine.step(SchedulerOutput({"a": 12}, [NewRequest("a", 0, A_BLOCKS)]), {"a": (0, A_BLOCKS)}, forward(PROMPT, 0))
     out = SchedulerOutput({"b": 2}, [NewRequest("b", 8, B_BLOCKS)], {"a"})
     engine.step(out, {"b": (8, B_BLOCKS)}, forward([*PROMPT[:8], *TAIL][8:], 8))
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "threaded"])
+def test_a_block_that_moved_between_groups_serves_the_keyed_groups_rows(eager: bool) -> None:
+    """The groups share one block pool: c's full-attention blocks 1 and 2, once freed, become
+    a's sliding-window blocks, and b's hit (within the window: no null block) names them in
+    group 0 beside a's full-attention blocks 4 and 5 in group 1. Their slots still hold c's
+    rows (nothing mirrors a sliding-window group): read by group 0, b would get c's rows."""
+    other = list(range(61, 69))
+    engine = Engine(eager)
+    try:
+        c_blocks = ([8, 9], [1, 2])
+        engine.step(SchedulerOutput({"c": 8}, [NewRequest("c", 0, c_blocks)]), {"c": (0, c_blocks)}, forward(other, 0))
+        a_blocks = ([1, 2, 3], [4, 5, 6])
+        out = SchedulerOutput({"a": 12}, [NewRequest("a", 0, a_blocks)], {"c"})
+        engine.step(out, {"a": (0, a_blocks)}, forward(PROMPT, 0))
+        b_blocks = ([1, 2, 7], [4, 5, 10])
+        out = SchedulerOutput({"b": 2}, [NewRequest("b", 8, b_blocks)], {"a"})
+        engine.step(out, {"b": (8, b_blocks)}, forward(TAIL, 8))
+    finally:
+        engine.mgr.shutdown()
+    engine.check({"c": other, "a": PROMPT, "b": [*PROMPT[:8], *TAIL]})
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "threaded"])
@@ -170,7 +195,8 @@ def test_a_tier_load_restores_the_full_attention_groups_blocks(eager: bool) -> N
             {"c": (0, c_blocks)},
             forward(other, 0),
         )
-        b_blocks = ([NULL, 9, 10], [11, 12, 13])  # loaded by a KV connector into new blocks
+        # Loaded by a KV connector into blocks 4 and 5 again (c's rows there until the restore).
+        b_blocks = ([NULL, 9, 10], [4, 5, 11])
         load = SimpleNamespace(omni_tier=TierStepMetadata(loads={"b": TierLoad("b", 0, hashes)}))
         out = SchedulerOutput({"b": 2}, [NewRequest("b", 8, b_blocks)], {"c"}, load)
         engine.step(out, {"b": (8, b_blocks)}, forward(TAIL, 8))
@@ -179,6 +205,47 @@ def test_a_tier_load_restores_the_full_attention_groups_blocks(eager: bool) -> N
     finally:
         engine.mgr.shutdown()
     engine.check({"a": PROMPT, "c": other, "b": [*PROMPT[:8], *TAIL]})
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "threaded"])
+def test_a_resume_loaded_past_its_consumers_restores_the_full_attention_groups_blocks(eager: bool) -> None:
+    """b is preempted after its consumer got all 8 prompt rows, c reuses its blocks (the tier
+    keeps b's rows), and b resumes with its prompt loaded by a KV connector into blocks 10 and
+    11, which e's rows last held. No hit is served (nothing is missing), but the restore must
+    land in the keyed group's blocks: d's later local hit on them reads b's rows, not e's."""
+    hashes = (b"b0" * 8, b"b1" * 8)
+    e_tokens, b_tokens, c_tokens = list(range(31, 39)), PROMPT[:8], list(range(61, 69))
+    engine = Engine(eager)
+    try:
+        e_blocks = ([7, 8], [10, 11])
+        engine.step(
+            SchedulerOutput({"e": 8}, [NewRequest("e", 0, e_blocks)]), {"e": (0, e_blocks)}, forward(e_tokens, 0)
+        )
+        b_blocks = ([1, 2], [4, 5])
+        out = SchedulerOutput({"b": 8}, [NewRequest("b", 0, b_blocks)], {"e"})
+        engine.step(out, {"b": (0, b_blocks)}, forward(b_tokens, 0))
+        # b preempted (its blocks freed); c takes blocks 4 and 5, the tier keeps b's rows of them.
+        binds = SimpleNamespace(omni_tier=TierStepMetadata(bind=(TierBind(hashes[0], 4), TierBind(hashes[1], 5))))
+        c_blocks = ([1, 2], [4, 5])
+        out = SchedulerOutput({"c": 8}, [NewRequest("c", 0, c_blocks)], set(), binds)
+        engine.step(out, {"c": (0, c_blocks)}, forward(c_tokens, 0))
+        resumed = ([NULL, 9, 12], [10, 11, 13])
+        cached = SimpleNamespace(
+            req_ids=["b"],
+            resumed_req_ids={"b"},
+            num_computed_tokens=[8],
+            new_block_ids=[resumed],
+            num_output_tokens=[0],
+        )
+        load = SimpleNamespace(omni_tier=TierStepMetadata(loads={"b": TierLoad("b", 0, hashes)}))
+        out = SchedulerOutput({"b": 1}, [], {"c"}, load, cached)
+        engine.step(out, {"b": (8, resumed)}, forward([99], 8))
+        d_blocks = ([NULL, 14, 15], [10, 11, 15])
+        out = SchedulerOutput({"d": 2}, [NewRequest("d", 8, d_blocks)], {"b"})
+        engine.step(out, {"d": (8, d_blocks)}, forward(TAIL, 8))
+    finally:
+        engine.mgr.shutdown()
+    engine.check({"e": e_tokens, "b": [*b_tokens, 99], "c": c_tokens, "d": [*b_tokens, *TAIL]})
 
 
 def test_the_view_reads_the_configured_table_and_refuses_what_it_cannot_key_by() -> None:
