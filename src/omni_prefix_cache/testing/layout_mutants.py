@@ -17,13 +17,13 @@ SetAttr = Callable[[contextlib.ExitStack, Any, str, Any], None]
 OUTSIDE = "hybrid KV layouts: the composition models one KV cache group"
 
 
-def _group_zero_after_init(stack: contextlib.ExitStack, set_attr: SetAttr, cls: type) -> None:
-    """``cls`` instances read group 0 whatever the config keys (their ``_group``)."""
-    original = cls.__init__
+def _init_with(stack: contextlib.ExitStack, set_attr: SetAttr, cls: type, change: Callable[..., Any]) -> None:
+    """``cls(*args, **kwargs)`` builds as ``cls(*change(args, kwargs))`` while the mutant is applied."""
+    original = vars(cls)["__init__"]
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        args, kwargs = change(args, kwargs)
         original(self, *args, **kwargs)
-        self._group = 0
 
     set_attr(stack, cls, "__init__", init)
 
@@ -39,9 +39,14 @@ def register_layout_mutants(register: Register, set_attr: SetAttr) -> None:
     def _hits_group_zero(stack: contextlib.ExitStack) -> None:
         # Beside a sliding-window group 0, a hit then reads that group's blocks: slots
         # nothing mirrored, or another request's rows where a block moved between groups.
+        import dataclasses
+
         from omni_prefix_cache.reads.hit_planner import HitPlanner
 
-        _group_zero_after_init(stack, set_attr, HitPlanner)
+        def group_zero(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            return (dataclasses.replace(args[0], kv_cache_group_index=0), *args[1:]), kwargs
+
+        _init_with(stack, set_attr, HitPlanner, group_zero)
 
     @register(
         "tier_fill_reads_group_0",
@@ -52,4 +57,4 @@ def register_layout_mutants(register: Register, set_attr: SetAttr) -> None:
         # The keyed group's loaded blocks keep their old tenant's rows; the hit serves those.
         from omni_prefix_cache.reads.tier_fill import TierDesk
 
-        _group_zero_after_init(stack, set_attr, TierDesk)
+        _init_with(stack, set_attr, TierDesk, lambda args, kwargs: (args, {**kwargs, "group_index": 0}))
