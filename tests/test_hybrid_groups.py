@@ -252,7 +252,10 @@ def test_the_view_reads_the_configured_table_and_refuses_what_it_cannot_key_by()
     batch = HybridBatch()
     batch.set_rows({"r": (0, ([7, 8], [2, 3]))})
     assert FullAttentionGroupView(batch, BS, FULL).step_slots_cpu(["r"], {"r": 6}).tolist() == [8, 9, 10, 11, 12, 13]
-    assert FullAttentionGroupView(batch, BS).step_slots_cpu(["r"], {"r": 2}).tolist() == [28, 29]  # default: group 0
+    assert FullAttentionGroupView(batch, BS, SLIDING).step_slots_cpu(["r"], {"r": 2}).tolist() == [28, 29]
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="input batch has 2 block tables.*pass group_index="):
+        FullAttentionGroupView(batch, BS)  # a hybrid batch names its keyed group: never group 0 by default
+    assert FullAttentionGroupView(HybridBatch(groups=1), BS).group_index == 0
     with pytest.raises(OmniPrefixCacheUnmatchError, match="keyed by KV cache group 2, but the input batch has 2"):
         FullAttentionGroupView(batch, BS, 2)
     batch.block_table.block_tables[0].slot_mapping_mode = SimpleNamespace(value="none")

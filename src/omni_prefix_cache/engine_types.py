@@ -138,8 +138,10 @@ class GroupViewLike(Protocol):
     vLLM's input batch; a driver without vLLM brings its own.
 
     ``block_size`` must equal ``PrefixCacheConfig.block_size`` (the manager
-    refuses a mismatch). ``step_slots_cpu`` returns one int64 CPU slot id per
-    scheduled token, request after request in ``req_ids`` order.
+    refuses a mismatch); a view that declares a ``group_index`` (the KV cache
+    group it reads) must read ``PrefixCacheConfig.kv_cache_group_index``.
+    ``step_slots_cpu`` returns one int64 CPU slot id per scheduled token,
+    request after request in ``req_ids`` order.
     """
 
     @property

@@ -47,13 +47,15 @@ class FullAttentionGroupView:
     dropped (the caller checks that the slots cover the step).
     """
 
-    def __init__(self, input_batch: InputBatchLike, block_size: int, group_index: int = 0) -> None:
+    def __init__(self, input_batch: InputBatchLike, block_size: int, group_index: int | None = None) -> None:
         """Bind to block table ``group_index`` of ``input_batch`` (vLLM's
-        ``MultiGroupBlockTable`` holds one per KV cache group); raise on
-        layouts whose slots this math gets wrong.
+        ``MultiGroupBlockTable`` holds one per KV cache group; None: the only
+        one); raise on layouts whose slots this math gets wrong.
 
-        Refused: a ``group_index`` the input batch has no block table for, a
-        table that maps no token slots (a Mamba-style state group), hybrid
+        Refused: no ``group_index`` for an input batch with several block
+        tables (a hybrid model: which one keys the rows is the gate's choice),
+        a ``group_index`` the input batch has no block table for, a table that
+        maps no token slots (a Mamba-style state group), hybrid
         kernel blocks (one allocator block split into several kernel blocks
         per table column), decode/prefill context parallel (tokens striped
         across ranks), and a block table whose allocator block size differs
@@ -62,10 +64,16 @@ class FullAttentionGroupView:
         self.block_size = int(block_size)
         if self.block_size <= 0:
             raise OmniPrefixCacheUnmatchError(f"group view: block_size must be positive, got {block_size}")
-        self.group_index = int(group_index)
         self._input_batch = input_batch
         tables = getattr(input_batch.block_table, "block_tables", None)
         count = 1 if tables is None else len(tables)
+        if group_index is None and count != 1:
+            raise OmniPrefixCacheUnmatchError(
+                f"group view: the input batch has {count} block tables (one per KV cache group); pass "
+                "group_index=PrefixCacheConfig.kv_cache_group_index, the full-attention group "
+                "stage_prefix_cache_config picked, or build the view with get_prefix_cache_group_view"
+            )
+        self.group_index = 0 if group_index is None else int(group_index)
         if not 0 <= self.group_index < count:
             raise OmniPrefixCacheUnmatchError(
                 f"group view: the rows are keyed by KV cache group {self.group_index}, "

@@ -8,7 +8,9 @@ sliding-window or chunked-local group frees the blocks before its window (a
 hit longer than the window comes with vLLM's null block there), and a Mamba
 group keeps one recurrent state per block, not a row per token: neither can
 key the rows, but either may run beside a full-attention group, whose blocks
-key them (:func:`select_prefix_cache_kv_group`).
+key them (:func:`select_prefix_cache_kv_group`). Other kinds are refused as
+not verified (vLLM's runner, for one, leaves encoder-only groups out of the
+input batch's block tables, so a table's index would not be its group's).
 
 Every tensor-parallel rank computes the same final hidden states, and the
 engine takes the model runner's output from one rank only: the first tensor
