@@ -39,6 +39,8 @@ def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["simulate", "--block-size", "0"], "argument --block-size: must be at least 1, got 0"),
         (["simulate", "--hidden", "0"], "argument --hidden: must be at least 1, got 0"),
         (["simulate", "--steps", "x"], "argument --steps: expected an integer"),
+        (["simulate", "--kv-layout", "hybrid-sw-first"], "--kv-layout hybrid-sw-first needs --engine vllm"),
+        (["simulate", "--kv-layout", "nope"], "argument --kv-layout: invalid choice: 'nope'"),
         (["bench", "--scenario", "nope"], "argument --scenario: unknown scenario 'nope'"),
         (["bench", "--profile", "decode_x"], "argument --profile: unknown scenario 'decode_x'"),
         (["bench", "--iters", "0"], "argument --iters: must be at least 1"),
@@ -143,6 +145,13 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--version"])
     assert exc.value.code == 0
     assert capsys.readouterr().out.strip() == f"omni-prefix-cache {omni_prefix_cache.__version__}"
+
+
+def test_simulate_kv_layouts_match_the_vllm_driver() -> None:
+    from omni_prefix_cache.tools.commands.simulate import KV_LAYOUT_CHOICES
+    from omni_prefix_cache.tools.simulate.vllm_setup import KV_LAYOUTS
+
+    assert KV_LAYOUT_CHOICES == list(KV_LAYOUTS)
 
 
 def test_bench_scenario_names_match_the_bench() -> None:

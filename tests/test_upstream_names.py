@@ -252,6 +252,7 @@ def _group(**layout: Any) -> Any:
 
 
 FULL = SimpleNamespace(kv_cache_spec=type("FullAttentionSpec", (), {})())
+SLIDING = SimpleNamespace(kv_cache_spec=type("SlidingWindowSpec", (), {})())
 
 
 def test_get_prefix_cache_group_view_checks_the_groups_first_then_builds_the_view() -> None:
@@ -260,9 +261,14 @@ def test_get_prefix_cache_group_view_checks_the_groups_first_then_builds_the_vie
     assert view.step_slots_cpu(["r"], {"r": 6}).tolist() == [20, 21, 22, 23, 8, 9]
     assert get_prefix_cache_group_view(_batch(_Tables()), BS, [FULL]) is None  # no block table
     assert get_prefix_cache_group_view(_batch(None), BS, [FULL]) is None
-    for groups in (None, [], [FULL, FULL], [SimpleNamespace(kv_cache_spec=object())]):
+    for groups in (None, [], [SLIDING], [SLIDING, SLIDING], [SimpleNamespace(kv_cache_spec=object())]):
         with pytest.raises(OmniPrefixCacheUnmatchError, match="single full-attention"):
             get_prefix_cache_group_view(_batch(_Tables()), BS, groups)
+    # A hybrid model: the view reads the full-attention group's table (here the second).
+    sliding_table = SimpleNamespace(block_table=SimpleNamespace(cpu=torch.tensor([[0, 7]], dtype=torch.int32)))
+    hybrid = get_prefix_cache_group_view(_batch(_Tables(sliding_table, _group())), BS, [SLIDING, FULL])
+    assert hybrid is not None and hybrid.group_index == 1
+    assert hybrid.step_slots_cpu(["r"], {"r": 6}).tolist() == [20, 21, 22, 23, 8, 9]
     with pytest.raises(OmniPrefixCacheUnmatchError, match="kernel_block_size"):
         get_prefix_cache_group_view(_batch(_Tables(_group(blocks_per_kv_block=2))), BS, [FULL])
 

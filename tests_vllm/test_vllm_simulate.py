@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -109,6 +110,92 @@ def test_workload_behind_kv_offload(mode: str, seed: int, v, run_lines: list[str
         f"no load served from the tier {tier}\n{replay}"
     )
     assert tier["host_tier_lost"] == 0, f"{tier}\n{replay}"
+
+
+# ------------------------------------------------------------ hybrid KV cache layouts
+
+HYBRID = [
+    ("hybrid-sw-first", "eager", 0, V1, "events"),
+    ("hybrid-sw-first", "threaded", 1, V1, "events"),
+    ("hybrid-full-first", "eager", 2, V1, "events"),
+    ("hybrid-full-first", "threaded", 0, V1, "events"),
+    ("hybrid-mamba", "eager", 1, V1, "events"),
+    ("hybrid-mamba", "threaded", 2, V1, "events"),
+    ("hybrid-sw-first", "threaded", 3, V2, "events"),
+    ("hybrid-full-first", "threaded", 4, V1, "seed"),
+]
+HYBRID_IDS = [f"{a}-{lay}-{m}-seed{s}-{'v2' if o.resumed_as_new else 'v1'}" for lay, m, s, o, a in HYBRID]
+
+
+def _hybrid_replay(layout: str, mode: str, seed: int, offload: bool = False, api: str = "events") -> str:
+    flags = " --kv-offload" if offload else ""
+    return (
+        f"replay: .venv-vllm/bin/omni-prefix-cache simulate --engine vllm --kv-layout {layout}{flags} "
+        f"--api {api} --{mode} --seed {seed}"
+    )
+
+
+@pytest.mark.parametrize(("layout", "mode", "seed", "opts", "api"), HYBRID, ids=HYBRID_IDS)
+def test_hybrid_layout_on_real_scheduler(
+    layout: str, mode: str, seed: int, opts: VllmOptions, api: str, v, run_lines: list[str]
+) -> None:
+    """A hybrid model's KV cache groups (a sliding-window group of 2 blocks before or after the
+    full-attention one, or a Mamba group in align mode before it) in vLLM's real scheduler and
+    InputBatch: the gate keys the rows by the full-attention group, hits longer than the window
+    (vLLM's null block in the other group) serve exactly their own rows, through preemption."""
+    opts = dataclasses.replace(opts, kv_layout=layout)
+    res = run_vllm_simulation(SimConfig(seed=seed, eager=mode == "eager"), opts, api=api)
+    run_lines.append(_line(res, seed) + f" ({layout})")
+    replay = _hybrid_replay(layout, mode, seed, api=api)
+    if opts.resumed_as_new:
+        replay += " (Model Runner V2 reporting: VllmOptions(resumed_as_new=True), from Python)"
+    _check(res, replay)
+    st = res.scheduler
+    assert st["hits"] > 0 and st["hits_past_window"] > 0, f"no hit past the other group's window {st}\n{replay}"
+    assert st["preemptions"] > 0 and st["resumes"] > 0, f"{st}\n{replay}"
+    assert res.allocator["null_block_in_table"] == 0, f"vLLM's null block in the keyed group {res.allocator}"
+    if api == "events":
+        assert res.events["resumed"] == st["resumes"] and res.events["resumed_unaligned"] == 0, res.events
+
+
+HYBRID_OFFLOAD = [
+    ("hybrid-sw-first", "threaded", 0),
+    ("hybrid-full-first", "eager", 1),
+    ("hybrid-mamba", "threaded", 0),
+]
+
+
+@pytest.mark.parametrize(
+    ("layout", "mode", "seed"), HYBRID_OFFLOAD, ids=[f"{lay}-{m}-seed{s}" for lay, m, s in HYBRID_OFFLOAD]
+)
+def test_hybrid_layout_behind_kv_offload(layout: str, mode: str, seed: int, v, run_lines: list[str]) -> None:
+    """The hybrid layouts behind the tier wrapper around vLLM's OffloadingConnector: the tier keys
+    its hashes by the full-attention group's blocks and restores them into the blocks a load fills."""
+    opts = VllmOptions(kv_offload=True, kv_layout=layout)
+    res = run_vllm_simulation(SimConfig(seed=seed, eager=mode == "eager"), opts)
+    run_lines.append(_line(res, seed) + f" (kv offload, {layout})")
+    replay = _hybrid_replay(layout, mode, seed, offload=True)
+    _check(res, replay)
+    tier = {k: v for k, v in res.manager_stats.items() if k.startswith("host_tier_")}
+    assert tier["host_tier_restored"] > 0 and tier["host_tier_lost"] == 0, f"{tier}\n{replay}"
+    assert res.scheduler["hits_past_window"] > 0, f"{res.scheduler}\n{replay}"
+
+
+def test_rows_keyed_by_the_sliding_window_group_fail_loudly(v, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Why the gate picks the full-attention group: keyed by the sliding-window group (gate
+    bypassed), a hit longer than the window reads vLLM's null block and materialize fails
+    loudly; the driver's own check of the keyed group's rows catches it first."""
+    import omni_prefix_cache.tools.simulate.vllm_setup as setup
+    from omni_prefix_cache.tools.simulate.vllm_engine import VllmSimulation
+
+    gate = setup.stage_config
+    monkeypatch.setattr(setup, "stage_config", lambda c, k: dataclasses.replace(gate(c, k), kv_cache_group_index=0))
+    opts = VllmOptions(kv_layout="hybrid-sw-first")
+    checked = run_vllm_simulation(SimConfig(seed=0, eager=True), opts)
+    assert checked.error is not None and "group 0 blocks=" in checked.error, checked.error
+    monkeypatch.setattr(VllmSimulation, "_check_rows", lambda self, plan, order: None)
+    res = run_vllm_simulation(SimConfig(seed=0, eager=True), opts)
+    assert res.error is not None and "were never written (ABSENT)" in res.error, res.error
 
 
 def _check_events(res: VllmSimResult, replay: str) -> None:

@@ -35,6 +35,7 @@ from typing import Any, Generic, TypeVar
 from omni_prefix_cache.adapter import PrefixCacheSchedulerAdapter, PrefixCacheStep
 from omni_prefix_cache.errors import OmniPrefixCacheUnmatchError
 from omni_prefix_cache.interface import ReqId, StageCacheOutputs, output_progress
+from omni_prefix_cache.kv_layout_gate import check_view_group
 from omni_prefix_cache.manager import OmniPrefixCacheManager
 
 __all__ = [
@@ -95,6 +96,11 @@ class PrefixCacheEngineHelper:
         consumer: str = "output",
         adapter: PrefixCacheSchedulerAdapter | None = None,
     ) -> None:
+        """Raises ``OmniPrefixCacheUnmatchError`` when ``group_view`` reads
+        another KV cache group than ``manager`` keys its rows by."""
+        group = getattr(manager, "kv_cache_group_index", None)
+        if group is not None:
+            check_view_group(group_view, group)
         self.manager = manager
         self.group_view = group_view
         self.consumer = consumer

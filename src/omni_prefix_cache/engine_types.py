@@ -34,7 +34,7 @@ class NewRequestDataLike(Protocol):
     @property
     def num_computed_tokens(self) -> int: ...  # prefix-cache hit tokens (block aligned) for a brand-new request
     @property
-    def block_ids(self) -> Sequence[Sequence[int]]: ...  # one list per KV cache group; group 0 is read
+    def block_ids(self) -> Sequence[Sequence[int]]: ...  # one list per KV cache group; the keyed one is read
 
 
 @runtime_checkable
@@ -138,8 +138,10 @@ class GroupViewLike(Protocol):
     vLLM's input batch; a driver without vLLM brings its own.
 
     ``block_size`` must equal ``PrefixCacheConfig.block_size`` (the manager
-    refuses a mismatch). ``step_slots_cpu`` returns one int64 CPU slot id per
-    scheduled token, request after request in ``req_ids`` order.
+    refuses a mismatch); a view that declares a ``group_index`` (the KV cache
+    group it reads) must read ``PrefixCacheConfig.kv_cache_group_index``.
+    ``step_slots_cpu`` returns one int64 CPU slot id per scheduled token,
+    request after request in ``req_ids`` order.
     """
 
     @property

@@ -1,10 +1,11 @@
 """vLLM integration points, duck-typed: vLLM is never imported here.
 
-- :class:`FullAttentionGroupView` reads vLLM's input batch (group 0 of its
-  block table) and turns a step's scheduled tokens into KV slot ids on the
-  CPU, without touching the device.
+- :class:`FullAttentionGroupView` reads vLLM's input batch (the block
+  table of the KV cache group the rows are keyed by) and turns a step's
+  scheduled tokens into KV slot ids on the CPU, without touching the device.
 - :func:`stage_prefix_cache_config` is the runner-side gate: it decides
-  whether a stage gets a prefix cache at all and refuses, loudly, the
+  whether a stage (and a parallel rank) gets a prefix cache at all, picks
+  the keyed group (``kv_layout_gate``) and refuses, loudly, the
   configurations where slot ids would silently point at the wrong rows.
 """
 
@@ -20,6 +21,12 @@ import torch
 from omni_prefix_cache.engine_types import InputBatchLike
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, PrefixCacheConfig, ReqId
 from omni_prefix_cache.kv_connector_gate import check_kv_connector
+from omni_prefix_cache.kv_layout_gate import (
+    check_prefix_cache_context_parallel,
+    check_prefix_cache_hit_alignment,
+    is_prefix_cache_mirror_rank,
+    select_prefix_cache_kv_group,
+)
 
 
 def _empty_slots() -> torch.Tensor:
@@ -30,7 +37,9 @@ _INT: frozenset[type] = frozenset({int})
 
 
 class FullAttentionGroupView:
-    """Slot ids of the single full-attention KV group, computed on the CPU.
+    """Slot ids of the full-attention KV cache group the rows are keyed by
+    (``group_index``; ``PrefixCacheConfig.kv_cache_group_index``), computed
+    on the CPU.
 
     ``slot = block_table[row, pos // block_size] * block_size + pos % block_size``
     for each scheduled position ``pos``, starting at the request's
@@ -38,25 +47,45 @@ class FullAttentionGroupView:
     dropped (the caller checks that the slots cover the step).
     """
 
-    def __init__(self, input_batch: InputBatchLike, block_size: int) -> None:
-        """Bind to ``input_batch``; raise on layouts whose slots this math gets wrong.
+    def __init__(self, input_batch: InputBatchLike, block_size: int, group_index: int | None = None) -> None:
+        """Bind to block table ``group_index`` of ``input_batch`` (vLLM's
+        ``MultiGroupBlockTable`` holds one per KV cache group; None: the only
+        one); raise on layouts whose slots this math gets wrong.
 
-        Refused: hybrid kernel blocks (one allocator block split into several
-        kernel blocks per table column), decode/prefill context parallel
-        (tokens striped across ranks), more than one block table, and a
-        block table whose allocator block size differs from ``block_size``.
+        Refused: no ``group_index`` for an input batch with several block
+        tables (a hybrid model: which one keys the rows is the gate's choice),
+        a ``group_index`` the input batch has no block table for, a table that
+        maps no token slots (a Mamba-style state group), hybrid
+        kernel blocks (one allocator block split into several kernel blocks
+        per table column), decode/prefill context parallel (tokens striped
+        across ranks), and a block table whose allocator block size differs
+        from ``block_size``.
         """
         self.block_size = int(block_size)
         if self.block_size <= 0:
             raise OmniPrefixCacheUnmatchError(f"group view: block_size must be positive, got {block_size}")
         self._input_batch = input_batch
         tables = getattr(input_batch.block_table, "block_tables", None)
-        if tables is not None and len(tables) != 1:
+        count = 1 if tables is None else len(tables)
+        if group_index is None and count != 1:
             raise OmniPrefixCacheUnmatchError(
-                f"group view: the omni prefix cache needs a single full-attention KV cache group; "
-                f"the input batch has {len(tables)} block tables"
+                f"group view: the input batch has {count} block tables (one per KV cache group); pass "
+                "group_index=PrefixCacheConfig.kv_cache_group_index, the full-attention group "
+                "stage_prefix_cache_config picked, or build the view with get_prefix_cache_group_view"
             )
-        group = input_batch.block_table[0]
+        self.group_index = 0 if group_index is None else int(group_index)
+        if not 0 <= self.group_index < count:
+            raise OmniPrefixCacheUnmatchError(
+                f"group view: the rows are keyed by KV cache group {self.group_index}, "
+                f"but the input batch has {count} block table(s)"
+            )
+        group = input_batch.block_table[self.group_index]
+        mode = getattr(getattr(group, "slot_mapping_mode", None), "value", None)
+        if mode == "none":
+            raise OmniPrefixCacheUnmatchError(
+                f"group view: block table {self.group_index} maps no token slots (slot_mapping_mode none: "
+                "a Mamba-style state group); key the rows by a full-attention group"
+            )
         check_prefix_cache_block_layout(group, self.block_size)
         self._group = group
         # Power-of-two block sizes (vLLM's usual) map positions with shifts and masks.
@@ -163,8 +192,8 @@ class FullAttentionGroupView:
 
 
 def check_prefix_cache_block_layout(block_table: Any, block_size: int) -> None:
-    """Raise unless ``block_table`` (group 0 of vLLM's input batch block
-    table) has the layout ``FullAttentionGroupView``'s slot math assumes:
+    """Raise unless ``block_table`` (the keyed group's table in vLLM's input
+    batch) has the layout ``FullAttentionGroupView``'s slot math assumes:
     one allocator block per column (no hybrid kernel blocks), no token
     striping across ranks (decode or prefill context parallel), and an
     allocator block size equal to ``block_size``."""
@@ -200,25 +229,13 @@ def check_prefix_cache_block_layout(block_table: Any, block_size: int) -> None:
         )
 
 
-def _type_names(obj: Any) -> set[str]:
-    return {cls.__name__ for cls in type(obj).__mro__}
-
-
 def check_prefix_cache_kv_groups(groups: Sequence[Any] | None) -> Any:
-    """Return the only KV cache group; raise unless there is exactly one
-    and (when it declares a ``kv_cache_spec``) it is full attention. None
-    counts as no group."""
-    groups = list(groups or ())
-    if len(groups) != 1:
-        raise OmniPrefixCacheUnmatchError(
-            f"omni prefix cache needs a single full-attention KV cache group, got {len(groups)} groups"
-        )
-    spec = getattr(groups[0], "kv_cache_spec", None)
-    if spec is not None and "FullAttentionSpec" not in _type_names(spec):
-        raise OmniPrefixCacheUnmatchError(
-            f"omni prefix cache needs a single full-attention KV cache group, got {type(spec).__name__}"
-        )
-    return groups[0]
+    """Return the KV cache group the rows are keyed by; raise unless the
+    groups are a single full-attention group or full-attention groups beside
+    sliding-window, chunked-local or Mamba groups (one group without a
+    ``kv_cache_spec`` counts as full attention; None counts as no group).
+    The choice and its refusals: ``kv_layout_gate.select_prefix_cache_kv_group``."""
+    return select_prefix_cache_kv_group(groups).group
 
 
 def check_prefix_cache_kv_transfer(kv_transfer_config: Any) -> None:
@@ -258,27 +275,43 @@ def stage_prefix_cache_config(
     model_config: Any,
     is_pooling_model: bool,
     speculative_config: Any = None,
+    parallel_config: Any = None,
+    rank: int | None = None,
 ) -> PrefixCacheConfig | None:
     """The stage's prefix cache config, or None when it gets no cache.
 
-    None when prefix caching is off or the stage is a pooling model. Raises
-    for a KV connector that can load KV, whatever its role
-    (``check_prefix_cache_kv_transfer``),
-    speculative decoding and prefix matching finer than a KV block
-    (``check_prefix_cache_token_accounting``), and anything but exactly one
-    full-attention KV cache group (``check_prefix_cache_kv_groups``).
-    Checked in that order, so the refusals fire before the group check.
+    None when prefix caching is off, the stage is a pooling model, or
+    (``parallel_config``, vLLM's ``ParallelConfig``) this worker's ``rank``
+    (default ``parallel_config.rank``) is not the one whose output the
+    engine returns (``kv_layout_gate.is_prefix_cache_mirror_rank``: the
+    first tensor rank of the last pipeline stage). Raises, on every rank, for
+    a KV connector that can load KV, whatever its role
+    (``check_prefix_cache_kv_transfer``), speculative decoding and prefix
+    matching finer than a KV block (``check_prefix_cache_token_accounting``),
+    decode or prefill context parallel
+    (``kv_layout_gate.check_prefix_cache_context_parallel``), KV cache groups
+    without a full-attention group or with a kind not verified beside one
+    (``check_prefix_cache_kv_groups``), and prefix hits that may end inside a
+    block of the keyed group. Checked in that order, so the refusals fire
+    before the group check. The config carries the keyed group's index and
+    block size (its spec's, else ``cache_config.block_size``).
     """
     if not bool(getattr(cache_config, "enable_prefix_caching", False)) or is_pooling_model:
         return None
     check_prefix_cache_kv_transfer(kv_transfer_config)
     check_prefix_cache_token_accounting(cache_config, speculative_config)
-    check_prefix_cache_kv_groups(getattr(kv_cache_config, "kv_cache_groups", ()))
+    check_prefix_cache_context_parallel(parallel_config)
+    keyed = select_prefix_cache_kv_group(getattr(kv_cache_config, "kv_cache_groups", ()))
+    block_size = int(cache_config.block_size) if keyed.block_size is None else keyed.block_size
+    check_prefix_cache_hit_alignment(kv_cache_config, block_size)
+    if not is_prefix_cache_mirror_rank(parallel_config, rank):
+        return None
     return PrefixCacheConfig.from_vllm_config(
         num_blocks=int(kv_cache_config.num_blocks),
-        block_size=int(cache_config.block_size),
+        block_size=block_size,
         scheduler_config=scheduler_config,
         model_config=model_config,
+        kv_cache_group_index=keyed.index,
     )
 
 
@@ -289,14 +322,16 @@ def get_prefix_cache_group_view(
     block table (nothing to map slots from).
 
     ``kv_cache_groups`` (``kv_cache_config.kv_cache_groups``) are checked
-    first, as at KV cache init (``check_prefix_cache_kv_groups``): they must
-    be exactly one full-attention group, so None or none raises. Then the
-    view refuses block-table layouts its slot math gets wrong.
+    first, as at KV cache init (``check_prefix_cache_kv_groups``), and pick
+    the block table the view reads (the keyed group's, the index
+    ``stage_prefix_cache_config`` puts in the config); None or no group
+    raises. Then the view refuses block-table layouts its slot math gets
+    wrong.
     """
-    check_prefix_cache_kv_groups(kv_cache_groups)
+    keyed = select_prefix_cache_kv_group(kv_cache_groups)
     table = getattr(input_batch, "block_table", None)
     # vLLM's MultiGroupBlockTable lists its tables in ``block_tables``; a plain list is its own.
     tables = getattr(table, "block_tables", table)
     if table is None or (isinstance(tables, Sequence) and len(tables) == 0):
         return None
-    return FullAttentionGroupView(input_batch, block_size)
+    return FullAttentionGroupView(input_batch, block_size, keyed.index)

@@ -110,6 +110,10 @@ class PrefixCacheConfig:
     # The host tier's byte bound on this side (docs/integration.md, "Behind a
     # KV connector"). None: only the scheduler side's bound applies.
     host_tier_bytes: int | None = None
+    # The KV cache group whose slots key the rows: its index in vLLM's
+    # kv_cache_config.kv_cache_groups (a full-attention group; the gate,
+    # group_view.stage_prefix_cache_config, picks it). 0 for a single group.
+    kv_cache_group_index: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "staging_depth", "staging_capacity_tokens", "copy_chunk_bytes"):
@@ -117,6 +121,12 @@ class PrefixCacheConfig:
                 raise OmniPrefixCacheInvalidArgumentError(
                     f"PrefixCacheConfig.{name} must be positive, got {getattr(self, name)}"
                 )
+        index = self.kv_cache_group_index
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise OmniPrefixCacheInvalidArgumentError(
+                f"PrefixCacheConfig.kv_cache_group_index must be a KV cache group index >= 0, "
+                f"got {self.kv_cache_group_index!r}"
+            )
         if self.gpu_staging_bytes < 0 or self.staging_claim_timeout_s < 0:
             raise OmniPrefixCacheInvalidArgumentError(
                 "PrefixCacheConfig: gpu_staging_bytes and staging_claim_timeout_s must be >= 0"
@@ -130,8 +140,10 @@ class PrefixCacheConfig:
         block_size: int,
         scheduler_config: Any = None,
         model_config: Any = None,
+        kv_cache_group_index: int = 0,
     ) -> PrefixCacheConfig:
-        """Size staging pages from the running scheduler.
+        """Size staging pages from the running scheduler; ``kv_cache_group_index``
+        is the keyed group's (``stage_prefix_cache_config`` picks it).
 
         A page holds one step, so its capacity is ``max_num_batched_tokens``
         (falling back to ``max_model_len``, then 1024). ``staging_depth`` keeps
@@ -146,7 +158,12 @@ class PrefixCacheConfig:
             capacity = int(batched or model_len or 1024)
         except (TypeError, ValueError):
             capacity = 1024
-        return cls(num_blocks=num_blocks, block_size=block_size, staging_capacity_tokens=max(1, capacity))
+        return cls(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            staging_capacity_tokens=max(1, capacity),
+            kv_cache_group_index=kv_cache_group_index,
+        )
 
 
 @dataclass

@@ -54,6 +54,7 @@ from omni_prefix_cache.interface import (
     StepId,
     Tid,
 )
+from omni_prefix_cache.kv_layout_gate import check_view_group
 from omni_prefix_cache.manager_calls import AbandonCall, NewStepCall, SaveCall, StepCall
 from omni_prefix_cache.manager_ops import FacadeOps
 from omni_prefix_cache.ops.components import ManagerComponents
@@ -97,7 +98,8 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
 
     ``view``: the group view (``GroupViewLike``) save_outputs reads spans and
     slots from when it is given no ``write_layout`` (the seed-era form);
-    engine thread only. The event API (``PrefixCacheSchedulerAdapter``)
+    engine thread only. Its ``block_size`` and ``group_index`` (when it
+    declares one) must be the config's (raises otherwise). The event API (``PrefixCacheSchedulerAdapter``)
     needs none. ``eager``: None picks eager on machines without CUDA; False
     runs the threaded committer. ``committer``: "thread" in production;
     "manual" and "on_demand" let a test step the committer itself.
@@ -117,6 +119,8 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
             raise OmniPrefixCacheUnmatchError(
                 f"group view block_size {view_bs} does not match PrefixCacheConfig.block_size {config.block_size}"
             )
+        check_view_group(view, config.kv_cache_group_index)
+        self._group_index = int(config.kv_cache_group_index)
         self._view = view
         # Process-wide (the compiled machines are): see telemetry.registry.
         if config.metrics:
@@ -158,6 +162,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         self._tier_desk = TierDesk(
             TierFill(self._pool, self._slot_status, self._reads, self._hits.prefetch, self._hits.block_slots),
             block_size=config.block_size,
+            group_index=config.kv_cache_group_index,
             max_bytes=config.host_tier_bytes,
             fill_timeout_s=config.staging_claim_timeout_s,
             commit_drained=self._ledger.commit_drained_locked,
@@ -168,6 +173,12 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         self._delivery = DeliveryDesk(self._requests, self._state_lock, self._check_open)
         # The manager's share of spec/protocol.yaml, compiled once, and the runner of its segments (manager_ops).
         self._ops, self._runner = self._compile_facade_ops()
+
+    @property
+    def kv_cache_group_index(self) -> int:
+        """The KV cache group whose slots key the rows
+        (``PrefixCacheConfig.kv_cache_group_index``). Any thread."""
+        return self._group_index
 
     @property
     def components(self) -> ManagerComponents:
@@ -220,8 +231,8 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         back before the hits are read (docs/integration.md).
 
         Validate, then mutate: a bad argument (a bad id or count, a hit not
-        block aligned or without group-0 block ids, an owner change without
-        STARTED or REPLACED) raises OmniPrefixCacheInvalidArgumentError before
+        block aligned or without block ids of the keyed KV cache group, an
+        owner change without STARTED or REPLACED) raises OmniPrefixCacheInvalidArgumentError before
         anything changes; a sticky failure, the write-failed error; after
         shutdown, the shutdown error. Takes the state lock twice; escalation
         (eager writes run inline) happens between, outside it."""

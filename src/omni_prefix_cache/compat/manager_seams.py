@@ -67,7 +67,7 @@ class ManagerSeams:
 
     @property
     def _hit_spans(self) -> dict[ReqId, tuple[int, list[int]]]:
-        """The hits registered since the last save, as ``(cached rows, group-0
+        """The hits registered since the last save, as ``(cached rows, keyed-group
         block ids)`` per request (a copy: the pending hits are the planner's)."""
         return {rid: (hit.num_computed, list(hit.block_ids)) for rid, hit in self._hits.pending.items()}
 

@@ -1,6 +1,7 @@
 """Prefix hits: from new_step_starts to planned reads on the prefetch thread.
 
-``HitPlanner`` validates a hit (block aligned, group-0 block ids in range),
+``HitPlanner`` validates a hit (block aligned, block ids of the keyed KV
+cache group, ``PrefixCacheConfig.kv_cache_group_index``, in range),
 keeps it pending until its step's save, plans one read per cached key
 (``HitReads.plan``; a step's hits key by key with ``plan_many``) and submits
 the reads to the prefetch thread. A hit on a block its own step reallocates
@@ -72,6 +73,7 @@ class HitPlanner:
     ) -> None:
         self._config = config
         self._block_size = int(config.block_size)
+        self._group = int(config.kv_cache_group_index)
         self._occupancy = occupancy
         self._reads = reads
         self.prefetch = prefetch
@@ -82,36 +84,42 @@ class HitPlanner:
         self._marks = SlotMarks()  # the same-step hit check's table over the pool's slots
 
     def hit_blocks(self, rid: ReqId, computed: int, block_ids: Any) -> list[int]:
-        """Validate a hit and return its group-0 prefix block ids. Raises
-        the invalid-argument or invalid-type error naming the request."""
-        bs = self._block_size
+        """Validate a hit and return its prefix block ids in the keyed KV
+        cache group (``block_ids[kv_cache_group_index]``). Raises the
+        invalid-argument or invalid-type error naming the request."""
+        bs, g = self._block_size, self._group
         if computed % bs:
             raise OmniPrefixCacheInvalidArgumentError(
                 f"prefix hit not block aligned: request {rid!r} has num_computed_tokens={computed}, block_size={bs}"
             )
         need = computed // bs
-        group0 = None
+        group = None
         if isinstance(block_ids, (str, bytes)) or (block_ids is not None and not isinstance(block_ids, Sequence)):
             raise OmniPrefixCacheInvalidTypeError(
                 f"prefix hit of request {rid!r}: block_ids must be a sequence of per-group block id lists, "
                 f"got {type(block_ids).__name__}"
             )
-        if block_ids is not None and len(block_ids) > 0:
-            group0 = block_ids[0]
-        if group0 is not None and (isinstance(group0, (str, bytes)) or not isinstance(group0, Sequence)):
-            raise OmniPrefixCacheInvalidTypeError(
-                f"prefix hit of request {rid!r}: group-0 block ids must be a sequence, got {type(group0).__name__}"
-            )
-        if group0 is None or (need and not group0):  # "carries no block_ids": upstream's phrase
+        if block_ids is not None and len(block_ids) > g:
+            group = block_ids[g]
+        elif need and block_ids:  # ids of other groups only: not an empty hit, a layout mismatch
             raise OmniPrefixCacheInvalidArgumentError(
-                f"prefix hit of request {rid!r} ({computed} tokens, {need} blocks) carries no block_ids (group 0)"
+                f"prefix hit of request {rid!r} ({computed} tokens) carries block ids of {len(block_ids)} KV cache "
+                f"group(s); the prefix cache keys rows by group {g} (PrefixCacheConfig.kv_cache_group_index)"
             )
-        if len(group0) < need:
+        if group is not None and (isinstance(group, (str, bytes)) or not isinstance(group, Sequence)):
+            raise OmniPrefixCacheInvalidTypeError(
+                f"prefix hit of request {rid!r}: group-{g} block ids must be a sequence, got {type(group).__name__}"
+            )
+        if group is None or (need and not group):  # "carries no block_ids": upstream's phrase
+            raise OmniPrefixCacheInvalidArgumentError(
+                f"prefix hit of request {rid!r} ({computed} tokens, {need} blocks) carries no block_ids (group {g})"
+            )
+        if len(group) < need:
             raise OmniPrefixCacheInvalidArgumentError(
                 f"prefix hit of request {rid!r} ({computed} tokens, {need} blocks) comes with only "
-                f"{len(group0)} group-0 block ids"
+                f"{len(group)} group-{g} block ids"
             )
-        blocks = list(group0)[:need]
+        blocks = list(group)[:need]
         if not set(map(type, blocks)) <= _INT:  # exact ints (the usual case) need no call per block
             blocks = [as_int(f"prefix hit of request {rid!r}: block id", b) for b in blocks]
         if blocks and (min(blocks) < 0 or max(blocks) >= self._config.num_blocks):

@@ -125,6 +125,7 @@ class TierDesk:
         fill: TierFill,
         *,
         block_size: int,
+        group_index: int = 0,
         max_bytes: int | None,
         fill_timeout_s: float,
         commit_drained: Callable[[], None],
@@ -132,6 +133,7 @@ class TierDesk:
     ) -> None:
         self._fill = fill
         self._block_size = int(block_size)
+        self._group = int(group_index)  # the keyed KV cache group (PrefixCacheConfig.kv_cache_group_index)
         self._max_bytes = max_bytes
         self._timeout = fill_timeout_s
         self._commit_drained = commit_drained
@@ -199,9 +201,10 @@ class TierDesk:
             return []
         bs = self._block_size
         hits: dict[str, tuple[int, Sequence[int]]] = {}
-        for e in events:  # what vLLM counts computed, and the blocks, of each request the step names
-            if e.req_id in meta.loads and e.hit_end > 0 and e.block_ids:
-                hits[e.req_id] = (int(e.hit_end), e.block_ids[0])
+        g = self._group
+        for e in events:  # what vLLM counts computed, and the keyed group's blocks, of each request the step names
+            if e.req_id in meta.loads and e.hit_end > 0 and len(e.block_ids) > g:
+                hits[e.req_id] = (int(e.hit_end), e.block_ids[g])
         hits.update((hit.req_id, (hit.hit_end, hit.block_ids)) for hit in candidates)
         restores: list[Restore] = []
         for rid, load in meta.loads.items():

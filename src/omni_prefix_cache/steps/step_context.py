@@ -64,7 +64,7 @@ class StepContext:
     # Upstream's step-context tables, as its tests read them (compat; built on read).
     @property
     def hits(self) -> dict[ReqId, tuple[int, list[int]]]:
-        """Each served hit as ``(cached rows, group-0 block ids)``."""
+        """Each served hit as ``(cached rows, keyed-group block ids)``."""
         return {h.req_id: (h.num_computed, list(h.block_ids)) for h in self.record.hits if h is not None}
 
     @property

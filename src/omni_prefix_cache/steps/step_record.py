@@ -35,7 +35,7 @@ class Hit:
     ``hit_start`` is the recovery start, the lowest consumer watermark of
     the tenure (0 for a fresh one); ``hit_end`` the event's ``hit_end``.
     ``block_ids`` holds the event's per-group block ids until new_step
-    validates them (``HitPlanner.hit_blocks``), then the group-0 ids of the
+    validates them (``HitPlanner.hit_blocks``), then the keyed group's ids of the
     prefix blocks. The planner fills the rest under the state lock:
     ``slots`` (the KV slots of ``[hit_start, hit_end)``), ``num_scheduled``
     (rows its step computes behind the prefix) and, per cached key, the

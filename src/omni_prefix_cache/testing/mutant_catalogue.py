@@ -1,9 +1,9 @@
 """The mutant catalogue: bugs this design has had (or that the seed suite documents), each
-re-injectable into the runtime by a patch that lives only here (and in ``tier_mutants``); the
-runtime carries no switch for any. ``applied(name)`` applies one for a block (tests/conftest.py
-does, for a session, with ``OMNI_PREFIX_CACHE_MUTANT=<name>``). ``make mutants`` judges them all
-with ``mutant_runner``, which says what counts as a kill. (``testing.mutants`` mutates *specs*,
-for the generated state-machine tests.)"""
+re-injectable into the runtime by a patch that lives only here (and in ``tier_mutants``,
+``layout_mutants``); the runtime carries no switch for any. ``applied(name)`` applies one for a
+block (tests/conftest.py does, for a session, with ``OMNI_PREFIX_CACHE_MUTANT=<name>``). ``make
+mutants`` judges them all with ``mutant_runner``, which says what counts as a kill.
+(``testing.mutants`` mutates *specs*, for the generated state-machine tests.)"""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
+from omni_prefix_cache.testing import layout_mutants, tier_mutants
 from omni_prefix_cache.testing.mutant_runner import ENV_VAR as ENV_VAR  # re-exported: conftest, fuzz
-from omni_prefix_cache.testing.tier_mutants import register_tier_mutants
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,8 +49,7 @@ def _set(stack: contextlib.ExitStack, owner: Any, attr: str, value: Any) -> None
 
 
 def _spec_mutant(stack: contextlib.ExitStack, patch: Callable[[dict[str, Any]], None]) -> None:
-    """Controllers built while the mutant is applied compile their
-    operations from the composition with ``patch`` applied."""
+    """Controllers built while the mutant is applied compile their operations from the composition with ``patch``."""
     from omni_prefix_cache.specs.composition import load_protocol
     from omni_prefix_cache.writes.operations import use_protocol
 
@@ -577,7 +576,8 @@ def _view_acknowledged_twice(stack: contextlib.ExitStack) -> None:
     _before_record(stack, lambda record, view: setattr(record, "spent", False))
 
 
-register_tier_mutants(_register, _set)  # the host tier's (that module imports nothing of this one)
+for _more in (tier_mutants.register_tier_mutants, layout_mutants.register_layout_mutants):
+    _more(_register, _set)  # the host tier's and the KV layout's (those modules import nothing of this one)
 
 
 # ------------------------------------------------------------------ applying

@@ -36,6 +36,7 @@ GENERATED_TESTS = ("tests/test_protocol_generated.py",)
 OTHER_KILLER_TESTS = (
     # The host tier's first: the generated machines (-x) would stop a tier mutant at an effect trace.
     *("tests/test_tier_check.py", "tests/test_host_tier.py"),
+    "tests/test_hybrid_groups.py",  # the KV layout's: a hybrid model's groups (layout_mutants)
     *("tests/test_race_controller.py", "tests/test_generated_specs.py", "tests/test_race_system.py"),
 )
 KILLER_TESTS = GENERATED_TESTS + OTHER_KILLER_TESTS

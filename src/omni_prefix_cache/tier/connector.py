@@ -70,6 +70,7 @@ def _define() -> dict[str, Any]:  # noqa: C901
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     from omni_prefix_cache.errors import OmniPrefixCacheInvalidArgumentError, OmniPrefixCacheUnmatchError
+    from omni_prefix_cache.kv_layout_gate import MAMBA, kv_group_kind, select_prefix_cache_kv_group
     from omni_prefix_cache.tier.forwarding import ForwardingConnector, WrappedConnectorMetadata
     from omni_prefix_cache.tier.index import TierIndex
     from omni_prefix_cache.tier.metadata import BlockHash, TierLoad, TierStepMetadata
@@ -96,8 +97,14 @@ def _define() -> dict[str, Any]:  # noqa: C901
         def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
             super().__init__(vllm_config, role, kv_cache_config)
             extra = self._kv_transfer_config.kv_connector_extra_config or {}
-            # The tier keys group 0's full blocks (the group the library mirrors).
-            self.block_size: int = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+            # The tier keys the full blocks of the group the library keys its rows by (the stage
+            # gate's choice, kv_layout_gate): a full-attention group, beside any others.
+            keyed = select_prefix_cache_kv_group(kv_cache_config.kv_cache_groups)
+            self.group_index: int = keyed.index
+            self.block_size: int = keyed.group.kv_cache_spec.block_size
+            # A Mamba group's state is loaded as of the hit's end, and the inner connector
+            # stored it only at the ends it offers: such a hit is served whole or not at all.
+            self._whole_hits_only = any(kv_group_kind(g) == MAMBA for g in kv_cache_config.kv_cache_groups)
             self.index = TierIndex(
                 _positive_int(extra, MAX_BYTES_KEY), _positive_int(extra, BYTES_PER_TOKEN_KEY) * self.block_size
             )
@@ -122,8 +129,8 @@ def _define() -> dict[str, Any]:  # noqa: C901
             super().bind_kv_cache_manager(kv_cache_manager)
 
         def kv_block_hashes(self, request: Request) -> list[BlockHash]:
-            """One hash per full KV block of ``request`` (group 0): the last of the
-            vLLM hashes that block spans, as vLLM keys a block in its prefix cache."""
+            """One hash per full KV block of ``request`` in the keyed group: the last
+            of the vLLM hashes that block spans, as vLLM keys a block in its prefix cache."""
             step = self.block_size // self._hash_block_size
             hashes = request.block_hashes
             return [bytes(hashes[end - 1]) for end in range(step, len(hashes) + 1, step)]
@@ -133,7 +140,8 @@ def _define() -> dict[str, Any]:  # noqa: C901
             the host tier holds from there, short of the last token: vLLM computes
             the rest. A hit ending inside a block the tier would not cover (a
             partial tail) is refused whole, since the inner planned its load to end
-            exactly there."""
+            exactly there; so is any shortened hit beside a Mamba group, whose
+            state the inner stored only as of the end it offered."""
             num_tokens, load_async = self.inner.get_num_new_matched_tokens(request, num_computed_tokens)
             self._matched.pop(request.request_id, None)
             if not num_tokens:
@@ -151,7 +159,7 @@ def _define() -> dict[str, Any]:  # noqa: C901
                 return 0, False
             covered = self.index.covered(self.kv_block_hashes(request), first, room)
             capped = covered * bs
-            if capped < num_tokens and (num_computed_tokens + num_tokens) % bs:
+            if capped < num_tokens and ((num_computed_tokens + num_tokens) % bs or self._whole_hits_only):
                 capped = 0
             if capped == 0:
                 return 0, False
@@ -225,7 +233,7 @@ def _define() -> dict[str, Any]:  # noqa: C901
                 return
             bs = self.block_size
             for req_id, load in list(self._pending.items()):
-                (block_ids, *_) = self._kv_cache_manager.get_block_ids(req_id)
+                block_ids = self._kv_cache_manager.get_block_ids(req_id)[self.group_index]
                 first = load.token_start // bs
                 keep = next(
                     (i for i, b in enumerate(block_ids[first : first + len(load.hashes)]) if b in invalid),
@@ -248,9 +256,10 @@ def _define() -> dict[str, Any]:  # noqa: C901
         def request_finished_all_groups(
             self, request: Request, block_ids: tuple[list[int], ...]
         ) -> tuple[bool, dict[str, Any] | None]:
-            """``request_finished`` for every KV cache group (the tier keeps group 0's)."""
+            """``request_finished`` for every KV cache group (the tier keeps the keyed group's)."""
             result = super().request_finished_all_groups(request, block_ids)
-            self._finished(request, block_ids[0] if block_ids else [])
+            g = self.group_index
+            self._finished(request, block_ids[g] if len(block_ids) > g else [])
             return result
 
         def take_events(self) -> Iterable[KVCacheEvent]:
@@ -288,7 +297,7 @@ def _define() -> dict[str, Any]:  # noqa: C901
             pool = manager.block_pool
             pairs = []
             for h, block_id in zip(hashes, block_ids):
-                if pool.get_cached_block(h, [0]) is None:
+                if pool.get_cached_block(h, [self.group_index]) is None:
                     break  # not in vLLM's prefix cache: no later block is reachable by a hit
                 pairs.append((h, block_id))
                 external = maybe_convert_block_hash(h)

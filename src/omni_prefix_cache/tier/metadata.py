@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-BlockHash = bytes  # vLLM's hash of one KV block (group 0), as bytes
+BlockHash = bytes  # vLLM's hash of one KV block of the keyed group (kv_layout_gate), as bytes
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,9 @@ from omni_prefix_cache.tools.commands.common import (
     progress_enabled,
 )
 
+# The driver's KV layouts (tools/simulate/vllm_setup.KV_LAYOUTS; named here so --help imports no torch).
+KV_LAYOUT_CHOICES = ["full", "hybrid-sw-first", "hybrid-full-first", "hybrid-mamba"]
+
 
 def add_parser(sub: Any) -> None:
     """Declare ``simulate`` on the subparsers ``sub``."""
@@ -65,6 +68,16 @@ def add_parser(sub: Any) -> None:
         help=(
             "--engine vllm: vLLM's OffloadingConnector (CPU offload) behind the host tier's wrapper, a fake "
             "worker completing its transfers; hits loaded from offload are served from the tier"
+        ),
+    )
+    p.add_argument(
+        "--kv-layout",
+        choices=KV_LAYOUT_CHOICES,
+        default="full",
+        help=(
+            "--engine vllm: the KV cache groups, one full-attention group, or a hybrid model's: a sliding-window "
+            "group (2 blocks) before or after the full-attention one, or a Mamba group (align mode) before it; "
+            "rows are keyed by the full-attention group the stage gate picks"
         ),
     )
     p.add_argument(
@@ -160,6 +173,8 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         sim_config(args).prefix_cache_config()
     except (ValueError, TypeError, OmniPrefixCacheUnmatchError) as exc:
         parser.error(str(exc))
+    if args.kv_layout != "full" and args.engine != "vllm":
+        parser.error(f"--kv-layout {args.kv_layout} needs --engine vllm (the look-alike scheduler runs one group)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -184,7 +199,8 @@ def run(args: argparse.Namespace) -> int:
         from omni_prefix_cache.tools.simulate.vllm_events import run_vllm_simulation
         from omni_prefix_cache.tools.simulate.vllm_setup import VllmOptions
 
-        simulate = partial(run_vllm_simulation, opts=VllmOptions(kv_offload=args.kv_offload), api=args.api)
+        opts = VllmOptions(kv_offload=args.kv_offload, kv_layout=args.kv_layout)
+        simulate = partial(run_vllm_simulation, opts=opts, api=args.api)
     progress = ProgressLine(enabled=progress_enabled(args))
     progress.arrival_steps = args.arrival_steps
     from omni_prefix_cache.telemetry.registry import TELEMETRY

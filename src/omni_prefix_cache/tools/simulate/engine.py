@@ -288,7 +288,7 @@ class Simulation:
         if self.events is not None and not getattr(self.sched, "events", False):
             self.events, res.config["api"] = None, "seed"  # a scheduler (vLLM's driver) without the event form
         # The event API needs no group view: the write layout says where each row goes.
-        mgr = self._factory(cfg.prefix_cache_config(), None if self.events else self.view, cfg.eager)
+        mgr = self._factory(self._prefix_cache_config(), None if self.events else self.view, cfg.eager)
         mgr.register_policy(
             ModelCachePolicy(needs_full_hidden_states=cfg.cache_hidden, deferred_keys=frozenset({DEFERRED_KEY}))
         )
@@ -344,6 +344,10 @@ class Simulation:
         res.log_warnings = {"budget_flush": counter.flushes, "unmatch": counter.unmatch, "other": counter.other}
         logging.getLogger("omni_prefix_cache").removeHandler(counter)
         return res
+
+    def _prefix_cache_config(self) -> PrefixCacheConfig:
+        """The manager's config (the vLLM driver keys it by the group its stage gate picked)."""
+        return self.cfg.prefix_cache_config()
 
     def _timed_new_step(self, mgr: Any, out: SchedulerOutput) -> float:
         t0 = time.perf_counter_ns()

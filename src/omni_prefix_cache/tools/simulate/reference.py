@@ -79,7 +79,7 @@ class ReferenceManager:
                 if new.num_computed_tokens % bs:
                     raise OmniPrefixCacheUnmatchError(f"prefix hit not block aligned for {new.req_id}")
                 self._hits[new.req_id] = new.num_computed_tokens
-                self._hit_blocks[new.req_id] = list(new.block_ids[0])
+                self._hit_blocks[new.req_id] = list(new.block_ids[self._cfg.kv_cache_group_index])
             self._live.add(new.req_id)
         self._num_sched = dict(scheduler_output.num_scheduled_tokens)
 
@@ -123,7 +123,7 @@ class ReferenceManager:
                         low = 0
                     if e.hit_end > low:
                         self._hits[e.req_id] = int(e.hit_end)
-                        self._hit_blocks[e.req_id] = list(e.block_ids[0])
+                        self._hit_blocks[e.req_id] = list(e.block_ids[self._cfg.kv_cache_group_index])
                         self._hit_starts[e.req_id] = low
 
     def save_outputs(

@@ -21,17 +21,36 @@ class RunnerBatch:
     sets it.
     """
 
-    def __init__(self, cfg: SimConfig, opts: VllmOptions, v: SimpleNamespace, max_model_len: int) -> None:
+    def __init__(
+        self,
+        cfg: SimConfig,
+        opts: VllmOptions,
+        v: SimpleNamespace,
+        max_model_len: int,
+        kv_cache_config: Any = None,
+        vllm_config: Any = None,
+    ) -> None:
+        """One block table per KV cache group of ``kv_cache_config`` (with ``vllm_config``),
+        sized as the GPU runner's ``may_reinitialize_input_batch`` sizes them; one group of
+        ``cfg``'s blocks without."""
         self.v, self.opts = v, opts
         self.requests: dict[str, Any] = {}  # req id -> CachedRequestState
+        sizes, widths, modes = [cfg.block_size], [cfg.num_blocks], [v.SlotMappingMode.TOKEN_TO_KV_SLOT]
+        if kv_cache_config is not None:
+            specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+            sizes = [s.block_size for s in specs]
+            widths = [s.max_num_blocks_per_req(vllm_config, max_model_len) for s in specs]
+            mamba = v.SlotMappingMode.NONE
+            modes = [mamba if isinstance(s, v.MambaSpec) else v.SlotMappingMode.TOKEN_TO_KV_SLOT for s in specs]
         self.input_batch = v.InputBatch(
             max_num_reqs=cfg.max_num_seqs,
             max_model_len=max_model_len,
             max_num_batched_tokens=cfg.token_budget,
             device=torch.device("cpu"),
             vocab_size=opts.vocab,
-            block_sizes=[cfg.block_size],
-            max_num_blocks_per_req=[cfg.num_blocks],
+            block_sizes=sizes,
+            max_num_blocks_per_req=widths,
+            slot_mapping_modes=modes,
         )
         self.reordered = 0
 
@@ -119,16 +138,18 @@ class RunnerBatch:
 
 
 class VllmGroupView(SimGroupView):
-    """The project's group view over the real InputBatch, counting calls off the engine thread."""
+    """The project's group view over the real InputBatch (block table ``group_index``),
+    counting calls off the engine thread."""
 
-    def __init__(self, input_batch: Any, block_size: int) -> None:
+    def __init__(self, input_batch: Any, block_size: int, group_index: int = 0) -> None:
         import threading
 
         from omni_prefix_cache.group_view import FullAttentionGroupView
 
         self.block_size = block_size
+        self.group_index = group_index
         self.input_batch = input_batch
-        self._inner = FullAttentionGroupView(input_batch, block_size)
+        self._inner = FullAttentionGroupView(input_batch, block_size, group_index)
         self._engine_thread = threading.get_ident()
         self.off_thread_calls = 0
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from omni_prefix_cache.interface import PrefixCacheConfig
 from omni_prefix_cache.tools.simulate.engine import ProgressFn, SimConfig, SimResult, Simulation
 from omni_prefix_cache.tools.simulate.scheduler import StepPlan
 from omni_prefix_cache.tools.simulate.vllm_batch import RunnerBatch, VllmGroupView
@@ -121,9 +122,11 @@ class VllmSimulation(Simulation):
         self.v = load_vllm()
         import_s = time.perf_counter() - t0
         self.sched = VllmScheduler(cfg, self.opts, self.v, trace)
-        self.runner = RunnerBatch(cfg, self.opts, self.v, self.sched.vllm_config.model_config.max_model_len)
+        vc = self.sched.vllm_config
+        max_len = vc.model_config.max_model_len
+        self.runner = RunnerBatch(cfg, self.opts, self.v, max_len, self.sched.kv_cache_config, vc)
         self.sched.on_sampled = self.runner.record_sampled
-        self.view = VllmGroupView(self.runner.input_batch, cfg.block_size)
+        self.view = VllmGroupView(self.runner.input_batch, cfg.block_size, self.sched.group)
         base = self.result
         self.result = VllmSimResult(
             config=base.config | {"vllm": asdict(self.opts)},
@@ -141,22 +144,38 @@ class VllmSimulation(Simulation):
 
     def _check_rows(self, plan: StepPlan[DriverRequest], order: list[str]) -> None:
         """The mirrored batch against vLLM's own state: the scheduled requests, each row's computed
-        tokens and block ids as the KV cache manager holds them (a wrong mirror would pass wrong slots)."""
+        tokens and, per KV cache group, block ids as the KV cache manager holds them (a wrong mirror
+        would pass wrong slots). Where vLLM freed a block of another group (a sliding window's,
+        its null block 0 in its place) the runner's row keeps the old id, as vLLM's runner does;
+        the keyed group's row must match exactly."""
         starts = {e.req.req_id: e.start for e in plan.entries}
         if sorted(order) != sorted(starts):
             raise AssertionError(f"step {plan.step}: input batch rows {order} are not the scheduled {sorted(starts)}")
-        batch, kv = self.runner.input_batch, self.sched.sched.kv_cache_manager
-        table = batch.block_table[0]
+        batch, kv, keyed = self.runner.input_batch, self.sched.sched.kv_cache_manager, self.sched.group
+        tables = batch.block_table.block_tables
         for rid in order:
             row = batch.req_id_to_index[rid]
             computed = int(batch.num_computed_tokens_cpu[row])
-            got = table.block_table.np[row, : table.num_blocks_per_row[row]].tolist()
-            want = list(kv.get_block_ids(rid)[0])
-            if computed != starts[rid] or got != want:
-                raise AssertionError(
-                    f"step {plan.step}: row {row} ({rid!r}) has computed={computed} blocks={got}; "
-                    f"vLLM has computed={starts[rid]} blocks={want}"
+            per_group = kv.get_block_ids(rid)
+            for g, table in enumerate(tables):
+                got = table.block_table.np[row, : table.num_blocks_per_row[row]].tolist()
+                want = list(per_group[g])
+                same = got == want or (
+                    g != keyed and len(got) == len(want) and all(w in (0, b) for b, w in zip(got, want))
                 )
+                if computed != starts[rid] or not same:
+                    raise AssertionError(
+                        f"step {plan.step}: row {row} ({rid!r}) has computed={computed} group {g} blocks={got}; "
+                        f"vLLM has computed={starts[rid]} blocks={want}"
+                    )
+
+    def _prefix_cache_config(self) -> PrefixCacheConfig:
+        """The simulation's config, keyed by the group the stage gate picked on vLLM's configs."""
+        gated = self.sched.prefix_cache_config
+        config = replace(self.cfg.prefix_cache_config(), kv_cache_group_index=gated.kv_cache_group_index)
+        if (gated.num_blocks, gated.block_size) != (config.num_blocks, config.block_size):
+            raise AssertionError(f"the stage gate sized the cache {gated}, the simulation {config}")
+        return config
 
     def run(self) -> SimResult:
         try:

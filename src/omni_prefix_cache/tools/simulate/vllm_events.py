@@ -254,7 +254,7 @@ class VllmEventSimulation(VllmSimulation):
         import torch
 
         logging.getLogger("omni_prefix_cache").addHandler(counter)
-        mgr = self._factory(cfg.prefix_cache_config(), None, cfg.eager)
+        mgr = self._factory(self._prefix_cache_config(), None, cfg.eager)
         mgr.register_policy(
             ModelCachePolicy(needs_full_hidden_states=cfg.cache_hidden, deferred_keys=frozenset({DEFERRED_KEY}))
         )

@@ -45,6 +45,7 @@ class OffloadOptions:
     kv_role: str = "kv_both"
     kv_load_failure_policy: str = "recompute"
     kv_events: bool = True  # KV events on, so the offload's BlockRemoved reaches the wrapper
+    kv_layout: str = "full"  # the KV cache groups (vllm_setup.KV_LAYOUTS)
 
 
 def kv_transfer_dict(opts: OffloadOptions) -> dict[str, Any]:
@@ -98,7 +99,7 @@ class OffloadHarness:
             num_blocks=o.num_blocks, block_size=o.block_size, token_budget=o.token_budget, max_num_seqs=o.max_num_seqs
         )
         self._model_dir = tempfile.TemporaryDirectory(prefix="omni-vllm-offload-")
-        base = setup.vllm_config(self.v, self.cfg, setup.VllmOptions(), self._model_dir.name)
+        base = setup.vllm_config(self.v, self.cfg, setup.VllmOptions(kv_layout=o.kv_layout), self._model_dir.name)
         events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if o.kv_events else None
         self.vllm_config = self.v.VllmConfig(
             model_config=base.model_config,
@@ -107,9 +108,9 @@ class OffloadHarness:
             kv_transfer_config=KVTransferConfig(**kv_transfer_dict(o)),
             kv_events_config=events,
         )
-        self.kv_cache_config = setup.kv_cache_config(self.v, self.cfg)
+        self.kv_cache_config = setup.kv_cache_config(self.v, self.cfg, o.kv_layout, self.vllm_config)
         self.sched = setup.scheduler(self.v, self.cfg, setup.VllmOptions(), self.vllm_config, self.kv_cache_config)
-        self._hasher = setup.block_hasher(self.v, self.cfg, self.vllm_config)
+        self._hasher = setup.block_hasher(self.v, self.cfg, self.vllm_config, self.kv_cache_config)
         self.steps: list[StepRecord] = []
         # Async loads the worker holds in flight (completed by release_loads).
         self._held_loads: dict[int, Any] = {}

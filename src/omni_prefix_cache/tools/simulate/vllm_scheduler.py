@@ -31,6 +31,9 @@ class VllmSchedulerStats(SchedulerStats):
     abort_resubmits: int = 0  # aborted requests resubmitted under the same id
     reordered_steps: int = 0  # steps whose batch the decode-first reorder changed
     chunked_prefill_steps: int = 0  # request-steps that returned no token (prefill not done)
+    # Hits whose blocks in a group other than the keyed one include vLLM's null block:
+    # hits longer than a sliding window (or past a Mamba group's kept state).
+    hits_past_window: int = 0
 
 
 class DriverRequest:
@@ -72,9 +75,12 @@ class VllmScheduler:
         self.block_size = cfg.block_size
         self._model_dir = tempfile.TemporaryDirectory(prefix="omni-vllm-model-")
         self.vllm_config = setup.vllm_config(v, cfg, opts, self._model_dir.name)
-        self.kv_cache_config = setup.kv_cache_config(v, cfg)
+        self.kv_cache_config = setup.kv_cache_config(v, cfg, opts.kv_layout, self.vllm_config)
         self.sched = setup.scheduler(v, cfg, opts, self.vllm_config, self.kv_cache_config)
-        self._hasher = setup.block_hasher(v, cfg, self.vllm_config)
+        self._hasher = setup.block_hasher(v, cfg, self.vllm_config, self.kv_cache_config)
+        # The stage gate on vLLM's own configs: it admits the layout and picks the keyed group.
+        self.prefix_cache_config = setup.stage_config(self.vllm_config, self.kv_cache_config)
+        self.group = self.prefix_cache_config.kv_cache_group_index
         setup.EvictionCounter.install(self.sched, self.alloc.stats)
         if trace is None:
             trace = generate_trace(cfg.workload, cfg.seed)
@@ -193,11 +199,13 @@ class VllmScheduler:
         starts.update({r: int(c) for r, c in zip(cached.req_ids, cached.num_computed_tokens)})
         fresh: dict[str, list[int]] = {}
         hit_blocks: dict[str, list[int]] = {}
+        g = self.group
         for n in so.scheduled_new_reqs:
-            blocks, k = list(n.block_ids[0]), starts[n.req_id] // self.block_size
+            blocks, k = list(n.block_ids[g]), starts[n.req_id] // self.block_size
             hit_blocks[n.req_id], fresh[n.req_id] = blocks[:k], blocks[k:]
+            st.hits_past_window += any(b == 0 for i, ids in enumerate(n.block_ids) if i != g for b in ids[:k])
         for rid, nb in zip(cached.req_ids, cached.new_block_ids):
-            blocks = [] if nb is None else list(nb[0])
+            blocks = [] if nb is None else list(nb[g])
             if rid in cached.resumed_req_ids:  # the resumed row is replaced: its prefix came from the cache
                 k = starts[rid] // self.block_size
                 hit_blocks[rid], blocks = blocks[:k], blocks[k:]

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from omni_prefix_cache.interface import PrefixCacheConfig
 from omni_prefix_cache.tools.simulate.engine import SimConfig
 
 # Without VLLM_TARGET_DEVICE=cpu, VllmConfig cannot infer a device on a machine with no GPU.
@@ -43,14 +44,25 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "vllm.sampling_params": ("SamplingParams",),
     "vllm.utils.hashing": ("get_hash_fn_by_name",),
     "vllm.v1.attention.backends.utils": ("reorder_batch_to_split_decodes_and_prefills",),
-    "vllm.v1.core.kv_cache_utils": ("get_request_block_hasher", "init_none_hash"),
+    "vllm.v1.core.kv_cache_utils": (
+        "get_request_block_hasher",
+        "init_none_hash",
+        "resolve_cache_hit_alignment_tokens",
+        "resolve_kv_cache_block_sizes",
+    ),
     "vllm.v1.core.sched.output": ("CachedRequestData", "NewRequestData", "SchedulerOutput"),
     "vllm.v1.core.sched.scheduler": ("Scheduler",),
-    "vllm.v1.kv_cache_interface": ("FullAttentionSpec", "KVCacheConfig", "KVCacheGroupSpec"),
+    "vllm.v1.kv_cache_interface": (
+        "FullAttentionSpec",
+        "KVCacheConfig",
+        "KVCacheGroupSpec",
+        "MambaSpec",
+        "SlidingWindowSpec",
+    ),
     "vllm.v1.outputs": ("ModelRunnerOutput",),
     "vllm.v1.request": ("Request", "RequestStatus"),
     "vllm.v1.structured_output": ("StructuredOutputManager",),
-    "vllm.v1.worker.block_table": ("BlockTable", "MultiGroupBlockTable"),
+    "vllm.v1.worker.block_table": ("BlockTable", "MultiGroupBlockTable", "SlotMappingMode"),
     "vllm.v1.worker.gpu_input_batch": ("CachedRequestState", "InputBatch"),
 }
 
@@ -90,6 +102,19 @@ class VllmOptions:
     sync_load_budget_bytes: int = 0  # > 0: loads that fit are sync
     tier_max_bytes: int = 1 << 20
     tier_bytes_per_token: int = 256
+    # The KV cache groups (KV_LAYOUTS): one full-attention group, or a hybrid model's groups.
+    kv_layout: str = "full"
+
+
+# KV cache layouts of the driver: the groups in order, by kind. A sliding window of
+# SLIDING_WINDOW_BLOCKS blocks makes most prefix hits longer than the window.
+KV_LAYOUTS: dict[str, tuple[str, ...]] = {
+    "full": ("full",),
+    "hybrid-sw-first": ("sliding", "full"),
+    "hybrid-full-first": ("full", "sliding"),
+    "hybrid-mamba": ("mamba", "full"),
+}
+SLIDING_WINDOW_BLOCKS = 2
 
 
 # ------------------------------------------------------------ builders
@@ -105,6 +130,10 @@ def vllm_config(v: SimpleNamespace, cfg: SimConfig, opts: VllmOptions, model_dir
     model = v.ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=max_len)
     cache = v.CacheConfig(block_size=cfg.block_size, enable_prefix_caching=True)
     cache.num_gpu_blocks = cfg.num_blocks
+    if "mamba" in layout_groups(opts.kv_layout):
+        # Prefix caching beside a Mamba group needs its "align" mode (vLLM 0.33), blocks the attention's size.
+        cache.mamba_cache_mode = "align"
+        cache.mamba_block_size = cfg.block_size
     sched = v.SchedulerConfig(
         max_num_batched_tokens=cfg.token_budget,
         max_num_seqs=cfg.max_num_seqs,
@@ -188,35 +217,91 @@ def offload_worker_output(scheduler_output: Any) -> Any:
     )
 
 
-def kv_cache_config(v: SimpleNamespace, cfg: SimConfig) -> Any:
-    """One full-attention KV cache group of ``cfg.num_blocks`` blocks (no tensors)."""
-    spec = v.FullAttentionSpec(block_size=cfg.block_size, num_kv_heads=4, head_size=16, dtype=torch.float32)
-    return v.KVCacheConfig(
-        num_blocks=cfg.num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[v.KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
+def layout_groups(layout: str) -> tuple[str, ...]:
+    """The group kinds of KV layout ``layout``; ValueError naming the layouts for another name."""
+    groups = KV_LAYOUTS.get(layout)
+    if groups is None:
+        raise ValueError(f"unknown KV layout {layout!r}; one of {', '.join(KV_LAYOUTS)}")
+    return groups
+
+
+def kv_cache_config(v: SimpleNamespace, cfg: SimConfig, layout: str = "full", vllm_config: Any = None) -> Any:
+    """``layout``'s KV cache groups (``KV_LAYOUTS``) over one pool of ``cfg.num_blocks``
+    blocks (no tensors), each group a layer of its kind, every block ``cfg.block_size``
+    tokens. With ``vllm_config``, its hash block size and hit alignment are resolved into
+    it as vLLM's engine core does."""
+    bs = cfg.block_size
+    attention = {"block_size": bs, "num_kv_heads": 4, "head_size": 16, "dtype": torch.float32}
+    specs = {
+        "full": lambda: v.FullAttentionSpec(**attention),
+        "sliding": lambda: v.SlidingWindowSpec(**attention, sliding_window=SLIDING_WINDOW_BLOCKS * bs),
+        "mamba": lambda: v.MambaSpec(
+            block_size=bs, shapes=((4, 16),), dtypes=(torch.float32,), mamba_cache_mode="align"
+        ),
+    }
+    groups = [
+        v.KVCacheGroupSpec([f"model.layers.{i}.{kind}"], specs[kind]()) for i, kind in enumerate(layout_groups(layout))
+    ]
+    config = v.KVCacheConfig(num_blocks=cfg.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    if vllm_config is not None:
+        scheduler_bs, hash_bs = block_sizes(v, config, vllm_config)
+        config.hash_block_size = hash_bs
+        config.cache_hit_alignment_tokens = v.resolve_cache_hit_alignment_tokens(
+            config, vllm_config, scheduler_bs, hash_bs
+        )
+    return config
+
+
+def block_sizes(v: SimpleNamespace, kv_config: Any, vllm_config: Any) -> tuple[int, int]:
+    """vLLM's ``(scheduler block size, hash block size)`` for ``kv_config``, as its engine core resolves them."""
+    scheduler_bs, hash_bs = v.resolve_kv_cache_block_sizes(kv_config, vllm_config)
+    return int(scheduler_bs), int(hash_bs)
+
+
+def stage_config(config: Any, kv_config: Any) -> PrefixCacheConfig:
+    """The stage gate (``group_view.stage_prefix_cache_config``) on ``config``'s
+    parts and ``kv_config``: the keyed group and its block size. Raises what the
+    gate raises; AssertionError where it gives this single rank no cache."""
+    from omni_prefix_cache.group_view import stage_prefix_cache_config
+
+    gated = stage_prefix_cache_config(
+        kv_cache_config=kv_config,
+        cache_config=config.cache_config,
+        kv_transfer_config=config.kv_transfer_config,
+        scheduler_config=config.scheduler_config,
+        model_config=config.model_config,
+        is_pooling_model=False,
+        speculative_config=config.speculative_config,
+        parallel_config=config.parallel_config,
     )
+    assert gated is not None, "the stage gate gave the driver's single rank no prefix cache"
+    return gated
 
 
 def scheduler(v: SimpleNamespace, cfg: SimConfig, opts: VllmOptions, config: Any, kv_config: Any) -> Any:
-    """vLLM's v1 ``Scheduler`` over ``config`` and ``kv_config``; the V2 model
-    runner's reporting with ``opts.resumed_as_new``."""
+    """vLLM's v1 ``Scheduler`` over ``config`` and ``kv_config`` (block and hash
+    block sizes resolved as its engine core does); the V2 model runner's
+    reporting with ``opts.resumed_as_new``."""
+    scheduler_bs, hash_bs = block_sizes(v, kv_config, config)
     sched = v.Scheduler(
         vllm_config=config,
         kv_cache_config=kv_config,
         structured_output_manager=v.StructuredOutputManager(config),
-        block_size=cfg.block_size,
+        block_size=scheduler_bs,
+        hash_block_size=hash_bs,
     )
     if opts.resumed_as_new:
         sched.use_v2_model_runner = True
     return sched
 
 
-def block_hasher(v: SimpleNamespace, cfg: SimConfig, config: Any) -> Any:
-    """The request block hasher as ``EngineCore`` sets it up (sha256 by default)."""
+def block_hasher(v: SimpleNamespace, cfg: SimConfig, config: Any, kv_config: Any = None) -> Any:
+    """The request block hasher as ``EngineCore`` sets it up (sha256 by default),
+    every hash block size tokens (``cfg.block_size`` without ``kv_config``)."""
     hash_fn = v.get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
     v.init_none_hash(hash_fn)
-    return v.get_request_block_hasher(cfg.block_size, hash_fn)
+    hash_bs = cfg.block_size if kv_config is None else block_sizes(v, kv_config, config)[1]
+    return v.get_request_block_hasher(hash_bs, hash_fn)
 
 
 def preempt_request(sched: Any, request: Any, timestamp: float) -> None:
