@@ -122,7 +122,8 @@ def _view_past_saved(data: dict[str, Any]) -> None:
 
 
 def _ack_unissued_view(data: dict[str, Any]) -> None:
-    gap = _op(data, "ack_delivery")["segments"][0]["steps"][0]
+    spent = _op(data, "ack_delivery")["segments"][0]["steps"][0]
+    gap = spent["else"][0]
     gap["else"] = gap["else"][0]["else"]  # delivery.ack, with no not_issued check before it
     steps = _op(data, "commit_output")["segments"][0]["steps"]
     steps[:] = [s for s in steps if not (isinstance(s, dict) and s.get("when") == "not_issued")]

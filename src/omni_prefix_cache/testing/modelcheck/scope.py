@@ -185,7 +185,7 @@ LIFE_SCOPE = Scope(
     guards=frozenset(
         {
             *("ignored_event", "terminal_event", "newer_owner", "opens_tenure", "lookup_complete", "gap"),
-            *("outside_saved", "not_issued"),
+            *("outside_saved", "not_issued", "spent_view"),
         }
     ),
     # A refused plan or a failed fetch is the write model's; here every planned hit is served.
