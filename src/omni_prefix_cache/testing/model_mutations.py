@@ -182,7 +182,17 @@ def _commit_without_ack(data: dict[str, Any]) -> None:
     data["orderings"] = [o for o in data["orderings"] if o["operation"] != "commit_output"]
 
 
+def _never_lingers(data: dict[str, Any]) -> None:
+    data["operations"] = [o for o in data["operations"] if o["name"] != "linger"]
+
+
 BROKEN: dict[str, Mutation] = {
+    "committer-never-lingers": Mutation(
+        "without operation linger the committer wakes only when kicked: writes a save queued after the last "
+        "kick wait for a next new_step that an idle engine never makes",
+        "idle_writes_land",
+        _never_lingers,
+    ),
     "escalate-requeues-copying": Mutation(
         "escalate pushes a task the committer already claimed back on the high queue "
         "(copy_queue: push_head from CLAIMED; escalate: a third alternative)",

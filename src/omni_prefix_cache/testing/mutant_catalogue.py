@@ -251,6 +251,24 @@ def _queued_deferred_pushed_high(stack: contextlib.ExitStack) -> None:
     _spec_mutant(stack, _deferred_high)
 
 
+@_register(
+    "committer_waits_only_for_kicks",
+    "the committer thread waits for a kick with no linger: an idle engine's last writes never land",
+    outside="the threaded committer's timed wait: the generated tests step a manual committer",
+)
+def _committer_waits_only_for_kicks(stack: contextlib.ExitStack) -> None:
+    # The loop before operation linger: an untimed wait, so work a save queued
+    # after the last kick waits for a next new_step an idle engine never makes.
+    from omni_prefix_cache.writes.committer import Committer
+
+    def await_work(self: Committer, active: bool) -> bool:
+        while not self.stopping and not self._queues.has_work():
+            self._wake.wait()
+        return True
+
+    _set(stack, Committer, "_await_work", await_work)
+
+
 # ------------------------------------------------------------------ manager
 
 

@@ -37,6 +37,7 @@ OTHER_KILLER_TESTS = (
     # The host tier's first: the generated machines (-x) would stop a tier mutant at an effect trace.
     *("tests/test_tier_check.py", "tests/test_host_tier.py"),
     *("tests/test_race_controller.py", "tests/test_generated_specs.py", "tests/test_race_system.py"),
+    "tests/test_committer_idle.py",  # the threaded committer's linger (invariant idle_writes_land)
 )
 KILLER_TESTS = GENERATED_TESTS + OTHER_KILLER_TESTS
 

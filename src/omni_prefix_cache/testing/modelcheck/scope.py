@@ -127,7 +127,7 @@ WRITE_SCOPE = Scope(
     runs=frozenset(
         {
             *("new_step", "save", "abandon_save", "escalate", "committer_claim", "committer_copy"),
-            *("committer_write", "fail", "drain", "materialize", "discard", "prefetch"),
+            *("committer_write", "fail", "drain", "materialize", "discard", "prefetch", "linger"),
         }
     ),
     roles=frozenset({"task", "position", "task_holder", "step_holder", "step", "slot", "read"}),
