@@ -169,6 +169,33 @@ class TierDesk:
         if tids:
             self._join(tids)
 
+    def check_loads(self, meta: TierStepMetadata | None, events: Sequence[Any]) -> None:
+        """Part of new_step's ``validate_events`` (before anything moves): a
+        load is never dropped, so each one's request must be named by an
+        event of the step with its computed tokens and blocks (its hit: a
+        STARTED, RESUMED or any lookup of it), and start block aligned.
+        Raises the invalid-argument error naming the request and the blocks
+        otherwise: its new blocks could not get their rows back, and a later
+        hit on them would read another tenant's rows."""
+        if meta is None or not meta.loads:
+            return
+        bs = self._block_size
+        named = {e.req_id for e in events if e.hit_end > 0 and e.block_ids}
+        for rid, load in meta.loads.items():
+            if load.token_start % bs or load.token_start < 0:
+                raise OmniPrefixCacheInvalidArgumentError(
+                    f"host tier load of request {rid!r}: token_start {load.token_start} is not block aligned "
+                    f"(block_size {bs})"
+                )
+            if rid not in named:
+                first = load.token_start // bs
+                raise OmniPrefixCacheInvalidArgumentError(
+                    f"host tier load of request {rid!r} (blocks {first}..{first + len(load.hashes) - 1} of its "
+                    f"prefix, hashes {[short(h) for h in load.hashes]}): no event of the step names its hit and "
+                    "blocks, so its new blocks cannot get their rows back; the step is refused (a resumed request "
+                    "needs its RESUMED event)"
+                )
+
     def apply(
         self,
         meta: TierStepMetadata | None,
@@ -182,10 +209,11 @@ class TierDesk:
         step are restored: the hits the step's events installed, and any
         other event of the step naming the request's computed tokens and
         blocks (a resume whose rows no consumer still needs: its blocks must
-        hold their hashes' rows for the next local hit on them). Raises the
-        invalid-argument error for a load not block aligned, and
-        OmniPrefixCacheUnmatchError (``HostTier.restore``) when the tier lacks
-        a loaded hash."""
+        hold their hashes' rows for the next local hit on them). A load is
+        never dropped: one no event names raises (``check_loads`` refused
+        the step before anything moved), the invalid-argument error for a
+        load not block aligned, and OmniPrefixCacheUnmatchError
+        (``HostTier.restore``) when the tier lacks a loaded hash."""
         if meta is None or meta.empty:
             if self.tier is not None:
                 self.tier.settle()
@@ -203,16 +231,15 @@ class TierDesk:
             if e.req_id in meta.loads and e.hit_end > 0 and e.block_ids:
                 hits[e.req_id] = (int(e.hit_end), e.block_ids[0])
         hits.update((hit.req_id, (hit.hit_end, hit.block_ids)) for hit in candidates)
+        self.check_loads(meta, events)  # also where new_step's validation did not run (a replayed sequence)
         restores: list[Restore] = []
         for rid, load in meta.loads.items():
-            if load.token_start % bs or load.token_start < 0:
-                raise OmniPrefixCacheInvalidArgumentError(
-                    f"host tier load of request {rid!r}: token_start {load.token_start} is not block aligned "
-                    f"(block_size {bs})"
-                )
             hit = hits.get(rid)
-            if hit is None:
-                continue  # not a hit this step (a failed load left nothing computed): nothing to serve
+            if hit is None:  # named by an event (check_loads), whose hit a lookup replaced: never dropped
+                raise OmniPrefixCacheUnmatchError(
+                    f"host tier load of request {rid!r}: the step installed no hit for it; its loaded blocks "
+                    "cannot be restored"
+                )
             end, blocks = hit
             first = load.token_start // bs
             for i, block_hash in enumerate(load.hashes):
