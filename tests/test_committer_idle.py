@@ -101,7 +101,10 @@ class Stage:
         hidden = torch.cat(rows)
         layout = PrefixCacheWriteLayout(tuple(out), cursor, torch.tensor(slots, dtype=torch.int64))
         sid = self.m.save_outputs(
-            hidden, {"codes": hidden[:, :1] * 10}, num_tokens_unpadded=cursor, num_tokens_padded=cursor,
+            hidden,
+            {"codes": hidden[:, :1] * 10},
+            num_tokens_unpadded=cursor,
+            num_tokens_padded=cursor,
             write_layout=layout,
         )
         return self.m.materialize(sid, list(writes))

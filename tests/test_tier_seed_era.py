@@ -81,7 +81,9 @@ class SeedEngine:
     def step(self, out: SchedulerOutput, rows: dict[str, tuple[int, list[int], list[int]]]) -> None:
         """``rows``: request -> (position its rows start at, its blocks, its tokens this step)."""
         self.mgr.new_step_starts(out)
-        self.batch.set_step(list(rows), {r: b for r, (_, b, _) in rows.items()}, {r: s for r, (s, _, _) in rows.items()})
+        self.batch.set_step(
+            list(rows), {r: b for r, (_, b, _) in rows.items()}, {r: s for r, (s, _, _) in rows.items()}
+        )
         if not rows:
             return
         new = torch.cat([forward(toks, start) for start, _, toks in rows.values()])

@@ -68,7 +68,9 @@ class SeedStage:
         order = list(out.num_scheduled_tokens)
         self.batch.set_step(order, {r: self.blocks[r] for r in order}, {r: starts[r] for r in order})
         if order:
-            rows = torch.cat([oracle(self.tokens[r], starts[r], starts[r] + n) for r, n in out.num_scheduled_tokens.items()])
+            rows = torch.cat(
+                [oracle(self.tokens[r], starts[r], starts[r] + n) for r, n in out.num_scheduled_tokens.items()]
+            )
             k = int(rows.shape[0])
             sid = self.mgr.save_outputs(rows, None, num_tokens_unpadded=k, num_tokens_padded=k)
             got = self.mgr.materialize(sid, order)

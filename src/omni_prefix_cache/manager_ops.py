@@ -431,3 +431,4 @@ class FacadeOps:
         self._pending_sched = None
         call.hits = list(self._hits.take_all().values())
         self._hits.prefetch.shutdown(wait=False, cancel_futures=True)
+        self._tier_desk.close()  # no worker connector drains its reports any more

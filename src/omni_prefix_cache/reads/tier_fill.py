@@ -21,8 +21,9 @@ from omni_prefix_cache.interface import OmniPrefixCacheInvalidArgumentError, Omn
 from omni_prefix_cache.reads.planned_read import HitReads, PlannedRead
 from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
 from omni_prefix_cache.steps.step_record import Hit
+from omni_prefix_cache.tier import channel
 from omni_prefix_cache.tier.metadata import BlockHash, TierStepMetadata
-from omni_prefix_cache.tier.store import HostTier, Rows, short
+from omni_prefix_cache.tier.store import STAT_NAMES, HostTier, Rows, short
 
 
 class TierFill:
@@ -106,8 +107,8 @@ def _failed(error: BaseException) -> Future[Rows]:
 
 
 TIER_STAT_KEYS = (
-    *("host_tier_entries", "host_tier_held_bytes", "host_tier_bound", "host_tier_fills", "host_tier_filled"),
-    *("host_tier_lost", "host_tier_restored", "host_tier_released"),
+    *("host_tier_entries", "host_tier_held_bytes", "host_tier_surplus_bytes", "host_tier_reported"),
+    *(f"host_tier_{name}" for name in STAT_NAMES),
 )
 
 # A restore a step's tier loads asked for: (request, block hash, target block).
@@ -141,16 +142,30 @@ class TierDesk:
     def _open(self) -> HostTier:
         if self.tier is None:
             bound = self._max_bytes if self._max_bytes is not None else 1 << 62  # the scheduler side bounds it
-            self.tier = HostTier(self._fill, max_bytes=bound, fill_timeout_s=self._timeout)
+            reports = channel.TierReports()
+            self.tier = HostTier(self._fill, max_bytes=bound, fill_timeout_s=self._timeout, reports=reports)
+            channel.open_reports(reports)  # the worker connector drains it into each step's worker metadata
         return self.tier
+
+    def close(self) -> None:
+        """The manager shut down: its reports are no longer drained."""
+        if self.tier is not None:
+            channel.close_reports(self.tier.reports)
 
     def stats(self) -> dict[str, int]:
         """The host tier's operator figures (state lock held): entries held,
-        their bytes, and its move counts since the manager started."""
+        their bytes (and the surplus kept past this side's bound), hashes
+        reported to the scheduler side, and its move counts since the
+        manager started."""
         tier = self.tier
         if tier is None:
             return dict.fromkeys(TIER_STAT_KEYS, 0)
-        out = {"host_tier_entries": len(tier.entries), "host_tier_held_bytes": tier.held_bytes}
+        out = {
+            "host_tier_entries": len(tier.entries),
+            "host_tier_held_bytes": tier.held_bytes,
+            "host_tier_surplus_bytes": tier.surplus_bytes,
+            "host_tier_reported": tier.reports.reported,
+        }
         out.update((f"host_tier_{name}", n) for name, n in tier.stats.items())
         return out
 

@@ -200,7 +200,9 @@ def _cached_requests(
     for i, rid in enumerate(req_ids):
         if i >= len(computed):
             continue  # nothing known of where it starts
-        start = starts[rid] = check.as_count(f"scheduled_cached_reqs.num_computed_tokens of request {rid!r}", computed[i])
+        start = starts[rid] = check.as_count(
+            f"scheduled_cached_reqs.num_computed_tokens of request {rid!r}", computed[i]
+        )
         if rid in resumed and rid in live and rid not in gone:
             events.append(_resumed(rid, start, new_blocks[i] if i < len(new_blocks) else None, num_sched))
     return starts
