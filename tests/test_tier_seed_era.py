@@ -1,12 +1,13 @@
 """The host tier behind a seed-era engine (issue 46): a scheduler output passed
 straight to ``new_step_starts`` (no adapter, no write layout: the group view
-gives the slots). A resumed request gets its RESUMED event in both forms, the
+gives the slots). A resumed request gets an event naming its hit and blocks in both forms, the
 seed-era one (the live request re-enters ``scheduled_new_reqs`` with a hit
 below where it got) and vLLM 0.33's (``scheduled_cached_reqs`` with
 ``resumed_req_ids``), so a KV connector's load of its prefix into blocks
 another request wrote is restored, never skipped: a later hit on those blocks
 reads the loaded hashes' rows. Its rows, and a recompute's, are labelled with
-their own positions. A load no event names refuses the step.
+their own positions (the step's rows only, as a seed-era engine always got).
+A load no event names refuses the step.
 """
 
 from __future__ import annotations
@@ -143,9 +144,9 @@ def test_a_resumed_requests_load_is_restored_and_a_later_hit_reads_its_hashes_ro
     engine.check({"c": [*PROMPT, 21]})  # c's hit on blocks 0-1 reads PROMPT's rows, not y's
     engine.check({"p": PROMPT, "a": [*PROMPT, 19, 20], "y": OTHER})
     assert restored == 2
-    # a's first step (its hit on p's blocks, then 2 rows), then the resumed one: its hit served again from
-    # the cache (no consumer acknowledged anything: recovered from 0), then the 2 rows it recomputed.
-    assert [span for rid, span, _ in engine.outputs if rid == "a"] == [(0, 10), (0, 10)]
+    # a's first step (its hit on p's blocks, then 2 rows), then the resumed one: the 2 rows it recomputed,
+    # labelled from its hit (a seed-era engine gets its step's rows, as it always did).
+    assert [span for rid, span, _ in engine.outputs if rid == "a"] == [(0, 10), (8, 10)]
 
 
 def test_a_recompute_after_a_failed_load_is_labelled_with_its_own_positions() -> None:

@@ -10,17 +10,20 @@ The facade takes three forms, all run by the same core (``StepInput``):
   ``num_scheduled_tokens``). ``seed_step`` translates it as the seed-era
   protocol meant it: a new request that is not live gets STARTED with its
   hit, a live one re-entering the new list is ordinary progress (a streamed
-  continuation), finished ids get FINISHED. A resumed request gets RESUMED
-  with its hit, as the event API's does (so a KV connector's load of its
-  blocks is restored, and its rows are labelled from its hit): vLLM 0.33's
-  ``scheduled_cached_reqs.resumed_req_ids``, Model Runner V2's
-  ``prefix_cache_resumed_req_ids``, and, in the seed-era form, a live
+  continuation), finished ids get FINISHED. A resumed request stays in its
+  tenure without a lookup, so a seed-era engine gets the rows its step
+  computed, as it always did; but its event names its hit and its new
+  blocks (an EXTENDED carrying them: the host tier restores a KV
+  connector's load of those blocks from it, as the event API's RESUMED
+  does), and its rows start at its hit (``StepInput.starts``). A resume is
+  vLLM 0.33's ``scheduled_cached_reqs.resumed_req_ids``, Model Runner V2's
+  ``prefix_cache_resumed_req_ids``, or, in the seed-era form, a live
   request re-entering the new list with a hit below the position it reached
-  (or one the step's host-tier metadata loads). A re-entry with no hit
-  cannot be told from a continuation there: it stays one. vLLM 0.33's
-  ``scheduled_cached_reqs.num_computed_tokens`` also gives where each
-  cached request's rows start (``StepInput.starts``), so a recompute after a
-  failed load is labelled with its own positions.
+  (or one the step's host-tier metadata loads); a re-entry with no hit
+  cannot be told from a continuation there, and stays one. vLLM 0.33's
+  ``scheduled_cached_reqs.num_computed_tokens`` gives where every cached
+  request's rows start, so a recompute after a failed load is labelled with
+  its own positions too.
 
 Threading: engine thread; reads ``live`` (the facade's live ids) under the
 state lock's protection of the caller (the engine thread is its only writer).
@@ -147,6 +150,7 @@ def seed_step(
     marked = set(map(str, getattr(scheduler_output, "prefix_cache_resumed_req_ids", None) or ()))
     gone = set(finished)
     events = [PrefixCacheRequestEvent(rid, PrefixCacheEventKind.FINISHED) for rid in finished]
+    starts: dict[ReqId, int] = {}
     queried = query_tokens = 0
     for rid, computed, block_ids, req in new_reqs:
         if rid in live and rid not in gone:
@@ -154,6 +158,7 @@ def seed_step(
             # either way). A resume is marked, loaded by the KV connector, or hits below its position.
             if rid in marked or rid in loaded or 0 < computed < reached(rid):
                 events.append(_resumed(rid, computed, block_ids, num_sched))
+                starts[rid] = computed
             continue
         queried += 1
         query_tokens += _query_tokens(req, computed, num_sched.get(rid, 0))
@@ -168,13 +173,18 @@ def seed_step(
                 num_sched.get(rid, 0),
             )
         )
-    starts = _cached_requests(getattr(scheduler_output, "scheduled_cached_reqs", None), live, gone, num_sched, events)
-    return StepInput(tuple(events), None, num_sched, queried, query_tokens, tier, starts)
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    if cached is not None:
+        _cached_requests(cached, live, gone, num_sched, events, starts)
+    return StepInput(tuple(events), None, num_sched, queried, query_tokens, tier, starts or None)
 
 
 def _resumed(rid: ReqId, computed: int, block_ids: Any, num_sched: Mapping[ReqId, int]) -> PrefixCacheRequestEvent:
+    """A seed-era resume: EXTENDED (no lookup: the engine gets its step's
+    rows, as it always did) naming its hit and its new blocks, for the host
+    tier to restore a load of them."""
     return PrefixCacheRequestEvent(
-        rid, PrefixCacheEventKind.RESUMED, 0, computed, block_ids if computed > 0 else (), num_sched.get(rid, 0)
+        rid, PrefixCacheEventKind.EXTENDED, 0, computed, block_ids if computed > 0 else (), num_sched.get(rid, 0)
     )
 
 
@@ -184,19 +194,17 @@ def _cached_requests(
     gone: set[ReqId],
     num_sched: Mapping[ReqId, int],
     events: list[PrefixCacheRequestEvent],
-) -> dict[ReqId, int] | None:
+    starts: dict[ReqId, int],
+) -> None:
     """vLLM 0.33's ``scheduled_cached_reqs`` (``req_ids`` with, per entry,
     ``num_computed_tokens`` and ``new_block_ids``; ``resumed_req_ids``): a
-    live resumed id gets RESUMED with its hit and its new block list, and
-    each entry's rows start at its ``num_computed_tokens`` (returned). None
-    without the field (the seed-era form)."""
-    if cached is None:
-        return None
+    live resumed id gets its event (``_resumed``: its hit and its new block
+    list), and each entry's rows start at its ``num_computed_tokens`` (into
+    ``starts``)."""
     req_ids = check.as_req_ids("scheduled_cached_reqs.req_ids", getattr(cached, "req_ids", None) or ())
     computed = list(getattr(cached, "num_computed_tokens", None) or ())
     new_blocks = list(getattr(cached, "new_block_ids", None) or ())
     resumed = set(check.as_req_ids("scheduled_cached_reqs.resumed_req_ids", getattr(cached, "resumed_req_ids", None)))
-    starts: dict[ReqId, int] = {}
     for i, rid in enumerate(req_ids):
         if i >= len(computed):
             continue  # nothing known of where it starts
@@ -205,7 +213,6 @@ def _cached_requests(
         )
         if rid in resumed and rid in live and rid not in gone:
             events.append(_resumed(rid, start, new_blocks[i] if i < len(new_blocks) else None, num_sched))
-    return starts
 
 
 def _query_tokens(req: Any, computed: int, scheduled: int) -> int:
