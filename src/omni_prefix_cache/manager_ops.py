@@ -274,8 +274,10 @@ class FacadeOps:
         """Effect ``validate_events`` (state lock, before anything moves): the
         events (``RequestTable.validate``), then the host tier's loads: each
         one's request must be named by an event with its hit (``TierDesk.check_loads``)."""
-        self._requests.validate(call.given.events)
-        self._tier_desk.check_loads(call.given.tier, call.given.events)
+        given = call.given
+        self._requests.validate(given.events)
+        if given.tier is not None:
+            self._tier_desk.check_loads(given.tier, given.events)
 
     def _apply_events(self, call: NewStepCall) -> None:
         """Effect ``apply_events`` (state lock): the events move their
