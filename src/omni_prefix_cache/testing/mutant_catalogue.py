@@ -1,9 +1,8 @@
-"""The mutant catalogue: bugs this design has had (or that the seed suite documents), each
-re-injectable into the runtime by a patch that lives only here (and in ``tier_mutants``); the
-runtime carries no switch for any. ``applied(name)`` applies one for a block (tests/conftest.py
-does, for a session, with ``OMNI_PREFIX_CACHE_MUTANT=<name>``). ``make mutants`` judges them all
-with ``mutant_runner``, which says what counts as a kill. (``testing.mutants`` mutates *specs*,
-for the generated state-machine tests.)"""
+"""The mutant catalogue: bugs this design has had (or that the seed suite documents), each re-injectable
+into the runtime by a patch that lives only here (and in ``tier_mutants``, ``thread_mutants``: they import
+nothing of this module); the runtime carries no switch for any. ``applied(name)`` applies one for a block
+(tests/conftest.py does, for a session, with ``OMNI_PREFIX_CACHE_MUTANT=<name>``). ``make mutants`` judges
+them all with ``mutant_runner``, which says what counts as a kill. (``testing.mutants`` mutates *specs*.)"""
 
 from __future__ import annotations
 
@@ -13,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
+from omni_prefix_cache.testing import thread_mutants, tier_mutants
 from omni_prefix_cache.testing.mutant_runner import ENV_VAR as ENV_VAR  # re-exported: conftest, fuzz
-from omni_prefix_cache.testing.tier_mutants import register_tier_mutants
 
 
 @dataclass(frozen=True, eq=False)
@@ -249,24 +248,6 @@ def _deferred_high(data: dict[str, Any]) -> None:
 @_register("queued_deferred_pushed_high", "a deferred write queued at submit is pushed to the high queue")
 def _queued_deferred_pushed_high(stack: contextlib.ExitStack) -> None:
     _spec_mutant(stack, _deferred_high)
-
-
-@_register(
-    "committer_waits_only_for_kicks",
-    "the committer thread waits for a kick with no linger: an idle engine's last writes never land",
-    outside="the threaded committer's timed wait: the generated tests step a manual committer",
-)
-def _committer_waits_only_for_kicks(stack: contextlib.ExitStack) -> None:
-    # The loop before operation linger: an untimed wait, so work a save queued
-    # after the last kick waits for a next new_step an idle engine never makes.
-    from omni_prefix_cache.writes.committer import Committer
-
-    def await_work(self: Committer, active: bool) -> bool:
-        while not self.stopping and not self._queues.has_work():
-            self._wake.wait()
-        return True
-
-    _set(stack, Committer, "_await_work", await_work)
 
 
 # ------------------------------------------------------------------ manager
@@ -595,7 +576,8 @@ def _view_acknowledged_twice(stack: contextlib.ExitStack) -> None:
     _before_record(stack, lambda record, view: setattr(record, "spent", False))
 
 
-register_tier_mutants(_register, _set)  # the host tier's (that module imports nothing of this one)
+for _more in (tier_mutants.register_tier_mutants, thread_mutants.register_thread_mutants):
+    _more(_register, _set)
 
 
 # ------------------------------------------------------------------ applying
