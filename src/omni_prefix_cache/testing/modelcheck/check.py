@@ -75,7 +75,10 @@ class CheckResult:
             f"elapsed: {self.seconds:.1f}s"
         )
         if self.ok:
-            lines.append("OK: every invariant holds in every reachable state; every state can still settle")
+            lines.append(
+                "OK: every invariant holds in every reachable state; every state can still settle "
+                "(with the engine idle, by the other threads alone)"
+            )
             return "\n".join(lines)
         assert self.violation is not None
         lines.append(f"VIOLATION {self.violation.name} ({self.model} model): {self.violation.message}")
