@@ -64,8 +64,10 @@ def meta(**fields: Any) -> SimpleNamespace:
 class Engine:
     """One stage: the manager, its helper, the batch and what each request received."""
 
-    def __init__(self, eager: bool) -> None:
-        config = PrefixCacheConfig(num_blocks=16, block_size=BS, staging_capacity_tokens=64)
+    def __init__(self, eager: bool, host_tier_bytes: int | None = None) -> None:
+        config = PrefixCacheConfig(
+            num_blocks=16, block_size=BS, staging_capacity_tokens=64, host_tier_bytes=host_tier_bytes
+        )
         self.mgr = OmniPrefixCacheManager(config, eager=eager)
         self.mgr.register_policy(ModelCachePolicy(needs_full_hidden_states=True))
         self.batch = InputBatch()
@@ -183,3 +185,58 @@ def test_a_load_past_what_vllm_counts_computed_restores_only_the_computed_blocks
     finally:
         engine.mgr.shutdown()
     _oracle(engine, {"b": [*PROMPT, 19, 20]})
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "threaded"])
+def test_a_fill_past_this_sides_bound_is_kept_reported_and_still_restored(eager: bool) -> None:
+    """host_tier_bytes below one block: a's fills cannot be held. They used to
+    be lost, and the load the scheduler side had already sent raised. Now they
+    are kept as a surplus and reported (for the scheduler side to forget): the
+    load gets its rows, and the release that follows the forget frees them."""
+    engine = Engine(eager, host_tier_bytes=1)
+    try:
+        _reuse_then_load(engine)
+        tier = engine.mgr.components.tier_desk.tier
+        assert tier is not None
+        assert {tier.state_of(h) for h in HA} == {TierState.SURPLUS}
+        assert tier.stats["surplus"] == 2 and tier.stats["restored"] == 2 and tier.stats["lost"] == 0
+        assert set(tier.reports.pending()) == set(HA) and tier.held_bytes == 0
+        tier.check_invariants(BS)
+        engine.step(SchedulerOutput({}, [], {"b"}, meta(release=HA)), {}, None)
+        assert not tier.entries and tier.surplus_bytes == 0
+        tier.check_invariants(BS)
+    finally:
+        engine.mgr.shutdown()
+    _oracle(engine, {"a": PROMPT, "c": OTHER, "b": [*PROMPT, 19, 20]})
+
+
+def test_a_failed_fill_is_reported_and_a_later_load_of_it_raises() -> None:
+    """A fill whose read fails loses the hash (no rows to keep): it is reported,
+    and a load the scheduler side sends anyway is a contract break."""
+    from omni_prefix_cache.tier import channel
+
+    engine = Engine(True)
+    try:
+        engine.step(SchedulerOutput({"a": 8}, [NewRequest("a", 0, ([0, 1],))]), {"a": (0, [0, 1])}, forward(PROMPT, 0))
+        engine.mgr.components.tier_desk._fill.plan_fill = lambda h, b: _failed_fill()  # type: ignore[method-assign]
+        binds = tuple(TierBind(h, b) for h, b in zip(HA, (0, 1)))
+        out = SchedulerOutput({"c": 8}, [NewRequest("c", 0, ([0, 1],))], {"a"}, meta(bind=binds))
+        engine.step(out, {"c": (0, [0, 1])}, forward(OTHER, 0))
+        engine.step(SchedulerOutput({}, [], {"c"}, meta()), {}, None)  # the next step settles the fills
+        tier = engine.mgr.components.tier_desk.tier
+        assert tier is not None and tier.stats["lost"] == 2 and not tier.entries
+        assert set(channel.drain()) >= set(HA)  # what the worker connector sends the scheduler side
+        load = TierLoad("b", 0, HA)
+        out = SchedulerOutput({"b": 2}, [NewRequest("b", 8, ([2, 3, 4],))], set(), meta(loads={"b": load}))
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"request 'b' was loaded into block 2 .*its fill failed"):
+            engine.cache.begin_step(out)
+    finally:
+        engine.mgr.shutdown()
+
+
+def _failed_fill() -> Any:
+    from concurrent.futures import Future
+
+    fut: Future[Any] = Future()
+    fut.set_exception(OmniPrefixCacheUnmatchError("injected: the fill's read failed"))
+    return fut

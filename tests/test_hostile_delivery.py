@@ -1,8 +1,9 @@
 """Hostile inputs to delivery (issue 39): delivery_view, ack_delivery and
 commit_output refuse what is no output, a view the manager did not issue as
-it stands, a view already acknowledged, and an output edited past what was
-saved, with the contract error and nothing moved; after shutdown they raise
-the shutdown error; the consumer table stays bounded.
+it stands, and an output edited past what was saved, with the contract error
+and nothing moved; a view already acknowledged or committed is acknowledged
+again as a no-op (issue 46, as upstream's ack only advances); after shutdown
+they raise the shutdown error; the consumer table stays bounded.
 """
 
 from __future__ import annotations
@@ -116,21 +117,47 @@ def test_a_second_commit_of_one_view_hands_off_nothing(eng: Engine) -> None:
     handed: list[frozenset[str]] = []
     assert eng.m.commit_output(out, handed.append, delivery=view) == frozenset({"a"})
     assert eng.m.commit_output(out, handed.append, delivery=view) == frozenset()
-    with pytest.raises(OmniPrefixCacheInvalidArgumentError, match="already acknowledged"):
-        eng.m.ack_delivery(view)
+    eng.m.ack_delivery(view)  # a committed view acknowledged again: a no-op
     assert handed == [frozenset({"a"}), frozenset()] and marks(eng) == {"builder": 4}
 
 
-def test_a_second_acknowledgement_of_one_view_is_refused(eng: Engine) -> None:
+def test_a_second_acknowledgement_of_one_view_is_a_no_op(eng: Engine) -> None:
+    """A runner retrying an ack used to get the invalid-argument error here;
+    upstream's ack only advances, so a repeat of an issued view moves nothing."""
     out = saved_output(eng)
     view = eng.m.delivery_view(out, ["a"], consumer="talker")
     eng.m.ack_delivery(view)
-    with pytest.raises(OmniPrefixCacheInvalidArgumentError, match="already acknowledged"):
-        eng.m.ack_delivery(view)
+    eng.m.ack_delivery(view)
+    assert marks(eng) == {"talker": 4}
     # A fresh view of the same output selects nothing new and may be acknowledged.
     again = eng.m.delivery_view(out, ["a"], consumer="talker")
     assert again.token_ranges == {"a": (4, 4)}
     eng.m.ack_delivery(again)
+    eng.m.ack_delivery(again)
+    assert marks(eng) == {"talker": 4}
+
+
+def test_a_retried_ack_of_an_older_view_never_moves_a_watermark_back(eng: Engine) -> None:
+    first = saved_output(eng)
+    view = eng.m.delivery_view(first, ["a"], consumer="talker")
+    eng.m.ack_delivery(view)
+    eng.m.new_step_starts(eng.step([ev("a", K.EXTENDED, owner=O(1))], {"a": 2}))
+    later = eng.m.materialize(eng.save({"a": (4, 6)}), ["a"])
+    eng.m.ack_delivery(eng.m.delivery_view(later, ["a"], consumer="talker"))
+    eng.m.ack_delivery(view)  # the retry of the first view, after the second moved the watermark on
+    assert marks(eng) == {"talker": 6}
+
+
+def test_a_spent_view_edited_or_copied_is_still_refused(eng: Engine) -> None:
+    out = saved_output(eng)
+    view = eng.m.delivery_view(out, ["a"], consumer="talker")
+    eng.m.ack_delivery(view)
+    for forged in (dataclasses.replace(view), dataclasses.replace(view, token_ranges={"a": (0, 100)})):
+        with pytest.raises(OmniPrefixCacheInvalidArgumentError, match="not a view this manager issued"):
+            eng.m.ack_delivery(forged)
+    view.token_ranges["a"] = (0, 100)
+    with pytest.raises(OmniPrefixCacheInvalidArgumentError, match="not a view this manager issued"):
+        eng.m.ack_delivery(view)
     assert marks(eng) == {"talker": 4}
 
 

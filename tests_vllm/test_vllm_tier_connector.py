@@ -378,3 +378,125 @@ def test_each_step_reports_a_hash_once(v) -> None:
         bound = [b.block_hash for b in r.tier.bind]
         assert len(bound) == len(set(bound)) and len(r.tier.release) == len(set(r.tier.release))
     h.close()
+
+
+# ------------------------------------------------------------ what the worker reports back
+
+
+def test_a_tier_budget_below_one_block_is_refused_naming_the_config_key(v) -> None:
+    """The scheduler side's startup check names omni_tier_max_bytes (it used to say TierIndex max_bytes)."""
+    with pytest.raises(Exception, match=r"'omni_tier_max_bytes'\]=4095 holds no block.*omni_tier_bytes_per_token"):
+        harness(v, tier_max_bytes=BS * 256 - 1, tier_bytes_per_token=256)
+
+
+def test_hashes_the_worker_reports_are_forgotten_and_never_offered_again(v) -> None:
+    """A hash the worker's tier does not keep (a lost fill, a surplus past its bound) rides back in the
+    step's kv_connector_worker_meta; the scheduler side forgets it, so vLLM recomputes those blocks."""
+    from omni_prefix_cache.tier import channel
+
+    h = harness(v)
+    hashes, _, _ = stored_then_evicted(h)
+    assert all(x in h.connector.index for x in hashes[:4])
+    reports = channel.TierReports()
+    channel.open_reports(reports)
+    try:
+        reports.report(hashes[1:2])  # block 1's fill was lost on the worker
+        out = h.step()  # the fake worker's output carries it (OmniTierWorkerMetadata.forget)
+    finally:
+        channel.close_reports(reports)
+    assert hashes[1] not in h.connector.index and h.connector.forgotten == 1
+    assert out.tier is not None
+    h.add_request("a2", A2, 2)
+    r = h.step()
+    r = h.step() if not r.tier or "a2" not in r.tier.loads else r
+    assert r.tier is not None and r.tier.loads["a2"].hashes == tuple(hashes[:1])  # capped before the lost block
+    assert scheduled_new(r, "a2").num_computed_tokens == BS
+    h.close()
+
+
+def test_a_reported_hash_pinned_by_a_pending_load_is_released_after_the_load(v) -> None:
+    """Reported while an async load of it is in flight: the load still goes out (the worker kept the rows
+    as a surplus), and the release follows the unpin."""
+    from omni_prefix_cache.tier import channel
+
+    h = harness(v)
+    hashes, _, _ = stored_then_evicted(h)
+    h.hold_async_loads = True
+    h.add_request("a2", A2, 2)
+    h.step()
+    assert h.connector.index.pinned("a2") == tuple(hashes[:4])
+    reports = channel.TierReports()
+    channel.open_reports(reports)
+    try:
+        reports.report(hashes[2:3])
+        held = h.step()
+    finally:
+        channel.close_reports(reports)
+    assert hashes[2] in h.connector.index  # pinned: forgotten once the load is reported
+    assert held.tier is not None and hashes[2] not in held.tier.release
+    run = h.release_loads()
+    while run.tier is not None and "a2" not in run.tier.loads:
+        run = h.step()
+    assert run.tier is not None and run.tier.loads["a2"].hashes == tuple(hashes[:4])
+    assert hashes[2] not in h.connector.index
+    after = h.step()
+    assert after.tier is not None and hashes[2] in after.tier.release
+    h.close()
+
+
+def test_workers_metadata_aggregates_the_inners_and_the_reported_hashes(v) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+
+    from omni_prefix_cache.tier.connector import OmniTierWorkerMetadata
+
+    assert OmniTierWorkerMetadata.of(None, ()) is None
+    a = OmniTierWorkerMetadata.of(OffloadingWorkerMetadata(completed_jobs={1: 1}), (b"x",))
+    b = OmniTierWorkerMetadata.of(OffloadingWorkerMetadata(completed_jobs={2: 1}), (b"y", b"x"))
+    c = OmniTierWorkerMetadata.of(None, (b"z",))
+    both = a.aggregate(b).aggregate(c)
+    assert both.forget == (b"x", b"y", b"z")
+    assert both.inner.completed_jobs == {1: 1, 2: 1}
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="not the wrapper's worker metadata"):
+        a.aggregate(OffloadingWorkerMetadata(completed_jobs={}))
+
+
+# ------------------------------------------------------------ vLLM 0.33 facts docs/integration.md relies on
+# ("What a new deployment needs to know"): a vLLM upgrade that changes one fails here, so the docs follow.
+
+
+def test_kv_events_alone_publish_on_a_zmq_socket_and_null_binds_none() -> None:
+    from vllm.config import KVEventsConfig
+    from vllm.distributed.kv_events import EventPublisherFactory, NullEventPublisher
+
+    on = KVEventsConfig(enable_kv_cache_events=True)
+    assert (on.publisher, on.endpoint) == ("zmq", "tcp://*:5557")
+    quiet = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    assert isinstance(EventPublisherFactory.create(quiet), NullEventPublisher)
+
+
+def test_the_scheduler_reads_the_wrappers_load_failure_policy_and_the_inner_inherits_it(v) -> None:
+    from vllm.config import KVTransferConfig
+
+    assert KVTransferConfig().kv_load_failure_policy == "fail"
+    h = harness(v)  # the harness sets kv_load_failure_policy="recompute" on the wrapper
+    assert h.sched.recompute_kv_load_failures
+    assert h.connector.inner._kv_transfer_config.kv_load_failure_policy == "recompute"
+    h.close()
+    failing = harness(v, kv_load_failure_policy="fail")  # vLLM's default: a failed load fails its request
+    assert not failing.sched.recompute_kv_load_failures
+    assert failing.connector.inner._kv_transfer_config.kv_load_failure_policy == "fail"
+    failing.close()
+
+
+def test_a_finished_id_readmitted_at_once_breaks_the_offloading_connectors_scheduler_side(v) -> None:
+    """vLLM 0.33's OffloadingConnector drops its state for an id with the finished request's cleanup one
+    step after the finish; a new request under the same id, added at once and decoded, hits KeyError."""
+    h = harness(v)
+    h.add_request("a", [*A, 9], 4)
+    while "a" in h.sched.requests:
+        h.step()
+    h.add_request("a", [*A, 5, 6], 4)
+    with pytest.raises(KeyError, match="'a'"):
+        for _ in range(12):
+            h.step()
+    h.close()

@@ -40,7 +40,7 @@ class Batch(SimInputBatch):
 class Stage:
     """The library behind the harness: one manager fed each real step."""
 
-    def __init__(self, h: OffloadHarness, eager: bool) -> None:
+    def __init__(self, h: OffloadHarness, eager: bool, host_tier_bytes: int | None = None) -> None:
         self.h = h
         vc = h.vllm_config
         # The stage gate admits the wrapper (a plain OffloadingConnector is refused).
@@ -54,7 +54,9 @@ class Stage:
             speculative_config=vc.speculative_config,
         )
         assert cfg is not None
-        config = PrefixCacheConfig(num_blocks=h.opts.num_blocks, block_size=BS, staging_capacity_tokens=512)
+        config = PrefixCacheConfig(
+            num_blocks=h.opts.num_blocks, block_size=BS, staging_capacity_tokens=512, host_tier_bytes=host_tier_bytes
+        )
         self.mgr = OmniPrefixCacheManager(config, eager=eager)
         self.mgr.register_policy(ModelCachePolicy(needs_full_hidden_states=True))
         self.batch = Batch()
@@ -167,6 +169,54 @@ def test_a_request_whose_kv_came_back_from_offload_gets_exactly_its_own_rows(
         tier = stage.mgr._tier_desk.tier
         assert tier is not None and tier.stats["restored"] == restored
         assert int(stage.got["a2"].shape[0]) == len(A) + 3 + 1  # every position once: 3 computed, 1 decoded
+    finally:
+        stage.mgr.shutdown()
+        h.close()
+    assert stage.mismatches() == {}, f"row oracle: mismatched rows per request {stage.mismatches()}"
+
+
+BLOCK_ROWS = BS * WIDTH * 4  # one block's hidden rows (float32), the only key here
+# The worker's PrefixCacheConfig.host_tier_bytes against the scheduler side's omni_tier_max_bytes (1 MiB at
+# 256 bytes per token: 256 blocks): below one block, and below what the scheduler side admits.
+BUDGETS = {"below-one-block": 1, "below-the-schedulers": 2 * BLOCK_ROWS}
+
+
+@pytest.mark.parametrize("budget", sorted(BUDGETS))
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "threaded"])
+def test_a_fill_the_worker_does_not_keep_is_forgotten_and_vllm_recomputes_it(v: Any, eager: bool, budget: str) -> None:
+    """Issue 46: with the worker's bound below what the scheduler side admits,
+    every fill past it was lost while the scheduler side's index still offered
+    the hash, and the first load of one raised inside new_step_starts. Now the
+    worker keeps such a fill as a surplus and reports its hash in the step's
+    worker metadata; the index forgets it, so no load of it is offered (vLLM
+    recomputes those blocks) and every row is right."""
+    h = OffloadHarness(OffloadOptions(block_size=BS, sync_load_budget_bytes=SYNC), v)
+    stage = Stage(h, eager, host_tier_bytes=BUDGETS[budget])
+    try:
+        stage.finish("a", A)
+        pool = h.sched.kv_cache_manager.block_pool
+        hashes = _hashes_of(h, A)
+        for i in range(1, 6):  # other prompts take every GPU block until A's are evicted (their fills)
+            stage.finish(f"x{i}", list(range(1000 * i, 1000 * i + 14 * BS)))
+            if all(pool.get_cached_block(x, [0]) is None for x in hashes):
+                break
+        else:
+            raise AssertionError("the GPU prefix cache kept A's blocks")
+        tier_now = stage.mgr.components.tier_desk.tier
+        assert tier_now is not None
+        for entry in list(tier_now.entries.values()):  # join the fills in flight on the prefetch thread
+            if entry.fill is not None:
+                entry.fill.exception()
+        stage.step()  # their settle: kept, or kept apart and reported
+        stage.step()  # the reports reach the scheduler side (the fake worker drains before the stage steps)
+        forgotten = [x for x in hashes if x not in h.connector.index]
+        records = stage.finish("a2", [*A, 7, 8, 9], 2)  # before: its load of a lost hash raised in new_step_starts
+        loaded = [x for r in records if r.tier is not None and "a2" in r.tier.loads for x in r.tier.loads["a2"].hashes]
+        assert forgotten, "the scheduler side's index still offers every hash the worker could not keep"
+        assert not set(loaded) & set(forgotten)  # a hash the worker handed back is never loaded
+        tier = stage.mgr.components.tier_desk.stats()
+        assert tier["host_tier_surplus"] > 0 and tier["host_tier_lost"] == 0
+        assert h.connector.forgotten >= len(forgotten)
     finally:
         stage.mgr.shutdown()
         h.close()

@@ -161,6 +161,7 @@ class OmniPrefixCacheController(ControllerSeams):
             wake=self.wake,
             fail=self.fail_task,
             timeout_s=config.staging_claim_timeout_s,
+            linger_s=config.committer_linger_s,
             after_write=after_write,
         )
         self.parts = WriteParts(

@@ -114,6 +114,11 @@ class PrefixCacheConfig:
     # kv_cache_config.kv_cache_groups (a full-attention group; the gate,
     # group_view.stage_prefix_cache_config, picks it). 0 for a single group.
     kv_cache_group_index: int = 0
+    # The committer thread's linger (docs/integration.md, "Guarantees"): with
+    # no kick (an engine gone idle after its last step), writes a save queued
+    # start once they waited a whole linger, within 2 x this of their save; an
+    # idle committer looks at its queues once per linger.
+    committer_linger_s: float = 0.05
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "staging_depth", "staging_capacity_tokens", "copy_chunk_bytes"):
@@ -130,6 +135,16 @@ class PrefixCacheConfig:
         if self.gpu_staging_bytes < 0 or self.staging_claim_timeout_s < 0:
             raise OmniPrefixCacheInvalidArgumentError(
                 "PrefixCacheConfig: gpu_staging_bytes and staging_claim_timeout_s must be >= 0"
+            )
+        linger = self.committer_linger_s
+        if isinstance(linger, bool) or not isinstance(linger, (int, float)) or not 0 < linger < float("inf"):
+            raise OmniPrefixCacheInvalidArgumentError(
+                f"PrefixCacheConfig.committer_linger_s must be a positive number of seconds, got {linger!r}"
+            )
+        tier = self.host_tier_bytes
+        if tier is not None and (isinstance(tier, bool) or not isinstance(tier, int) or tier <= 0):
+            raise OmniPrefixCacheInvalidArgumentError(
+                f"PrefixCacheConfig.host_tier_bytes must be None or a positive int, got {tier!r}"
             )
 
     @classmethod

@@ -241,8 +241,8 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         if is_event_form(step):
             given = events_step(step, num_scheduled_tokens, kv_tier)  # type: ignore[arg-type]
         else:
-            # ``_live`` changes only on this (the engine) thread: read unlocked.
-            given = seed_step(step, self._live)
+            # ``_live`` and the tenures' positions change only on this (the engine) thread: read unlocked.
+            given = seed_step(step, self._live, self._requests.reached)
         call, run, new_step = NewStepCall(given), self._runner.run, self._ops.new_step
         run(new_step, "events", call)  # state: apply the lifecycle events
         run(new_step, "escalate", call)  # no lock: escalate what they detached (eager writes run inline)

@@ -229,7 +229,7 @@ class FacadeOps:
             self._steps, self._controller.parts.staging_pool, self._hits, self._reads, couplings, self._claim_page
         )
         effects: dict[str, Run] = {
-            "validate_events": lambda call: self._requests.validate(call.given.events),
+            "validate_events": self._validate_events,
             "apply_events": self._apply_events,
             "escalate_detached": self._escalate_detached,
             "plan_hits": self._plan_hits,
@@ -270,6 +270,15 @@ class FacadeOps:
 
     # ------------------------------------------------------------ new_step
 
+    def _validate_events(self, call: NewStepCall) -> None:
+        """Effect ``validate_events`` (state lock, before anything moves): the
+        events (``RequestTable.validate``), then the host tier's loads: each
+        one's request must be named by an event with its hit (``TierDesk.check_loads``)."""
+        given = call.given
+        self._requests.validate(given.events)
+        if given.tier is not None:
+            self._tier_desk.check_loads(given.tier, given.events)
+
     def _apply_events(self, call: NewStepCall) -> None:
         """Effect ``apply_events`` (state lock): the events move their
         tenures; what they installed (lookups) and detached (writes) is kept
@@ -283,7 +292,7 @@ class FacadeOps:
         call.escalate = requests.take_detached()
         # A step with nothing scheduled has no save: the next snapshot
         # replaces it. Its hits (if any) stay pending for the next save.
-        self._pending_sched = SchedSnapshot(given.num_scheduled)
+        self._pending_sched = SchedSnapshot(given.num_scheduled, starts=given.starts)
         counters = self._counters
         counters["query_requests"] += given.queried
         counters["query_tokens"] += given.query_tokens
@@ -384,7 +393,9 @@ class FacadeOps:
     def _record_saved(self, call: SaveCall) -> None:
         split = call.split
         assert call.ctx is not None
-        self._requests.record_saved(call.ctx, call.token_ranges, bool(split.immediate or split.deferred_clone))
+        self._requests.record_saved(
+            call.ctx, call.token_ranges, bool(split.immediate or split.deferred_clone), call.sched.starts
+        )
 
     # ------------------------------------------------------------ abandon_save
 
@@ -422,3 +433,4 @@ class FacadeOps:
         self._pending_sched = None
         call.hits = list(self._hits.take_all().values())
         self._hits.prefetch.shutdown(wait=False, cancel_futures=True)
+        self._tier_desk.close()  # no worker connector drains its reports any more

@@ -21,8 +21,9 @@ from omni_prefix_cache.interface import OmniPrefixCacheInvalidArgumentError, Omn
 from omni_prefix_cache.reads.planned_read import HitReads, PlannedRead
 from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
 from omni_prefix_cache.steps.step_record import Hit
+from omni_prefix_cache.tier import channel
 from omni_prefix_cache.tier.metadata import BlockHash, TierStepMetadata
-from omni_prefix_cache.tier.store import HostTier, Rows, short
+from omni_prefix_cache.tier.store import STAT_NAMES, HostTier, Rows, short
 
 
 class TierFill:
@@ -106,8 +107,8 @@ def _failed(error: BaseException) -> Future[Rows]:
 
 
 TIER_STAT_KEYS = (
-    *("host_tier_entries", "host_tier_held_bytes", "host_tier_bound", "host_tier_fills", "host_tier_filled"),
-    *("host_tier_lost", "host_tier_restored", "host_tier_released"),
+    *("host_tier_entries", "host_tier_held_bytes", "host_tier_surplus_bytes", "host_tier_reported"),
+    *(f"host_tier_{name}" for name in STAT_NAMES),
 )
 
 # A restore a step's tier loads asked for: (request, block hash, target block).
@@ -143,16 +144,30 @@ class TierDesk:
     def _open(self) -> HostTier:
         if self.tier is None:
             bound = self._max_bytes if self._max_bytes is not None else 1 << 62  # the scheduler side bounds it
-            self.tier = HostTier(self._fill, max_bytes=bound, fill_timeout_s=self._timeout)
+            reports = channel.TierReports()
+            self.tier = HostTier(self._fill, max_bytes=bound, fill_timeout_s=self._timeout, reports=reports)
+            channel.open_reports(reports)  # the worker connector drains it into each step's worker metadata
         return self.tier
+
+    def close(self) -> None:
+        """The manager shut down: its reports are no longer drained."""
+        if self.tier is not None:
+            channel.close_reports(self.tier.reports)
 
     def stats(self) -> dict[str, int]:
         """The host tier's operator figures (state lock held): entries held,
-        their bytes, and its move counts since the manager started."""
+        their bytes (and the surplus kept past this side's bound), hashes
+        reported to the scheduler side, and its move counts since the
+        manager started."""
         tier = self.tier
         if tier is None:
             return dict.fromkeys(TIER_STAT_KEYS, 0)
-        out = {"host_tier_entries": len(tier.entries), "host_tier_held_bytes": tier.held_bytes}
+        out = {
+            "host_tier_entries": len(tier.entries),
+            "host_tier_held_bytes": tier.held_bytes,
+            "host_tier_surplus_bytes": tier.surplus_bytes,
+            "host_tier_reported": tier.reports.reported,
+        }
         out.update((f"host_tier_{name}", n) for name, n in tier.stats.items())
         return out
 
@@ -171,6 +186,33 @@ class TierDesk:
         if tids:
             self._join(tids)
 
+    def check_loads(self, meta: TierStepMetadata | None, events: Sequence[Any]) -> None:
+        """Part of new_step's ``validate_events`` (before anything moves): a
+        load is never dropped, so each one's request must be named by an
+        event of the step with its computed tokens and blocks (its hit: a
+        STARTED, RESUMED or any lookup of it), and start block aligned.
+        Raises the invalid-argument error naming the request and the blocks
+        otherwise: its new blocks could not get their rows back, and a later
+        hit on them would read another tenant's rows."""
+        if meta is None or not meta.loads:
+            return
+        bs = self._block_size
+        named = {e.req_id for e in events if e.hit_end > 0 and len(e.block_ids) > self._group}  # the keyed group's
+        for rid, load in meta.loads.items():
+            if load.token_start % bs or load.token_start < 0:
+                raise OmniPrefixCacheInvalidArgumentError(
+                    f"host tier load of request {rid!r}: token_start {load.token_start} is not block aligned "
+                    f"(block_size {bs})"
+                )
+            if rid not in named:
+                first = load.token_start // bs
+                raise OmniPrefixCacheInvalidArgumentError(
+                    f"host tier load of request {rid!r} (blocks {first}..{first + len(load.hashes) - 1} of its "
+                    f"prefix, hashes {[short(h) for h in load.hashes]}): no event of the step names its hit and "
+                    "blocks, so its new blocks cannot get their rows back; the step is refused (a resumed request "
+                    "needs its RESUMED event)"
+                )
+
     def apply(
         self,
         meta: TierStepMetadata | None,
@@ -184,10 +226,11 @@ class TierDesk:
         step are restored: the hits the step's events installed, and any
         other event of the step naming the request's computed tokens and
         blocks (a resume whose rows no consumer still needs: its blocks must
-        hold their hashes' rows for the next local hit on them). Raises the
-        invalid-argument error for a load not block aligned, and
-        OmniPrefixCacheUnmatchError (``HostTier.restore``) when the tier lacks
-        a loaded hash."""
+        hold their hashes' rows for the next local hit on them). A load is
+        never dropped: one no event names raises (``check_loads`` refused
+        the step before anything moved), the invalid-argument error for a
+        load not block aligned, and OmniPrefixCacheUnmatchError
+        (``HostTier.restore``) when the tier lacks a loaded hash."""
         if meta is None or meta.empty:
             if self.tier is not None:
                 self.tier.settle()
@@ -206,16 +249,15 @@ class TierDesk:
             if e.req_id in meta.loads and e.hit_end > 0 and len(e.block_ids) > g:
                 hits[e.req_id] = (int(e.hit_end), e.block_ids[g])
         hits.update((hit.req_id, (hit.hit_end, hit.block_ids)) for hit in candidates)
+        self.check_loads(meta, events)  # also where new_step's validation did not run (a replayed sequence)
         restores: list[Restore] = []
         for rid, load in meta.loads.items():
-            if load.token_start % bs or load.token_start < 0:
-                raise OmniPrefixCacheInvalidArgumentError(
-                    f"host tier load of request {rid!r}: token_start {load.token_start} is not block aligned "
-                    f"(block_size {bs})"
-                )
             hit = hits.get(rid)
-            if hit is None:
-                continue  # not a hit this step (a failed load left nothing computed): nothing to serve
+            if hit is None:  # named by an event (check_loads), whose hit a lookup replaced: never dropped
+                raise OmniPrefixCacheUnmatchError(
+                    f"host tier load of request {rid!r}: the step installed no hit for it; its loaded blocks "
+                    "cannot be restored"
+                )
             end, blocks = hit
             first = load.token_start // bs
             for i, block_hash in enumerate(load.hashes):

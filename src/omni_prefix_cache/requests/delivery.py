@@ -9,11 +9,13 @@ delivery: only an acknowledgement moves a watermark, and only forward.
 Only what the manager issued is acknowledged: ``delivery_view`` records
 each view it returns (``IssuedView``: its consumer, ranges and tenures), and
 ``ack_delivery`` / ``commit_output`` refuse a view that is not one of them
-as it stands (edited in place, a copy, a hand-built one); ``ack_delivery``
-also refuses one an acknowledgement already spent, and ``commit_output``
-hands nothing of it off (a second commit of one view is a no-op). A view never reaches past what the tenure's saves
-recorded (``Tenure.rows_upto``), so an output edited to cover more is
-refused too. Every refusal is the invalid-argument error (or, for an
+as it stands (edited in place, a copy, a hand-built one). A view an
+acknowledgement already spent moves nothing again: ``ack_delivery`` of it is
+a no-op (move ``ack_again``: a consumer retrying its ack, as upstream's
+acknowledgement only advances) and ``commit_output`` hands nothing of it off
+(a second commit of one view is a no-op). A view never reaches past what the
+tenure's saves recorded (``Tenure.rows_upto``), so an output edited to cover
+more is refused too. Every refusal is the invalid-argument error (or, for an
 argument that is no output at all, the invalid-type error) and moves nothing.
 
 Threading: any consumer thread; every entry takes the manager's state lock
@@ -115,8 +117,8 @@ def _raise_refused(item: _ViewItem) -> None:
     if not item.issued:
         raise OmniPrefixCacheInvalidArgumentError(
             f"ack_delivery: the view of request {item.req_id!r} for consumer {item.consumer!r} "
-            f"(range [{item.start}, {item.end})) is not a view this manager issued as it stands, or it was "
-            "already acknowledged (views are acknowledged once, as delivery_view returned them)"
+            f"(range [{item.start}, {item.end})) is not a view this manager issued as it stands (edited in "
+            "place, a copy or hand-built: views are acknowledged as delivery_view returned them)"
         )
     raise OmniPrefixCacheInvalidArgumentError(
         f"delivery_view: the output of request {item.req_id!r} covers [{item.start}, {item.end}) but its tenure "
@@ -148,7 +150,12 @@ class DeliveryDesk:
         self._issued: dict[int, tuple[weakref.ref[StageCacheOutputs], IssuedView]] = {}
         ops = load_protocol().ops
         binding = RequestBinding()
-        guards = {"gap": _gap, "outside_saved": _outside_saved, "not_issued": lambda item: not item.issued}
+        guards = {
+            "gap": _gap,
+            "outside_saved": _outside_saved,
+            "not_issued": lambda item: not item.issued,
+            "spent_view": lambda item: item.spent,
+        }
         refuse = {"raise_gap": _raise_gap, "raise_refused": _raise_refused}
         self._view = compile_operation(ops["delivery_view"], binding, {**refuse, "clip_outputs": _clip}, guards)
         self._ack = compile_operation(ops["ack_delivery"], binding, refuse, guards)
@@ -193,16 +200,18 @@ class DeliveryDesk:
     def ack(self, view: StageCacheOutputs) -> None:
         """Move each request's watermark of the view's consumer to the
         view's end. The whole view is checked first: a gap, or a view this
-        manager did not issue as it stands (or already acknowledged), raises
-        and moves nothing."""
+        manager did not issue as it stands, raises and moves nothing. A view
+        already acknowledged or committed is acknowledged again as a no-op
+        (guard ``spent_view``: a retried ack)."""
         _check_output(view, "ack_delivery")
         consumer = _consumer_of(view, "ack_delivery")
         items = [self._item(view, rid, consumer, "ack_delivery") for rid in view.token_ranges]
         with self._lock:
             self._check_open("ack_delivery")
-            record = self.issued_record(view, consumer)
+            record = self.issued_record(view, consumer, spent=True)
+            spent = record is not None and record.spent
             for item in items:
-                item.issued, item.record = record is not None, record
+                item.issued, item.spent, item.record = record is not None and not spent, spent, record
             self._ack_all(items)  # each ack move spends the view (spend_view)
 
     def commit(
@@ -295,12 +304,13 @@ class DeliveryDesk:
         return _ViewItem(adopted(rid, progress), self._table, None, consumer, span[0], span[1], req_id=rid)
 
     def _ack_all(self, items: list[_ViewItem]) -> None:
-        for item in items:
-            if _gap(item):
-                raise _gap_error(item)
-        for item in items:
-            if not item.issued:
-                _raise_refused(item)
+        if not (items and items[0].spent):  # a spent view's acknowledgement moves nothing: nothing to refuse
+            for item in items:
+                if _gap(item):
+                    raise _gap_error(item)
+            for item in items:
+                if not item.issued:
+                    _raise_refused(item)
         for item in items:
             CALLER_HOLDS.run_all(self._ack, item)
 

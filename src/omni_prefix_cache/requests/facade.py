@@ -36,7 +36,9 @@ class DeliveryFacade:
         """Record that the consumer of ``outputs`` (a delivery view) took its
         rows: each request's watermark moves to the view's end, in the tenure
         the rows were saved under (operation ack_delivery). Cache reads and
-        writes are never delivery. A gap raises before any watermark moves."""
+        writes are never delivery. A gap, or a view the manager did not
+        issue as it stands, raises before any watermark moves; a view
+        already acknowledged or committed is a no-op (a retried ack)."""
         self._delivery.ack(outputs)
 
     def commit_output(

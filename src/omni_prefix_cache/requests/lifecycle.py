@@ -292,14 +292,24 @@ class RequestTable:
             tenure = self.current[rid] = Tenure(req_id=rid, state=RequestState.RUNNING)
         return tenure
 
+    def reached(self, rid: ReqId) -> int:
+        """The position ``rid``'s current tenure computed up to (0: none). Engine thread."""
+        tenure = self.current.get(rid)
+        return 0 if tenure is None else tenure.computed_upto
+
     def record_saved(
-        self, ctx: StepContext, token_ranges: Mapping[ReqId, tuple[int, int]] | None, cached: bool
+        self,
+        ctx: StepContext,
+        token_ranges: Mapping[ReqId, tuple[int, int]] | None,
+        cached: bool,
+        starts: Mapping[ReqId, int] | None = None,
     ) -> None:
         """Protocol effect ``record_saved`` (save's state segment): each
         scheduled request's rows advance its tenure's ``computed_upto`` (and,
         when the step wrote cached keys, ``saved_upto``) to their token end;
         the step keeps the tenures and token ranges it saved. Without a
-        write layout the range starts at the tenure's ``computed_upto``. A
+        write layout the range starts where the scheduler output said
+        (``starts``, seed-era), else at the tenure's ``computed_upto``. A
         hit request the step did not schedule reports an empty range at its
         hit end."""
         record = ctx.record
@@ -310,7 +320,7 @@ class RequestTable:
         for rid, rows in zip(record.req_ids, record.scheduled_counts()):
             tenure = current(rid) or self.for_save(rid)
             if token_ranges is None:
-                start = tenure.computed_upto
+                start = tenure.computed_upto if starts is None else starts.get(rid, tenure.computed_upto)
                 end = start + rows
             else:
                 start, end = token_ranges[rid]

@@ -9,9 +9,21 @@ The facade takes three forms, all run by the same core (``StepInput``):
 - a seed-era scheduler output (``scheduled_new_reqs``, ``finished_req_ids``,
   ``num_scheduled_tokens``). ``seed_step`` translates it as the seed-era
   protocol meant it: a new request that is not live gets STARTED with its
-  hit, a live one re-entering the new list is ordinary progress, finished
-  ids get FINISHED. Resumed requests stay in their tenure without a
-  lookup, so a seed-era engine sees exactly the rows it always saw.
+  hit, a live one re-entering the new list is ordinary progress (a streamed
+  continuation), finished ids get FINISHED. A resumed request stays in its
+  tenure without a lookup, so a seed-era engine gets the rows its step
+  computed, as it always did; but its event names its hit and its new
+  blocks (an EXTENDED carrying them: the host tier restores a KV
+  connector's load of those blocks from it, as the event API's RESUMED
+  does), and its rows start at its hit (``StepInput.starts``). A resume is
+  vLLM 0.33's ``scheduled_cached_reqs.resumed_req_ids``, Model Runner V2's
+  ``prefix_cache_resumed_req_ids``, or, in the seed-era form, a live
+  request re-entering the new list with a hit below the position it reached
+  (or one the step's host-tier metadata loads); a re-entry with no hit
+  cannot be told from a continuation there, and stays one. vLLM 0.33's
+  ``scheduled_cached_reqs.num_computed_tokens`` gives where every cached
+  request's rows start, so a recompute after a failed load is labelled with
+  its own positions too.
 
 Threading: engine thread; reads ``live`` (the facade's live ids) under the
 state lock's protection of the caller (the engine thread is its only writer).
@@ -19,7 +31,7 @@ state lock's protection of the caller (the engine thread is its only writer).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +56,9 @@ class StepInput:
     queried: int = 0
     query_tokens: int = 0
     tier: TierStepMetadata | None = None  # the host tier's metadata (a KV connector's loads)
+    # Seed-era only: where each request's rows start, as the scheduler output says (vLLM 0.33's
+    # scheduled_cached_reqs); a request it does not name continues its tenure's computed_upto.
+    starts: dict[ReqId, int] | None = None
 
 
 _TERMINAL = (PrefixCacheEventKind.FINISHED, PrefixCacheEventKind.ABORTED)
@@ -114,8 +129,11 @@ def _tier(value: object) -> TierStepMetadata | None:
     )
 
 
-def seed_step(scheduler_output: Any, live: Collection[ReqId]) -> StepInput:
+def seed_step(
+    scheduler_output: Any, live: Collection[ReqId], reached: Callable[[ReqId], int] = lambda rid: 0
+) -> StepInput:
     """A seed-era scheduler output as events (see the module docstring).
+    ``reached(rid)``: the position a live request's tenure computed up to.
     Raises the invalid-type or invalid-argument error naming the field, and
     the invalid-type error for a value that is no step at all (None, an int:
     none of the scheduler output's fields), which would read as an empty step."""
@@ -127,12 +145,21 @@ def seed_step(scheduler_output: Any, live: Collection[ReqId]) -> StepInput:
     finished = check.as_req_ids("finished_req_ids", getattr(scheduler_output, "finished_req_ids", None))
     new_reqs = check.new_requests(getattr(scheduler_output, "scheduled_new_reqs", None))
     num_sched = check.as_num_scheduled(getattr(scheduler_output, "num_scheduled_tokens", None))
+    tier = tier_metadata_of(getattr(scheduler_output, "kv_connector_metadata", None))
+    loaded = tier.loads if tier is not None else {}
+    marked = set(map(str, getattr(scheduler_output, "prefix_cache_resumed_req_ids", None) or ()))
     gone = set(finished)
     events = [PrefixCacheRequestEvent(rid, PrefixCacheEventKind.FINISHED) for rid in finished]
+    starts: dict[ReqId, int] = {}
     queried = query_tokens = 0
     for rid, computed, block_ids, req in new_reqs:
         if rid in live and rid not in gone:
-            continue  # a live request re-entering the new list is no query
+            # A live request re-entering the new list: a streamed continuation, or a resume (no query
+            # either way). A resume is marked, loaded by the KV connector, or hits below its position.
+            if rid in marked or rid in loaded or 0 < computed < reached(rid):
+                events.append(_resumed(rid, computed, block_ids, num_sched))
+                starts[rid] = computed
+            continue
         queried += 1
         query_tokens += _query_tokens(req, computed, num_sched.get(rid, 0))
         blocks = block_ids if computed > 0 else ()
@@ -146,8 +173,46 @@ def seed_step(scheduler_output: Any, live: Collection[ReqId]) -> StepInput:
                 num_sched.get(rid, 0),
             )
         )
-    tier = tier_metadata_of(getattr(scheduler_output, "kv_connector_metadata", None))
-    return StepInput(tuple(events), None, num_sched, queried, query_tokens, tier)
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    if cached is not None:
+        _cached_requests(cached, live, gone, num_sched, events, starts)
+    return StepInput(tuple(events), None, num_sched, queried, query_tokens, tier, starts or None)
+
+
+def _resumed(rid: ReqId, computed: int, block_ids: Any, num_sched: Mapping[ReqId, int]) -> PrefixCacheRequestEvent:
+    """A seed-era resume: EXTENDED (no lookup: the engine gets its step's
+    rows, as it always did) naming its hit and its new blocks, for the host
+    tier to restore a load of them."""
+    return PrefixCacheRequestEvent(
+        rid, PrefixCacheEventKind.EXTENDED, 0, computed, block_ids if computed > 0 else (), num_sched.get(rid, 0)
+    )
+
+
+def _cached_requests(
+    cached: Any,
+    live: Collection[ReqId],
+    gone: set[ReqId],
+    num_sched: Mapping[ReqId, int],
+    events: list[PrefixCacheRequestEvent],
+    starts: dict[ReqId, int],
+) -> None:
+    """vLLM 0.33's ``scheduled_cached_reqs`` (``req_ids`` with, per entry,
+    ``num_computed_tokens`` and ``new_block_ids``; ``resumed_req_ids``): a
+    live resumed id gets its event (``_resumed``: its hit and its new block
+    list), and each entry's rows start at its ``num_computed_tokens`` (into
+    ``starts``)."""
+    req_ids = check.as_req_ids("scheduled_cached_reqs.req_ids", getattr(cached, "req_ids", None) or ())
+    computed = list(getattr(cached, "num_computed_tokens", None) or ())
+    new_blocks = list(getattr(cached, "new_block_ids", None) or ())
+    resumed = set(check.as_req_ids("scheduled_cached_reqs.resumed_req_ids", getattr(cached, "resumed_req_ids", None)))
+    for i, rid in enumerate(req_ids):
+        if i >= len(computed):
+            continue  # nothing known of where it starts
+        start = starts[rid] = check.as_count(
+            f"scheduled_cached_reqs.num_computed_tokens of request {rid!r}", computed[i]
+        )
+        if rid in resumed and rid in live and rid not in gone:
+            events.append(_resumed(rid, start, new_blocks[i] if i < len(new_blocks) else None, num_sched))
 
 
 def _query_tokens(req: Any, computed: int, scheduled: int) -> int:

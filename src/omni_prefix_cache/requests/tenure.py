@@ -110,10 +110,12 @@ class TenureMove:
     start: int = 0  # the delivery's available range
     end: int = 0
     # An acknowledgement's: whether its view is one the manager issued, as
-    # issued and not yet acknowledged (guard ``issued_view``, decided once
-    # per view before the first move), and that view's record (``spend_view``).
+    # issued and not yet acknowledged (guard ``issued_view``), or one an
+    # acknowledgement already spent (guard ``spent_view``), both decided once
+    # per view before the first move, and that view's record (``spend_view``).
     issued: bool = True
     record: IssuedView | None = None
+    spent: bool = False
 
 
 @dataclass(eq=False, slots=True)
@@ -208,6 +210,11 @@ def _issued_view(m: TenureMove) -> bool:
     return m.issued
 
 
+def _spent_view(m: TenureMove) -> bool:
+    """Guard ``spent_view``: the view was issued as it stands and an acknowledgement already spent it."""
+    return m.spent
+
+
 def _spend_view(m: TenureMove) -> None:
     if m.record is not None:
         m.record.spent = True
@@ -224,7 +231,7 @@ def _advance_watermark(m: TenureMove) -> None:
 
 DELIVERY_MACHINE = compile_machine(
     load_spec("delivery"),
-    guards={"no_gap": _no_gap, "within_saved": _within_saved, "issued_view": _issued_view},
+    guards={"no_gap": _no_gap, "within_saved": _within_saved, "issued_view": _issued_view, "spent_view": _spent_view},
     effects={"advance_watermark": _advance_watermark, "spend_view": _spend_view},
     state_enum=DeliveryState,
 )

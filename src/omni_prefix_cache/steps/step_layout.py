@@ -53,6 +53,9 @@ class SchedSnapshot:
 
     num_scheduled: dict[ReqId, int]
     layout: Any = None  # a PrefixCacheWriteLayout, or None: read the group view
+    # Seed-era (no layout): where a request's rows start when the scheduler output says (its
+    # scheduled_cached_reqs); any other request continues its tenure's computed_upto.
+    starts: dict[ReqId, int] | None = None
 
 
 @dataclass(eq=False)

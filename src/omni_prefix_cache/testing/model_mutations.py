@@ -122,7 +122,8 @@ def _view_past_saved(data: dict[str, Any]) -> None:
 
 
 def _ack_unissued_view(data: dict[str, Any]) -> None:
-    gap = _op(data, "ack_delivery")["segments"][0]["steps"][0]
+    spent = _op(data, "ack_delivery")["segments"][0]["steps"][0]
+    gap = spent["else"][0]
     gap["else"] = gap["else"][0]["else"]  # delivery.ack, with no not_issued check before it
     steps = _op(data, "commit_output")["segments"][0]["steps"]
     steps[:] = [s for s in steps if not (isinstance(s, dict) and s.get("when") == "not_issued")]
@@ -181,7 +182,17 @@ def _commit_without_ack(data: dict[str, Any]) -> None:
     data["orderings"] = [o for o in data["orderings"] if o["operation"] != "commit_output"]
 
 
+def _never_lingers(data: dict[str, Any]) -> None:
+    data["operations"] = [o for o in data["operations"] if o["name"] != "linger"]
+
+
 BROKEN: dict[str, Mutation] = {
+    "committer-never-lingers": Mutation(
+        "without operation linger the committer wakes only when kicked: writes a save queued after the last "
+        "kick wait for a next new_step that an idle engine never makes",
+        "idle_writes_land",
+        _never_lingers,
+    ),
     "escalate-requeues-copying": Mutation(
         "escalate pushes a task the committer already claimed back on the high queue "
         "(copy_queue: push_head from CLAIMED; escalate: a third alternative)",

@@ -1,9 +1,9 @@
-"""The mutant catalogue: bugs this design has had (or that the seed suite documents), each
-re-injectable into the runtime by a patch that lives only here (and in ``tier_mutants``,
-``layout_mutants``); the runtime carries no switch for any. ``applied(name)`` applies one for a
-block (tests/conftest.py does, for a session, with ``OMNI_PREFIX_CACHE_MUTANT=<name>``). ``make
-mutants`` judges them all with ``mutant_runner``, which says what counts as a kill.
-(``testing.mutants`` mutates *specs*, for the generated state-machine tests.)"""
+"""The mutant catalogue: bugs this design has had (or that the seed suite documents), each re-injectable
+into the runtime by a patch that lives only here (and in ``tier_mutants``, ``layout_mutants``,
+``thread_mutants``: they import nothing of this module); the runtime carries no switch for any.
+``applied(name)`` applies one for a block (tests/conftest.py does, for a session, with
+``OMNI_PREFIX_CACHE_MUTANT=<name>``). ``make mutants`` judges them all with ``mutant_runner``, which
+says what counts as a kill. (``testing.mutants`` mutates *specs*.)"""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
-from omni_prefix_cache.testing import layout_mutants, tier_mutants
+from omni_prefix_cache.testing import layout_mutants, thread_mutants, tier_mutants
 from omni_prefix_cache.testing.mutant_runner import ENV_VAR as ENV_VAR  # re-exported: conftest, fuzz
 
 
@@ -576,8 +576,12 @@ def _view_acknowledged_twice(stack: contextlib.ExitStack) -> None:
     _before_record(stack, lambda record, view: setattr(record, "spent", False))
 
 
-for _more in (tier_mutants.register_tier_mutants, layout_mutants.register_layout_mutants):
-    _more(_register, _set)  # the host tier's and the KV layout's (those modules import nothing of this one)
+for _more in (
+    tier_mutants.register_tier_mutants,
+    layout_mutants.register_layout_mutants,
+    thread_mutants.register_thread_mutants,
+):
+    _more(_register, _set)
 
 
 # ------------------------------------------------------------------ applying

@@ -38,6 +38,7 @@ OTHER_KILLER_TESTS = (
     *("tests/test_tier_check.py", "tests/test_host_tier.py"),
     "tests/test_hybrid_groups.py",  # the KV layout's: a hybrid model's groups (layout_mutants)
     *("tests/test_race_controller.py", "tests/test_generated_specs.py", "tests/test_race_system.py"),
+    "tests/test_committer_idle.py",  # the threaded committer's linger (invariant idle_writes_land)
 )
 KILLER_TESTS = GENERATED_TESTS + OTHER_KILLER_TESTS
 

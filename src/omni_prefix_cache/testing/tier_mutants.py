@@ -40,3 +40,19 @@ def register_tier_mutants(register: Register, set_attr: SetAttr) -> None:
         effects = {**store.TIER_EFFECTS, "drop_rows": lambda tier, entry, arg: setattr(entry, "rows", None)}
         leaky = compile_machine(load_spec("host_tier"), guards=store.TIER_GUARDS, effects=effects, state_enum=TierState)
         set_attr(stack, store, "TIER_MACHINE", leaky)
+
+    @register(
+        "tier_surplus_unreported",
+        "a fill kept past the worker's byte bound (or lost) is never reported: the scheduler side offers it again",
+        outside=OUTSIDE,
+    )
+    def _surplus_unreported(stack: contextlib.ExitStack) -> None:
+        import omni_prefix_cache.tier.store as store
+        from omni_prefix_cache.specs import compile_machine, load_spec
+        from omni_prefix_cache.specs.types.host_tier import TierState
+
+        effects = {**store.TIER_EFFECTS, "report_hash": lambda tier, entry, arg: None}
+        silent = compile_machine(
+            load_spec("host_tier"), guards=store.TIER_GUARDS, effects=effects, state_enum=TierState
+        )
+        set_attr(stack, store, "TIER_MACHINE", silent)

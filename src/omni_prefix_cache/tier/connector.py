@@ -19,9 +19,13 @@ On the scheduler side it (a) caps the inner connector's external hits to the
 block-aligned prefix the host tier holds rows for, so vLLM recomputes the rest,
 and (b) tells the worker, in each step's ``kv_connector_metadata.omni_tier``
 (``tier.metadata.TierStepMetadata``), what the tier holds from now on and
-which block-aligned range of which request the connector loaded. Every other
-call goes to the inner connector; the worker side hands the inner its own
-metadata (``.inner``).
+which block-aligned range of which request the connector loaded. The worker
+side answers in each step's ``kv_connector_worker_meta``
+(``OmniTierWorkerMetadata``): the hashes its tier does not keep as the
+scheduler side believes (``tier.channel``), which the scheduler side forgets
+so no load of them is offered again. Every other call goes to the inner
+connector; the worker side hands the inner its own metadata (``.inner``), and
+the scheduler side its own worker metadata.
 
 The classes are defined on their first lookup (``_define``, which imports
 vLLM): the module, like the whole package, imports without vLLM, and vLLM's
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from omni_prefix_cache.tier.forwarding import NOT_FORWARDED as NOT_FORWARDED  # re-exported (tests_vllm)
 
@@ -51,7 +55,7 @@ MAX_BYTES_KEY = "omni_tier_max_bytes"
 BYTES_PER_TOKEN_KEY = "omni_tier_bytes_per_token"
 
 
-_PUBLIC = ("OmniTierConnectorMetadata", "OmniTierConnector")
+_PUBLIC = ("OmniTierConnectorMetadata", "OmniTierWorkerMetadata", "OmniTierConnector")
 _defined: dict[str, Any] = {}
 
 
@@ -67,10 +71,12 @@ def __getattr__(name: str) -> Any:
 def _define() -> dict[str, Any]:  # noqa: C901
     """Import vLLM and define this module's classes and helpers (the package imports without vLLM)."""
     from vllm.distributed.kv_events import MEDIUM_GPU, BlockRemoved
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     from omni_prefix_cache.errors import OmniPrefixCacheInvalidArgumentError, OmniPrefixCacheUnmatchError
     from omni_prefix_cache.kv_layout_gate import MAMBA, kv_group_kind, select_prefix_cache_kv_group
+    from omni_prefix_cache.tier import channel
     from omni_prefix_cache.tier.forwarding import ForwardingConnector, WrappedConnectorMetadata
     from omni_prefix_cache.tier.index import TierIndex
     from omni_prefix_cache.tier.metadata import BlockHash, TierLoad, TierStepMetadata
@@ -80,6 +86,37 @@ def _define() -> dict[str, Any]:  # noqa: C901
         """One step's metadata: the inner connector's (``inner``), and the host tier's."""
 
         omni_tier: TierStepMetadata
+
+    @dataclass
+    class OmniTierWorkerMetadata(KVConnectorWorkerMetadata):
+        """One step's worker metadata: the inner connector's (``inner``, None
+        when it sent none), and the hashes the worker's host tier does not keep
+        as the scheduler side believes (``forget``: a fill lost, a surplus
+        past the worker's byte bound, a rebound block)."""
+
+        inner: KVConnectorWorkerMetadata | None
+        forget: tuple[BlockHash, ...] = ()
+
+        @classmethod
+        def of(cls, inner: KVConnectorWorkerMetadata | None, forget: tuple[BlockHash, ...]) -> Any:
+            """What the worker sends: None when neither part has news (vLLM then sends nothing)."""
+            if inner is None and not forget:
+                return None
+            return cls(inner, tuple(forget))
+
+        def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+            """Every worker's news in one (vLLM's KVOutputAggregator, one step's workers)."""
+            if not isinstance(other, OmniTierWorkerMetadata):
+                raise OmniPrefixCacheUnmatchError(
+                    f"OmniTierConnector: a worker sent {type(other).__name__}, not the wrapper's worker metadata "
+                    "(workers run different connectors?)"
+                )
+            inner = self.inner
+            if inner is None:
+                inner = other.inner
+            elif other.inner is not None:
+                inner = inner.aggregate(other.inner)
+            return OmniTierWorkerMetadata(inner, tuple(dict.fromkeys((*self.forget, *other.forget))))
 
     def _positive_int(extra: Mapping[str, Any], key: str) -> int:
         value = extra.get(key)
@@ -105,9 +142,15 @@ def _define() -> dict[str, Any]:  # noqa: C901
             # A Mamba group's state is loaded as of the hit's end, and the inner connector
             # stored it only at the ends it offers: such a hit is served whole or not at all.
             self._whole_hits_only = any(kv_group_kind(g) == MAMBA for g in kv_cache_config.kv_cache_groups)
-            self.index = TierIndex(
-                _positive_int(extra, MAX_BYTES_KEY), _positive_int(extra, BYTES_PER_TOKEN_KEY) * self.block_size
-            )
+            max_bytes, per_token = _positive_int(extra, MAX_BYTES_KEY), _positive_int(extra, BYTES_PER_TOKEN_KEY)
+            if max_bytes < per_token * self.block_size:
+                raise OmniPrefixCacheInvalidArgumentError(
+                    f"OmniTierConnector: kv_connector_extra_config[{MAX_BYTES_KEY!r}]={max_bytes} holds no block: "
+                    f"one block takes {BYTES_PER_TOKEN_KEY} ({per_token}) x block_size ({self.block_size}) = "
+                    f"{per_token * self.block_size} bytes"
+                )
+            self.index = TierIndex(max_bytes, per_token * self.block_size)
+            self.forgotten = 0  # hashes the worker reported and the index forgot (update_connector_output)
             self._hash_block_size = self.block_size  # vLLM's hash block size, known once the manager is bound
             # req_id -> the local computed tokens get_num_new_matched_tokens was given: where its load starts.
             self._matched: dict[str, int] = {}
@@ -116,6 +159,17 @@ def _define() -> dict[str, Any]:  # noqa: C901
             self._allocated_now: set[str] = set()  # loads allocated in the step being scheduled
             # ExternalBlockHash -> tier hash, where vLLM's events carry a converted hash (int block hashes).
             self._external: dict[object, BlockHash] = {}
+
+        # ------------------------------------------------------------ worker side
+
+        def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+            """The inner's worker metadata, wrapped with the hashes this
+            process's host tier reported since the last step (``tier.channel``):
+            the scheduler side's ``update_connector_output`` forgets them."""
+            return cast(
+                "KVConnectorWorkerMetadata | None",
+                OmniTierWorkerMetadata.of(self.inner.build_connector_worker_meta(), channel.drain()),
+            )
 
         # ------------------------------------------------------------ scheduler side
 
@@ -217,15 +271,30 @@ def _define() -> dict[str, Any]:  # noqa: C901
             return OmniTierConnectorMetadata(inner=inner, omni_tier=TierStepMetadata(release, bind, loads))
 
         def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-            """Forward; then cut each load not yet reported to the worker to the
-            blocks before its first failed one (vLLM recomputes from there), and
-            drop those of requests whose receive failed.
+            """Forward (the inner gets its own worker metadata); forget the
+            hashes the worker's tier reported (``OmniTierWorkerMetadata.forget``:
+            not offered again, released once no load of them is pending); then
+            cut each load not yet reported to the worker to the blocks before
+            its first failed one (vLLM recomputes from there), and drop those of
+            requests whose receive failed.
 
             A load already reported (every sync load: it is reported in the step it
             is allocated) stays as sent: the rows the worker restored are the tier's
             rows for those hashes, right whatever happened to the KV, and vLLM's
             recompute from the first failed block rewrites the same rows."""
-            self.inner.update_connector_output(connector_output)
+            meta = connector_output.kv_connector_worker_meta
+            if isinstance(meta, OmniTierWorkerMetadata):
+                connector_output.kv_connector_worker_meta = meta.inner
+                try:
+                    self.inner.update_connector_output(connector_output)
+                finally:
+                    connector_output.kv_connector_worker_meta = meta
+                if meta.forget:
+                    held = sum(1 for h in meta.forget if h in self.index)
+                    self.index.forget(meta.forget)
+                    self.forgotten += held
+            else:
+                self.inner.update_connector_output(connector_output)
             for req_id in connector_output.failed_recving or ():
                 self._drop_pending(req_id)
             invalid = connector_output.invalid_block_ids

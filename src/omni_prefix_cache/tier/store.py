@@ -3,8 +3,12 @@
 ``HostTier`` follows the scheduler side's metadata (``tier.metadata``): it binds
 hashes to the blocks that hold their rows, starts a fill when a bound block is
 about to be reused (``reuse``: a read of the old rows is planned before the
-slots change tenant), keeps the fetched rows (``filled``), restores them into
-a load's new block (``restore``) and drops what the scheduler side releases.
+slots change tenant), keeps the fetched rows (``filled``; past its byte bound,
+``overflow``: kept apart as a surplus), restores them into a load's new block
+(``restore``) and drops what the scheduler side releases. Every hash it does
+not keep as the scheduler side believes (a surplus, a lost fill, a rebound
+block) is reported (``tier.channel.TierReports``), for the scheduler side to
+forget and release.
 
 It never touches the pool or the occupancy itself: a ``TierFiller`` (the
 manager's ``reads.tier_fill.TierFill``) plans the fill reads and writes the
@@ -27,6 +31,7 @@ import torch
 from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, TensorName
 from omni_prefix_cache.specs import SpecState, compile_machine, load_spec
 from omni_prefix_cache.specs.types.host_tier import HostTierTrigger, TierState
+from omni_prefix_cache.tier.channel import TierReports
 from omni_prefix_cache.tier.metadata import BlockHash, TierBind
 
 logger = logging.getLogger(__name__)
@@ -60,7 +65,7 @@ class TierEntry:
     state: SpecState = TierState.ABSENT
     block: int | None = None  # BOUND: the block whose slots hold the rows
     fill: Future[Rows] | None = None  # FILLING: the read of the reused block's rows
-    rows: dict[TensorName, torch.Tensor] | None = None  # HELD
+    rows: dict[TensorName, torch.Tensor] | None = None  # HELD or SURPLUS
     nbytes: int = 0
     lost_why: str = ""
 
@@ -76,6 +81,7 @@ def _rows_nbytes(rows: Rows) -> int:
 def _bind_block(tier: HostTier, entry: TierEntry, block: Any) -> None:
     entry.block = int(block)
     tier.bound[entry.block] = entry.block_hash
+    tier.reported_why.pop(entry.block_hash, None)
 
 
 def _unbind_block(tier: HostTier, entry: TierEntry, arg: Any) -> None:
@@ -116,6 +122,29 @@ def _drop_rows(tier: HostTier, entry: TierEntry, arg: Any) -> None:
     entry.rows, entry.nbytes = None, 0
 
 
+def _keep_surplus(tier: HostTier, entry: TierEntry, rows: Any) -> None:
+    entry.rows = dict(rows)
+    entry.nbytes = _rows_nbytes(rows)
+    entry.fill = None
+    tier.surplus_bytes += entry.nbytes
+
+
+def _drop_surplus(tier: HostTier, entry: TierEntry, arg: Any) -> None:
+    tier.surplus_bytes -= entry.nbytes
+    entry.rows, entry.nbytes = None, 0
+
+
+def _report_hash(tier: HostTier, entry: TierEntry, arg: Any) -> None:
+    tier.reports.report((entry.block_hash,))
+    why = tier.reported_why
+    why.pop(entry.block_hash, None)
+    # For the error of a load that comes anyway: a lose move's reason, or an overflow's (its arg is the rows).
+    reason = "its rows passed this side's byte bound" if isinstance(arg, Mapping) else str(arg or "")
+    why[entry.block_hash] = entry.lost_why or reason
+    if len(why) > _REMEMBER_REPORTED:
+        del why[next(iter(why))]
+
+
 # The spec's names bound to their handlers (public: a mutant recompiles with one replaced).
 TIER_GUARDS: Mapping[str, Callable[..., Any]] = {"fits": _fits}
 TIER_EFFECTS: Mapping[str, Callable[..., Any]] = {
@@ -126,29 +155,46 @@ TIER_EFFECTS: Mapping[str, Callable[..., Any]] = {
     "drop_fill": _drop_fill,
     "restore_rows": _restore_rows,
     "drop_rows": _drop_rows,
+    "keep_surplus": _keep_surplus,
+    "drop_surplus": _drop_surplus,
+    "report_hash": _report_hash,
 }
 TIER_MACHINE = compile_machine(load_spec("host_tier"), guards=TIER_GUARDS, effects=TIER_EFFECTS, state_enum=TierState)
 _HELD = frozenset(int(TierState[s.name]) for s in TIER_MACHINE.spec.states if "tier_held" in s.tags)
+_WITH_ROWS = frozenset((TierState.HELD, TierState.SURPLUS))
+
+STAT_NAMES = ("bound", "fills", "filled", "surplus", "lost", "restored", "released")
+_REMEMBER_REPORTED = 4096  # the reported hashes whose reason a later load's error names
 
 
 class HostTier:
     """The tier's entries, by hash (only entries the tier holds are kept).
 
     ``bound`` maps a block id to the hash bound to it; ``held_bytes`` counts
-    HELD rows against ``max_bytes``. ``stats`` counts moves the operators
-    see (fills, lost fills, restores). State lock held for every method.
+    HELD rows against ``max_bytes``, ``surplus_bytes`` SURPLUS rows (kept
+    past it until the scheduler side releases them). ``reports`` gets every
+    hash this side does not keep as the scheduler side believes. ``stats``
+    counts moves the operators see (fills, surplus and lost fills,
+    restores). State lock held for every method.
     """
 
-    def __init__(self, filler: TierFiller, *, max_bytes: int, fill_timeout_s: float) -> None:
+    def __init__(
+        self, filler: TierFiller, *, max_bytes: int, fill_timeout_s: float, reports: TierReports | None = None
+    ) -> None:
         if max_bytes <= 0:
             raise OmniPrefixCacheUnmatchError(f"host tier: max_bytes must be positive, got {max_bytes}")
         self.filler = filler
         self.max_bytes = int(max_bytes)
         self.fill_timeout_s = float(fill_timeout_s)
+        self.reports = reports if reports is not None else TierReports()
         self.entries: dict[BlockHash, TierEntry] = {}
         self.bound: dict[int, BlockHash] = {}
         self.held_bytes = 0
-        self.stats: dict[str, int] = dict.fromkeys(("bound", "fills", "filled", "lost", "restored", "released"), 0)
+        self.surplus_bytes = 0
+        self._warned_surplus = False
+        # Hash -> why it was reported (the most recent, bounded): a load of one raises naming it.
+        self.reported_why: dict[BlockHash, str] = {}
+        self.stats: dict[str, int] = dict.fromkeys(STAT_NAMES, 0)
 
     # ------------------------------------------------------------ moves
 
@@ -226,8 +272,9 @@ class HostTier:
 
     def settle(self, only: Iterable[BlockHash] | None = None, *, wait: bool = False) -> None:
         """Move every FILLING entry whose fill is done (all of ``only``, waiting
-        up to ``fill_timeout_s`` each, with ``wait``) to HELD, or to ABSENT
-        when its read failed or its rows would pass ``max_bytes``."""
+        up to ``fill_timeout_s`` each, with ``wait``) to HELD; to SURPLUS
+        (reported) when its rows would pass ``max_bytes``; to ABSENT
+        (reported) when its read failed."""
         if only is None:
             todo = [e for e in self.entries.values() if e.fill is not None]
         else:
@@ -250,12 +297,20 @@ class HostTier:
                 continue
             if self.move(entry, HostTierTrigger.FILLED, rows):
                 self.stats["filled"] += 1
-            else:
-                need = _rows_nbytes(rows)
-                why = f"its {need} bytes would pass the tier's bound ({self.held_bytes} of {self.max_bytes} held)"
-                logger.warning("host tier: block hash %s lost: %s", short(entry.block_hash), why)
-                self.move(entry, HostTierTrigger.LOSE, why)
-                self.stats["lost"] += 1
+                continue
+            if not self._warned_surplus:
+                self._warned_surplus = True
+                logger.warning(
+                    "host tier: block hash %s's %d bytes pass this side's bound (PrefixCacheConfig.host_tier_bytes"
+                    "=%d, %d held): kept apart and handed back to the scheduler side, which forgets it (vLLM "
+                    "recomputes). Give host_tier_bytes at least what omni_tier_max_bytes admits (logged once)",
+                    short(entry.block_hash),
+                    _rows_nbytes(rows),
+                    self.max_bytes,
+                    self.held_bytes,
+                )
+            self.move(entry, HostTierTrigger.OVERFLOW, rows)
+            self.stats["surplus"] += 1
 
     def restore(self, req_id: str, block_hash: BlockHash, block_id: int) -> None:
         """Restore ``block_hash``'s rows into ``block_id`` (a load of
@@ -270,7 +325,8 @@ class HostTier:
             self.settle([block_hash], wait=True)
             entry = self.entries.get(block_hash)
         if entry is None or entry.rows is None:
-            why = f" ({entry.lost_why})" if entry is not None and entry.lost_why else ""
+            lost = entry.lost_why if entry is not None and entry.lost_why else self.reported_why.get(block_hash)
+            why = f" ({lost}; reported to the scheduler side)" if lost else ""
             raise OmniPrefixCacheUnmatchError(
                 f"host tier: request {req_id!r} was loaded into block {block_id} from block hash "
                 f"{short(block_hash)}, which the tier does not hold{why}; its rows cannot be served"
@@ -283,7 +339,7 @@ class HostTier:
     def check_invariants(self, block_size: int) -> None:
         """The spec's invariants on this tier; raises OmniPrefixCacheUnmatchError naming the first break."""
         seen: dict[int, BlockHash] = {}
-        total = 0
+        total = surplus = 0
         for h, e in self.entries.items():
             state = TierState(e.state)
             if (e.block is not None) != (state is TierState.BOUND):
@@ -298,19 +354,22 @@ class HostTier:
                 seen[e.block] = h
             if (e.fill is not None) != (state is TierState.FILLING):
                 raise OmniPrefixCacheUnmatchError(f"host tier fill_iff_filling: {short(h)} is {state.name}")
-            if (e.rows is not None) != (state is TierState.HELD):
+            if (e.rows is not None) != (state in _WITH_ROWS):
                 raise OmniPrefixCacheUnmatchError(f"host tier rows_iff_held: {short(h)} is {state.name}")
             if e.rows is not None:
                 bad = {k: int(t.shape[0]) for k, t in e.rows.items() if int(t.shape[0]) != block_size}
                 if bad:
                     raise OmniPrefixCacheUnmatchError(f"host tier rows_iff_held: {short(h)} holds rows {bad}")
-                total += _rows_nbytes(e.rows)
+                if state is TierState.HELD:
+                    total += _rows_nbytes(e.rows)
+                else:
+                    surplus += _rows_nbytes(e.rows)
         if len(seen) != len(self.bound):
             raise OmniPrefixCacheUnmatchError(
                 f"host tier block_iff_bound: index {sorted(self.bound)} vs {sorted(seen)}"
             )
-        if total != self.held_bytes or total > self.max_bytes:
+        if total != self.held_bytes or total > self.max_bytes or surplus != self.surplus_bytes:
             raise OmniPrefixCacheUnmatchError(
                 f"host tier bytes_within_bound: rows hold {total} bytes, counted {self.held_bytes}, "
-                f"bound {self.max_bytes}"
+                f"bound {self.max_bytes}; surplus rows {surplus} bytes, counted {self.surplus_bytes}"
             )

@@ -4,7 +4,11 @@ and ``committer_write`` (spec/protocol.yaml) over the copy queues.
 Four ways to run the committer:
 
     threaded  (eager=False)  a daemon thread serves the queues (CUDA lanes
-                             where CUDA exists, host copies on CPU).
+                             where CUDA exists, host copies on CPU). It runs
+                             when kicked (new_step's end, a joiner, shutdown)
+                             and, without a kick, once queued work waited a
+                             whole linger (operation ``linger``), so an idle
+                             engine's last writes land by themselves.
     manual    (eager=False, committer="manual")  no thread; a test drives
                              ``committer_claim`` / ``committer_copy`` /
                              ``committer_write`` to pick the interleaving.
@@ -55,7 +59,8 @@ class Committer:
     or pool write raised goes to ``fail`` with its cause.
 
     ``wake`` is the condition over the controller lock (``registry.lock``)
-    that a kick notifies (new_step's end, a joiner, shutdown) and the committer thread waits on.
+    that a kick notifies (new_step's end, a joiner, shutdown) and the committer thread waits on,
+    at most ``linger_s`` at a time (see ``loop``).
     ``after_write`` (optional) is what the thread calls, with no lock held,
     after a pass that wrote: the manager's drain.
     """
@@ -73,6 +78,7 @@ class Committer:
         wake: Any,
         fail: FailTask,
         timeout_s: float,
+        linger_s: float = 0.05,
         after_write: Callable[[], None] | None = None,
     ) -> None:
         self._registry = registry
@@ -85,6 +91,7 @@ class Committer:
         self._wake = wake
         self._fail = fail
         self._timeout_s = timeout_s
+        self._linger_s = float(linger_s)
         self._ready = binding.move("task", "written")[0]
         # Enabled while a claimed task's copy stage has not finished.
         self._copying = binding.move("position", "copied")[0]
@@ -250,14 +257,18 @@ class Committer:
             self._fail(task, None)
 
     def loop(self) -> None:
-        """The committer thread: serve the queues until shutdown and empty."""
+        """The committer thread: serve the queues until shutdown and empty.
+        Kicked, it runs until the queues are empty; without a kick, queued
+        work runs once it waited a whole linger (``_await_work``)."""
         # A dead committer would strand every join, so nothing escapes this
         # loop: each unit attributes its own failure to its own task.
         queues, wake = self._queues, self._wake
+        # Kicked (or lingered), and the queues have not run empty since. True at the start: a kick that
+        # came before the thread first waited found no waiter to notify.
+        active = True
         while True:
             with wake:
-                while not self.stopping and not queues.has_work():
-                    wake.wait()
+                active = self._await_work(active)
                 if self.stopping and not queues.has_work():
                     return
             try:
@@ -267,6 +278,35 @@ class Committer:
                     self._after_write()
             except BaseException:  # a stage that raises has already failed its tasks
                 logger.exception("omni prefix cache committer step failed")
+
+    def _await_work(self, active: bool) -> bool:
+        """Under ``wake``: wait until there is work the thread may run now,
+        or shutdown. Work runs at once when the thread was kicked (``active``,
+        or a notify while waiting). A save queues its writes without a kick
+        (new_step's end is the kick: the forward is the committer's time), so
+        each wait lasts at most ``linger_s``; when one runs out with work
+        queued and the next runs out too with work still queued and no kick
+        between, the thread wakes itself (operation ``linger``): a write waits
+        at most 2 x ``linger_s`` without a following step. Returns whether
+        the thread is active."""
+        queues, wake, linger = self._queues, self._wake, self._linger_s
+        seen = False  # the last wait ran out with work queued
+        while not self.stopping:
+            if queues.has_work():
+                if active:
+                    return True
+            else:
+                active = seen = False
+            if wake.wait(linger):
+                active = True  # a kick (new_step's end, a joiner)
+            elif not queues.has_work():
+                seen = False
+            elif seen:
+                self._runner.run(self._ops.linger, "wake", None)
+                active = True
+            else:
+                seen = True
+        return active
 
     def wait(self, tids: list[Tid], event: Event) -> None:
         """Operation ``join``'s wait (``event`` of each task) and its raise

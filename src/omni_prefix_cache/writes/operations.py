@@ -238,6 +238,7 @@ class ControllerOps:
     save: CompiledOperation  # the controller's share: register, budget, dispatch
     abandon_save: CompiledOperation  # the controller's share: the refund (cleanup)
     new_step: CompiledOperation  # the controller's share: the kick
+    linger: CompiledOperation  # the committer thread's own wake, once queued work waited a whole linger
     escalate: CompiledOperation
     claim: CompiledOperation
     copy: CompiledOperation
@@ -302,6 +303,7 @@ def compile_ops(
         save=make("save"),
         abandon_save=make("abandon_save"),
         new_step=make("new_step"),
+        linger=make("linger"),
         escalate=make("escalate"),
         claim=make("committer_claim"),
         copy=make("committer_copy"),

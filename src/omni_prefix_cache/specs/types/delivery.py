@@ -17,7 +17,9 @@ class DeliveryState(SpecState):
     it, to the view's end, so each position reaches a consumer at most once and in order. A view or
     acknowledgement that would skip positions (a gap) raises instead. A view never reaches past what the
     tenure's saves recorded (once a save recorded any: a tenure with none has only caller-built outputs,
-    delivered as built, as upstream does), and only a view the manager issued, as issued, is acknowledged, once.
+    delivered as built, as upstream does), and only a view the manager issued, as issued, is acknowledged, once:
+    an issued view acknowledged again (a retried ack) moves nothing, as upstream's acknowledgement only ever
+    advances.
     """
 
     OPEN = 0
@@ -40,8 +42,13 @@ class DeliveryTrigger(StrEnum):
     """select [max(start, watermark), end) of a materialized output; nothing is acknowledged"""
     ACK = "ack"
     """the consumer took the view's rows; the watermark moves to the view's end (never back)"""
+    ACK_AGAIN = "ack_again"
+    """
+    an issued view an acknowledgement already spent is acknowledged again (a consumer retrying its ack): nothing
+    moves
+    """
     RETIRE = "retire"
     """the tenure was retired (a replacement or a new admission of the id)"""
 
 
-DeliveryTriggerName: TypeAlias = Literal["view", "ack", "retire"]
+DeliveryTriggerName: TypeAlias = Literal["view", "ack", "ack_again", "retire"]

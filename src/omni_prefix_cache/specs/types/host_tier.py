@@ -18,7 +18,8 @@ class TierState(SpecState):
     reuse plans a read of the old rows first (the slots' copy on write keeps them), and the fetched rows become
     the entry's own. A load restores an entry's rows into the new block (slot_occupancy's restore_tenancy
     coupling). The worker never evicts on its own: what the scheduler side believes held, the worker holds, or a
-    load of it raises.
+    load of it raises. A fill past this side's byte bound is kept as a surplus and its hash reported (with every
+    lost one) to the scheduler side, which forgets it and releases it once no load of it is pending.
     """
 
     ABSENT = 0
@@ -34,6 +35,12 @@ class TierState(SpecState):
     """
     held; its rows (block_size per key) are the tier's own, counted against its byte bound (tag tier_held, tag
     rest)
+    """
+    SURPLUS = 4
+    """
+    held past this side's byte bound (PrefixCacheConfig.host_tier_bytes): its rows are kept, counted apart, and
+    its hash was reported to the scheduler side, whose release drops them once no load of it is pending (tag
+    tier_held, tag rest)
     """
 
 
@@ -53,12 +60,17 @@ class HostTierTrigger(StrEnum):
     """
     FILLED = "filled"
     """the fill's read served every key; the rows are the tier's, within its byte bound"""
+    OVERFLOW = "overflow"
+    """
+    the fill's read served every key but its rows would pass the byte bound: kept apart, and the hash reported
+    to the scheduler side (a load already under way still gets them)
+    """
     LOSE = "lose"
-    """the fill's read failed, or its rows would pass the byte bound; a later load of the hash raises"""
+    """the fill's read failed (or timed out); the hash is reported, and a later load of it raises"""
     RESTORE = "restore"
     """a load's new block gets the rows (written to the pool under the state lock, restore_tenancy)"""
     RELEASE = "release"
     """the scheduler side no longer holds the hash (its LRU, or the connector evicted the KV)"""
 
 
-HostTierTriggerName: TypeAlias = Literal["bind", "reuse", "filled", "lose", "restore", "release"]
+HostTierTriggerName: TypeAlias = Literal["bind", "reuse", "filled", "overflow", "lose", "restore", "release"]

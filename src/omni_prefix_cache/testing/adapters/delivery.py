@@ -3,8 +3,8 @@
 Every trigger fires through ``requests.lifecycle.RequestBinding`` (the
 binding ``DeliveryDesk`` and ``RequestTable.retire_delivery`` run), so the
 runtime's compiled table ``lifecycle.DELIVERY_MACHINE`` decides what moves
-(its ``no_gap``, ``within_saved`` and ``issued_view`` guards) and runs
-``advance_watermark`` and ``spend_view``. Reads the consumer's delivery
+(its ``no_gap``, ``within_saved``, ``issued_view`` and ``spent_view``
+guards) and runs ``advance_watermark`` and ``spend_view``. Reads the consumer's delivery
 state and watermark (see ``testing.stateful``).
 """
 
@@ -56,7 +56,7 @@ class DeliveryAdapter(SpecAdapter):
 
     def __init__(self, spec: MachineSpec | None = None):
         self.spec = spec or load_spec("delivery")
-        unknown = sorted(set(self.spec.triggers) - {"view", "ack", "retire"})
+        unknown = sorted(set(self.spec.triggers) - {"view", "ack", "ack_again", "retire"})
         if unknown:
             raise SpecError(f"{self.spec.origin}: the delivery desk has no move for triggers {unknown}")
 
@@ -83,7 +83,8 @@ class DeliveryAdapter(SpecAdapter):
         tenure, consumer = system.tenures[handle]
         record = system.records.setdefault(handle, IssuedView(consumer, {}, {}))
         start, end = args.get("start", 0), args.get("end", 0)
-        return TenureMove(tenure, None, None, consumer, start, end, args.get("issued", True), record)
+        # A retried ack presents the view an acknowledgement spent (as the desk decides once per view).
+        return TenureMove(tenure, None, None, consumer, start, end, args.get("issued", True), record, record.spent)
 
     def fire(self, system: _DeskSystem, handle: int, trigger: str, args: Mapping[str, Any], defer: bool) -> None:
         can, run = system.binding.move("delivery", trigger)
@@ -126,7 +127,10 @@ class DeliveryAdapter(SpecAdapter):
         def issued_view(ctx: MoveCtx) -> bool:
             return bool(ctx.args.get("issued", True))
 
-        return {"no_gap": no_gap, "within_saved": within_saved, "issued_view": issued_view}
+        def spent_view(ctx: MoveCtx) -> bool:
+            return bool(ctx.model.obs[("spent", ctx.handle)])
+
+        return {"no_gap": no_gap, "within_saved": within_saved, "issued_view": issued_view, "spent_view": spent_view}
 
     def model_effects(self) -> dict[str, Callable[[MoveCtx], None]]:
         def advance_watermark(ctx: MoveCtx) -> None:
@@ -154,5 +158,6 @@ class DeliveryAdapter(SpecAdapter):
             "no_gap_crossed": "the no_gap guard: every view or ack the spec refuses (a later start) is "
             "fired at the runtime and must be refused (the generated machine's blocked moves)",
             "issued_once": "the issued_view guard: an acknowledgement drawn as not issued is fired at the runtime "
-            "and must be refused (blocked moves); at most once: spend_view marks the view's record, observed",
+            "and must be refused (blocked moves); at most once: spend_view marks the view's record, observed, "
+            "and ack_again (guard spent_view) moves nothing: the watermark is observed after it",
         }

@@ -91,12 +91,14 @@ class HostTierAdapter(SpecAdapter):
 
     A handle is one block hash; its blocks are ``2 * handle`` and ``2 * handle
     + 1`` (a rebind moves between them), so handles never share a block. The
-    fill's read is a future the filler hands out; ``filled`` carries fresh
-    rows. Observed: ``bind_block`` / ``unbind_block`` as the entry's block and
-    the tier's block index, ``plan_fill`` as fills planned per hash and the
-    entry's fill, ``keep_rows`` / ``drop_rows`` as its rows and the held
-    bytes, ``drop_fill`` as the fill cleared, ``restore_rows`` as the
-    (block, rows) the filler was asked to restore.
+    fill's read is a future the filler hands out; ``filled`` and
+    ``overflow`` carry fresh rows. Observed: ``bind_block`` / ``unbind_block``
+    as the entry's block and the tier's block index, ``plan_fill`` as fills
+    planned per hash and the entry's fill, ``keep_rows`` / ``drop_rows`` as
+    its rows and the held bytes, ``keep_surplus`` / ``drop_surplus`` as its
+    rows and the surplus bytes, ``drop_fill`` as the fill cleared,
+    ``restore_rows`` as the (block, rows) the filler was asked to restore,
+    ``report_hash`` as the hashes the tier's reports hold.
     """
 
     handle_name = "hash"
@@ -104,7 +106,8 @@ class HostTierAdapter(SpecAdapter):
 
     def __init__(self, spec: MachineSpec | None = None, max_entries: int = 2):
         self.spec = spec or load_spec("host_tier")
-        unknown = sorted(set(self.spec.triggers) - {"bind", "reuse", "filled", "lose", "restore", "release"})
+        known = {"bind", "reuse", "filled", "overflow", "lose", "restore", "release"}
+        unknown = sorted(set(self.spec.triggers) - known)
         if unknown:
             raise SpecError(f"{self.spec.origin}: HostTier has no call for triggers {unknown}")
         self.max_entries = max_entries
@@ -119,7 +122,7 @@ class HostTierAdapter(SpecAdapter):
         from omni_prefix_cache.specs.types.host_tier import HostTierTrigger
 
         arg: Any = args.get("block")
-        if trigger == "filled":
+        if trigger in ("filled", "overflow"):
             arg = tier_rows(args["value"])
         elif trigger == "lose":
             arg = "test"
@@ -136,6 +139,8 @@ class HostTierAdapter(SpecAdapter):
     def observe(self, system: TierSystem, handles: Sequence[int]) -> dict[Hashable, Any]:
         tier = system.tier
         out: dict[Hashable, Any] = {("bytes",): tier.held_bytes, ("bound",): frozenset(tier.bound.items())}
+        out[("surplus",)] = tier.surplus_bytes
+        out[("reported",)] = frozenset(tier.reports.pending())
         out[("restored",)] = tuple(system.filler.restored)
         for h in handles:
             e = system.entry(h)
@@ -147,7 +152,9 @@ class HostTierAdapter(SpecAdapter):
 
     # ------------------------------------------------------------ model
     def new_model(self, model: ModelWorld) -> None:
-        model.obs.update({("bytes",): 0, ("bound",): frozenset(), ("restored",): ()})
+        model.obs.update(
+            {("bytes",): 0, ("bound",): frozenset(), ("surplus",): 0, ("reported",): frozenset(), ("restored",): ()}
+        )
 
     def model_create(self, model: ModelWorld, handle: int, args: Mapping[str, Any]) -> None:
         model.obs.update({("block", handle): None, ("fill", handle): False, ("rows", handle): None})
@@ -188,7 +195,22 @@ class HostTierAdapter(SpecAdapter):
             ctx.model.obs[("rows", ctx.handle)] = None
             ctx.model.obs[("bytes",)] -= _ROW_BYTES
 
+        def keep_surplus(ctx: MoveCtx) -> None:
+            ctx.model.obs[("rows", ctx.handle)] = ctx.args["value"]
+            ctx.model.obs[("surplus",)] += _ROW_BYTES
+            ctx.model.obs[("fill", ctx.handle)] = False
+
+        def drop_surplus(ctx: MoveCtx) -> None:
+            ctx.model.obs[("rows", ctx.handle)] = None
+            ctx.model.obs[("surplus",)] -= _ROW_BYTES
+
+        def report_hash(ctx: MoveCtx) -> None:
+            ctx.model.obs[("reported",)] = ctx.model.obs[("reported",)] | {tier_hash(ctx.handle)}
+
         return {
+            "keep_surplus": keep_surplus,
+            "drop_surplus": drop_surplus,
+            "report_hash": report_hash,
             "bind_block": bind_block,
             "unbind_block": unbind_block,
             "plan_fill": plan_fill,
@@ -204,7 +226,7 @@ class HostTierAdapter(SpecAdapter):
         if trigger == "reuse":
             block = model.obs[("block", handle)]
             return {"block": 2 * handle if block is None else block}
-        if trigger == "filled":
+        if trigger in ("filled", "overflow"):
             return {"value": float(data.draw(st.integers(1, 1000), label="rows"))}
         if trigger == "restore":
             return {"block": 100 + data.draw(st.integers(0, 3), label="target block")}
@@ -232,7 +254,8 @@ class HostTierAdapter(SpecAdapter):
 
         def settle(machine: GeneratedMachine, data: Any) -> None:
             """A fill's read finished (rows or an error); ``HostTier.settle`` keeps
-            the rows where they fit and loses the entry otherwise."""
+            the rows where they fit, keeps them apart (surplus) where they do not, and
+            loses the entry when the read failed."""
             filling = [h for h, s in sorted(machine.model.states.items()) if s == "FILLING"]
             if not filling:
                 return
@@ -246,7 +269,9 @@ class HostTierAdapter(SpecAdapter):
                 fut.set_exception(OmniPrefixCacheUnmatchError("read failed"))
             machine.system.tier.settle()
             outcome, move = machine.model_outcome(h, "filled", {"value": value})
-            if not served or outcome != "moved":
+            if served and outcome != "moved":
+                outcome, move = machine.model_outcome(h, "overflow", {"value": value})
+            elif not served:
                 outcome, move = machine.model_outcome(h, "lose", {})
             assert outcome == "moved" and move is not None
             machine.apply_model_move(h, move, {"value": value})
@@ -282,22 +307,44 @@ class HostTierAdapter(SpecAdapter):
         def rows_iff_held(m: GeneratedMachine) -> None:
             for h in m.model.states:
                 e = m.system.entry(h)
-                if (e.rows is not None) != (self.read_state(m.system, h) == "HELD"):
+                if (e.rows is not None) != (self.read_state(m.system, h) in ("HELD", "SURPLUS")):
                     raise Discrepancy(f"hash {h} is {self.read_state(m.system, h)}; rows {e.rows is not None}")
                 if e.rows is not None and any(int(t.shape[0]) != _BS for t in e.rows.values()):
                     raise Discrepancy(f"hash {h} holds {[tuple(t.shape) for t in e.rows.values()]}, not {_BS} rows")
 
         def bytes_within_bound(m: GeneratedMachine) -> None:
+            from omni_prefix_cache.specs.types.host_tier import TierState
+
             tier = m.system.tier
-            held = sum(
-                int(t.numel()) * t.element_size() for e in tier.entries.values() for t in (e.rows or {}).values()
-            )
-            if held != tier.held_bytes or held > tier.max_bytes:
-                raise Discrepancy(f"rows hold {held} bytes, counted {tier.held_bytes}, bound {tier.max_bytes}")
+
+            def nbytes(state: TierState) -> int:
+                return sum(
+                    int(t.numel()) * t.element_size()
+                    for e in tier.entries.values()
+                    if e.state == state
+                    for t in (e.rows or {}).values()
+                )
+
+            held, surplus = nbytes(TierState.HELD), nbytes(TierState.SURPLUS)
+            if held != tier.held_bytes or held > tier.max_bytes or surplus != tier.surplus_bytes:
+                raise Discrepancy(
+                    f"rows hold {held} bytes, counted {tier.held_bytes}, bound {tier.max_bytes}; surplus rows "
+                    f"{surplus} bytes, counted {tier.surplus_bytes}"
+                )
+
+        def surplus_reported(m: GeneratedMachine) -> None:
+            from omni_prefix_cache.specs.types.host_tier import TierState
+
+            tier = m.system.tier
+            reported = set(tier.reports.pending())  # nobody drains the reports here
+            for h, e in tier.entries.items():
+                if e.state == TierState.SURPLUS and h not in reported:
+                    raise Discrepancy(f"surplus hash {h.hex()} was never reported to the scheduler side")
 
         return {
             "block_iff_bound": block_iff_bound,
             "fill_iff_filling": fill_iff_filling,
             "rows_iff_held": rows_iff_held,
             "bytes_within_bound": bytes_within_bound,
+            "surplus_reported": surplus_reported,
         }

@@ -40,7 +40,7 @@ from omni_prefix_cache.testing.modelcheck.world import (
 )
 
 # Protocol effects that change nothing in the model's world (rows are abstract).
-NO_OPS = frozenset({"wake_committer", "copy_to_host", "pool_write", "fetch_rows", "merge_outputs"})
+NO_OPS = frozenset({"copy_to_host", "pool_write", "fetch_rows", "merge_outputs"})
 REQUIRED_ROLES = ("task", "position", "task_holder", "step_holder", "step", "slot", "read")
 
 
@@ -416,6 +416,7 @@ class ModelBinding:
             "wake_failed": self._wake_failed,
             "take_records": self._take_records,
             "sticky_failure": lambda c: setattr(c, "sticky", True),
+            "wake_committer": lambda c: setattr(c, "awake", True),
             "plan_hits": self._plan_hits,
             # Reads plan committed slots of earlier steps; a same-step hit is not modelled.
             "dispatch_inline": outside("dispatch_inline"),

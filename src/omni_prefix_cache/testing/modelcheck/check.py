@@ -4,8 +4,10 @@ Two worlds, searched one after the other: the write path
 (``ComposedModel``) and the request lifecycle (``LifecycleModel``). In each,
 safety first (every invariant in every reachable world, every move's own
 invariants), then liveness (``can_settle``: every reachable world can still
-reach a settled one, by reverse reachability over the explored graph). The
-result carries the counts and, for a violation, a shortest trace.
+reach a settled one, by reverse reachability over the explored graph; and,
+for a model that declares an idle rule, ``idle_writes_land``: every world
+whose engine is idle reaches an idle-settled one by the other threads' moves
+alone). The result carries the counts and, for a violation, a shortest trace.
 """
 
 from __future__ import annotations
@@ -73,7 +75,10 @@ class CheckResult:
             f"elapsed: {self.seconds:.1f}s"
         )
         if self.ok:
-            lines.append("OK: every invariant holds in every reachable state; every state can still settle")
+            lines.append(
+                "OK: every invariant holds in every reachable state; every state can still settle "
+                "(with the engine idle, by the other threads alone)"
+            )
             return "\n".join(lines)
         assert self.violation is not None
         lines.append(f"VIOLATION {self.violation.name} ({self.model} model): {self.violation.message}")
@@ -182,6 +187,9 @@ def _search(
     via: list[Any] = [None]
     depth: list[int] = [0]
     succ: list[list[int]] = []
+    # Per successor edge: an action of a thread other than the engine's (the idle rule's graph).
+    background = getattr(model, "background", None)
+    bg: list[list[bool]] = []
     transitions = 0
 
     def fail(i: int, exc: Violation, label: Any = None) -> PartResult:
@@ -206,6 +214,7 @@ def _search(
             progress(i, len(worlds), depth[i])
         w = worlds[i]
         out: list[int] = []
+        out_bg: list[bool] = []
         try:
             for label, raw in model.successors(w):
                 transitions += 1
@@ -231,9 +240,28 @@ def _search(
                     if max_states is not None and len(worlds) > max_states:
                         raise ValueError(f"more than {max_states} states; lower the bounds")
                 out.append(j)
+                if background is not None:
+                    out_bg.append(background(label))
         except Violation as exc:
             return fail(i, exc, exc.label)
         succ.append(out)
+        bg.append(out_bg)
+    part.states, part.transitions = len(worlds), transitions
+    part.depth = max(depth)
+    # The idle rule first: where the engine makes no further call, the other threads settle alone.
+    if background is not None:
+        idle = _idle_stuck(model, worlds, succ, bg)
+        if idle is not None:
+            worst = min(idle, key=lambda i: depth[i])
+            why = "; ".join(model.unsettled(worlds[worst]))
+            return fail(
+                worst,
+                Violation(
+                    model.idle_invariant,  # type: ignore[attr-defined]
+                    "the engine makes no further call here, and no sequence of the other threads' actions "
+                    f"empties the queues and releases every staging page (unsettled there: {why})",
+                ),
+            )
     # Liveness: every state must still reach a settled one.
     pred: list[list[int]] = [[] for _ in worlds]
     for i, outs in enumerate(succ):
@@ -260,3 +288,24 @@ def _search(
         return fail(worst, Violation("can_settle", f"{reason} (unsettled there: {why})"))
     part.seconds = time.perf_counter() - start
     return part
+
+
+def _idle_stuck(model: Any, worlds: list[Any], succ: list[list[int]], bg: list[list[bool]]) -> list[int] | None:
+    """The worlds ``model.idle`` judges that reach no ``model.idle_settled``
+    world over background edges alone (reverse reachability); None if none."""
+    pred: list[list[int]] = [[] for _ in worlds]
+    for i, outs in enumerate(succ):
+        for j, back in zip(outs, bg[i]):
+            if back:
+                pred[j].append(i)
+    can = bytearray(len(worlds))
+    todo = deque(i for i, w in enumerate(worlds) if model.idle_settled(w))
+    for i in todo:
+        can[i] = 1
+    while todo:
+        for k in pred[todo.popleft()]:
+            if not can[k]:
+                can[k] = 1
+                todo.append(k)
+    stuck = [i for i, w in enumerate(worlds) if not can[i] and model.idle(w)]
+    return stuck or None

@@ -115,6 +115,7 @@ class ModelEnvironment:
             failures_drained=False,
             reads=(),
             threads=((), (), (), ()),
+            awake=False,
         )
 
     def settled(self, w: World) -> bool:
@@ -176,8 +177,11 @@ class ModelEnvironment:
                 yield from self._start(w, COMMITTER, "fail", args)  # the copy / pool write fails
         else:
             head = w.hi[0] if w.hi else w.lo[0] if w.lo else -1
-            if head >= 0:
+            if head >= 0 and w.awake:
                 yield from self._start(w, COMMITTER, "committer_claim", op_args(tid=head))
+            elif head >= 0 and "linger" in self.ops:
+                # Asleep with work a save queued and no kick since: its linger runs out (operation linger).
+                yield from self._start(w, COMMITTER, "linger", NO_ARGS)
             if w.completed or w.failed:
                 # The threaded committer drains too, between any two of the
                 # other threads' segments (its try at the state lock won).
@@ -319,7 +323,12 @@ class ModelEnvironment:
         """Forget what no later move or check can read, so equivalent
         states coincide: a drained terminal task keeps only its state,
         schedule, events and claims; finished reads go; a version no live
-        read refers to reads as 0; the record lists are sets."""
+        read refers to reads as 0; the record lists are sets. And the
+        committer, idle with both queues empty, is asleep (the runtime's
+        committer waits once it finds no work: only a kick or its linger
+        wakes it, a save's push does not)."""
+        if w.awake and not w.hi and not w.lo and not w.threads[COMMITTER]:
+            w = w._replace(awake=False)
         final, read_final = self.f.task_final, self.f.read_final
         tasks = w.tasks
         for t in tasks:

@@ -32,6 +32,7 @@ from omni_prefix_cache.testing.modelcheck.life_world import (
     ISSUED,
     REPLACED,
     RESUMED,
+    SPENT,
     STARTED,
     LCtx,
     Out,
@@ -83,6 +84,7 @@ class LifeBinding:
             "no_gap": lambda c: self._no_gap(c, c.cur),
             "within_saved": lambda c: self._within_saved(c, c.cur),
             "issued_view": self._issued_view,
+            "spent_view": self._spent_view,
             "spend_view": self._spend_view,
             "advance_watermark": self._advance_watermark,
             "release_step_holder": nothing,
@@ -150,6 +152,12 @@ class LifeBinding:
         """The consumer presents its view as issued (not edited, not spent)."""
         view = c.views[c.consumer] if c.consumer >= 0 else None
         return view is None or view.state == ISSUED
+
+    @staticmethod
+    def _spent_view(c: LCtx) -> bool:
+        """The consumer presents, as issued, a view an acknowledgement already spent."""
+        view = c.views[c.consumer] if c.consumer >= 0 else None
+        return view is not None and view.state == SPENT
 
     @staticmethod
     def _spend_view(c: LCtx) -> None:
@@ -266,6 +274,7 @@ class LifeBinding:
             "gap": lambda c: c.tenures[c.items[0][0]].state != self.RETIRED and not self._no_gap(c, c.items[0]),
             "outside_saved": lambda c: not self._within_saved(c, c.items[0]),
             "not_issued": lambda c: not self._issued_view(c),
+            "spent_view": self._spent_view,
         }
 
     def _run(self, op: str, c: LCtx) -> None:

@@ -328,8 +328,9 @@ class LifecycleModel:
             t = c.outputs[view.output].tenure
             c.items = [[t, c.consumer, view.start, view.end]]
             c.live = [t]  # commit_output's live requests: the output's, until filter_retired
-            if op == "ack_delivery":
-                c.received.append((t, c.consumer, view.start, view.rows_end))  # the consumer took the view's rows
+            if op == "ack_delivery" and view.state != SPENT:
+                # The consumer took the view's rows; a spent view's ack is a retry (it took nothing again).
+                c.received.append((t, c.consumer, view.start, view.rows_end))
 
     def _receive(self, c: LCtx, op: str) -> None:
         self.inv.handed(c.tenures, c.current, c.handed)

@@ -23,9 +23,11 @@ from omni_prefix_cache.testing.modelcheck.facts import ModelFacts
 from omni_prefix_cache.testing.modelcheck.invariants import MachineInvariants, SystemInvariants
 from omni_prefix_cache.testing.modelcheck.life_invariants import LifeInvariants
 from omni_prefix_cache.testing.modelcheck.scope import SCOPES, check_coverage
-from omni_prefix_cache.testing.modelcheck.world import Bounds, Label, World
+from omni_prefix_cache.testing.modelcheck.world import ENGINE, Bounds, Label, World
 
 REQUIRED_OPERATIONS = ("new_step", "save", "escalate", "committer_claim", "committer_copy", "committer_write")
+# What only the engine thread starts (the idle rule's engine makes none of them).
+ENGINE_OPERATIONS = frozenset({"new_step", "save", "abandon_save", "escalate", "discard"})
 
 
 class ComposedModel:
@@ -93,6 +95,24 @@ class ComposedModel:
     def settled(self, w: World) -> bool:
         """Nothing left to run in ``w`` (``ModelEnvironment.settled``)."""
         return self.environment.settled(w)
+
+    # ------------------------------------------------ idle_writes_land
+    # The idle rule: from a world whose engine thread makes no further call, the
+    # other threads alone reach one with nothing queued and no page held.
+    idle_invariant = "idle_writes_land"
+
+    def idle(self, w: World) -> bool:
+        """The engine thread is between calls in ``w`` (the idle rule judges ``w``)."""
+        return not w.threads[ENGINE]
+
+    def idle_settled(self, w: World) -> bool:
+        """Both queues empty, no thread but the engine's in an operation, no staging page held."""
+        return not w.hi and not w.lo and not any(w.threads[1:]) and not any(w.pages)
+
+    @staticmethod
+    def background(label: Label) -> bool:
+        """An action of a thread other than the engine's (a drain may be the committer's: it counts)."""
+        return label[0] not in ENGINE_OPERATIONS
 
     def check_state(self, w: World) -> None:
         """Raise Violation for the first invariant ``w`` breaks: the

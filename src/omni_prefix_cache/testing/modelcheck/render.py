@@ -91,6 +91,8 @@ def describe_change(f: ModelFacts, a: World, b: World) -> str:
         parts.append(f"staged {b.staged}")
     if a.sticky != b.sticky:
         parts.append("failure sticky")
+    if a.awake != b.awake:
+        parts.append("committer awake" if b.awake else "committer asleep")
     if a.reads != b.reads:
         parts.append(
             "reads "
@@ -112,7 +114,9 @@ def describe_world(f: ModelFacts, ops: Operations, w: World) -> list[str]:
         + (" wakes owed" if t.owed else "")
         for tid, t in enumerate(w.tasks)
     ]
-    lines.append(f"queues hi={list(w.hi)} lo={list(w.lo)}; staged {w.staged}")
+    lines.append(
+        f"queues hi={list(w.hi)} lo={list(w.lo)}; staged {w.staged}; committer {'awake' if w.awake else 'asleep'}"
+    )
     lines += [
         f"{THREAD_NAMES[i]}: inside {op_label(f, ops, run[0], run[1], run[2])}, next segment {run[1]}"
         for i, run in enumerate(w.threads)

@@ -127,7 +127,7 @@ WRITE_SCOPE = Scope(
     runs=frozenset(
         {
             *("new_step", "save", "abandon_save", "escalate", "committer_claim", "committer_copy"),
-            *("committer_write", "fail", "drain", "materialize", "discard", "prefetch"),
+            *("committer_write", "fail", "drain", "materialize", "discard", "prefetch", "linger"),
         }
     ),
     roles=frozenset({"task", "position", "task_holder", "step_holder", "step", "slot", "read"}),
@@ -185,7 +185,7 @@ LIFE_SCOPE = Scope(
     guards=frozenset(
         {
             *("ignored_event", "terminal_event", "newer_owner", "opens_tenure", "lookup_complete", "gap"),
-            *("outside_saved", "not_issued"),
+            *("outside_saved", "not_issued", "spent_view"),
         }
     ),
     # A refused plan or a failed fetch is the write model's; here every planned hit is served.

@@ -2,8 +2,8 @@
 within small bounds, on the real ``HostTier`` (spec/host_tier.yaml).
 
 The world: ``hashes`` block hashes, each with two blocks of its own (a rebind
-moves between them), room for ``room`` entries' rows, fills that the world
-serves or fails at any point. The actions are the tier's entry points as the
+moves between them), room for ``room`` entries' rows (a fill past it is kept
+as a surplus), fills that the world serves or fails at any point. The actions are the tier's entry points as the
 manager calls them: ``bind``, ``reuse`` of one block, ``settle`` after a fill
 served or failed, ``restore`` of a held hash, ``release``. A state is what
 the adapter observes (entry states, blocks, fills, rows, bytes); states are
@@ -165,7 +165,7 @@ def _search(
                     elapsed,
                     f"{why} after {[*path, action]} and releasing every hash",
                 )
-            if system.tier.entries or system.tier.bound or system.tier.held_bytes:
+            if system.tier.entries or system.tier.bound or system.tier.held_bytes or system.tier.surplus_bytes:
                 return TierCheckResult(
                     len(seen),
                     transitions,

@@ -87,6 +87,9 @@ class World(NamedTuple):
     failures_drained: bool
     reads: tuple[Read, ...]
     threads: tuple[Running, ...]
+    # The committer thread is awake: a kick (wake_committer) or its linger woke it, and its queues have
+    # not run empty since (it sleeps once they have; a save's push wakes nothing).
+    awake: bool
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,7 @@ class Ctx:
     __slots__ = (
         *("tasks", "steps", "slots", "pages", "hi", "lo", "completed", "failed", "staged", "sticky"),
         *("failures_drained", "reads", "req", "kind", "slot", "sid", "tid", "target", "rid", "keys", "drop_pairs"),
+        "awake",
         *(
             "commit_pairs",
             "found_failures",
@@ -166,6 +170,7 @@ class Ctx:
         self.sticky = w.sticky
         self.failures_drained = w.failures_drained
         self.reads = list(w.reads)
+        self.awake = w.awake
         # Operation arguments: (req, kind, slot, sid, tid, rid, keys); -1 = none. ``slot``
         # is a slot for a save (``keys``: the bit mask of mm keys it writes), a cell for a read.
         self.req, self.kind, self.slot, self.sid, self.tid, self.rid, self.keys = args
@@ -197,6 +202,7 @@ class Ctx:
             self.failures_drained,
             tuple(self.reads),
             threads,
+            self.awake,
         )
 
     def __repr__(self) -> str:

@@ -36,6 +36,9 @@ DRIVERS: dict[str, str] = {
     "abandon_save": "save",  # a save whose budget flush joins a failed write is abandoned
     "escalate": "finish_or_abort",  # escalated at the facade entry announcing the finish
     "committer_claim": "committer_claim",
+    # The manual committer moves only when a rule steps it: its claim rule stands for every wake, the
+    # linger's included (the threaded committer's timed wait is tests/test_committer_idle.py's).
+    "linger": "committer_claim",
     "committer_copy": "committer_copy",
     "committer_write": "committer_write",
     "eager_run": "save",  # eager: save, escalate and a budget flush run each write inline

@@ -6,7 +6,9 @@ each step's ``SchedulerOutput``, of its worker side.
 No weights, no KV tensors: the scheduler and the connector's scheduler side
 are real; the worker only reports what a real one would (completed jobs,
 finished async receives, failed blocks, one sampled token per request that
-computed its last known token). vLLM is imported lazily (:func:`build`).
+computed its last known token) and, behind the wrapper, what the worker side
+of ``OmniTierConnector`` adds: the hashes this process's host tiers reported
+(``tier.channel``). vLLM is imported lazily (:func:`build`).
 """
 
 from __future__ import annotations
@@ -167,6 +169,12 @@ class OffloadHarness:
                 continue
             self._complete_load(job_id, job, fail_loads, completed, recving, invalid)
         sampled = self._sample(out)
+        worker_meta: Any = OffloadingWorkerMetadata(completed_jobs=completed)
+        if self.opts.wrap:  # the wrapper's worker side: the tiers' reported hashes ride along
+            from omni_prefix_cache.tier import channel
+            from omni_prefix_cache.tier.connector import OmniTierWorkerMetadata
+
+            worker_meta = OmniTierWorkerMetadata.of(worker_meta, channel.drain())
         ids = list(out.num_scheduled_tokens)
         runner_output = self.v.ModelRunnerOutput(
             req_ids=ids,
@@ -174,7 +182,7 @@ class OffloadHarness:
             sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in ids],
             kv_connector_output=KVConnectorOutput(
                 finished_recving=recving or None,
-                kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=completed),
+                kv_connector_worker_meta=worker_meta,
                 invalid_block_ids=invalid,
             ),
         )

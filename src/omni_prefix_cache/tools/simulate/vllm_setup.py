@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from omni_prefix_cache.interface import PrefixCacheConfig
+from omni_prefix_cache.tier.metadata import tier_metadata_of
 from omni_prefix_cache.tools.simulate.engine import SimConfig
 
 # Without VLLM_TARGET_DEVICE=cpu, VllmConfig cannot infer a device on a machine with no GPU.
@@ -199,7 +200,8 @@ def offload_kv_transfer(
 
 def offload_worker_output(scheduler_output: Any) -> Any:
     """A fake worker's ``KVConnectorOutput`` for a step of the wrapped OffloadingConnector:
-    every load and store job of the step completes (an async load is received now)."""
+    every load and store job of the step completes (an async load is received now), and
+    the wrapper's worker side adds the hashes this process's host tiers reported."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # type: ignore[import-not-found]
         OffloadingWorkerMetadata,
     )
@@ -211,10 +213,13 @@ def offload_worker_output(scheduler_output: Any) -> Any:
     stores = dict(getattr(inner, "store_jobs", {}) or {})
     completed = dict.fromkeys([*loads, *stores], 1)
     recving = {job.req_id for job in loads.values() if not job.sync}
-    return KVConnectorOutput(
-        finished_recving=recving or None,
-        kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=completed),
-    )
+    worker_meta: Any = OffloadingWorkerMetadata(completed_jobs=completed)
+    if tier_metadata_of(meta) is not None:  # the wrapper's worker side
+        from omni_prefix_cache.tier import channel
+        from omni_prefix_cache.tier.connector import OmniTierWorkerMetadata
+
+        worker_meta = OmniTierWorkerMetadata.of(worker_meta, channel.drain())
+    return KVConnectorOutput(finished_recving=recving or None, kv_connector_worker_meta=worker_meta)
 
 
 def layout_groups(layout: str) -> tuple[str, ...]:
