@@ -1,6 +1,6 @@
 """The KV layout's mutants (kv_layout_gate.py: the rows are keyed by one KV cache
 group, ``PrefixCacheConfig.kv_cache_group_index``), registered into the mutant
-catalogue by ``register_layout_mutants`` (the catalogue passes its own
+catalogue by ``register`` (the catalogue passes its own
 ``_register`` and ``_set``, so this module imports nothing of it). Each one
 reads group 0 by hand where the keyed group is meant, the bug hybrid models
 had; tests/test_hybrid_groups.py's row oracle judges them."""
@@ -28,7 +28,7 @@ def _init_with(stack: contextlib.ExitStack, set_attr: SetAttr, cls: type, change
     set_attr(stack, cls, "__init__", init)
 
 
-def register_layout_mutants(register: Register, set_attr: SetAttr) -> None:
+def register(register: Register, set_attr: SetAttr) -> None:
     """Register each mutant below with the catalogue."""
 
     @register(

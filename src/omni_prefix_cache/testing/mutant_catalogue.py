@@ -1,9 +1,8 @@
 """The mutant catalogue: bugs this design has had (or that the seed suite documents), each re-injectable
-into the runtime by a patch that lives only here (and in ``tier_mutants``, ``layout_mutants``,
-``thread_mutants``: they import nothing of this module); the runtime carries no switch for any.
-``applied(name)`` applies one for a block (tests/conftest.py does, for a session, with
-``OMNI_PREFIX_CACHE_MUTANT=<name>``). ``make mutants`` judges them all with ``mutant_runner``, which
-says what counts as a kill. (``testing.mutants`` mutates *specs*.)"""
+into the runtime by a patch that lives only here (and in ``tier_mutants``, ``layout_mutants``, ``thread_mutants``,
+which import nothing of this module); the runtime carries no switch for any. ``applied(name)`` applies one for a
+block (tests/conftest.py does, for a session, with ``OMNI_PREFIX_CACHE_MUTANT=<name>``). ``make mutants`` judges
+them all with ``mutant_runner``, which says what counts as a kill. (``testing.mutants`` mutates *specs*.)"""
 
 from __future__ import annotations
 
@@ -576,12 +575,8 @@ def _view_acknowledged_twice(stack: contextlib.ExitStack) -> None:
     _before_record(stack, lambda record, view: setattr(record, "spent", False))
 
 
-for _more in (
-    tier_mutants.register_tier_mutants,
-    layout_mutants.register_layout_mutants,
-    thread_mutants.register_thread_mutants,
-):
-    _more(_register, _set)
+for _more in (tier_mutants, layout_mutants, thread_mutants):
+    _more.register(_register, _set)
 
 
 # ------------------------------------------------------------------ applying

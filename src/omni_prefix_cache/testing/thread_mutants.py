@@ -1,6 +1,6 @@
 """The committer thread's mutants (its timed wait, operation ``linger`` of
 spec/protocol.yaml), registered into the mutant catalogue by
-``register_thread_mutants`` (the catalogue passes its own ``_register`` and
+``register`` (the catalogue passes its own ``_register`` and
 ``_set``, so this module imports nothing of it)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ SetAttr = Callable[[contextlib.ExitStack, Any, str, Any], None]
 OUTSIDE = "the threaded committer's timed wait: the generated tests step a manual committer"
 
 
-def register_thread_mutants(register: Register, set_attr: SetAttr) -> None:
+def register(register: Register, set_attr: SetAttr) -> None:
     """Register each mutant below with the catalogue."""
 
     @register(

@@ -1,5 +1,5 @@
 """The host tier's mutants (spec/host_tier.yaml), registered into the mutant
-catalogue by ``register_tier_mutants`` (the catalogue passes its own
+catalogue by ``register`` (the catalogue passes its own
 ``_register`` and ``_set``, so this module imports nothing of it)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ OUTSIDE = "the host tier: its spec's world and tests, not the composition's"
 SetAttr = Callable[[contextlib.ExitStack, Any, str, Any], None]
 
 
-def register_tier_mutants(register: Register, set_attr: SetAttr) -> None:
+def register(register: Register, set_attr: SetAttr) -> None:
     """Register each mutant below with the catalogue."""
 
     @register(
