@@ -21,6 +21,11 @@ duck-typed stand-in work alike. The optional fields an engine may add:
   are resumed after a preemption (Model Runner V2 lists them there, with
   nothing marking them; the runner knows, since it still holds the id).
 
+vLLM's ``scheduled_spec_decode_tokens`` (speculative decoding) gives each
+step's draft counts (``PrefixCacheStep.draft_tokens``): a request's last
+``drafts`` scheduled positions are unverified until its output says how
+many were accepted (``accepted_rows_of``, passed to materialize).
+
 Imports nothing heavy (no torch): the engine thread pays for every line here.
 """
 
@@ -95,7 +100,10 @@ class PrefixCacheStep:
     """One scheduler step: its events and ``(req_id, tokens)`` scheduled.
 
     Iterating a step yields its events. ``sequence`` is the step number the
-    engine gave (None without one).
+    engine gave (None without one). ``draft_tokens``: ``(req_id, drafts)``
+    for each request whose last ``drafts`` scheduled tokens are speculative
+    drafts (vLLM's ``scheduled_spec_decode_tokens``); empty without
+    speculative decoding.
     """
 
     events: tuple[PrefixCacheRequestEvent, ...]
@@ -103,6 +111,7 @@ class PrefixCacheStep:
     sequence: int | None = None
     # The host tier's part of the step's kv_connector_metadata (tier.metadata), None without the wrapper.
     tier: TierStepMetadata | None = None
+    draft_tokens: tuple[tuple[str, int], ...] = ()
 
     def __iter__(self) -> Iterator[PrefixCacheRequestEvent]:
         return iter(self.events)
@@ -236,6 +245,32 @@ def _check_controls(controls: tuple[Any, ...]) -> None:
                 f"must be a REPLACED event with an owner, got kind={getattr(control, 'kind', None)!r} "
                 f"owner={getattr(control, 'owner', None)!r}"
             )
+
+
+def draft_counts(scheduled_spec_decode_tokens: Mapping[Any, Any]) -> tuple[tuple[str, int], ...]:
+    """``(req_id, drafts)`` of vLLM's ``scheduled_spec_decode_tokens``
+    (request id -> the draft token ids scheduled), requests with no draft
+    left out. A placeholder id (-1: a draft vLLM filled in later, or one a
+    grammar refused) is still a scheduled position, so it counts."""
+    return tuple(
+        (str(rid), len(ids)) for rid, ids in scheduled_spec_decode_tokens.items() if ids is not None and len(ids)
+    )
+
+
+def accepted_rows_of(model_runner_output: Any) -> dict[str, int]:
+    """The accepted-rows input of ``materialize`` from a vLLM
+    ``ModelRunnerOutput`` (or anything with its ``req_ids`` and
+    ``sampled_token_ids``, aligned by batch row): per request,
+    ``len(sampled_token_ids[i])``, the tokens its step sampled (its accepted
+    drafts plus one). Raises the invalid-argument error when the two lists
+    differ in length."""
+    req_ids = list(getattr(model_runner_output, "req_ids", None) or ())
+    sampled = list(getattr(model_runner_output, "sampled_token_ids", None) or ())
+    if len(req_ids) != len(sampled):
+        raise OmniPrefixCacheInvalidArgumentError(
+            f"accepted_rows_of: {len(req_ids)} req_ids but {len(sampled)} sampled_token_ids rows"
+        )
+    return {str(rid): 0 if ids is None else len(ids) for rid, ids in zip(req_ids, sampled)}
 
 
 class PrefixCacheSchedulerAdapter:
@@ -398,7 +433,10 @@ class PrefixCacheSchedulerAdapter:
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or _EMPTY
         counts = tuple(zip(map(str, scheduled.keys()), map(int, scheduled.values()), strict=True))
         tier = tier_metadata_of(getattr(scheduler_output, "kv_connector_metadata", None))
-        return PrefixCacheStep(events, counts, sequence, tier)
+        drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
+        if not drafts:
+            return PrefixCacheStep(events, counts, sequence, tier)
+        return PrefixCacheStep(events, counts, sequence, tier, draft_counts(drafts))
 
     def build_write_layout(
         self,

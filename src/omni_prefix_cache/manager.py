@@ -204,6 +204,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         *,
         num_scheduled_tokens: Mapping[ReqId, int] | None = None,
         kv_tier: TierStepMetadata | None = None,
+        num_draft_tokens: Mapping[ReqId, int] | None = None,
     ) -> None:
         """Start one scheduler step (engine thread, once per real step,
         before finished requests are dropped; operation new_step).
@@ -218,6 +219,9 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         ``kv_tier`` (else the step's own ``tier`` or ``kv_connector_metadata``):
         the host tier's metadata; blocks a KV connector loaded get their rows
         back before the hits are read (docs/integration.md).
+        ``num_draft_tokens`` (else the step's own ``draft_tokens``): the
+        speculative drafts per request, its last scheduled tokens; its save
+        needs a write layout and its materialize the accepted rows.
 
         Validate, then mutate: a bad argument (a bad id or count, a hit not
         block aligned or without group-0 block ids, an owner change without
@@ -228,7 +232,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         self._check_open("new_step_starts")
         self._ledger.raise_if_failed()
         if is_event_form(step):
-            given = events_step(step, num_scheduled_tokens, kv_tier)  # type: ignore[arg-type]
+            given = events_step(step, num_scheduled_tokens, kv_tier, num_draft_tokens)  # type: ignore[arg-type]
         else:
             # ``_live`` changes only on this (the engine) thread: read unlocked.
             given = seed_step(step, self._live)
@@ -325,7 +329,12 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         pending, sid = self._pending_sched, self._steps.next_id
         if pending is None:
             raise OmniPrefixCacheUnmatchError(f"save_outputs (step {sid}) without a new_step_starts before it")
-        sched = pending if write_layout is None else SchedSnapshot(pending.num_scheduled, write_layout)
+        if pending.drafts and write_layout is None:
+            raise OmniPrefixCacheInvalidArgumentError(
+                f"save_outputs (step {sid}): the step has speculative drafts (requests {sorted(pending.drafts)[:8]}); "
+                "it needs a write_layout (PrefixCacheSchedulerAdapter.build_write_layout)"
+            )
+        sched = pending if write_layout is None else SchedSnapshot(pending.num_scheduled, write_layout, pending.drafts)
         if padded < n:
             raise OmniPrefixCacheInvalidArgumentError(
                 f"save_outputs (step {sid}): num_tokens_padded={padded} < num_tokens_unpadded={n}"
@@ -348,26 +357,45 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         finally:
             lock.release()
 
-    def materialize(self, step_id: StepId, req_ids: Sequence[ReqId]) -> StageCacheOutputs:
+    def materialize(
+        self, step_id: StepId, req_ids: Sequence[ReqId], *, accepted_rows: Mapping[ReqId, int] | None = None
+    ) -> StageCacheOutputs:
         """Consume ``step_id`` and return each request's merged outputs:
         hit prefix rows (the prefetched buffer) followed by this step's rows
         for every pool key, plus each request's share of the leftover mm.
+
+        ``accepted_rows`` (speculative decoding): per request,
+        ``len(ModelRunnerOutput.sampled_token_ids[i])`` of the step (its
+        accepted drafts plus one; ``adapter.accepted_rows_of``). Needed, for
+        every request the step scheduled drafts for, and read only for
+        those: each one's rows end at its accepted end (the rejected drafts'
+        rows are never returned, and their slots are REJECTED where no later
+        save wrote them). A step without drafts needs none.
 
         Any thread, exactly once per step id (or discard_step instead). The
         step's staging holder is released whatever happens. Raises
         OmniPrefixCacheUnmatchError for an unknown or consumed step id, ids
         outside the save snapshot, a sticky write failure, or a hit that
-        cannot be served (absent hidden rows, an overwritten delayed read, a
-        failed pool read). A step id that is not an int or ``req_ids`` that
-        is not a collection of str raise the invalid-type error without
-        consuming the step; after shutdown, the shutdown error.
+        cannot be served (absent hidden rows, a rejected draft's row, an
+        overwritten delayed read, a failed pool read). A step id that is not
+        an int, ``req_ids`` that is not a collection of str or
+        ``accepted_rows`` that is not a mapping of str to int raise the
+        invalid-type error, and accepted rows that do not fit the step (a
+        drafted request without a count, a count past its drafts plus one,
+        a request not in the step) the invalid-argument error naming the
+        requests, all without consuming the step; after shutdown, the
+        shutdown error.
         """
         check.as_step_id("materialize", step_id)
         req_ids = check.as_req_ids(f"materialize(step {step_id}): req_ids", req_ids)
         name = f"materialize(step {step_id})"
+        accepted = check.as_accepted_rows(name, accepted_rows)
         self._check_open(name)
-        call, run, materialize = StepCall(name, step_id, req_ids=req_ids), self._runner.run, self._ops.materialize
-        run(materialize, "consume", call)  # state
+        call = StepCall(name, step_id, req_ids=req_ids, accepted=accepted)
+        run, materialize = self._runner.run, self._ops.materialize
+        with self._runner.held(materialize, "consume", call) as consume:  # state
+            consume(call)  # refuse counts that do not fit, consume, reject the rejected rows' slots
+            call.uncounted = self._requests.accept_rows("materialize", call.steps, accepted)  # request.accept?
         try:
             run(materialize, "merge", call)  # no lock: hit prefixes + the step's rows from its page
         finally:
@@ -375,16 +403,28 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         assert call.outputs is not None
         return call.outputs
 
-    def discard_step(self, step_id: StepId) -> None:
+    def discard_step(self, step_id: StepId, *, accepted_rows: Mapping[ReqId, int] | None = None) -> None:
         """Consume ``step_id`` without building outputs (any thread, exactly
         once). Releases its staging holder and drops its hit prefetches.
         Works after a write failure. Raises for an unknown or consumed id,
-        and after shutdown (which already released every open step)."""
+        and after shutdown (which already released every open step).
+
+        A step with speculative drafts: with ``accepted_rows`` (as
+        materialize takes them) its rejected rows' slots are REJECTED and
+        its accepted rows count, as at materialize; without, its draft rows
+        never count (its tenures' watermarks stay before them) and their
+        slots stay as saved. Accepted rows that do not fit the step raise
+        the invalid-argument error (``OmniPrefixCacheAcceptedRowsError``)
+        without consuming it."""
         check.as_step_id("discard_step", step_id)
         name = f"discard_step(step {step_id})"
+        accepted = check.as_accepted_rows(name, accepted_rows)
         self._check_open(name)
-        # Operation discard: consume, release the page, drop the reads (one state segment).
-        self._runner.run(self._ops.discard, "consume", StepCall(name, step_id))
+        call = StepCall(name, step_id, accepted=accepted, discarding=True)
+        # Operation discard: consume, release the page, drop the reads, reject the drafts (one state segment).
+        with self._runner.held(self._ops.discard, "consume", call) as consume:
+            consume(call)
+            self._requests.accept_rows("discard", call.steps, accepted)
 
     def shutdown(self) -> None:
         """Stop the prefetch thread and the controller (queued writes land

@@ -2,9 +2,10 @@
 
 ``ManagerBinding`` resolves the roles executor ``manager`` moves: ``step``
 (the step table), ``step_holder`` (a step's staging page), ``read`` (planned
-reads, dropped where their prefetch has not started) and the couplings
-``slot.take_tenancy`` and ``slot.restore_tenancy`` (the host tier's,
-``reads.tier_fill``). ``FacadeOps`` (a mixin of the manager) compiles, once
+reads, dropped where their prefetch has not started), ``slot.reject`` (a
+materialize or discard rejecting its step's speculative drafts) and the
+couplings ``slot.take_tenancy`` and ``slot.restore_tenancy`` (the host
+tier's, ``reads.tier_fill``). ``FacadeOps`` (a mixin of the manager) compiles, once
 per manager, the manager's share of new_step, save, abandon_save,
 materialize, discard and shutdown, and its ``SegmentRunner``: a ``state``
 segment takes the state lock and first raises the shutdown error once
@@ -19,12 +20,15 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+import torch
 
 from omni_prefix_cache.controller import OmniPrefixCacheController
 from omni_prefix_cache.interface import (
     ModelCachePolicy,
+    OmniPrefixCacheAcceptedRowsError,
     OmniPrefixCacheShutdownError,
     OmniPrefixCacheUnmatchError,
     StepId,
@@ -32,7 +36,7 @@ from omni_prefix_cache.interface import (
 )
 from omni_prefix_cache.manager_calls import AbandonCall, NewStepCall, SaveCall, StepCall
 from omni_prefix_cache.reads.hit_planner import HitPlanner
-from omni_prefix_cache.reads.materializer import Materializer
+from omni_prefix_cache.reads.materializer import Materializer, cut_rejected
 from omni_prefix_cache.reads.planned_read import HitReads
 from omni_prefix_cache.reads.tier_fill import TierDesk
 from omni_prefix_cache.requests.lifecycle import RequestTable
@@ -84,6 +88,7 @@ class ManagerBinding:
         reads: HitReads,
         couplings: Mapping[str, Run],
         claim_page: Run,
+        reject_rows: Run,
     ) -> None:
         self._steps = steps
         self._staging = staging
@@ -91,6 +96,7 @@ class ManagerBinding:
         self._reads = reads
         self._couplings = couplings  # slot couplings by name
         self._claim_page = claim_page
+        self._reject_rows = reject_rows
 
     def try_move(self, role: str, trigger: TriggerName) -> Pred:
         steps, staging = self._steps, self._staging
@@ -154,6 +160,14 @@ class ManagerBinding:
                 return staging.try_fire(abandon, claimed.page, holder)
 
             return attempt_abandon
+        if role == "slot" and trigger == "reject":
+            reject_rows = self._reject_rows
+
+            def attempt_reject(call: StepCall) -> bool:
+                reject_rows(call)  # where enabled: only slots no later save wrote move
+                return True
+
+            return attempt_reject
         if role == "read" and trigger == "drop":
             hits, reads = self._hits, self._reads
 
@@ -226,7 +240,13 @@ class FacadeOps:
         tier = self._tier_desk
         couplings = {"take_tenancy": self._couple_take_tenancy, "restore_tenancy": lambda c: tier.restore(c.restores)}
         binding = ManagerBinding(
-            self._steps, self._controller.parts.staging_pool, self._hits, self._reads, couplings, self._claim_page
+            self._steps,
+            self._controller.parts.staging_pool,
+            self._hits,
+            self._reads,
+            couplings,
+            self._claim_page,
+            self._reject_rows,
         )
         effects: dict[str, Run] = {
             "validate_events": lambda call: self._requests.validate(call.given.events),
@@ -241,11 +261,16 @@ class FacadeOps:
             "record_saved": self._record_saved,
             "start_prefetch": self._start_prefetch,
             "merge_outputs": self._merge_outputs,
+            "cut_rejected": self._cut_rejected,
+            "refuse_accepted_rows": self._refuse_accepted_rows,
             "restore_step_input": self._restore_step_input,
             "fail_stranded": self._fail_stranded,
             "close_facade": self._close_facade,
         }
-        guards: dict[str, Pred] = {"replayed_step": lambda call: self._requests.replayed(call.given.sequence)}
+        guards: dict[str, Pred] = {
+            "replayed_step": lambda call: self._requests.replayed(call.given.sequence),
+            "accepted_rows_refused": self._accepted_rows_refused,
+        }
         guards["tier_loads"] = lambda call: call.given.tier is not None and bool(call.given.tier.loads)
         guards["tier_joins"] = lambda call: guards["tier_loads"](call) or (tier.active and bool(call.escalate))
 
@@ -283,7 +308,7 @@ class FacadeOps:
         call.escalate = requests.take_detached()
         # A step with nothing scheduled has no save: the next snapshot
         # replaces it. Its hits (if any) stay pending for the next save.
-        self._pending_sched = SchedSnapshot(given.num_scheduled)
+        self._pending_sched = SchedSnapshot(given.num_scheduled, drafts=given.drafts)
         counters = self._counters
         counters["query_requests"] += given.queried
         counters["query_tokens"] += given.query_tokens
@@ -362,7 +387,7 @@ class FacadeOps:
         """Coupling ``slot.take_tenancy``: the step becomes its slots' tenant (reads lock too)."""
         assert call.ctx is not None
         with self._reads.lock:
-            self._ledger.take_tenancy_locked(
+            call.ctx.record.tenancy = self._ledger.take_tenancy_locked(
                 call.split, call.slots, call.ctx.record.scheduled_counts(), call.immediate, call.deferred_tids
             )
 
@@ -382,9 +407,23 @@ class FacadeOps:
             self._hits.start_prefetch(call.jobs)
 
     def _record_saved(self, call: SaveCall) -> None:
+        """Effect ``record_saved`` (state lock): the tenures advance over each
+        request's verified rows; a drafted request's draft rows and their
+        slots are kept for its materialize (or discard)."""
         split = call.split
         assert call.ctx is not None
-        self._requests.record_saved(call.ctx, call.token_ranges, bool(split.immediate or split.deferred_clone))
+        record, drafts = call.ctx.record, call.sched.drafts
+        if drafts:
+            spans, slots = call.spans, call.slots
+            for rid, count in drafts.items():
+                span = spans.get(rid)
+                if span is None:
+                    continue  # not scheduled rows in this layout (new_step checked the counts)
+                first, rows = span
+                record.drafts[rid] = count
+                record.draft_slots[rid] = slots[first + rows - count : first + rows]
+        record.saves = bool(split.immediate or split.deferred_clone)
+        self._requests.record_saved(call.ctx, call.token_ranges, record.saves)
 
     # ------------------------------------------------------------ abandon_save
 
@@ -405,12 +444,56 @@ class FacadeOps:
 
     # ------------------------------------------------------------ materialize
 
+    def _accepted_rows_refused(self, call: StepCall) -> bool:
+        """Guard ``accepted_rows_refused`` (state lock): the call's accepted
+        rows do not fit its step (an unknown step is the consume move's to
+        refuse); the reason is kept for ``refuse_accepted_rows``."""
+        ctx = self._step_ctxs.get(call.sid) if call.sid is not None else None
+        if ctx is None or (call.accepted is None and (call.discarding or not ctx.record.drafts)):
+            return False
+        call.refusal = ctx.record.refused_counts(call.accepted, need_drafts=not call.discarding)
+        return bool(call.refusal)
+
+    def _refuse_accepted_rows(self, call: StepCall) -> None:
+        """Effect ``refuse_accepted_rows``: nothing moved; the step stays saved."""
+        raise OmniPrefixCacheAcceptedRowsError(f"{call.call}: accepted_rows do not fit the step: {call.refusal}")
+
+    def _reject_rows(self, call: StepCall) -> None:
+        """``slot.reject?`` (state lock; takes the reads lock, where version
+        bumps and planned reads change together): the slots of each consumed
+        step's rows past its requests' accepted ends, where its save was the
+        last to map them."""
+        if call.accepted is None:
+            return  # a discard without accepted rows: nothing is known of its drafts (they never counted)
+        for ctx in call.steps:
+            record = ctx.record
+            if not record.drafts:
+                continue
+            verdicts = record.accepted(call.accepted)
+            slots = [v.rejected_slots for v in verdicts if int(v.rejected_slots.numel())]
+            if slots:
+                with self._reads.lock:
+                    self._slot_status.reject(slots[0] if len(slots) == 1 else torch.cat(slots), record.tenancy)
+
     def _merge_outputs(self, call: StepCall) -> None:
         (ctx,) = call.steps
         if self._closed:
             raise OmniPrefixCacheShutdownError(f"{call.call}: omni prefix cache manager is shut down")
         self._ledger.raise_if_failed()
         call.outputs = self._materializer.build(ctx, call.req_ids)
+
+    def _cut_rejected(self, call: StepCall) -> None:
+        """Effect ``cut_rejected`` (no lock): each drafted request's output
+        ends at its accepted end."""
+        (ctx,) = call.steps
+        if ctx.record.drafts and call.outputs is not None:
+            # A retired tenure counted none of its drafts (no accept move): its output ends before them.
+            drafts, uncounted = ctx.record.drafts, call.uncounted
+            verdicts = [
+                v if v.req_id not in uncounted else replace(v, accepted_end=v.end - drafts[v.req_id])
+                for v in ctx.record.accepted(call.accepted)
+            ]
+            cut_rejected(call.outputs, verdicts)
 
     # ------------------------------------------------------------ shutdown
 

@@ -127,9 +127,15 @@ class RequestTable:
         # recently seen is forgotten past it (counted in consumers_forgotten).
         self.consumers: dict[str, None] = {}
         self.consumers_forgotten = 0
-        ops = load_protocol().ops
+        protocol = load_protocol()
+        ops = protocol.ops
         binding = RequestBinding()
         self._retire_delivery = compile_operation(ops["retire_delivery"], binding, {}, {})
+        # The requests executor's share of materialize's and discard's consume (request.accept?).
+        self._accept_ops = {
+            name: compile_operation(protocol.share("requests", name, "consume"), binding, {}, {})
+            for name in ("materialize", "discard")
+        }
         self._retire_owner = compile_operation(
             ops["retire_owner"], binding, {"retire_deliveries": self._retire_deliveries}, {}
         )
@@ -297,13 +303,16 @@ class RequestTable:
     ) -> None:
         """Protocol effect ``record_saved`` (save's state segment): each
         scheduled request's rows advance its tenure's ``computed_upto`` (and,
-        when the step wrote cached keys, ``saved_upto``) to their token end;
-        the step keeps the tenures and token ranges it saved. Without a
+        when the step wrote cached keys, ``saved_upto``) to their verified
+        end: the token end less its speculative drafts (``record.drafts``,
+        counted only once accepted: ``accept_rows``). The step keeps the
+        tenures and token ranges (drafts included) it saved. Without a
         write layout the range starts at the tenure's ``computed_upto``. A
         hit request the step did not schedule reports an empty range at its
         hit end."""
         record = ctx.record
         tenures, ranges = record.tenures, record.token_ranges
+        drafts = record.drafts
         current = self.current.get
         # (request, rows) in row order, the scheduled entries (zip stops at
         # the counts); ``for_save`` only for an id without a current tenure.
@@ -314,13 +323,15 @@ class RequestTable:
                 end = start + rows
             else:
                 start, end = token_ranges[rid]
+            ranges.append((start, end))
+            tenures.append(tenure)
+            if drafts:
+                end -= drafts.get(rid, 0)  # the rows before the drafts: what the step verified
             tenure.computed_upto = end
             if cached and end > tenure.saved_upto:
                 tenure.saved_upto = end
             if end > tenure.rows_upto:
                 tenure.rows_upto = end
-            ranges.append((start, end))
-            tenures.append(tenure)
         for hit in record.hits[record.scheduled :]:  # the hits of requests without rows
             assert hit is not None
             tenure = self.for_save(hit.req_id)
@@ -329,6 +340,33 @@ class RequestTable:
                 tenure.rows_upto = end
             ranges.append((end, end))
             tenures.append(tenure)
+
+    def accept_rows(
+        self, operation: str, steps: Sequence[StepContext], counts: Mapping[ReqId, int] | None
+    ) -> frozenset[ReqId]:
+        """The requests executor's share of materialize's (or discard's)
+        consume segment, in the same state hold as the manager's:
+        ``request.accept?`` for each drafted request of the consumed
+        ``steps``, to its accepted end under ``counts`` (a discard without
+        counts accepts nothing). Returns the drafted requests whose tenure
+        has no accept move (RETIRED): none of their drafts counts, so their
+        output ends before the drafts (``cut_rejected``)."""
+        if counts is None or not any(ctx.record.drafts for ctx in steps):
+            return frozenset()
+        op = self._accept_ops[operation]
+        refused: set[ReqId] = set()
+        for ctx in steps:
+            record = ctx.record
+            for verdict in record.accepted(counts):
+                if verdict.index < len(record.tenures):
+                    tenure = record.tenures[verdict.index]
+                    if REQUEST_MACHINE.move(tenure.state, "accept") is None:
+                        refused.add(verdict.req_id)
+                        continue
+                    move = TenureMove(tenure, self, end=verdict.accepted_end)
+                    move.saves = record.saves
+                    CALLER_HOLDS.run(op, "consume", move)
+        return frozenset(refused)
 
     # ---------------------------------------------- the machines' effects
 

@@ -1,8 +1,11 @@
 """Slot occupancy per (slot, key), driven by the compiled ``slot_occupancy`` spec.
 
-Each pool key has three tables with one row per KV slot: ``state`` (int8, a
-``SlotState``), ``tids`` (the owning write task, -1 when none) and
-``slot_version`` (bumped each time a committed slot is reused). A move is
+Each pool key has four tables with one row per KV slot: ``state`` (int8, a
+``SlotState``), ``tids`` (the owning write task, -1 when none),
+``slot_version`` (bumped each time a committed slot is reused) and
+``writer`` (the tenancy, one per save, that last mapped the slot; -1 after a
+restore), which a rejection of a step's speculative drafts reads so it moves
+only the slots no later save wrote. A move is
 applied to a whole slot tensor at once: the source states are gathered, the
 spec's move table says where each group goes, guards filter rows and effects
 run once per source-state group, with no Python loop over slots on the
@@ -35,11 +38,13 @@ _NO_OWNER = -1
 
 class SlotGroup(NamedTuple):
     """The rows of one vectorised move that share a source state; ``owners``
-    per row (map's new owner, commit/drop's writer) or 0-d, one for all."""
+    per row (map's new owner, commit/drop's writer) or 0-d, one for all;
+    ``tenancy``: the rejecting save's tenancy (reject), else -1."""
 
     key: TensorName
     slots: np.ndarray  # int64 KV slot ids
     owners: np.ndarray  # int64 tids, same length as slots, or 0-d (one for all)
+    tenancy: int = -1
 
 
 @dataclass(eq=False)
@@ -49,6 +54,7 @@ class KeySlots:
     state: torch.Tensor  # int8 SlotState per slot
     tids: torch.Tensor  # int64 owner tid per slot, -1 when not IN_TRANSIT
     slot_version: torch.Tensor  # int64, +1 per reuse of a committed slot
+    writer: torch.Tensor  # int64 tenancy (save) that last mapped the slot, -1 when none
 
 
 class _KeyArrays(NamedTuple):
@@ -57,6 +63,7 @@ class _KeyArrays(NamedTuple):
     state: np.ndarray
     tids: np.ndarray
     slot_version: np.ndarray
+    writer: np.ndarray
 
 
 # ------------------------------------------------------------ spec handlers
@@ -69,8 +76,22 @@ def _owned_by_writer(occ: SlotOccupancy, group: SlotGroup) -> np.ndarray:
     return owned
 
 
+def _written_by_step(occ: SlotOccupancy, group: SlotGroup) -> np.ndarray:
+    # No later save, and no restore, wrote the slot since the rejecting step's save.
+    mine: np.ndarray = occ._arrays[group.key].writer[group.slots] == group.tenancy
+    return mine
+
+
 def _set_owner(occ: SlotOccupancy, group: SlotGroup) -> None:
     occ._arrays[group.key].tids[group.slots] = group.owners
+
+
+def _stamp_writer(occ: SlotOccupancy, group: SlotGroup) -> None:
+    occ._arrays[group.key].writer[group.slots] = occ.tenancy
+
+
+def _clear_writer(occ: SlotOccupancy, group: SlotGroup) -> None:
+    occ._arrays[group.key].writer[group.slots] = _NO_OWNER
 
 
 def _clear_owner(occ: SlotOccupancy, group: SlotGroup) -> None:
@@ -88,7 +109,8 @@ def _record_takeover(occ: SlotOccupancy, group: SlotGroup) -> None:
     # The spec's `reassign_from_old_owner`. Runs before set_owner (spec
     # order), so `tids` still names the old owner.
     old = occ._arrays[group.key].tids[group.slots]
-    taken = old != group.owners  # a task remapping its own slot loses nothing
+    # A task remapping its own slot loses nothing; a rejection (no new owner) takes every row.
+    taken = old != group.owners if group.tenancy < 0 else old != _NO_OWNER
     if not taken.any():
         return
     old, slots = old[taken], group.slots[taken]
@@ -107,9 +129,11 @@ def _preserve_pending_reads(occ: SlotOccupancy, group: SlotGroup) -> None:
 
 SLOT_MACHINE = compile_machine(
     load_spec("slot_occupancy"),
-    guards={"owned_by_writer": _owned_by_writer},
+    guards={"owned_by_writer": _owned_by_writer, "written_by_step": _written_by_step},
     effects={
         "set_owner": _set_owner,
+        "stamp_writer": _stamp_writer,
+        "clear_writer": _clear_writer,
         "reassign_from_old_owner": _record_takeover,
         "preserve_pending_reads": _preserve_pending_reads,
         "bump_version": _bump_version,
@@ -150,6 +174,9 @@ class SlotOccupancy:
         self.num_slots = int(num_slots)
         self.on_takeover = on_takeover
         self.on_reuse = on_reuse
+        # The current tenancy: each take_tenancy (a save) is a new one, and
+        # every slot a map moves records it (effect stamp_writer).
+        self.tenancy = 0
         self._keys: dict[TensorName, KeySlots] = {}
         self._arrays: dict[TensorName, _KeyArrays] = {}
         self.state: dict[TensorName, torch.Tensor] = {}
@@ -186,9 +213,12 @@ class SlotOccupancy:
                 state=torch.full((self.num_slots,), INITIAL, dtype=torch.int8),
                 tids=torch.full((self.num_slots,), _NO_OWNER, dtype=torch.int64),
                 slot_version=torch.zeros((self.num_slots,), dtype=torch.int64),
+                writer=torch.full((self.num_slots,), _NO_OWNER, dtype=torch.int64),
             )
             self._keys[key] = table
-            self._arrays[key] = _KeyArrays(table.state.numpy(), table.tids.numpy(), table.slot_version.numpy())
+            self._arrays[key] = _KeyArrays(
+                table.state.numpy(), table.tids.numpy(), table.slot_version.numpy(), table.writer.numpy()
+            )
             self.state[key] = table.state
         return table
 
@@ -219,13 +249,15 @@ class SlotOccupancy:
         owners: torch.Tensor | int,
         *,
         where_enabled: bool = False,
+        tenancy: int = -1,
     ) -> int:
         """Fire ``trigger`` on every row of ``slots`` for ``key``; returns how
         many rows moved (a guard-refused row stays). Raises
         OmniPrefixCacheUnmatchError naming key, trigger, source state and
         slots when a row has no such move, changing nothing; with
-        ``where_enabled`` (``slot.trigger?``) such rows stay. State lock."""
-        return self._apply(trigger, key, self._as_slots(key, slots), owners, where_enabled)
+        ``where_enabled`` (``slot.trigger?``) such rows stay. ``tenancy``:
+        the rejecting save's (``reject``). State lock."""
+        return self._apply(trigger, key, self._as_slots(key, slots), owners, where_enabled, tenancy)
 
     def _apply(
         self,
@@ -234,9 +266,11 @@ class SlotOccupancy:
         slots: np.ndarray,
         owners: torch.Tensor | np.ndarray | int,
         where_enabled: bool,
+        tenancy: int = -1,
     ) -> int:
         """``apply`` over slots already checked by ``_as_slots`` (owners as
-        given to ``apply``, or already converted by ``_as_owners``)."""
+        given to ``apply``, or already converted by ``_as_owners``;
+        ``tenancy``: the rejecting save's, for reject)."""
         arrays = self._arrays.get(key)
         if arrays is None:
             raise self._unknown(key)
@@ -252,10 +286,14 @@ class SlotOccupancy:
         moved = 0
         recorder = SLOT_MACHINE.recorder
         for move, group in self._groups(key, trigger, moves, src, slots, owner_rows, where_enabled):
+            if tenancy >= 0:
+                group = group._replace(tenancy=tenancy)
             for guard in move.guards:
                 ok = guard(self, group)
                 if not all_set(ok):
-                    group = SlotGroup(key, group.slots[ok], group.owners[ok] if group.owners.ndim else group.owners)
+                    group = SlotGroup(
+                        key, group.slots[ok], group.owners[ok] if group.owners.ndim else group.owners, tenancy
+                    )
             if group.slots.size == 0:
                 continue
             state[group.slots] = int(move.dest)
@@ -315,19 +353,22 @@ class SlotOccupancy:
         its version. Under the state lock."""
         return self.apply(SlotOccupancyTrigger.MAP, key, slots, owners)
 
-    def take_tenancy(self, slots: torch.Tensor, writes: Mapping[TensorName, torch.Tensor | np.ndarray | int]) -> None:
+    def take_tenancy(self, slots: torch.Tensor, writes: Mapping[TensorName, torch.Tensor | np.ndarray | int]) -> int:
         """A save's step takes ``slots`` for its writes (coupling
         ``take_tenancy``): every key in ``writes`` fires the coupling's
         ``fires`` trigger (``map``, owned by the given tids), every other
         open key fires ``others`` (``reset``: its rows become absent, never
-        the previous tenant's). Under the state lock."""
+        the previous tenant's). Returns the save's tenancy (each call is a
+        new one; the slots it maps record it: ``reject`` reads it). Under
+        the state lock."""
+        self.tenancy += 1
         if int(slots.numel()) == 0:
-            return
+            return self.tenancy
         first = next(iter(writes), None)
         if first is None:
             first = next(iter(self._keys), None)
         if first is None:
-            return
+            return self.tenancy
         # One check of the slots for every key's move (named after the key
         # moved first, as a per-key check would be).
         self.get_slot_status(first)
@@ -337,6 +378,23 @@ class SlotOccupancy:
         for key in self._keys:
             if key not in writes:
                 self._apply(self._tenant_others, key, rows, _NO_OWNER, False)
+        return self.tenancy
+
+    def reject(self, slots: torch.Tensor, tenancy: int) -> int:
+        """``slot.reject?`` (materialize or discard of a step with
+        speculative drafts): every open key of ``slots`` (the rows the step
+        rejected) that the save of ``tenancy`` was the last to map moves to
+        REJECTED: an owner in transit skips the row at its pool write, a
+        committed row's version moves (a read planned on it fails); a slot
+        a later save or a restore wrote stays. Returns the rows moved over
+        all keys. Under the state lock and the reads lock."""
+        if int(slots.numel()) == 0 or not self._keys or tenancy < 0:
+            return 0
+        rows = self._as_slots(next(iter(self._keys)), slots)
+        moved = 0
+        for key in self._keys:
+            moved += self._apply(SlotOccupancyTrigger.REJECT, key, rows, _NO_OWNER, True, tenancy)
+        return moved
 
     def restore_tenancy(self, slots: torch.Tensor, keys: Collection[TensorName]) -> None:
         """The host tier restores a block into ``slots`` (coupling

@@ -53,6 +53,7 @@ class SchedSnapshot:
 
     num_scheduled: dict[ReqId, int]
     layout: Any = None  # a PrefixCacheWriteLayout, or None: read the group view
+    drafts: Mapping[ReqId, int] = field(default_factory=dict)  # speculative drafts per request (StepInput.drafts)
 
 
 @dataclass(eq=False)

@@ -577,6 +577,49 @@ def _view_acknowledged_twice(stack: contextlib.ExitStack) -> None:
     _before_record(stack, lambda record, view: setattr(record, "spent", False))
 
 
+# ------------------------------------------------------------------ speculative decoding (issue 47)
+
+
+@_register(
+    "rejected_draft_delivered",
+    "materialize keeps the rows past a drafted request's accepted end: rejected drafts are returned and delivered",
+)
+def _rejected_draft_delivered(stack: contextlib.ExitStack) -> None:
+    from omni_prefix_cache.manager_ops import FacadeOps
+
+    _set(stack, FacadeOps, "_cut_rejected", lambda self, call: None)
+
+
+@_register(
+    "draft_watermark_past_accepted",
+    "record_saved counts a step's speculative drafts: a tenure's watermarks reach the draft end, past its accepted end",
+)
+def _draft_watermark_past_accepted(stack: contextlib.ExitStack) -> None:
+    from omni_prefix_cache.requests.lifecycle import RequestTable
+
+    original = RequestTable.record_saved
+
+    def record_saved(self: RequestTable, ctx: Any, token_ranges: Any, cached: bool) -> None:
+        drafts, ctx.record.drafts = ctx.record.drafts, {}  # the verified end is the token end again
+        try:
+            original(self, ctx, token_ranges, cached)
+        finally:
+            ctx.record.drafts = drafts
+
+    _set(stack, RequestTable, "record_saved", record_saved)
+
+
+@_register(
+    "draft_rollback_skipped_on_resume",
+    "the slots of a step's rejected drafts are not rolled back (REJECTED): a request resumed with an optimistic "
+    "hit over them is served the rejected rows",
+)
+def _draft_rollback_skipped_on_resume(stack: contextlib.ExitStack) -> None:
+    from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
+
+    _set(stack, SlotOccupancy, "reject", lambda self, slots, tenancy: 0)
+
+
 register_tier_mutants(_register, _set)  # the host tier's (that module imports nothing of this one)
 
 

@@ -17,8 +17,9 @@ class RequestState(SpecState):
     """
     A request id's tenure under one owner, driven by the adapter's events. A new admission of the id, or an
     accepted replacement, opens a new tenure and retires the old one; an event of an older owner never moves the
-    current tenure. Preemption is not an event: the request resumes (RESUMED) in the same tenure. The cache's
-    shutdown ends no request, so a tenure rests wherever the scheduler left it (the states tagged rest).
+    current tenure. Preemption is not an event: the request resumes (RESUMED) in the same tenure. A speculative
+    draft's row counts for the tenure only once a materialize accepted it (accept). The cache's shutdown ends no
+    request, so a tenure rests wherever the scheduler left it (the states tagged rest).
     """
 
     UNKNOWN = 0
@@ -53,10 +54,25 @@ class RequestLifecycleTrigger(StrEnum):
     """
     EXTEND = "extend"
     """EXTENDED (or a repeated STARTED of the same owner and lookup) is ordinary progress, no lookup"""
+    ACCEPT = "accept"
+    """
+    the materialize of a step that scheduled speculative drafts for it: the drafts the step accepted count as
+    computed and saved (the tenure's watermarks reach the accepted end, never past it: a save counts only the
+    rows before its drafts); the rejected ones never count
+    """
     FINISH = "finish"
     """FINISHED or ABORTED; the block hashes are public, so its open writes are escalated and must land"""
     RETIRE = "retire"
     """a newer owner took the id; the producer's writes still land, its outputs no longer deliver"""
 
 
-RequestLifecycleTriggerName: TypeAlias = Literal["admit", "start", "lookup", "resume", "extend", "finish", "retire"]
+RequestLifecycleTriggerName: TypeAlias = Literal[
+    "admit",
+    "start",
+    "lookup",
+    "resume",
+    "extend",
+    "accept",
+    "finish",
+    "retire",
+]

@@ -10,6 +10,7 @@ what the checkers (``checks.ProtocolChecks``) and the row oracle need.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 import threading
@@ -23,7 +24,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize
 
 from omni_prefix_cache.adapter import PrefixCacheEventKind, PrefixCacheSchedulerAdapter
 from omni_prefix_cache.controller import TaskState, WriteChunk, WriteTask
-from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, WriteSchedule
+from omni_prefix_cache.interface import HIDDEN_KEY, OmniPrefixCacheUnmatchError, WriteSchedule
 from omni_prefix_cache.manager import PREFETCH_THREAD_PREFIX
 from omni_prefix_cache.specs.composition import ProtocolSpec
 from omni_prefix_cache.specs.types.copy_queue import QueuePosition
@@ -90,7 +91,6 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
         self.pending: PlannedStep | None = None  # scheduled by new_step, not saved yet
         self.pending_absent: frozenset[str] = frozenset()
         self.expects: dict[int, tuple[PlannedStep, frozenset[str]]] = {}
-        self.served: list[Served] = []
         self.poison: dict[str, set[int]] = {"copy": set(), "write": set()}
         self.dead = False  # a facade entry raised the write failure
         self.max_tid = 0
@@ -110,6 +110,10 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
         self.step_tenures: dict[int, dict[str, OracleTenure]] = {}
         self.recovering: dict[str, int] = {}  # this step's RESUMED hits: where each must start
         self.recover_at: dict[int, dict[str, int]] = {}
+        # Requests whose drafted step was materialized: rid -> (step, verified end, draft end, block ids),
+        # and the last step that scheduled each request.
+        self.drafted: dict[str, tuple[int, int, int, list[int]]] = {}
+        self.last_sched: dict[str, int] = {}
         self.checks = ProtocolChecks(self)
         self._instrument()
 
@@ -365,11 +369,18 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
         # A pool key that is not token-major this step is a leftover: the
         # step's tenant does not write it (hits later get the baseline).
         absent = frozenset(draw(st.sampled_from([(), (), (IMMEDIATE,), (DEFERRED,)]), label="keys as leftovers"))
+
+        def drafts(req: Any) -> tuple[int, int]:
+            # Speculative decoding: a decoding request may carry drafts, the first k of them right.
+            d = draw(st.integers(0, 3), label=f"drafts {req.rid}")
+            return (d, draw(st.integers(0, d), label=f"accepted {req.rid}")) if d else (0, 0)
+
         planned = self.model.schedule(
             admit=lambda req: draw(st.integers(1, 6), label=f"admit {req.rid}") if admit_only in (None, req.rid) else 0,
             run=lambda req: draw(st.integers(1, 3), label=f"run {req.rid}"),
             capacity=CAPACITY,
             absent_keys=absent,
+            drafts=drafts,
         )
         if planned is None:
             return None
@@ -408,6 +419,7 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
         if sid is None:
             return None
         self.saved(int(sid), planned)
+        self.last_sched.update(dict.fromkeys(planned.order, int(sid)))
         for tid in self.previous_immediate:
             task = self.ctrl.parts.registry.get(tid)
             if task is not None and not task.is_terminal:
@@ -504,21 +516,123 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
             return
         self._resume_paused()  # materialize waits for its prefetches
         planned, absent = self.expects.pop(sid)
+        accepted = planned.accepted or None  # the runner's len(sampled_token_ids[i]) of a drafted step
+        if accepted:
+            planned = self._retired_drafts_uncounted(sid, planned)
         try:
-            outs = self._facade(self.mgr.materialize, sid, list(planned.order))
+            outs = self._facade(lambda: self.mgr.materialize(sid, list(planned.order), accepted_rows=accepted))
         except OmniPrefixCacheUnmatchError as exc:
             raise AssertionError(f"row oracle: materialize(step {sid}) refused servable rows: {exc}") from exc
         if outs is not None:
-            self.served.append(Served(sid, outs, planned, absent))
+            if planned.accepted:
+                event("materialized a step with speculative drafts")
+                self.drafted.update({rid: (sid, *where) for rid, where in planned.drafted.items()})
+            # The row oracle before any consumer sees it (a consumer's view of rows past what was
+            # saved would raise first, hiding what was served).
+            self.checks.check_served(Served(sid, outs, planned, absent))
             self.delivered(sid, outs, planned, data)
+            if (
+                planned.accepted
+                and data is not None
+                and self.pending is None
+                and not self.dead
+                and len(self.expects) < DEPTH
+                and self.model.alloc.can_allocate(1)
+                and self.optimistic_candidates()
+                and data.draw(st.booleans(), label="an optimistic resume right away")
+            ):
+                self.drive_optimistic_resume(data)
+
+    def _retired_drafts_uncounted(self, sid: int, planned: PlannedStep) -> PlannedStep:
+        """A drafted request whose tenure is retired by its materialize has
+        no accept move: none of its drafts counts, so its rows end before
+        them (cut_rejected). The expected rows say so."""
+        tenures = self.step_tenures.get(sid, {})
+        expects = []
+        for exp in planned.expects:
+            where = planned.drafted.get(exp.rid)
+            tenure = tenures.get(exp.rid)
+            if where is not None and tenure is not None and tenure.retired and exp.end > where[0]:
+                expects.append(self.model.truncated(exp, where[0]))
+            else:
+                expects.append(exp)
+        return dataclasses.replace(planned, expects=expects)
+
+    def optimistic_candidates(self) -> list[tuple[str, int, int]]:
+        """``(rid, accepted end, hit end)`` of each running request whose
+        last step rejected drafts that a block boundary cuts, untouched
+        since (its blocks held, no later step computed past its accepted
+        end): a hit up to that boundary would cover rejected rows."""
+        out = []
+        for rid, (sid, verified, draft_end, blocks) in sorted(self.drafted.items()):
+            req = self.model.requests.get(rid)
+            if req is None or not req.running or req.blocks[: len(blocks)] != blocks or self.last_sched.get(rid) != sid:
+                continue
+            hit = draft_end // BLOCK_SIZE * BLOCK_SIZE
+            if verified <= req.computed < hit and req.computed == len(req.tokens) - 1:
+                out.append((rid, req.computed, hit))
+        return out
+
+    def drive_optimistic_resume(self, data: Any) -> None:
+        """The rollback skipped on resume: a runner whose computed count
+        skipped vLLM's rollback of rejected drafts (an optimistic count, as
+        async scheduling keeps one) resumes a request with a hit over the
+        block holding its rejected drafts' rows, and schedules the position
+        after it (its row lands in a spare block). The manager must refuse
+        the hit (those slots are REJECTED), never serve the rejected rows.
+        The request then goes on from its real accepted end."""
+        rid, accepted_end, hit = data.draw(st.sampled_from(self.optimistic_candidates()), label="optimistic resume")
+        fresh = self.model.alloc.allocate(1)
+        if fresh is None:
+            return
+        blocks = self.drafted[rid][3][: hit // BLOCK_SIZE] + fresh
+        hostile = rid
+        step = self.engine.optimistic_resume(rid, hit, blocks[: hit // BLOCK_SIZE], 1)
+        self.announce(step)
+        if self.dead:
+            self.model.alloc.free(fresh)
+            return
+        self.model.view.set_step([hostile], {hostile: blocks}, {hostile: hit})
+        layout = self.adapter.build_write_layout(self.model.view, num_scheduled_tokens={hostile: 1})
+        mm = {key: torch.zeros((1, WIDTHS[key])) for key in WIDTHS if key != HIDDEN_KEY}
+        mm[LEFTOVER] = leftover_rows(1)
+        sid = self._facade(
+            lambda: self.mgr.save_outputs(
+                torch.zeros((1, WIDTHS[HIDDEN_KEY])),
+                mm,
+                num_tokens_unpadded=1,
+                num_tokens_padded=1,
+                write_layout=layout,
+            )
+        )
+        if sid is not None:
+            self.previous_immediate = list(self.mgr.components.ledger.previous_step_writes)
+            tenure = self.oracle.current.get(hostile)
+            if tenure is not None:
+                tenure.saved = max(tenure.saved, hit + 1)  # the oracle's record_saved: its one row
+            try:
+                outs = self._facade(lambda: self.mgr.materialize(sid, [hostile]))
+            except OmniPrefixCacheUnmatchError as exc:
+                assert "rejected speculative drafts" in str(exc), exc
+                event("an optimistic resume over rejected drafts' rows was refused")
+            else:
+                if outs is not None:
+                    self.violations["accepted_rows_only"].append(
+                        f"step {sid}: {rid} resumed with a hit up to {hit} over its rejected drafts (accepted end "
+                        f"{accepted_end}) and was served them instead of refused"
+                    )
+        self.model.alloc.free(fresh)
+        self.drafted.pop(rid, None)
 
     def drive_discard(self, sid: int | None) -> None:
         if sid is None or sid not in self.expects:
             return
-        self.expects.pop(sid)
+        planned, _ = self.expects.pop(sid)
         self.step_tenures.pop(sid, None)
         before = marks(self.oracle.every)
-        self.mgr.discard_step(sid)  # works after a failure: it only releases
+        # A drafted step's accepted rows on every other discard (without, every draft row is rejected).
+        accepted = planned.accepted if planned.accepted and sid % 2 else None
+        self.mgr.discard_step(sid, accepted_rows=accepted)  # works after a failure: it only releases
         self.desk.unmoved(before, "discard_is_not_delivery", f"discard_step({sid})")
 
     # ------------------------------------------------------------ checkers
