@@ -38,6 +38,8 @@ from itertools import repeat
 from typing import Any
 
 from omni_prefix_cache.errors import OmniPrefixCacheInvalidArgumentError
+from omni_prefix_cache.spec_decode import accepted_rows_of as accepted_rows_of  # re-exported for runners
+from omni_prefix_cache.spec_decode import draft_counts
 from omni_prefix_cache.tier.metadata import TierStepMetadata, tier_metadata_of
 
 
@@ -245,32 +247,6 @@ def _check_controls(controls: tuple[Any, ...]) -> None:
                 f"must be a REPLACED event with an owner, got kind={getattr(control, 'kind', None)!r} "
                 f"owner={getattr(control, 'owner', None)!r}"
             )
-
-
-def draft_counts(scheduled_spec_decode_tokens: Mapping[Any, Any]) -> tuple[tuple[str, int], ...]:
-    """``(req_id, drafts)`` of vLLM's ``scheduled_spec_decode_tokens``
-    (request id -> the draft token ids scheduled), requests with no draft
-    left out. A placeholder id (-1: a draft vLLM filled in later, or one a
-    grammar refused) is still a scheduled position, so it counts."""
-    return tuple(
-        (str(rid), len(ids)) for rid, ids in scheduled_spec_decode_tokens.items() if ids is not None and len(ids)
-    )
-
-
-def accepted_rows_of(model_runner_output: Any) -> dict[str, int]:
-    """The accepted-rows input of ``materialize`` from a vLLM
-    ``ModelRunnerOutput`` (or anything with its ``req_ids`` and
-    ``sampled_token_ids``, aligned by batch row): per request,
-    ``len(sampled_token_ids[i])``, the tokens its step sampled (its accepted
-    drafts plus one). Raises the invalid-argument error when the two lists
-    differ in length."""
-    req_ids = list(getattr(model_runner_output, "req_ids", None) or ())
-    sampled = list(getattr(model_runner_output, "sampled_token_ids", None) or ())
-    if len(req_ids) != len(sampled):
-        raise OmniPrefixCacheInvalidArgumentError(
-            f"accepted_rows_of: {len(req_ids)} req_ids but {len(sampled)} sampled_token_ids rows"
-        )
-    return {str(rid): 0 if ids is None else len(ids) for rid, ids in zip(req_ids, sampled)}
 
 
 class PrefixCacheSchedulerAdapter:

@@ -329,11 +329,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         pending, sid = self._pending_sched, self._steps.next_id
         if pending is None:
             raise OmniPrefixCacheUnmatchError(f"save_outputs (step {sid}) without a new_step_starts before it")
-        if pending.drafts and write_layout is None:
-            raise OmniPrefixCacheInvalidArgumentError(
-                f"save_outputs (step {sid}): the step has speculative drafts (requests {sorted(pending.drafts)[:8]}); "
-                "it needs a write_layout (PrefixCacheSchedulerAdapter.build_write_layout)"
-            )
+        check.drafts_need_layout(sid, pending.drafts, write_layout)
         sched = pending if write_layout is None else SchedSnapshot(pending.num_scheduled, write_layout, pending.drafts)
         if padded < n:
             raise OmniPrefixCacheInvalidArgumentError(
@@ -365,26 +361,20 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         for every pool key, plus each request's share of the leftover mm.
 
         ``accepted_rows`` (speculative decoding): per request,
-        ``len(ModelRunnerOutput.sampled_token_ids[i])`` of the step (its
-        accepted drafts plus one; ``adapter.accepted_rows_of``). Needed, for
-        every request the step scheduled drafts for, and read only for
-        those: each one's rows end at its accepted end (the rejected drafts'
-        rows are never returned, and their slots are REJECTED where no later
-        save wrote them). A step without drafts needs none.
+        ``len(ModelRunnerOutput.sampled_token_ids[i])`` (``adapter.accepted_rows_of``),
+        needed for every request the step scheduled drafts for: its rows
+        end at its accepted end and its rejected drafts' slots are REJECTED.
 
         Any thread, exactly once per step id (or discard_step instead). The
         step's staging holder is released whatever happens. Raises
         OmniPrefixCacheUnmatchError for an unknown or consumed step id, ids
         outside the save snapshot, a sticky write failure, or a hit that
         cannot be served (absent hidden rows, a rejected draft's row, an
-        overwritten delayed read, a failed pool read). A step id that is not
-        an int, ``req_ids`` that is not a collection of str or
-        ``accepted_rows`` that is not a mapping of str to int raise the
-        invalid-type error, and accepted rows that do not fit the step (a
-        drafted request without a count, a count past its drafts plus one,
-        a request not in the step) the invalid-argument error naming the
-        requests, all without consuming the step; after shutdown, the
-        shutdown error.
+        overwritten delayed read, a failed pool read). Without consuming the
+        step: the invalid-type error for a step id, ``req_ids`` or
+        ``accepted_rows`` of the wrong type, ``OmniPrefixCacheAcceptedRowsError``
+        for accepted rows that do not fit it (naming the requests); after
+        shutdown, the shutdown error.
         """
         check.as_step_id("materialize", step_id)
         req_ids = check.as_req_ids(f"materialize(step {step_id}): req_ids", req_ids)
@@ -395,7 +385,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         run, materialize = self._runner.run, self._ops.materialize
         with self._runner.held(materialize, "consume", call) as consume:  # state
             consume(call)  # refuse counts that do not fit, consume, reject the rejected rows' slots
-            call.uncounted = self._requests.accept_rows("materialize", call.steps, accepted)  # request.accept?
+            call.uncounted = self._requests.drafts.accept_rows("materialize", call.steps, accepted)  # request.accept?
         try:
             run(materialize, "merge", call)  # no lock: hit prefixes + the step's rows from its page
         finally:
@@ -409,13 +399,10 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         Works after a write failure. Raises for an unknown or consumed id,
         and after shutdown (which already released every open step).
 
-        A step with speculative drafts: with ``accepted_rows`` (as
-        materialize takes them) its rejected rows' slots are REJECTED and
-        its accepted rows count, as at materialize; without, its draft rows
-        never count (its tenures' watermarks stay before them) and their
-        slots stay as saved. Accepted rows that do not fit the step raise
-        the invalid-argument error (``OmniPrefixCacheAcceptedRowsError``)
-        without consuming it."""
+        With ``accepted_rows`` (a step with speculative drafts), as
+        materialize: its rejected drafts' slots are REJECTED and its accepted
+        rows count; without, its drafts never count. Accepted rows that do
+        not fit raise ``OmniPrefixCacheAcceptedRowsError``, consuming nothing."""
         check.as_step_id("discard_step", step_id)
         name = f"discard_step(step {step_id})"
         accepted = check.as_accepted_rows(name, accepted_rows)
@@ -424,7 +411,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         # Operation discard: consume, release the page, drop the reads, reject the drafts (one state segment).
         with self._runner.held(self._ops.discard, "consume", call) as consume:
             consume(call)
-            self._requests.accept_rows("discard", call.steps, accepted)
+            self._requests.drafts.accept_rows("discard", call.steps, accepted)
 
     def shutdown(self) -> None:
         """Stop the prefetch thread and the controller (queued writes land

@@ -20,23 +20,21 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from omni_prefix_cache.controller import OmniPrefixCacheController
 from omni_prefix_cache.interface import (
     ModelCachePolicy,
-    OmniPrefixCacheAcceptedRowsError,
     OmniPrefixCacheShutdownError,
     OmniPrefixCacheUnmatchError,
     StepId,
     Tid,
 )
 from omni_prefix_cache.manager_calls import AbandonCall, NewStepCall, SaveCall, StepCall
+from omni_prefix_cache.manager_drafts import DraftOps
 from omni_prefix_cache.reads.hit_planner import HitPlanner
-from omni_prefix_cache.reads.materializer import Materializer, cut_rejected
+from omni_prefix_cache.reads.materializer import Materializer
 from omni_prefix_cache.reads.planned_read import HitReads
 from omni_prefix_cache.reads.tier_fill import TierDesk
 from omni_prefix_cache.requests.lifecycle import RequestTable
@@ -207,7 +205,7 @@ class ManagerOps:
     shutdown: CompiledOperation
 
 
-class FacadeOps:
+class FacadeOps(DraftOps):
     """The manager's compiled operations, its runner and their effect and
     guard handlers (a mixin of ``OmniPrefixCacheManager``: the handlers are
     its own)."""
@@ -406,25 +404,6 @@ class FacadeOps:
         if not self._closed:
             self._hits.start_prefetch(call.jobs)
 
-    def _record_saved(self, call: SaveCall) -> None:
-        """Effect ``record_saved`` (state lock): the tenures advance over each
-        request's verified rows; a drafted request's draft rows and their
-        slots are kept for its materialize (or discard)."""
-        split = call.split
-        assert call.ctx is not None
-        record, drafts = call.ctx.record, call.sched.drafts
-        if drafts:
-            spans, slots = call.spans, call.slots
-            for rid, count in drafts.items():
-                span = spans.get(rid)
-                if span is None:
-                    continue  # not scheduled rows in this layout (new_step checked the counts)
-                first, rows = span
-                record.drafts[rid] = count
-                record.draft_slots[rid] = slots[first + rows - count : first + rows]
-        record.saves = bool(split.immediate or split.deferred_clone)
-        self._requests.record_saved(call.ctx, call.token_ranges, record.saves)
-
     # ------------------------------------------------------------ abandon_save
 
     def _restore_step_input(self, call: AbandonCall) -> None:
@@ -444,56 +423,12 @@ class FacadeOps:
 
     # ------------------------------------------------------------ materialize
 
-    def _accepted_rows_refused(self, call: StepCall) -> bool:
-        """Guard ``accepted_rows_refused`` (state lock): the call's accepted
-        rows do not fit its step (an unknown step is the consume move's to
-        refuse); the reason is kept for ``refuse_accepted_rows``."""
-        ctx = self._step_ctxs.get(call.sid) if call.sid is not None else None
-        if ctx is None or (call.accepted is None and (call.discarding or not ctx.record.drafts)):
-            return False
-        call.refusal = ctx.record.refused_counts(call.accepted, need_drafts=not call.discarding)
-        return bool(call.refusal)
-
-    def _refuse_accepted_rows(self, call: StepCall) -> None:
-        """Effect ``refuse_accepted_rows``: nothing moved; the step stays saved."""
-        raise OmniPrefixCacheAcceptedRowsError(f"{call.call}: accepted_rows do not fit the step: {call.refusal}")
-
-    def _reject_rows(self, call: StepCall) -> None:
-        """``slot.reject?`` (state lock; takes the reads lock, where version
-        bumps and planned reads change together): the slots of each consumed
-        step's rows past its requests' accepted ends, where its save was the
-        last to map them."""
-        if call.accepted is None:
-            return  # a discard without accepted rows: nothing is known of its drafts (they never counted)
-        for ctx in call.steps:
-            record = ctx.record
-            if not record.drafts:
-                continue
-            verdicts = record.accepted(call.accepted)
-            slots = [v.rejected_slots for v in verdicts if int(v.rejected_slots.numel())]
-            if slots:
-                with self._reads.lock:
-                    self._slot_status.reject(slots[0] if len(slots) == 1 else torch.cat(slots), record.tenancy)
-
     def _merge_outputs(self, call: StepCall) -> None:
         (ctx,) = call.steps
         if self._closed:
             raise OmniPrefixCacheShutdownError(f"{call.call}: omni prefix cache manager is shut down")
         self._ledger.raise_if_failed()
         call.outputs = self._materializer.build(ctx, call.req_ids)
-
-    def _cut_rejected(self, call: StepCall) -> None:
-        """Effect ``cut_rejected`` (no lock): each drafted request's output
-        ends at its accepted end."""
-        (ctx,) = call.steps
-        if ctx.record.drafts and call.outputs is not None:
-            # A retired tenure counted none of its drafts (no accept move): its output ends before them.
-            drafts, uncounted = ctx.record.drafts, call.uncounted
-            verdicts = [
-                v if v.req_id not in uncounted else replace(v, accepted_end=v.end - drafts[v.req_id])
-                for v in ctx.record.accepted(call.accepted)
-            ]
-            cut_rejected(call.outputs, verdicts)
 
     # ------------------------------------------------------------ shutdown
 

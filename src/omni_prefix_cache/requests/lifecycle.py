@@ -20,6 +20,7 @@ from weakref import WeakValueDictionary
 
 from omni_prefix_cache.adapter import PrefixCacheEventKind, PrefixCacheRequestEvent, PrefixCacheRequestOwner
 from omni_prefix_cache.interface import OmniPrefixCacheInvalidArgumentError, ReqId, Tid
+from omni_prefix_cache.requests.drafts import DraftAccounting
 from omni_prefix_cache.requests.tenure import (
     DELIVERY_MACHINE,
     REQUEST_MACHINE,
@@ -132,10 +133,7 @@ class RequestTable:
         binding = RequestBinding()
         self._retire_delivery = compile_operation(ops["retire_delivery"], binding, {}, {})
         # The requests executor's share of materialize's and discard's consume (request.accept?).
-        self._accept_ops = {
-            name: compile_operation(protocol.share("requests", name, "consume"), binding, {}, {})
-            for name in ("materialize", "discard")
-        }
+        self.drafts = DraftAccounting(protocol, binding, self)
         self._retire_owner = compile_operation(
             ops["retire_owner"], binding, {"retire_deliveries": self._retire_deliveries}, {}
         )
@@ -340,33 +338,6 @@ class RequestTable:
                 tenure.rows_upto = end
             ranges.append((end, end))
             tenures.append(tenure)
-
-    def accept_rows(
-        self, operation: str, steps: Sequence[StepContext], counts: Mapping[ReqId, int] | None
-    ) -> frozenset[ReqId]:
-        """The requests executor's share of materialize's (or discard's)
-        consume segment, in the same state hold as the manager's:
-        ``request.accept?`` for each drafted request of the consumed
-        ``steps``, to its accepted end under ``counts`` (a discard without
-        counts accepts nothing). Returns the drafted requests whose tenure
-        has no accept move (RETIRED): none of their drafts counts, so their
-        output ends before the drafts (``cut_rejected``)."""
-        if counts is None or not any(ctx.record.drafts for ctx in steps):
-            return frozenset()
-        op = self._accept_ops[operation]
-        refused: set[ReqId] = set()
-        for ctx in steps:
-            record = ctx.record
-            for verdict in record.accepted(counts):
-                if verdict.index < len(record.tenures):
-                    tenure = record.tenures[verdict.index]
-                    if REQUEST_MACHINE.move(tenure.state, "accept") is None:
-                        refused.add(verdict.req_id)
-                        continue
-                    move = TenureMove(tenure, self, end=verdict.accepted_end)
-                    move.saves = record.saves
-                    CALLER_HOLDS.run(op, "consume", move)
-        return frozenset(refused)
 
     # ---------------------------------------------- the machines' effects
 

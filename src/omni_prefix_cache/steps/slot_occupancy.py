@@ -1,15 +1,11 @@
 """Slot occupancy per (slot, key), driven by the compiled ``slot_occupancy`` spec.
 
-Each pool key has four tables with one row per KV slot: ``state`` (int8, a
-``SlotState``), ``tids`` (the owning write task, -1 when none),
-``slot_version`` (bumped each time a committed slot is reused) and
-``writer`` (the tenancy, one per save, that last mapped the slot; -1 after a
-restore), which a rejection of a step's speculative drafts reads so it moves
-only the slots no later save wrote. A move is
-applied to a whole slot tensor at once: the source states are gathered, the
-spec's move table says where each group goes, guards filter rows and effects
-run once per source-state group, with no Python loop over slots on the
-common path, on numpy views of the tables (cheaper than torch ops here).
+Each pool key has four tables with one row per KV slot (``slot_tables``):
+``state`` (a ``SlotState``), ``tids`` (the owning write, -1 when none),
+``slot_version`` (+1 per reuse of a committed slot) and ``writer`` (the
+save, a tenancy, that last mapped it: a rejection of its speculative drafts
+moves only slots no later save wrote). A move is applied to a whole slot
+tensor at once, per source-state group, on numpy views of the tables.
 
 Threading: a ``SlotOccupancy`` has no lock of its own. The manager calls it
 under its state lock only (the hooks it installs run under that lock too).
@@ -18,8 +14,6 @@ under its state lock only (the hooks it installs run under that lock too).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -30,41 +24,8 @@ from omni_prefix_cache.specs import CompiledMove, compile_machine, load_spec
 from omni_prefix_cache.specs.composition import load_protocol
 from omni_prefix_cache.specs.types.slot_occupancy import SlotOccupancyTrigger
 from omni_prefix_cache.specs.types.slot_occupancy import SlotState as SlotState  # re-exported
-from omni_prefix_cache.steps.slot_tags import OWNED, rows_tagged
+from omni_prefix_cache.steps.slot_tables import NO_OWNER, KeyArrays, KeySlots, SlotGroup, check_tables
 from omni_prefix_cache.steps.validation import listed
-
-_NO_OWNER = -1
-
-
-class SlotGroup(NamedTuple):
-    """The rows of one vectorised move that share a source state; ``owners``
-    per row (map's new owner, commit/drop's writer) or 0-d, one for all;
-    ``tenancy``: the rejecting save's tenancy (reject), else -1."""
-
-    key: TensorName
-    slots: np.ndarray  # int64 KV slot ids
-    owners: np.ndarray  # int64 tids, same length as slots, or 0-d (one for all)
-    tenancy: int = -1
-
-
-@dataclass(eq=False)
-class KeySlots:
-    """The occupancy tables of one pool key (what ``get_slot_status`` returns)."""
-
-    state: torch.Tensor  # int8 SlotState per slot
-    tids: torch.Tensor  # int64 owner tid per slot, -1 when not IN_TRANSIT
-    slot_version: torch.Tensor  # int64, +1 per reuse of a committed slot
-    writer: torch.Tensor  # int64 tenancy (save) that last mapped the slot, -1 when none
-
-
-class _KeyArrays(NamedTuple):
-    """Numpy views of one key's tables (the moves write through them)."""
-
-    state: np.ndarray
-    tids: np.ndarray
-    slot_version: np.ndarray
-    writer: np.ndarray
-
 
 # ------------------------------------------------------------ spec handlers
 # Signature (occupancy, group). Guards return a bool mask over the group's
@@ -91,11 +52,11 @@ def _stamp_writer(occ: SlotOccupancy, group: SlotGroup) -> None:
 
 
 def _clear_writer(occ: SlotOccupancy, group: SlotGroup) -> None:
-    occ._arrays[group.key].writer[group.slots] = _NO_OWNER
+    occ._arrays[group.key].writer[group.slots] = NO_OWNER
 
 
 def _clear_owner(occ: SlotOccupancy, group: SlotGroup) -> None:
-    occ._arrays[group.key].tids[group.slots] = _NO_OWNER
+    occ._arrays[group.key].tids[group.slots] = NO_OWNER
 
 
 def _bump_version(occ: SlotOccupancy, group: SlotGroup) -> None:
@@ -110,7 +71,7 @@ def _record_takeover(occ: SlotOccupancy, group: SlotGroup) -> None:
     # order), so `tids` still names the old owner.
     old = occ._arrays[group.key].tids[group.slots]
     # A task remapping its own slot loses nothing; a rejection (no new owner) takes every row.
-    taken = old != group.owners if group.tenancy < 0 else old != _NO_OWNER
+    taken = old != group.owners if group.tenancy < 0 else old != NO_OWNER
     if not taken.any():
         return
     old, slots = old[taken], group.slots[taken]
@@ -178,7 +139,7 @@ class SlotOccupancy:
         # every slot a map moves records it (effect stamp_writer).
         self.tenancy = 0
         self._keys: dict[TensorName, KeySlots] = {}
-        self._arrays: dict[TensorName, _KeyArrays] = {}
+        self._arrays: dict[TensorName, KeyArrays] = {}
         self.state: dict[TensorName, torch.Tensor] = {}
         n_states = len(SlotState)
         # Slot tenancy (the spec's couplings): the triggers a save (take_tenancy)
@@ -211,12 +172,12 @@ class SlotOccupancy:
         if table is None:
             table = KeySlots(
                 state=torch.full((self.num_slots,), INITIAL, dtype=torch.int8),
-                tids=torch.full((self.num_slots,), _NO_OWNER, dtype=torch.int64),
+                tids=torch.full((self.num_slots,), NO_OWNER, dtype=torch.int64),
                 slot_version=torch.zeros((self.num_slots,), dtype=torch.int64),
-                writer=torch.full((self.num_slots,), _NO_OWNER, dtype=torch.int64),
+                writer=torch.full((self.num_slots,), NO_OWNER, dtype=torch.int64),
             )
             self._keys[key] = table
-            self._arrays[key] = _KeyArrays(
+            self._arrays[key] = KeyArrays(
                 table.state.numpy(), table.tids.numpy(), table.slot_version.numpy(), table.writer.numpy()
             )
             self.state[key] = table.state
@@ -358,16 +319,11 @@ class SlotOccupancy:
         ``take_tenancy``): every key in ``writes`` fires the coupling's
         ``fires`` trigger (``map``, owned by the given tids), every other
         open key fires ``others`` (``reset``: its rows become absent, never
-        the previous tenant's). Returns the save's tenancy (each call is a
-        new one; the slots it maps record it: ``reject`` reads it). Under
-        the state lock."""
+        the previous tenant's). Returns the save's tenancy (a new one per
+        call, stamped on the slots it maps). Under the state lock."""
         self.tenancy += 1
-        if int(slots.numel()) == 0:
-            return self.tenancy
-        first = next(iter(writes), None)
-        if first is None:
-            first = next(iter(self._keys), None)
-        if first is None:
+        first = next(iter(writes), next(iter(self._keys), None))
+        if int(slots.numel()) == 0 or first is None:
             return self.tenancy
         # One check of the slots for every key's move (named after the key
         # moved first, as a per-key check would be).
@@ -377,23 +333,20 @@ class SlotOccupancy:
             self._apply(self._tenant_writes, key, rows, owners, False)
         for key in self._keys:
             if key not in writes:
-                self._apply(self._tenant_others, key, rows, _NO_OWNER, False)
+                self._apply(self._tenant_others, key, rows, NO_OWNER, False)
         return self.tenancy
 
     def reject(self, slots: torch.Tensor, tenancy: int) -> int:
-        """``slot.reject?`` (materialize or discard of a step with
-        speculative drafts): every open key of ``slots`` (the rows the step
-        rejected) that the save of ``tenancy`` was the last to map moves to
-        REJECTED: an owner in transit skips the row at its pool write, a
-        committed row's version moves (a read planned on it fails); a slot
-        a later save or a restore wrote stays. Returns the rows moved over
-        all keys. Under the state lock and the reads lock."""
+        """``slot.reject?`` of a step's rejected drafts (``slots``): every
+        open key the save of ``tenancy`` mapped last moves to REJECTED (an
+        owner skips it at its pool write, a committed row's version moves).
+        Returns the rows moved over all keys. State lock and reads lock."""
         if int(slots.numel()) == 0 or not self._keys or tenancy < 0:
             return 0
         rows = self._as_slots(next(iter(self._keys)), slots)
         moved = 0
         for key in self._keys:
-            moved += self._apply(SlotOccupancyTrigger.REJECT, key, rows, _NO_OWNER, True, tenancy)
+            moved += self._apply(SlotOccupancyTrigger.REJECT, key, rows, NO_OWNER, True, tenancy)
         return moved
 
     def restore_tenancy(self, slots: torch.Tensor, keys: Collection[TensorName]) -> None:
@@ -409,7 +362,7 @@ class SlotOccupancy:
         rows = self._as_slots(first, slots)
         for key in self._keys:
             trigger = self._restore_writes if key in keys else self._restore_others
-            self._apply(trigger, key, rows, _NO_OWNER, False)
+            self._apply(trigger, key, rows, NO_OWNER, False)
 
     def commit(self, key: TensorName, slots: torch.Tensor, writers: torch.Tensor | int) -> int:
         """Strict ``commit``: every row must be IN_TRANSIT (else raises);
@@ -460,21 +413,7 @@ class SlotOccupancy:
     def check_invariants(self, live_tids: set[Tid] | None = None) -> None:
         """Raise OmniPrefixCacheUnmatchError naming the key and slots that break
         ``owner_iff_in_transit``, or ``owner_is_live_task`` given ``live_tids``."""
-        for key, table in self._keys.items():
-            in_transit = rows_tagged(table.state, OWNED)
-            owned = table.tids != _NO_OWNER
-            bad = (in_transit != owned).nonzero().flatten()
-            if bad.numel():
-                raise OmniPrefixCacheUnmatchError(
-                    f"slot occupancy {key!r}: owner_iff_in_transit broken at slots {listed(bad)}"
-                )
-            if live_tids is not None and bool(in_transit.any()):
-                owners = table.tids[in_transit]
-                dead = sorted(set(owners.tolist()) - set(live_tids))
-                if dead:
-                    raise OmniPrefixCacheUnmatchError(
-                        f"slot occupancy {key!r}: owner_is_live_task broken: owners {listed(dead)} are not live"
-                    )
+        check_tables(self._keys, live_tids)
 
     # ------------------------------------------------------------ helpers
 

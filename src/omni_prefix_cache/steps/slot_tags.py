@@ -51,3 +51,15 @@ READ_SOURCE = (
     + READ_OWNER.to(torch.int8) * READ_FROM_OWNER
     + READ_REFUSED.to(torch.int8) * READ_NOWHERE
 )
+
+
+def refuse_rejected(source: torch.Tensor, slots: torch.Tensor, what: str) -> None:
+    """Raise OmniPrefixCacheUnmatchError naming ``what`` and the slots when
+    a row of a planned read (``source``: its ``READ_SOURCE`` bits) is
+    tagged read_refused: a rejected speculative draft no save wrote again."""
+    refused = (source & READ_NOWHERE) != 0
+    if bool(refused.any()):
+        raise OmniPrefixCacheUnmatchError(
+            f"{what} at slots {slots[refused].tolist()[:16]} are rejected "
+            "speculative drafts (REJECTED) that no save wrote again; the omni cache diverged from the KV cache"
+        )

@@ -180,3 +180,14 @@ def as_accepted_rows(what: str, value: Any) -> dict[ReqId, int] | None:
     if set(map(type, value)) <= _STR and set(map(type, value.values())) <= _INT and min(value.values(), default=0) >= 0:
         return dict(value)  # the usual case (str ids, int counts), checked without a call per entry
     return {as_req_id(what, r): as_count(f"{what}: accepted_rows[{r!r}]", k) for r, k in value.items()}
+
+
+def drafts_need_layout(sid: StepId, drafts: Mapping[ReqId, int], write_layout: Any) -> None:
+    """A save of a step with speculative drafts needs a write layout: its
+    positions come from the layout, never from a tenure's watermark (which
+    counts a draft only once a materialize accepted it)."""
+    if drafts and write_layout is None:
+        raise OmniPrefixCacheInvalidArgumentError(
+            f"save_outputs (step {sid}): the step has speculative drafts (requests {sorted(drafts)[:8]}); "
+            "it needs a write_layout (PrefixCacheSchedulerAdapter.build_write_layout)"
+        )

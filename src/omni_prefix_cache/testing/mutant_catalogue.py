@@ -1,9 +1,8 @@
-"""The mutant catalogue: bugs this design has had (or that the seed suite documents), each
-re-injectable into the runtime by a patch that lives only here (and in ``tier_mutants``); the
-runtime carries no switch for any. ``applied(name)`` applies one for a block (tests/conftest.py
-does, for a session, with ``OMNI_PREFIX_CACHE_MUTANT=<name>``). ``make mutants`` judges them all
-with ``mutant_runner``, which says what counts as a kill. (``testing.mutants`` mutates *specs*,
-for the generated state-machine tests.)"""
+"""The mutant catalogue: bugs this design has had (or that the seed suite documents), each re-injectable
+by a patch that lives only here (and in ``tier_mutants``, ``draft_mutants``); the runtime carries no switch
+for any. ``applied(name)`` applies one for a block (tests/conftest.py: ``OMNI_PREFIX_CACHE_MUTANT=<name>``).
+``make mutants`` judges them all with ``mutant_runner``, which says what counts as a kill.
+(``testing.mutants`` mutates *specs*, for the generated state-machine tests.)"""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
+from omni_prefix_cache.testing.draft_mutants import register_draft_mutants
 from omni_prefix_cache.testing.mutant_runner import ENV_VAR as ENV_VAR  # re-exported: conftest, fuzz
 from omni_prefix_cache.testing.tier_mutants import register_tier_mutants
 
@@ -577,50 +577,8 @@ def _view_acknowledged_twice(stack: contextlib.ExitStack) -> None:
     _before_record(stack, lambda record, view: setattr(record, "spent", False))
 
 
-# ------------------------------------------------------------------ speculative decoding (issue 47)
-
-
-@_register(
-    "rejected_draft_delivered",
-    "materialize keeps the rows past a drafted request's accepted end: rejected drafts are returned and delivered",
-)
-def _rejected_draft_delivered(stack: contextlib.ExitStack) -> None:
-    from omni_prefix_cache.manager_ops import FacadeOps
-
-    _set(stack, FacadeOps, "_cut_rejected", lambda self, call: None)
-
-
-@_register(
-    "draft_watermark_past_accepted",
-    "record_saved counts a step's speculative drafts: a tenure's watermarks reach the draft end, past its accepted end",
-)
-def _draft_watermark_past_accepted(stack: contextlib.ExitStack) -> None:
-    from omni_prefix_cache.requests.lifecycle import RequestTable
-
-    original = RequestTable.record_saved
-
-    def record_saved(self: RequestTable, ctx: Any, token_ranges: Any, cached: bool) -> None:
-        drafts, ctx.record.drafts = ctx.record.drafts, {}  # the verified end is the token end again
-        try:
-            original(self, ctx, token_ranges, cached)
-        finally:
-            ctx.record.drafts = drafts
-
-    _set(stack, RequestTable, "record_saved", record_saved)
-
-
-@_register(
-    "draft_rollback_skipped_on_resume",
-    "the slots of a step's rejected drafts are not rolled back (REJECTED): a request resumed with an optimistic "
-    "hit over them is served the rejected rows",
-)
-def _draft_rollback_skipped_on_resume(stack: contextlib.ExitStack) -> None:
-    from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
-
-    _set(stack, SlotOccupancy, "reject", lambda self, slots, tenancy: 0)
-
-
 register_tier_mutants(_register, _set)  # the host tier's (that module imports nothing of this one)
+register_draft_mutants(_register, _set)  # speculative decoding's
 
 
 # ------------------------------------------------------------------ applying
@@ -629,8 +587,7 @@ register_tier_mutants(_register, _set)  # the host tier's (that module imports n
 @contextlib.contextmanager
 def applied(name: str) -> Iterator[Mutant]:
     """Apply mutant ``name`` for the duration of the block."""
-    mutant = MUTANTS.get(name) or CANDIDATES.get(name)
-    if mutant is None:
+    if (mutant := MUTANTS.get(name) or CANDIDATES.get(name)) is None:
         raise KeyError(f"unknown mutant {name!r}; known: {', '.join(sorted(MUTANTS | CANDIDATES))}")
     with contextlib.ExitStack() as stack:
         mutant.patch(stack)

@@ -28,8 +28,8 @@ from omni_prefix_cache.adapter import (
     PrefixCacheRequestEvent,
     PrefixCacheRequestOwner,
     PrefixCacheStep,
-    draft_counts,
 )
+from omni_prefix_cache.spec_decode import draft_counts
 from omni_prefix_cache.testing.serving_model import ModelRequest, SchedOut, ServingModel
 
 K = PrefixCacheEventKind

@@ -10,7 +10,6 @@ what the checkers (``checks.ProtocolChecks``) and the row oracle need.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import sys
 import threading
@@ -24,12 +23,13 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize
 
 from omni_prefix_cache.adapter import PrefixCacheEventKind, PrefixCacheSchedulerAdapter
 from omni_prefix_cache.controller import TaskState, WriteChunk, WriteTask
-from omni_prefix_cache.interface import HIDDEN_KEY, OmniPrefixCacheUnmatchError, WriteSchedule
+from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError, WriteSchedule
 from omni_prefix_cache.manager import PREFETCH_THREAD_PREFIX
 from omni_prefix_cache.specs.composition import ProtocolSpec
 from omni_prefix_cache.specs.types.copy_queue import QueuePosition
 from omni_prefix_cache.testing.protocol_tests.checks import ProtocolChecks
 from omni_prefix_cache.testing.protocol_tests.consumers import Desk, marks
+from omni_prefix_cache.testing.protocol_tests.draft_drivers import DraftDrivers
 from omni_prefix_cache.testing.protocol_tests.life_drivers import LifecycleDrivers
 from omni_prefix_cache.testing.protocol_tests.lifecycle import EventEngine, OracleTenure, TenureOracle, resumable
 from omni_prefix_cache.testing.protocol_tests.workload import (
@@ -59,7 +59,7 @@ from omni_prefix_cache.testing.write_fakes import install_failing_stages, probe_
 from omni_prefix_cache.writes.staging import StagingBufferHolder
 
 
-class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
+class ProtocolMachine(DraftDrivers, LifecycleDrivers, RuleBasedStateMachine):
     """The drivers (``drive_<rule>``), over the real manager, and its
     checkers (``checks``); ``build_machine`` turns them into rules and
     invariants from the spec. Not a test on its own (no rules)."""
@@ -542,87 +542,6 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
                 and data.draw(st.booleans(), label="an optimistic resume right away")
             ):
                 self.drive_optimistic_resume(data)
-
-    def _retired_drafts_uncounted(self, sid: int, planned: PlannedStep) -> PlannedStep:
-        """A drafted request whose tenure is retired by its materialize has
-        no accept move: none of its drafts counts, so its rows end before
-        them (cut_rejected). The expected rows say so."""
-        tenures = self.step_tenures.get(sid, {})
-        expects = []
-        for exp in planned.expects:
-            where = planned.drafted.get(exp.rid)
-            tenure = tenures.get(exp.rid)
-            if where is not None and tenure is not None and tenure.retired and exp.end > where[0]:
-                expects.append(self.model.truncated(exp, where[0]))
-            else:
-                expects.append(exp)
-        return dataclasses.replace(planned, expects=expects)
-
-    def optimistic_candidates(self) -> list[tuple[str, int, int]]:
-        """``(rid, accepted end, hit end)`` of each running request whose
-        last step rejected drafts that a block boundary cuts, untouched
-        since (its blocks held, no later step computed past its accepted
-        end): a hit up to that boundary would cover rejected rows."""
-        out = []
-        for rid, (sid, verified, draft_end, blocks) in sorted(self.drafted.items()):
-            req = self.model.requests.get(rid)
-            if req is None or not req.running or req.blocks[: len(blocks)] != blocks or self.last_sched.get(rid) != sid:
-                continue
-            hit = draft_end // BLOCK_SIZE * BLOCK_SIZE
-            if verified <= req.computed < hit and req.computed == len(req.tokens) - 1:
-                out.append((rid, req.computed, hit))
-        return out
-
-    def drive_optimistic_resume(self, data: Any) -> None:
-        """The rollback skipped on resume: a runner whose computed count
-        skipped vLLM's rollback of rejected drafts (an optimistic count, as
-        async scheduling keeps one) resumes a request with a hit over the
-        block holding its rejected drafts' rows, and schedules the position
-        after it (its row lands in a spare block). The manager must refuse
-        the hit (those slots are REJECTED), never serve the rejected rows.
-        The request then goes on from its real accepted end."""
-        rid, accepted_end, hit = data.draw(st.sampled_from(self.optimistic_candidates()), label="optimistic resume")
-        fresh = self.model.alloc.allocate(1)
-        if fresh is None:
-            return
-        blocks = self.drafted[rid][3][: hit // BLOCK_SIZE] + fresh
-        hostile = rid
-        step = self.engine.optimistic_resume(rid, hit, blocks[: hit // BLOCK_SIZE], 1)
-        self.announce(step)
-        if self.dead:
-            self.model.alloc.free(fresh)
-            return
-        self.model.view.set_step([hostile], {hostile: blocks}, {hostile: hit})
-        layout = self.adapter.build_write_layout(self.model.view, num_scheduled_tokens={hostile: 1})
-        mm = {key: torch.zeros((1, WIDTHS[key])) for key in WIDTHS if key != HIDDEN_KEY}
-        mm[LEFTOVER] = leftover_rows(1)
-        sid = self._facade(
-            lambda: self.mgr.save_outputs(
-                torch.zeros((1, WIDTHS[HIDDEN_KEY])),
-                mm,
-                num_tokens_unpadded=1,
-                num_tokens_padded=1,
-                write_layout=layout,
-            )
-        )
-        if sid is not None:
-            self.previous_immediate = list(self.mgr.components.ledger.previous_step_writes)
-            tenure = self.oracle.current.get(hostile)
-            if tenure is not None:
-                tenure.saved = max(tenure.saved, hit + 1)  # the oracle's record_saved: its one row
-            try:
-                outs = self._facade(lambda: self.mgr.materialize(sid, [hostile]))
-            except OmniPrefixCacheUnmatchError as exc:
-                assert "rejected speculative drafts" in str(exc), exc
-                event("an optimistic resume over rejected drafts' rows was refused")
-            else:
-                if outs is not None:
-                    self.violations["accepted_rows_only"].append(
-                        f"step {sid}: {rid} resumed with a hit up to {hit} over its rejected drafts (accepted end "
-                        f"{accepted_end}) and was served them instead of refused"
-                    )
-        self.model.alloc.free(fresh)
-        self.drafted.pop(rid, None)
 
     def drive_discard(self, sid: int | None) -> None:
         if sid is None or sid not in self.expects:
