@@ -132,6 +132,24 @@ def _delivery_rows(res: SimResult) -> list[tuple[str, str]]:
             f"{d.get('views_dropped', 0)} / {d.get('filtered', 0)}",
         ),
         ("finished tenures checked complete", str(d.get("finished_checked", 0))),
+    ] + _draft_rows(res)
+
+
+def _draft_rows(res: SimResult) -> list[tuple[str, str]]:
+    """Speculative decoding's rows (``--spec-tokens``), when a step drafted."""
+    st, d = res.scheduler, res.delivery
+    if not st.get("draft_steps"):
+        return []
+    drafts, accepted = st.get("drafts", 0), st.get("drafts_accepted", 0)
+    return [
+        (
+            "speculative steps / drafts (accepted / rejected)",
+            f"{st['draft_steps']} / {drafts} ({accepted} / {drafts - accepted})",
+        ),
+        (
+            "hits on blocks a rejected draft held / retired outputs cut",
+            f"{st.get('hits_over_rejected', 0)} / {d.get('retired_drafted', 0)}",
+        ),
     ]
 
 
