@@ -319,14 +319,15 @@ def test_discard_counts_accepted_rows_only_when_given_them(rig: Rig) -> None:
     assert t.rows_upto == 9 and rig.state(rig.slot("a", 9)) == "REJECTED"
 
 
-def test_a_retired_tenures_drafts_never_count(rig: Rig) -> None:
+def test_a_tenure_retired_before_its_drafted_step_materializes_counts_its_accepted_rows(rig: Rig) -> None:
     prefill(rig)
     sid = drafted(rig, "a", 6, drafts=2, good=2)
+    old = rig.tenure("a")
     rig.owner["a"] = PrefixCacheRequestOwner(1, 1)  # a replacement retires the tenure the step saved under
     rig.mgr.new_step_starts(PrefixCacheStep((rig.event("a", K.REPLACED),), ()))
     out = rig.mgr.materialize(sid, ["a"], accepted_rows={"a": 3})
-    assert out.token_ranges["a"] == (6, 7)  # no accept move from RETIRED: the rows before the drafts
-    assert torch.equal(out.hidden_states["a"], rows(range(6, 7)))
+    assert out.token_ranges["a"] == (6, 9) and torch.equal(out.hidden_states["a"], rows(range(6, 9)))
+    assert old.retired and old.rows_upto == 9  # accept moves a RETIRED tenure too (its late acks take them)
 
 
 # ------------------------------------------------------------------ the engine helper

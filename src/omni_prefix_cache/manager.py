@@ -385,7 +385,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         run, materialize = self._runner.run, self._ops.materialize
         with self._runner.held(materialize, "consume", call) as consume:  # state
             consume(call)  # refuse counts that do not fit, consume, reject the rejected rows' slots
-            call.uncounted = self._requests.drafts.accept_rows("materialize", call.steps, accepted)  # request.accept?
+            self._requests.drafts.accept_rows("materialize", call.steps, accepted)  # request.accept?
         try:
             run(materialize, "merge", call)  # no lock: hit prefixes + the step's rows from its page
         finally:

@@ -99,7 +99,6 @@ class StepCall:
     accepted: dict[ReqId, int] | None = None
     discarding: bool = False
     refusal: str = ""  # why guard accepted_rows_refused holds
-    uncounted: frozenset[ReqId] = frozenset()  # drafted requests no accept move counted (a retired tenure)
 
     @property
     def name(self) -> str:

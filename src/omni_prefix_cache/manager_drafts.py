@@ -11,8 +11,6 @@ effect ``refuse_accepted_rows``) and moves the rejected rows' slots
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from omni_prefix_cache.interface import OmniPrefixCacheAcceptedRowsError, StepId
@@ -89,10 +87,4 @@ class DraftOps:
         ends at its accepted end."""
         (ctx,) = call.steps
         if ctx.record.drafts and call.outputs is not None:
-            # A retired tenure counted none of its drafts (no accept move): its output ends before them.
-            drafts, uncounted = ctx.record.drafts, call.uncounted
-            verdicts = [
-                v if v.req_id not in uncounted else replace(v, accepted_end=v.end - drafts[v.req_id])
-                for v in ctx.record.accepted(call.accepted)
-            ]
-            cut_rejected(call.outputs, verdicts)
+            cut_rejected(call.outputs, ctx.record.accepted(call.accepted))

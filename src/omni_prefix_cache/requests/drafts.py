@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from omni_prefix_cache.interface import ReqId
-from omni_prefix_cache.requests.tenure import REQUEST_MACHINE, LifecycleHost, TenureMove
+from omni_prefix_cache.requests.tenure import LifecycleHost, TenureMove
 from omni_prefix_cache.specs.composition import ProtocolSpec, compile_operation
 from omni_prefix_cache.specs.runner import CALLER_HOLDS
 from omni_prefix_cache.steps.step_context import StepContext
@@ -35,29 +35,19 @@ class DraftAccounting:
             for name in ("materialize", "discard")
         }
 
-    def accept_rows(
-        self, operation: str, steps: Sequence[StepContext], counts: Mapping[ReqId, int] | None
-    ) -> frozenset[ReqId]:
+    def accept_rows(self, operation: str, steps: Sequence[StepContext], counts: Mapping[ReqId, int] | None) -> None:
         """The requests executor's share of materialize's (or discard's)
         consume segment, in the same state hold as the manager's:
         ``request.accept?`` for each drafted request of the consumed
         ``steps``, to its accepted end under ``counts`` (a discard without
-        counts accepts nothing). Returns the drafted requests whose tenure
-        has no accept move (RETIRED): none of their drafts counts, so their
-        output ends before the drafts (``cut_rejected``)."""
+        counts accepts nothing)."""
         if counts is None or not any(ctx.record.drafts for ctx in steps):
-            return frozenset()
+            return
         op = self._ops[operation]
-        refused: set[ReqId] = set()
         for ctx in steps:
             record = ctx.record
             for verdict in record.accepted(counts):
                 if verdict.index < len(record.tenures):
-                    tenure = record.tenures[verdict.index]
-                    if REQUEST_MACHINE.move(tenure.state, "accept") is None:
-                        refused.add(verdict.req_id)
-                        continue
-                    move = TenureMove(tenure, self._table, end=verdict.accepted_end)
+                    move = TenureMove(record.tenures[verdict.index], self._table, end=verdict.accepted_end)
                     move.saves = record.saves
                     CALLER_HOLDS.run(op, "consume", move)
-        return frozenset(refused)

@@ -307,13 +307,6 @@ class ServingModel:
         absent = tuple((k, tuple(s not in p for s in slots)) for k, p in self.present.items())
         return Expect(exp.rid, first, exp.end, req.hashes.span(first, exp.end).clone(), True, absent)
 
-    @staticmethod
-    def truncated(exp: Expect, end: int) -> Expect:
-        """``exp`` ending at ``end`` (its rows past it are not returned)."""
-        keep = max(0, end - exp.start)
-        absent = tuple((k, mask[:keep]) for k, mask in exp.absent)
-        return Expect(exp.rid, exp.start, exp.start + keep, exp.hashes[:keep].clone(), exp.hit, absent)
-
     def _slots(self, req: ModelRequest, lo: int, hi: int) -> list[int]:
         bs = self.block_size
         return [req.blocks[p // bs] * bs + p % bs for p in range(lo, hi)]

@@ -31,10 +31,13 @@ class RequestState(SpecState):
     FINISHED = 3
     """finished or aborted; its open writes were escalated; its last outputs stay deliverable (tag rest)"""
     RETIRED = 4
-    """superseded by a newer owner of the id; its outputs are filtered at commit (final)"""
+    """
+    superseded by a newer owner of the id; its outputs are filtered at commit. No event moves it again (only
+    accept, which counts a late materialize's accepted drafts) (tag rest)
+    """
 
 
-RequestState.final_states = frozenset({RequestState.RETIRED})
+RequestState.final_states = frozenset()
 INITIAL = RequestState.UNKNOWN
 
 

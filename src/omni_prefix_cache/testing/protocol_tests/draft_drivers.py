@@ -1,16 +1,14 @@
 """The protocol tests' speculative-decoding drivers, a mixin of ``ProtocolMachine``.
 
 A drafted request's step (``ServingModel.schedule``'s ``drafts``) is
-materialized with the runner's accepted rows; these drivers cover what is
-left: a tenure retired before its drafted step's materialize (none of its
-drafts count: its rows end before them), and the rollback skipped on
-resume (``drive_optimistic_resume``: a runner whose optimistic count claims
-positions past the accepted end; the manager must refuse the hit).
+materialized with the runner's accepted rows; this driver covers the
+rollback skipped on resume (``drive_optimistic_resume``: a runner whose
+optimistic count claims positions past the accepted end; the manager must
+refuse the hit).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +21,7 @@ from omni_prefix_cache.interface import HIDDEN_KEY, OmniPrefixCacheUnmatchError
 from omni_prefix_cache.manager import OmniPrefixCacheManager
 from omni_prefix_cache.testing.protocol_tests.lifecycle import EventEngine, OracleTenure, TenureOracle
 from omni_prefix_cache.testing.protocol_tests.workload import BLOCK_SIZE, LEFTOVER, WIDTHS, leftover_rows
-from omni_prefix_cache.testing.serving_model import PlannedStep, ServingModel
+from omni_prefix_cache.testing.serving_model import ServingModel
 
 
 class DraftDrivers:
@@ -42,21 +40,6 @@ class DraftDrivers:
     last_sched: dict[str, int]
     _facade: Callable[..., Any]
     announce: Callable[[PrefixCacheStep], dict[str, int]]
-
-    def _retired_drafts_uncounted(self, sid: int, planned: PlannedStep) -> PlannedStep:
-        """A drafted request whose tenure is retired by its materialize has
-        no accept move: none of its drafts counts, so its rows end before
-        them (cut_rejected). The expected rows say so."""
-        tenures = self.step_tenures.get(sid, {})
-        expects = []
-        for exp in planned.expects:
-            where = planned.drafted.get(exp.rid)
-            tenure = tenures.get(exp.rid)
-            if where is not None and tenure is not None and tenure.retired and exp.end > where[0]:
-                expects.append(self.model.truncated(exp, where[0]))
-            else:
-                expects.append(exp)
-        return dataclasses.replace(planned, expects=expects)
 
     def optimistic_candidates(self) -> list[tuple[str, int, int]]:
         """``(rid, accepted end, hit end)`` of each running request whose

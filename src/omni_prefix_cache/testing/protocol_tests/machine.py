@@ -517,8 +517,6 @@ class ProtocolMachine(DraftDrivers, LifecycleDrivers, RuleBasedStateMachine):
         self._resume_paused()  # materialize waits for its prefetches
         planned, absent = self.expects.pop(sid)
         accepted = planned.accepted or None  # the runner's len(sampled_token_ids[i]) of a drafted step
-        if accepted:
-            planned = self._retired_drafts_uncounted(sid, planned)
         try:
             outs = self._facade(lambda: self.mgr.materialize(sid, list(planned.order), accepted_rows=accepted))
         except OmniPrefixCacheUnmatchError as exc:

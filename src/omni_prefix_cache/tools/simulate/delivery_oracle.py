@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from omni_prefix_cache.interface import HIDDEN_KEY, output_progress
+from omni_prefix_cache.interface import HIDDEN_KEY
 from omni_prefix_cache.tools.simulate.oracle import Mismatch, same_payload
 from omni_prefix_cache.tools.simulate.rows import PrefixHashes, rows_from_hashes
 
@@ -52,7 +52,6 @@ class EventExpectation:
     start: int
     end: int  # the accepted end with speculative drafts (the rejected drafts' rows are never returned)
     resumed: bool  # the step's event was RESUMED (the hit may recover delivered-to-nobody rows)
-    verified_end: int | None = None  # with drafts: where the rows before them end (a retired tenure's end)
 
 
 @dataclass
@@ -80,7 +79,6 @@ class DeliveryCounts:
     views_dropped: int = 0  # views taken and thrown away unacknowledged (delivered again later)
     filtered: int = 0  # (request, output) pairs a commit filtered (a retired owner)
     finished_checked: int = 0
-    retired_drafted: int = 0  # a drafted step's output whose tenure was retired before it: cut before its drafts
 
 
 class DeliveryOracle:
@@ -99,18 +97,15 @@ class DeliveryOracle:
 
     # ------------------------------------------------------- engine thread
 
-    def expect(
-        self, req: Any, start: int, end: int, resumed: bool, verified_end: int | None = None
-    ) -> EventExpectation:
+    def expect(self, req: Any, start: int, end: int, resumed: bool) -> EventExpectation:
         """Register ``req``'s tenure (its content hashes) and return the
-        step's expectation: positions ``[start, end)``; with speculative
-        drafts ``end`` is the accepted end and ``verified_end`` where the
-        rows before the drafts end."""
+        step's expectation: positions ``[start, end)`` (with speculative
+        drafts ``end`` is the accepted end)."""
         key = tenure_key(req)
         with self._lock:
             if key not in self._tenures:
                 self._tenures[key] = _Tenure(req, req.req_id, req.hashes)
-        return EventExpectation(req.req_id, key, start, end, resumed, verified_end)
+        return EventExpectation(req.req_id, key, start, end, resumed)
 
     def note_discard(self, exps: list[EventExpectation]) -> None:
         with self._lock:
@@ -169,13 +164,6 @@ class DeliveryOracle:
                 span = outs.token_ranges.get(e.req_id)
                 sched = outs.scheduled_token_ranges.get(e.req_id)
                 end = e.end
-                progress = output_progress(outs).get(e.req_id)
-                # A tenure retired by its materialize counts none of its drafts: its rows end before them
-                # (retired stays set, so one retired at that materialize is retired here).
-                cut = span is not None and e.verified_end is not None and span[1] == e.verified_end < e.end
-                if cut and progress is not None and progress.retired and e.verified_end is not None:
-                    end = e.verified_end
-                    self.counts.retired_drafted += 1
                 if span is None or sched != (e.start, end) or not 0 <= span[0] <= e.start or span[1] != end:
                     detail = f"output range {span} scheduled {sched}, computed [{e.start}, {e.end})"
                     found.append(Mismatch(step, step_id, e.req_id, "token_ranges", detail))
