@@ -282,14 +282,22 @@ class PrefixCacheEngineHelper:
     def materialize(self, saved: SavedStep, *, accepted_rows: Mapping[ReqId, int] | None = None) -> StageCacheOutputs:
         """``materialize`` of the saved step for its save-time requests
         (consumes it), with the step's accepted rows (speculative
-        decoding). Any thread, once per step; raises what it raises."""
+        decoding; passed only when given, so a manager without
+        speculative decoding sees the call it always saw). Any thread, once
+        per step; raises what it raises."""
+        if accepted_rows is None:
+            return self.manager.materialize(saved.step_id, list(saved.req_ids))
         return self.manager.materialize(saved.step_id, list(saved.req_ids), accepted_rows=accepted_rows)
 
     def discard(self, saved: SavedStep, *, accepted_rows: Mapping[ReqId, int] | None = None) -> None:
         """``discard_step`` of the saved step (consumes it; nothing is
         delivered; with accepted rows its rejected drafts' slots are
-        REJECTED and its accepted rows count). Any thread, once per step."""
-        self.manager.discard_step(saved.step_id, accepted_rows=accepted_rows)
+        REJECTED and its accepted rows count; passed only when given). Any
+        thread, once per step."""
+        if accepted_rows is None:
+            self.manager.discard_step(saved.step_id)
+        else:
+            self.manager.discard_step(saved.step_id, accepted_rows=accepted_rows)
 
     def commit(
         self,
