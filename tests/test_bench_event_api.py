@@ -62,7 +62,10 @@ def test_spec_scenarios_plan_drafts_and_their_accepted_rows(k: int) -> None:
         for rid, sampled in (st.accepted or {}).items():
             assert 1 <= sampled <= len(drafts[rid]) + 1 <= k + 1
             # vLLM's rollback: the next step starts at the accepted end.
-            assert nxt.computed[rid] == st.computed[rid] + st.output.num_scheduled_tokens[rid] - len(drafts[rid]) + sampled - 1
+            assert (
+                nxt.computed[rid]
+                == st.computed[rid] + st.output.num_scheduled_tokens[rid] - len(drafts[rid]) + sampled - 1
+            )
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "threaded"])

@@ -44,8 +44,9 @@ def add_parser(sub: Any) -> None:
             "Scenarios decode (64x1), decode_256, decode_mm4 (four mm keys), prefill_hits, deferred, each in "
             "eager and threaded mode, and a decode batch sweep; decode_spec2 and decode_spec4 (decode with up to "
             "2 or 4 speculative draft tokens a request a step, some rejected) when named, in the event-API table "
-            "only, beside decode's event row: the engine thread's cost of speculative decoding. Each row reports microseconds per step and per "
-            "request and the ratio to floors measured in the same run (a torch clone of the step's row bytes; "
+            "only, beside decode's event row: the engine thread's cost of speculative decoding. Each row "
+            "reports microseconds per step and per request and the ratio to floors measured in the same run "
+            "(a torch clone of the step's row bytes; "
             "a staging copy plus a pool index_copy_ of them); the targets table says met or missed (a miss "
             "fails the run only with --strict). With a baseline report (default docs/bench_baseline.json when "
             "present) each row is compared with the baseline's, floor-normalised.",
