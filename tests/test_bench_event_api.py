@@ -43,3 +43,50 @@ def test_bench_cli_reports_the_event_api_beside_its_report(capsys: pytest.Captur
     assert json.loads(capsys.readouterr().out)["event_api"] == []
     assert main(args) == 0
     assert "event API vs seed-era" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_spec_scenarios_plan_drafts_and_their_accepted_rows(k: int) -> None:
+    from omni_prefix_cache.tools.bench.scenarios import SCENARIOS
+
+    sc = SCENARIOS[f"decode_spec{k}"](warmup=1, iters=6)
+    assert (sc.name, sc.spec_tokens, sc.targets) == (f"decode_spec{k}", k, ())
+    steps = plan_steps(sc, 7)
+    drafted = [st for st in steps if st.accepted]
+    assert drafted and steps[0].accepted is None  # the prompts' step drafts nothing
+    for st, nxt in zip(steps, steps[1:]):
+        drafts = st.output.scheduled_spec_decode_tokens
+        shaped = vllm_shaped(st)
+        assert shaped.scheduled_spec_decode_tokens == drafts
+        assert st.seed_era_output().scheduled_spec_decode_tokens == {}
+        for rid, sampled in (st.accepted or {}).items():
+            assert 1 <= sampled <= len(drafts[rid]) + 1 <= k + 1
+            # vLLM's rollback: the next step starts at the accepted end.
+            assert (
+                nxt.computed[rid]
+                == st.computed[rid] + st.output.num_scheduled_tokens[rid] - len(drafts[rid]) + sampled - 1
+            )
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "threaded"])
+def test_api_pair_of_a_spec_scenario_materializes_the_accepted_rows(eager: bool) -> None:
+    pair = run_api_pair(decode_scenario(8, warmup=1, iters=4, spec_tokens=2), eager=eager, index=0)
+    assert (pair.name, pair.steps) == ("decode_8_spec2", 4)
+    assert pair.event_engine_us > 0 and pair.event_materialize_us > 0
+
+
+def test_spec_scenarios_run_in_the_event_api_table_only(capsys: pytest.CaptureFixture[str]) -> None:
+    from omni_prefix_cache.tools.bench.measure import run_scenario
+    from omni_prefix_cache.tools.cli import main
+
+    with pytest.raises(ValueError, match="event API only"):
+        run_scenario(decode_scenario(8, warmup=1, iters=2, spec_tokens=4))
+    args = ["bench", "--scenario", "decode", "--scenario", "decode_spec4", "--mode", "eager", "--no-sweep"]
+    args += ["--iters", "2", "--warmup", "1", "--metrics", "off", "--baseline", "", "--json"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in report["results"]] == ["decode"]
+    assert [p["name"] for p in report["event_api"]] == ["decode", "decode_spec4"]
+    with pytest.raises(SystemExit):
+        main(["bench", "--profile", "decode_spec2"])
+    assert "event-API table only" in capsys.readouterr().err

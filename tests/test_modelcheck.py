@@ -236,6 +236,7 @@ def test_the_lifecycle_mutations_kill_every_lifecycle_invariant_but_one() -> Non
         "discard_is_not_delivery",
         "at_most_once_in_order",
         "delivered_within_saved",
+        "accepted_rows_only",
     }
 
 

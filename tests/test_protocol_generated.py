@@ -52,6 +52,8 @@ class _Script:
             return self.draws.pop(label)
         if label.startswith(("admit", "run")):
             return 6 if label.startswith("admit") else 3
+        if label.startswith(("drafts", "accepted")):
+            return 0  # plain decoding unless the trace drafts
         return self.DEFAULTS[label]
 
 

@@ -9,7 +9,10 @@
 # test_codes_ref_matches_old_build_mm_cpu_path skips unless upstream's own
 # ``vllm_omni.utils.mm_outputs`` imports (vllm alone lacks it); the module
 # installs compat's upstream seams for its tests (the ``upstream_seams``
-# fixture, ``omni_prefix_cache.compat``); ruff's B008 is silenced for the
+# fixture, ``omni_prefix_cache.compat``); test_stage_prefix_cache_config_gate
+# refuses speculative decoding with method "ngram_gpu", not "ngram" (this
+# library serves speculative decoding with the methods whose drafts the target
+# verifies one row per position: issue 47); ruff's B008 is silenced for the
 # file (the next line).
 # ruff: noqa: B008
 # SPDX-License-Identifier: Apache-2.0
@@ -702,7 +705,7 @@ def test_stage_prefix_cache_config_gate():
         _stage_cfg(kv_transfer=SimpleNamespace(is_kv_consumer=True), groups=())
     assert _stage_cfg(kv_transfer=SimpleNamespace(is_kv_consumer=True), enable=False) is None
     with pytest.raises(OmniPrefixCacheUnmatchError, match="speculative decoding"):
-        _stage_cfg(spec=SimpleNamespace(method="ngram"), groups=())
+        _stage_cfg(spec=SimpleNamespace(method="ngram_gpu"), groups=())
     with pytest.raises(OmniPrefixCacheUnmatchError, match="block-aligned"):
         _stage_cfg(match_unit=BLOCK_SIZE // 2, groups=())
     # A unit equal to the block is a whole-block match; only the group check is left.

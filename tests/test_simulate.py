@@ -987,3 +987,46 @@ def test_bench_cli_json_carries_the_scrape_pairs_only_when_asked(capsys: pytest.
     assert pair["scrape"]["hz"] == 20.0 and 0 <= pair["scrape"]["scrapes"] <= pair["scrape"]["scheduled"]
     assert pair["with"]["steps"] == pair["without"]["steps"] == 2
     assert scraped["metrics"] == {"enabled": False} and scraped["metrics_sides"] == ["off"]
+
+
+# ------------------------------------------------------------ speculative decoding (issue 47)
+
+
+@needs_manager
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("lag", [False, True])
+def test_speculative_decoding_delivers_accepted_rows_only(k: int, lag: bool) -> None:
+    res = run_simulation(replace(SMALL, spec_tokens=k, eager=not lag, lag=lag))
+    assert res.error is None, res.error
+    assert res.mismatches == 0 and not res.leaked, res.mismatch_details
+    st = res.scheduler
+    # Steps drafted, some drafts were rejected, and hits landed on blocks a rejected draft's row held.
+    assert st["draft_steps"] > 0 and 0 < st["drafts_accepted"] < st["drafts"]
+    assert st["hits_over_rejected"] > 0
+    assert "speculative steps / drafts" in format_table(res)
+
+
+class _DraftsDelivered:
+    """Delegates to a manager; drops the accepted rows a drafted step's materialize gets."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def materialize(self, step_id: int, req_ids: list[str], **kw: Any) -> StageCacheOutputs:
+        return self._inner.materialize(step_id, req_ids)
+
+
+@needs_manager
+def test_a_drafted_step_materialized_without_accepted_rows_fails_the_run() -> None:
+    res = run_simulation(
+        replace(SMALL, spec_tokens=2), manager_factory=lambda c, v, e: _DraftsDelivered(_base("manager", c, v, e))
+    )
+    assert not res.ok and res.error is not None and "have speculative drafts" in res.error
+
+
+def test_spec_tokens_needs_the_event_api() -> None:
+    with pytest.raises(ValueError, match="spec_tokens needs the event API"):
+        run_simulation(replace(SMALL, spec_tokens=2, api="seed"))

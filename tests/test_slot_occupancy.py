@@ -63,7 +63,7 @@ def test_enum_and_tables_come_from_the_spec() -> None:
     assert status.state is occ.state[KEY] and status.state.dtype == torch.int8
     assert int(status.tids.min()) == -1 and int(status.slot_version.max()) == 0
     # The legal-move table the vectorised path uses is the compiled spec's.
-    assert SLOT_MACHINE.transition_matrix("commit") == (-1, COMMITTED, -1)
+    assert SLOT_MACHINE.transition_matrix("commit") == (-1, COMMITTED, -1, -1)
 
 
 def test_map_commit_cycle_sets_and_clears_owner() -> None:

@@ -105,7 +105,7 @@ def test_tenancy_is_declared_in_the_spec() -> None:
     rules = {(c.name, c.fires, c.others) for c in SLOT_MACHINE.spec.couplings}
     assert rules == {("take_tenancy", "map", "reset"), ("restore_tenancy", "restore", "reset")}
     reset = {SLOT_MACHINE.State(int(m.source)).name: m.dest.name for m in SLOT_MACHINE.moves if m.trigger == "reset"}
-    assert reset == {"ABSENT": "ABSENT", "IN_TRANSIT": "ABSENT", "COMMITTED": "ABSENT"}
+    assert reset == {"ABSENT": "ABSENT", "IN_TRANSIT": "ABSENT", "COMMITTED": "ABSENT", "REJECTED": "ABSENT"}
 
 
 def test_a_coupling_naming_an_unknown_trigger_is_refused() -> None:

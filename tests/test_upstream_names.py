@@ -301,8 +301,9 @@ def test_the_gate_checks_refuse_on_their_own_and_the_stage_config_calls_them(mon
             check_prefix_cache_kv_transfer(loader)
     cache = SimpleNamespace(enable_prefix_caching=True, block_size=BS, prefix_match_unit=None)
     check_prefix_cache_token_accounting(cache, None)
+    check_prefix_cache_token_accounting(cache, SimpleNamespace(method="ngram"))  # drafts verified row by row
     with pytest.raises(OmniPrefixCacheUnmatchError, match="speculative decoding"):
-        check_prefix_cache_token_accounting(cache, SimpleNamespace(method="ngram"))
+        check_prefix_cache_token_accounting(cache, SimpleNamespace(method="ngram_gpu"))
     seen: list[Any] = []
     monkeypatch.setattr(group_view, "check_prefix_cache_kv_transfer", seen.append)
     config = stage_prefix_cache_config(

@@ -50,6 +50,8 @@ DATACLASSES = [
     (P.CachedRequestDataLike, "CachedRequestData"),
     (P.SchedulerOutputLike, "SchedulerOutput"),
     (P.RunnerSchedulerOutputLike, "SchedulerOutput"),
+    (P.SpecDecodeSchedulerOutputLike, "SchedulerOutput"),
+    (P.ModelRunnerOutputLike, "ModelRunnerOutput"),
 ]
 
 

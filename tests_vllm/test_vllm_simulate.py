@@ -269,3 +269,78 @@ def test_row_check_catches_a_stale_block_table(v, monkeypatch: pytest.MonkeyPatc
         SimConfig(seed=7, eager=True), V1, trace=[RequestSpec("a", 0, (_prompt(rng, 300),), max_output=2)]
     )
     assert res.error is not None and "vLLM has computed=256 blocks=" in res.error, res.error
+
+
+# ------------------------------------------------------------ speculative decoding (issue 47)
+
+SPEC = [(k, mode, seed) for k in (2, 4) for mode, seed in (("eager", 0), ("threaded", 1))]
+
+
+@pytest.mark.parametrize(("k", "mode", "seed"), SPEC, ids=[f"K{k}-{m}-seed{s}" for k, m, s in SPEC])
+def test_speculative_decoding_on_real_scheduler(k: int, mode: str, seed: int, v, run_lines: list[str]) -> None:
+    """vLLM's real Scheduler with SpeculativeConfig(method="ngram", num_speculative_tokens=K): a fake
+    runner proposes drafts (update_draft_token_ids, some wrong on purpose), verifies them greedily and
+    returns sampled_token_ids; vLLM rolls back the rejected ones. Every delivered position of every
+    incarnation reaches both consumers once, in order, with its row (0 wrong, 0 skipped, none past the
+    accepted end: the oracle and the range check), nothing leaks; lagged output builders (threaded: the
+    accepted rows given when the builder runs), preemptions, discards, and hits on blocks whose slots
+    held a rejected draft's row all occur."""
+    res = run_vllm_simulation(SimConfig(seed=seed, eager=mode == "eager", spec_tokens=k), V1)
+    st, ev = res.scheduler, res.events
+    run_lines.append(
+        _line(res, seed) + f" [spec K={k}: steps {st['draft_steps']}, drafts {st['drafts']} "
+        f"(accepted {st['drafts_accepted']}), hits over rejected-draft blocks {st['hits_over_rejected']}]"
+    )
+    replay = f"replay: .venv-vllm/bin/omni-prefix-cache simulate --engine vllm --spec-tokens {k} --{mode} --seed {seed}"
+    _check(res, replay)
+    assert st["draft_steps"] > 0 and 0 < st["drafts_accepted"] < st["drafts"], f"{st}\n{replay}"
+    assert st["hits_over_rejected"] > 0, f"no hit on a block that held a rejected draft {st}\n{replay}"
+    assert st["preemptions"] > 0 and ev["resumed"] == st["resumes"] > 0, f"{st} {ev}\n{replay}"
+    assert res.discarded_steps > 0 and ev["discard_preemptions"] > 0, f"{ev}\n{replay}"
+    assert ev["delivered"]["talker"] >= ev["delivered"]["output"] > 0, f"{ev}\n{replay}"
+
+
+def test_speculative_decoding_directed(v) -> None:
+    """One request decoding with K=4 on an otherwise idle scheduler: every drafted step's output ends
+    at its accepted end, and both consumers get the whole stream exactly once."""
+    rng = random.Random(5)
+    res = run_vllm_simulation(
+        SimConfig(seed=7, eager=True, discard_prob=0.0, spec_tokens=4),
+        V1,
+        trace=[RequestSpec("a", 0, (_prompt(rng, 40),), max_output=60)],
+    )
+    _check(res, "directed speculative trace")
+    st = res.scheduler
+    assert st["finished"] == 1 and st["draft_steps"] > 5 and st["drafts_accepted"] < st["drafts"], st
+    assert res.events["delivered"]["output"] == res.events["delivered"]["talker"] == 40 + 59, res.events
+
+
+def test_the_gate_takes_vllms_speculative_config(v) -> None:
+    """stage_prefix_cache_config accepts vLLM 0.33's real SpeculativeConfig(method="ngram") and refuses
+    the same config with adaptive verification (the verifier's rows are trimmed on the device)."""
+    import dataclasses as dc
+
+    from omni_prefix_cache.group_view import stage_prefix_cache_config
+    from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError
+    from omni_prefix_cache.tools.simulate.vllm_scheduler import VllmScheduler
+
+    sched = VllmScheduler(SimConfig(seed=0, spec_tokens=2), V1, v, [])
+    try:
+        vc = sched.vllm_config
+        spec = vc.speculative_config
+        assert spec is not None and spec.method == "ngram" and spec.num_speculative_tokens == 2
+        args = dict(
+            kv_cache_config=sched.kv_cache_config,
+            cache_config=vc.cache_config,
+            kv_transfer_config=vc.kv_transfer_config,
+            scheduler_config=vc.scheduler_config,
+            model_config=vc.model_config,
+            is_pooling_model=False,
+        )
+        assert stage_prefix_cache_config(speculative_config=spec, **args) is not None
+        adaptive = dc.replace(spec) if dc.is_dataclass(spec) else spec
+        object.__setattr__(adaptive, "enable_adaptive_verification", True)
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="adaptive verification"):
+            stage_prefix_cache_config(speculative_config=adaptive, **args)
+    finally:
+        sched.close()

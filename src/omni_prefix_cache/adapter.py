@@ -21,6 +21,11 @@ duck-typed stand-in work alike. The optional fields an engine may add:
   are resumed after a preemption (Model Runner V2 lists them there, with
   nothing marking them; the runner knows, since it still holds the id).
 
+vLLM's ``scheduled_spec_decode_tokens`` (speculative decoding) gives each
+step's draft counts (``PrefixCacheStep.draft_tokens``): a request's last
+``drafts`` scheduled positions are unverified until its output says how
+many were accepted (``accepted_rows_of``, passed to materialize).
+
 Imports nothing heavy (no torch): the engine thread pays for every line here.
 """
 
@@ -33,6 +38,8 @@ from itertools import repeat
 from typing import Any
 
 from omni_prefix_cache.errors import OmniPrefixCacheInvalidArgumentError
+from omni_prefix_cache.spec_decode import accepted_rows_of as accepted_rows_of  # re-exported for runners
+from omni_prefix_cache.spec_decode import draft_counts
 from omni_prefix_cache.tier.metadata import TierStepMetadata, tier_metadata_of
 
 
@@ -95,7 +102,10 @@ class PrefixCacheStep:
     """One scheduler step: its events and ``(req_id, tokens)`` scheduled.
 
     Iterating a step yields its events. ``sequence`` is the step number the
-    engine gave (None without one).
+    engine gave (None without one). ``draft_tokens``: ``(req_id, drafts)``
+    for each request whose last ``drafts`` scheduled tokens are speculative
+    drafts (vLLM's ``scheduled_spec_decode_tokens``); empty without
+    speculative decoding.
     """
 
     events: tuple[PrefixCacheRequestEvent, ...]
@@ -103,6 +113,7 @@ class PrefixCacheStep:
     sequence: int | None = None
     # The host tier's part of the step's kv_connector_metadata (tier.metadata), None without the wrapper.
     tier: TierStepMetadata | None = None
+    draft_tokens: tuple[tuple[str, int], ...] = ()
 
     def __iter__(self) -> Iterator[PrefixCacheRequestEvent]:
         return iter(self.events)
@@ -398,7 +409,10 @@ class PrefixCacheSchedulerAdapter:
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or _EMPTY
         counts = tuple(zip(map(str, scheduled.keys()), map(int, scheduled.values()), strict=True))
         tier = tier_metadata_of(getattr(scheduler_output, "kv_connector_metadata", None))
-        return PrefixCacheStep(events, counts, sequence, tier)
+        drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
+        if not drafts:
+            return PrefixCacheStep(events, counts, sequence, tier)
+        return PrefixCacheStep(events, counts, sequence, tier, draft_counts(drafts))
 
     def build_write_layout(
         self,

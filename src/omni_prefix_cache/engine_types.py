@@ -70,6 +70,26 @@ class RunnerSchedulerOutputLike(SchedulerOutputLike, Protocol):
     scheduled_cached_reqs: CachedRequestDataLike
 
 
+@runtime_checkable
+class SpecDecodeSchedulerOutputLike(Protocol):
+    """Speculative decoding's field of ``SchedulerOutput``: the adapter reads
+    each request's scheduled draft tokens (``PrefixCacheStep.draft_tokens``)."""
+
+    @property
+    def scheduled_spec_decode_tokens(self) -> Mapping[ReqId, Sequence[int]]: ...
+
+
+@runtime_checkable
+class ModelRunnerOutputLike(Protocol):
+    """``vllm.v1.outputs.ModelRunnerOutput``: what ``adapter.accepted_rows_of``
+    reads (per batch row, the request and the tokens its step sampled)."""
+
+    @property
+    def req_ids(self) -> Sequence[ReqId]: ...
+    @property
+    def sampled_token_ids(self) -> Sequence[Sequence[int]]: ...
+
+
 class CpuTensorHolder(Protocol):
     """vLLM's ``CpuGpuBuffer``: its ``cpu`` tensor is the block table the view gathers from."""
 

@@ -26,6 +26,15 @@ class OmniPrefixCacheInvalidArgumentError(OmniPrefixCacheUnmatchError, ValueErro
     """
 
 
+class OmniPrefixCacheAcceptedRowsError(OmniPrefixCacheInvalidArgumentError):
+    """Speculative decoding: the accepted rows given to ``materialize`` (or
+    ``discard_step``) do not fit the step: a request the step scheduled
+    drafts for has none (materialize), a count is past the request's drafts
+    plus one, or a request is not in the step. The message names the step
+    and the requests. Raised before the step is consumed: materialize it
+    again with the counts, or discard it."""
+
+
 class OmniPrefixCacheInvalidTypeError(OmniPrefixCacheInvalidArgumentError, TypeError):
     """A facade call was given a value of the wrong type (a float or bool
     where a count or step id belongs, a ``str`` where a list of request ids

@@ -6,11 +6,13 @@
 - :func:`stage_prefix_cache_config` is the runner-side gate: it decides
   whether a stage (and a parallel rank) gets a prefix cache at all, picks
   the keyed group (``kv_layout_gate``) and refuses, loudly, the
-  configurations where slot ids would silently point at the wrong rows.
+  configurations where slot ids would silently point at the wrong rows
+  (or a step's rows would not be one per scheduled position).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from itertools import repeat
 from typing import Any, cast
@@ -27,6 +29,8 @@ from omni_prefix_cache.kv_layout_gate import (
     is_prefix_cache_mirror_rank,
     select_prefix_cache_kv_group,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def _empty_slots() -> torch.Tensor:
@@ -246,17 +250,45 @@ def check_prefix_cache_kv_transfer(kv_transfer_config: Any) -> None:
     check_kv_connector(kv_transfer_config)
 
 
+# Speculative methods whose drafts the target model verifies in its own forward, one row per scheduled
+# position in order: the target's rows at the accepted positions are what the forward returned, and the
+# runner's ModelRunnerOutput.sampled_token_ids says how many were accepted (the drafter's own passes and KV
+# never reach save_outputs). vLLM 0.33 normalises its MTP model types (deepseek_mtp, ...) to "mtp".
+SPECULATIVE_METHODS = frozenset(
+    {"ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp", "dflash", "dspark", "custom_class"}
+)
+# Methods (and settings) where the rows the target's forward returns are not one per scheduled position, or
+# not what the step began with: refused, with the reason.
+REFUSED_SPECULATIVE_METHODS = {
+    "ngram_gpu": (
+        "the GPU n-gram proposer trims each step's drafts inside the model runner's _update_states "
+        "(update_scheduler_for_invalid_drafts), after the cache began the step, so the forward returns fewer "
+        "rows than the step's scheduled counts say"
+    ),
+    "extract_hidden_states": (
+        "it is no speculation: it stores the target's hidden states in a second, cache-only KV cache group "
+        "and echoes the sampled token as its draft; the stage no longer has one full-attention group"
+    ),
+}
+
+
 def check_prefix_cache_token_accounting(cache_config: Any, speculative_config: Any) -> None:
     """Raise where ``num_computed_tokens`` stops being the block-aligned
-    first scheduled position: speculative decoding (its computed counts are
-    corrected after the forward), and prefix matching finer than a KV block
-    (``prefix_match_unit`` not a multiple of ``block_size``)."""
+    first scheduled position, or a step's rows stop being one per scheduled
+    position: prefix matching finer than a KV block (``prefix_match_unit``
+    not a multiple of ``block_size``), and the speculative modes in
+    ``REFUSED_SPECULATIVE_METHODS``, adaptive verification (the verifier's
+    query lengths are trimmed on the device) and any method not in
+    ``SPECULATIVE_METHODS`` (not known to keep the target's rows).
+
+    Speculative decoding with a method of ``SPECULATIVE_METHODS`` passes:
+    the cached rows are the target model's. The runner then passes, per
+    step, the accepted rows to ``materialize`` (``accepted_rows``:
+    ``len(ModelRunnerOutput.sampled_token_ids[i])`` per request, taken right
+    after the rejection sampler; ``adapter.accepted_rows_of``), or to the
+    engine helper's output builder; a drafted step without them raises."""
     if speculative_config is not None:
-        method = getattr(speculative_config, "method", None)
-        raise OmniPrefixCacheUnmatchError(
-            f"omni prefix cache does not support speculative decoding (method={method!r}); "
-            "disable one of them for this stage"
-        )
+        _check_speculative(speculative_config)
     block_size = int(cache_config.block_size)
     unit = getattr(cache_config, "prefix_match_unit", None)
     if unit is not None and (int(unit) <= 0 or int(unit) % block_size != 0):
@@ -264,6 +296,36 @@ def check_prefix_cache_token_accounting(cache_config: Any, speculative_config: A
             f"omni prefix cache needs block-aligned prefix matching: prefix_match_unit={unit} is not a "
             f"multiple of block_size={block_size}"
         )
+
+
+def _check_speculative(speculative_config: Any) -> None:
+    """Refuse a speculative mode whose target rows the cache cannot tell
+    apart (see ``check_prefix_cache_token_accounting``)."""
+    method = getattr(speculative_config, "method", None)
+    name = str(method)
+    if name.endswith("_mtp"):
+        name = "mtp"  # an MTP model type vLLM's config did not normalise yet
+    why = REFUSED_SPECULATIVE_METHODS.get(name)
+    if why is None and bool(getattr(speculative_config, "enable_adaptive_verification", False)):
+        why = (
+            "adaptive verification trims the verifier's query lengths on the device, so the target's forward "
+            "returns fewer rows than the step scheduled"
+        )
+    if why is None and name not in SPECULATIVE_METHODS:
+        why = (
+            "this method is not known to verify its drafts in the target's forward one row per scheduled "
+            f"position (known: {sorted(SPECULATIVE_METHODS)})"
+        )
+    if why is not None:
+        raise OmniPrefixCacheUnmatchError(
+            f"omni prefix cache does not support speculative decoding with method={method!r}: {why}; "
+            "use another method, or disable one of them for this stage"
+        )
+    logger.info(
+        "omni prefix cache with speculative decoding (method=%r): the runner passes each step's accepted rows "
+        "(len(ModelRunnerOutput.sampled_token_ids[i]) per request) to materialize or the output builder",
+        method,
+    )
 
 
 def stage_prefix_cache_config(
@@ -286,15 +348,19 @@ def stage_prefix_cache_config(
     engine returns (``kv_layout_gate.is_prefix_cache_mirror_rank``: the
     first tensor rank of the last pipeline stage). Raises, on every rank, for
     a KV connector that can load KV, whatever its role
-    (``check_prefix_cache_kv_transfer``), speculative decoding and prefix
-    matching finer than a KV block (``check_prefix_cache_token_accounting``),
-    decode or prefill context parallel
-    (``kv_layout_gate.check_prefix_cache_context_parallel``), KV cache groups
-    without a full-attention group or with a kind not verified beside one
-    (``check_prefix_cache_kv_groups``), and prefix hits that may end inside a
-    block of the keyed group. Checked in that order, so the refusals fire
-    before the group check. The config carries the keyed group's index and
-    block size (its spec's, else ``cache_config.block_size``).
+    (``check_prefix_cache_kv_transfer``), a speculative mode whose target
+    rows are not one per scheduled position and prefix matching finer than
+    a KV block (``check_prefix_cache_token_accounting``), decode or prefill
+    context parallel (``kv_layout_gate.check_prefix_cache_context_parallel``),
+    KV cache groups without a full-attention group or with a kind not
+    verified beside one (``check_prefix_cache_kv_groups``), and prefix hits
+    that may end inside a block of the keyed group. Checked in that order,
+    so the refusals fire before the group check. The config carries the
+    keyed group's index and block size (its spec's, else
+    ``cache_config.block_size``). With speculative decoding (ngram, suffix,
+    draft model, EAGLE, EAGLE-3, MTP, DFlash, DSpark, a custom proposer) the
+    runner must pass each step's accepted rows to ``materialize``
+    (docs/integration.md).
     """
     if not bool(getattr(cache_config, "enable_prefix_caching", False)) or is_pooling_model:
         return None

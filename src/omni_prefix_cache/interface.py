@@ -15,6 +15,7 @@ import torch
 
 from omni_prefix_cache.adapter import PrefixCacheRequestOwner
 from omni_prefix_cache.errors import (
+    OmniPrefixCacheAcceptedRowsError,
     OmniPrefixCacheInvalidArgumentError,
     OmniPrefixCacheInvalidTypeError,
     OmniPrefixCacheJoinTimeoutError,
@@ -31,6 +32,7 @@ __all__ = [
     "output_progress",
     "HIDDEN_KEY",
     "ModelCachePolicy",
+    "OmniPrefixCacheAcceptedRowsError",
     "OmniPrefixCacheInvalidArgumentError",
     "OmniPrefixCacheInvalidTypeError",
     "OmniPrefixCacheJoinTimeoutError",

@@ -215,6 +215,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         *,
         num_scheduled_tokens: Mapping[ReqId, int] | None = None,
         kv_tier: TierStepMetadata | None = None,
+        num_draft_tokens: Mapping[ReqId, int] | None = None,
     ) -> None:
         """Start one scheduler step (engine thread, once per real step,
         before finished requests are dropped; operation new_step).
@@ -229,6 +230,9 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         ``kv_tier`` (else the step's own ``tier`` or ``kv_connector_metadata``):
         the host tier's metadata; blocks a KV connector loaded get their rows
         back before the hits are read (docs/integration.md).
+        ``num_draft_tokens`` (else the step's own ``draft_tokens``): the
+        speculative drafts per request, its last scheduled tokens; its save
+        needs a write layout and its materialize the accepted rows.
 
         Validate, then mutate: a bad argument (a bad id or count, a hit not
         block aligned or without block ids of the keyed KV cache group, an
@@ -239,7 +243,7 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         self._check_open("new_step_starts")
         self._ledger.raise_if_failed()
         if is_event_form(step):
-            given = events_step(step, num_scheduled_tokens, kv_tier)  # type: ignore[arg-type]
+            given = events_step(step, num_scheduled_tokens, kv_tier, num_draft_tokens)  # type: ignore[arg-type]
         else:
             # ``_live`` and the tenures' positions change only on this (the engine) thread: read unlocked.
             given = seed_step(step, self._live, self._requests.reached)
@@ -336,7 +340,12 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         pending, sid = self._pending_sched, self._steps.next_id
         if pending is None:
             raise OmniPrefixCacheUnmatchError(f"save_outputs (step {sid}) without a new_step_starts before it")
-        sched = pending if write_layout is None else SchedSnapshot(pending.num_scheduled, write_layout)
+        check.drafts_need_layout(sid, pending.drafts, write_layout)
+        sched = (
+            pending
+            if write_layout is None
+            else SchedSnapshot(pending.num_scheduled, write_layout, drafts=pending.drafts)
+        )
         if padded < n:
             raise OmniPrefixCacheInvalidArgumentError(
                 f"save_outputs (step {sid}): num_tokens_padded={padded} < num_tokens_unpadded={n}"
@@ -359,26 +368,39 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         finally:
             lock.release()
 
-    def materialize(self, step_id: StepId, req_ids: Sequence[ReqId]) -> StageCacheOutputs:
+    def materialize(
+        self, step_id: StepId, req_ids: Sequence[ReqId], *, accepted_rows: Mapping[ReqId, int] | None = None
+    ) -> StageCacheOutputs:
         """Consume ``step_id`` and return each request's merged outputs:
         hit prefix rows (the prefetched buffer) followed by this step's rows
         for every pool key, plus each request's share of the leftover mm.
+
+        ``accepted_rows`` (speculative decoding): per request,
+        ``len(ModelRunnerOutput.sampled_token_ids[i])`` (``adapter.accepted_rows_of``),
+        needed for every request the step scheduled drafts for: its rows
+        end at its accepted end and its rejected drafts' slots are REJECTED.
 
         Any thread, exactly once per step id (or discard_step instead). The
         step's staging holder is released whatever happens. Raises
         OmniPrefixCacheUnmatchError for an unknown or consumed step id, ids
         outside the save snapshot, a sticky write failure, or a hit that
-        cannot be served (absent hidden rows, an overwritten delayed read, a
-        failed pool read). A step id that is not an int or ``req_ids`` that
-        is not a collection of str raise the invalid-type error without
-        consuming the step; after shutdown, the shutdown error.
+        cannot be served (absent hidden rows, a rejected draft's row, an
+        overwritten delayed read, a failed pool read). Without consuming the
+        step: the invalid-type error for a step id, ``req_ids`` or
+        ``accepted_rows`` of the wrong type, ``OmniPrefixCacheAcceptedRowsError``
+        for accepted rows that do not fit it (naming the requests); after
+        shutdown, the shutdown error.
         """
         check.as_step_id("materialize", step_id)
         req_ids = check.as_req_ids(f"materialize(step {step_id}): req_ids", req_ids)
         name = f"materialize(step {step_id})"
+        accepted = check.as_accepted_rows(name, accepted_rows)
         self._check_open(name)
-        call, run, materialize = StepCall(name, step_id, req_ids=req_ids), self._runner.run, self._ops.materialize
-        run(materialize, "consume", call)  # state
+        call = StepCall(name, step_id, req_ids=req_ids, accepted=accepted)
+        run, materialize = self._runner.run, self._ops.materialize
+        with self._runner.held(materialize, "consume", call) as consume:  # state
+            consume(call)  # refuse counts that do not fit, consume, reject the rejected rows' slots
+            self._requests.drafts.accept_rows("materialize", call.steps, accepted)  # request.accept?
         try:
             run(materialize, "merge", call)  # no lock: hit prefixes + the step's rows from its page
         finally:
@@ -386,16 +408,25 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         assert call.outputs is not None
         return call.outputs
 
-    def discard_step(self, step_id: StepId) -> None:
+    def discard_step(self, step_id: StepId, *, accepted_rows: Mapping[ReqId, int] | None = None) -> None:
         """Consume ``step_id`` without building outputs (any thread, exactly
         once). Releases its staging holder and drops its hit prefetches.
         Works after a write failure. Raises for an unknown or consumed id,
-        and after shutdown (which already released every open step)."""
+        and after shutdown (which already released every open step).
+
+        With ``accepted_rows`` (a step with speculative drafts), as
+        materialize: its rejected drafts' slots are REJECTED and its accepted
+        rows count; without, its drafts never count. Accepted rows that do
+        not fit raise ``OmniPrefixCacheAcceptedRowsError``, consuming nothing."""
         check.as_step_id("discard_step", step_id)
         name = f"discard_step(step {step_id})"
+        accepted = check.as_accepted_rows(name, accepted_rows)
         self._check_open(name)
-        # Operation discard: consume, release the page, drop the reads (one state segment).
-        self._runner.run(self._ops.discard, "consume", StepCall(name, step_id))
+        call = StepCall(name, step_id, accepted=accepted, discarding=True)
+        # Operation discard: consume, release the page, drop the reads, reject the drafts (one state segment).
+        with self._runner.held(self._ops.discard, "consume", call) as consume:
+            consume(call)
+            self._requests.drafts.accept_rows("discard", call.steps, accepted)
 
     def shutdown(self) -> None:
         """Stop the prefetch thread and the controller (queued writes land

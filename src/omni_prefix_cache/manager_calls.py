@@ -94,6 +94,11 @@ class StepCall:
     hits: list[Hit] = field(default_factory=list)
     req_ids: Sequence[ReqId] = ()
     outputs: StageCacheOutputs | None = None
+    # Speculative decoding: the accepted rows the call carries (None: none), and
+    # whether it discards (then a drafted request needs none: its drafts are rejected).
+    accepted: dict[ReqId, int] | None = None
+    discarding: bool = False
+    refusal: str = ""  # why guard accepted_rows_refused holds
 
     @property
     def name(self) -> str:

@@ -2,9 +2,10 @@
 
 ``ManagerBinding`` resolves the roles executor ``manager`` moves: ``step``
 (the step table), ``step_holder`` (a step's staging page), ``read`` (planned
-reads, dropped where their prefetch has not started) and the couplings
-``slot.take_tenancy`` and ``slot.restore_tenancy`` (the host tier's,
-``reads.tier_fill``). ``FacadeOps`` (a mixin of the manager) compiles, once
+reads, dropped where their prefetch has not started), ``slot.reject`` (a
+materialize or discard rejecting its step's speculative drafts) and the
+couplings ``slot.take_tenancy`` and ``slot.restore_tenancy`` (the host
+tier's, ``reads.tier_fill``). ``FacadeOps`` (a mixin of the manager) compiles, once
 per manager, the manager's share of new_step, save, abandon_save,
 materialize, discard and shutdown, and its ``SegmentRunner``: a ``state``
 segment takes the state lock and first raises the shutdown error once
@@ -31,6 +32,7 @@ from omni_prefix_cache.interface import (
     Tid,
 )
 from omni_prefix_cache.manager_calls import AbandonCall, NewStepCall, SaveCall, StepCall
+from omni_prefix_cache.manager_drafts import DraftOps
 from omni_prefix_cache.reads.hit_planner import HitPlanner
 from omni_prefix_cache.reads.materializer import Materializer
 from omni_prefix_cache.reads.planned_read import HitReads
@@ -84,6 +86,7 @@ class ManagerBinding:
         reads: HitReads,
         couplings: Mapping[str, Run],
         claim_page: Run,
+        reject_rows: Run,
     ) -> None:
         self._steps = steps
         self._staging = staging
@@ -91,6 +94,7 @@ class ManagerBinding:
         self._reads = reads
         self._couplings = couplings  # slot couplings by name
         self._claim_page = claim_page
+        self._reject_rows = reject_rows
 
     def try_move(self, role: str, trigger: TriggerName) -> Pred:
         steps, staging = self._steps, self._staging
@@ -154,6 +158,14 @@ class ManagerBinding:
                 return staging.try_fire(abandon, claimed.page, holder)
 
             return attempt_abandon
+        if role == "slot" and trigger == "reject":
+            reject_rows = self._reject_rows
+
+            def attempt_reject(call: StepCall) -> bool:
+                reject_rows(call)  # where enabled: only slots no later save wrote move
+                return True
+
+            return attempt_reject
         if role == "read" and trigger == "drop":
             hits, reads = self._hits, self._reads
 
@@ -193,7 +205,7 @@ class ManagerOps:
     shutdown: CompiledOperation
 
 
-class FacadeOps:
+class FacadeOps(DraftOps):
     """The manager's compiled operations, its runner and their effect and
     guard handlers (a mixin of ``OmniPrefixCacheManager``: the handlers are
     its own)."""
@@ -226,7 +238,13 @@ class FacadeOps:
         tier = self._tier_desk
         couplings = {"take_tenancy": self._couple_take_tenancy, "restore_tenancy": lambda c: tier.restore(c.restores)}
         binding = ManagerBinding(
-            self._steps, self._controller.parts.staging_pool, self._hits, self._reads, couplings, self._claim_page
+            self._steps,
+            self._controller.parts.staging_pool,
+            self._hits,
+            self._reads,
+            couplings,
+            self._claim_page,
+            self._reject_rows,
         )
         effects: dict[str, Run] = {
             "validate_events": self._validate_events,
@@ -241,11 +259,16 @@ class FacadeOps:
             "record_saved": self._record_saved,
             "start_prefetch": self._start_prefetch,
             "merge_outputs": self._merge_outputs,
+            "cut_rejected": self._cut_rejected,
+            "refuse_accepted_rows": self._refuse_accepted_rows,
             "restore_step_input": self._restore_step_input,
             "fail_stranded": self._fail_stranded,
             "close_facade": self._close_facade,
         }
-        guards: dict[str, Pred] = {"replayed_step": lambda call: self._requests.replayed(call.given.sequence)}
+        guards: dict[str, Pred] = {
+            "replayed_step": lambda call: self._requests.replayed(call.given.sequence),
+            "accepted_rows_refused": self._accepted_rows_refused,
+        }
         guards["tier_loads"] = lambda call: call.given.tier is not None and bool(call.given.tier.loads)
         guards["tier_joins"] = lambda call: guards["tier_loads"](call) or (tier.active and bool(call.escalate))
 
@@ -292,7 +315,7 @@ class FacadeOps:
         call.escalate = requests.take_detached()
         # A step with nothing scheduled has no save: the next snapshot
         # replaces it. Its hits (if any) stay pending for the next save.
-        self._pending_sched = SchedSnapshot(given.num_scheduled, starts=given.starts)
+        self._pending_sched = SchedSnapshot(given.num_scheduled, starts=given.starts, drafts=given.drafts)
         counters = self._counters
         counters["query_requests"] += given.queried
         counters["query_tokens"] += given.query_tokens
@@ -371,7 +394,7 @@ class FacadeOps:
         """Coupling ``slot.take_tenancy``: the step becomes its slots' tenant (reads lock too)."""
         assert call.ctx is not None
         with self._reads.lock:
-            self._ledger.take_tenancy_locked(
+            call.ctx.record.tenancy = self._ledger.take_tenancy_locked(
                 call.split, call.slots, call.ctx.record.scheduled_counts(), call.immediate, call.deferred_tids
             )
 
@@ -389,13 +412,6 @@ class FacadeOps:
         its materialize raises the shutdown error."""
         if not self._closed:
             self._hits.start_prefetch(call.jobs)
-
-    def _record_saved(self, call: SaveCall) -> None:
-        split = call.split
-        assert call.ctx is not None
-        self._requests.record_saved(
-            call.ctx, call.token_ranges, bool(split.immediate or split.deferred_clone), call.sched.starts
-        )
 
     # ------------------------------------------------------------ abandon_save
 

@@ -37,7 +37,7 @@ from omni_prefix_cache.interface import (
 )
 from omni_prefix_cache.reads.planned_read import HitReads, PlannedRead
 from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
-from omni_prefix_cache.steps.slot_tags import READ_BASELINE, rows_tagged
+from omni_prefix_cache.steps.slot_tags import READ_BASELINE, READ_REFUSED, rows_tagged
 from omni_prefix_cache.steps.step_context import KeyLayout, StepContext
 from omni_prefix_cache.steps.step_record import Hit as Hit  # re-exported (the manager's annotations)
 from omni_prefix_cache.steps.validation import as_int, listed
@@ -50,6 +50,10 @@ _INT: frozenset[type] = frozenset({int})
 
 # One planned hit read waiting for the prefetch thread.
 HitJob = tuple[Hit, TensorName, PlannedRead]
+
+
+# Rows a hit's read waits for save to plan: absent, or a rejected draft (this step may write either).
+_WAIT_FOR_SAVE = READ_BASELINE | READ_REFUSED
 
 
 class HitPlanner:
@@ -245,11 +249,13 @@ class HitPlanner:
         return [job for hit in hits for job in planned[id(hit)]]
 
     def _without_absent_rows(self, hits: list[Hit], key: TensorName) -> list[Hit]:
-        """The hits with no row of ``key`` in a read_baseline state: at
-        new_step_starts such a key waits for save (``plan``)."""
+        """The hits with no row of ``key`` in a read_baseline or
+        read_refused state: at new_step_starts such a key waits for save
+        (``plan``), where this step may write the rows (a same-step hit on a
+        block whose position it recomputes after a rejected draft)."""
         sizes = [int(hit.slots.numel()) for hit in hits]
         state = self._occupancy.state[key].index_select(0, torch.cat([hit.slots for hit in hits]))
-        absent = rows_tagged(state, READ_BASELINE)
+        absent = rows_tagged(state, _WAIT_FOR_SAVE)
         if not bool(absent.any()):
             return hits
         return [hit for hit, rows in zip(hits, absent.split(sizes)) if not bool(rows.any())]

@@ -38,6 +38,7 @@ from omni_prefix_cache.interface import (
 from omni_prefix_cache.reads.planned_read import HitReads
 from omni_prefix_cache.steps.step_context import StepContext
 from omni_prefix_cache.steps.step_layout import payload_for_request
+from omni_prefix_cache.steps.step_record import Accepted
 from omni_prefix_cache.steps.validation import listed
 from omni_prefix_cache.steps.write_ledger import WriteLedger
 from omni_prefix_cache.telemetry.registry import TELEMETRY
@@ -246,6 +247,33 @@ class Materializer:
             error.__cause__ = exc
             self._ledger.record_fault(error)
             raise error.again() from exc
+
+
+def cut_rejected(outputs: StageCacheOutputs, verdicts: Sequence[Accepted]) -> None:
+    """Effect ``cut_rejected`` on a fresh materialize result: each drafted
+    request's rows (hidden, token-major mm) end at its accepted end, and so
+    do its token ranges; other mm stays whole. A request the output does not
+    carry is skipped. Views, no copy: the cut rows stay in the output's
+    buffers, unreachable."""
+    hidden, ranges, sched = outputs.hidden_states, outputs.token_ranges, outputs.scheduled_token_ranges
+    token_major = [outputs.mm_outputs[k] for k in outputs.token_mm_keys if k in outputs.mm_outputs]
+    for v in verdicts:
+        cut = v.end - v.accepted_end
+        got = ranges.get(v.req_id)
+        if cut <= 0 or got is None:
+            continue
+        rid = v.req_id
+        ranges[rid] = (got[0], got[1] - cut)
+        if rid in sched:
+            first, last = sched[rid]
+            sched[rid] = (first, last - cut)
+        if hidden is not None and rid in hidden:
+            rows = hidden[rid]
+            hidden[rid] = rows[: int(rows.shape[0]) - cut]
+        for per_req in token_major:
+            value = per_req.get(rid)
+            if isinstance(value, torch.Tensor) and value.ndim >= 1:
+                per_req[rid] = value[: int(value.shape[0]) - cut]
 
 
 def gather_index(starts: list[int], sizes: list[int]) -> torch.Tensor:

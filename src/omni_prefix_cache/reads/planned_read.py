@@ -43,6 +43,7 @@ from omni_prefix_cache.reads.read_ops import Fetch, compile_read_ops
 from omni_prefix_cache.specs import SpecState, compile_machine, load_spec
 from omni_prefix_cache.specs.types.planned_read import INITIAL, PlannedReadTrigger
 from omni_prefix_cache.specs.types.planned_read import ReadState as ReadState  # re-exported
+from omni_prefix_cache.steps import slot_tags
 from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
 from omni_prefix_cache.steps.slot_tags import READ_FROM_BASELINE, READ_FROM_OWNER, READ_SOURCE, rows_tagged
 from omni_prefix_cache.steps.step_context import KeyLayout
@@ -243,8 +244,8 @@ class HitReads:
         COMMITTED rows read the pool; rows in transit wait for their
         JOIN_NEXT_STEP write (``join_tids``) or read their JOIN_ON_FINISH
         task (``staged_list``); ABSENT mm rows keep the baseline (zeros) taken
-        now. Raises OmniPrefixCacheUnmatchError for ABSENT hidden rows, an
-        in-transit owner the registry no longer holds, or a failed owner.
+        now. Raises OmniPrefixCacheUnmatchError for ABSENT hidden rows, any
+        REJECTED row, an in-transit owner no longer held, or a failed owner.
         """
         got = self.plan_many([slots], key, [req_id])[0]
         if isinstance(got, OmniPrefixCacheUnmatchError):
@@ -290,6 +291,7 @@ class HitReads:
         source = rows_tagged(state, READ_SOURCE)
         if not bool(source.any()):  # the usual hit: every row is committed, read from the pool
             return
+        slot_tags.refuse_rejected(source, slots, f"prefix hit of request {req_id!r}: {key!r} rows")
         absent = (source & READ_FROM_BASELINE) != 0
         if bool(absent.any()):
             if is_hidden_key(key):

@@ -70,12 +70,12 @@ def step_events(step: PrefixCacheStep) -> tuple[PrefixCacheRequestEvent, ...]:
     return as_events(events)
 
 
-def step_counts(step: PrefixCacheStep) -> dict[str, int]:
-    """A step's ``scheduled_tokens`` as request id -> count: pairs of a str
-    id and a non-negative int count, each id once (a repeated id would make
-    the step's rows disagree with its counts)."""
-    pairs = step.scheduled_tokens
-    what = f"{_WHERE}: PrefixCacheStep.scheduled_tokens"
+def step_counts(step: PrefixCacheStep, field: str = "scheduled_tokens") -> dict[str, int]:
+    """A step's ``scheduled_tokens`` (or its ``draft_tokens``) as request id
+    -> count: pairs of a str id and a non-negative int count, each id once
+    (a repeated id would make the step's rows disagree with its counts)."""
+    pairs = getattr(step, field)
+    what = f"{_WHERE}: PrefixCacheStep.{field}"
     if pairs is None or isinstance(pairs, (str, bytes, Mapping)) or not isinstance(pairs, Iterable):
         raise OmniPrefixCacheInvalidTypeError(
             f"{what} must be a tuple of (req_id, tokens) pairs, got {_describe(pairs)}"

@@ -20,6 +20,7 @@ from weakref import WeakValueDictionary
 
 from omni_prefix_cache.adapter import PrefixCacheEventKind, PrefixCacheRequestEvent, PrefixCacheRequestOwner
 from omni_prefix_cache.interface import OmniPrefixCacheInvalidArgumentError, ReqId, Tid
+from omni_prefix_cache.requests.drafts import DraftAccounting
 from omni_prefix_cache.requests.tenure import (
     DELIVERY_MACHINE,
     REQUEST_MACHINE,
@@ -127,9 +128,12 @@ class RequestTable:
         # recently seen is forgotten past it (counted in consumers_forgotten).
         self.consumers: dict[str, None] = {}
         self.consumers_forgotten = 0
-        ops = load_protocol().ops
+        protocol = load_protocol()
+        ops = protocol.ops
         binding = RequestBinding()
         self._retire_delivery = compile_operation(ops["retire_delivery"], binding, {}, {})
+        # The requests executor's share of materialize's and discard's consume (request.accept?).
+        self.drafts = DraftAccounting(protocol, binding, self)
         self._retire_owner = compile_operation(
             ops["retire_owner"], binding, {"retire_deliveries": self._retire_deliveries}, {}
         )
@@ -306,14 +310,17 @@ class RequestTable:
     ) -> None:
         """Protocol effect ``record_saved`` (save's state segment): each
         scheduled request's rows advance its tenure's ``computed_upto`` (and,
-        when the step wrote cached keys, ``saved_upto``) to their token end;
-        the step keeps the tenures and token ranges it saved. Without a
+        when the step wrote cached keys, ``saved_upto``) to their verified
+        end: the token end less its speculative drafts (``record.drafts``,
+        counted only once accepted: ``accept_rows``). The step keeps the
+        tenures and token ranges (drafts included) it saved. Without a
         write layout the range starts where the scheduler output said
         (``starts``, seed-era), else at the tenure's ``computed_upto``. A
         hit request the step did not schedule reports an empty range at its
         hit end."""
         record = ctx.record
         tenures, ranges = record.tenures, record.token_ranges
+        drafts = record.drafts
         current = self.current.get
         # (request, rows) in row order, the scheduled entries (zip stops at
         # the counts); ``for_save`` only for an id without a current tenure.
@@ -324,13 +331,15 @@ class RequestTable:
                 end = start + rows
             else:
                 start, end = token_ranges[rid]
+            ranges.append((start, end))
+            tenures.append(tenure)
+            if drafts:
+                end -= drafts.get(rid, 0)  # the rows before the drafts: what the step verified
             tenure.computed_upto = end
             if cached and end > tenure.saved_upto:
                 tenure.saved_upto = end
             if end > tenure.rows_upto:
                 tenure.rows_upto = end
-            ranges.append((start, end))
-            tenures.append(tenure)
         for hit in record.hits[record.scheduled :]:  # the hits of requests without rows
             assert hit is not None
             tenure = self.for_save(hit.req_id)

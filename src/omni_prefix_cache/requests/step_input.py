@@ -32,11 +32,11 @@ state lock's protection of the caller (the engine thread is its only writer).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from omni_prefix_cache.adapter import PrefixCacheEventKind, PrefixCacheRequestEvent, PrefixCacheStep
-from omni_prefix_cache.interface import OmniPrefixCacheInvalidTypeError, ReqId
+from omni_prefix_cache.interface import OmniPrefixCacheInvalidArgumentError, OmniPrefixCacheInvalidTypeError, ReqId
 from omni_prefix_cache.requests import event_check
 from omni_prefix_cache.steps import validation as check
 from omni_prefix_cache.tier.metadata import TierStepMetadata, tier_metadata_of
@@ -59,6 +59,8 @@ class StepInput:
     # Seed-era only: where each request's rows start, as the scheduler output says (vLLM 0.33's
     # scheduled_cached_reqs); a request it does not name continues its tenure's computed_upto.
     starts: dict[ReqId, int] | None = None
+    # Speculative decoding: request -> its last scheduled tokens that are drafts (only requests with some).
+    drafts: dict[ReqId, int] = field(default_factory=dict)
 
 
 _TERMINAL = (PrefixCacheEventKind.FINISHED, PrefixCacheEventKind.ABORTED)
@@ -92,18 +94,24 @@ def events_step(
     given: PrefixCacheStep | Iterable[PrefixCacheRequestEvent],
     num_scheduled_tokens: Mapping[ReqId, int] | None,
     kv_tier: TierStepMetadata | None = None,
+    num_draft_tokens: Mapping[ReqId, int] | None = None,
 ) -> StepInput:
     """The event forms. Raises the invalid-type or invalid-argument error
     (``event_check``) for a step whose fields are not a step's, an item that
     is not an event, an event field of the wrong type or range, or a bad
     count; nothing is read twice (a generator is consumed once). The host
-    tier's metadata is ``kv_tier``, else the step's own (``PrefixCacheStep.tier``)."""
+    tier's metadata is ``kv_tier``, else the step's own (``PrefixCacheStep.tier``);
+    the draft counts ``num_draft_tokens``, else the step's own
+    (``PrefixCacheStep.draft_tokens``), each below its request's scheduled count."""
     tier = _tier(kv_tier)
+    raw_drafts: Any = num_draft_tokens
     if isinstance(given, PrefixCacheStep):
         if tier is None:
             tier = _tier(given.tier)
         events, sequence = event_check.step_events(given), given.sequence
         raw: Any = event_check.step_counts(given) if num_scheduled_tokens is None else num_scheduled_tokens
+        if raw_drafts is None and given.draft_tokens:
+            raw_drafts = event_check.step_counts(given, "draft_tokens")
     else:
         events, sequence = event_check.as_events(given), None
         raw = num_scheduled_tokens
@@ -113,12 +121,33 @@ def events_step(
     if raw is None:
         raw = {e.req_id: e.scheduled_tokens for e in events if e.scheduled_tokens}
     num_sched = check.as_num_scheduled(raw)
+    drafts = _drafts(raw_drafts, num_sched) if raw_drafts else {}
     queried = query_tokens = 0
     for e in events:
         if e.kind in _QUERIES and e.lookup_complete:
             queried += 1
             query_tokens += int(e.hit_end) + num_sched.get(e.req_id, 0)
-    return StepInput(_terminal_first(events), sequence, num_sched, queried, query_tokens, tier)
+    return StepInput(_terminal_first(events), sequence, num_sched, queried, query_tokens, tier, drafts)
+
+
+def _drafts(raw: Any, num_sched: Mapping[ReqId, int]) -> dict[ReqId, int]:
+    """The step's draft counts, checked against its scheduled counts: a
+    drafted request is scheduled, and at least one of its scheduled tokens
+    (the one its drafts follow) is not a draft. Raises the invalid-type or
+    invalid-argument error naming the request."""
+    counts = check.as_num_scheduled(raw)
+    out: dict[ReqId, int] = {}
+    for rid, drafts in counts.items():
+        if drafts == 0:
+            continue
+        scheduled = num_sched.get(rid, 0)
+        if drafts >= scheduled:
+            raise OmniPrefixCacheInvalidArgumentError(
+                f"new_step_starts: request {rid!r} has {drafts} speculative draft tokens but {scheduled} scheduled "
+                "tokens (the drafts are the last scheduled tokens, after at least one verified one)"
+            )
+        out[rid] = drafts
+    return out
 
 
 def _tier(value: object) -> TierStepMetadata | None:
@@ -141,6 +170,12 @@ def seed_step(
         raise OmniPrefixCacheInvalidTypeError(
             f"new_step_starts needs a PrefixCacheStep, an iterable of PrefixCacheRequestEvent or a scheduler "
             f"output, got {type(scheduler_output).__name__} {scheduler_output!r}"
+        )
+    if getattr(scheduler_output, "scheduled_spec_decode_tokens", None):
+        raise OmniPrefixCacheInvalidArgumentError(
+            "new_step_starts: a seed-era scheduler output with scheduled_spec_decode_tokens; speculative decoding "
+            "needs the event API (PrefixCacheSchedulerAdapter.translate_step, write layouts, and the accepted rows "
+            "at materialize: docs/integration.md)"
         )
     finished = check.as_req_ids("finished_req_ids", getattr(scheduler_output, "finished_req_ids", None))
     new_reqs = check.new_requests(getattr(scheduler_output, "scheduled_new_reqs", None))

@@ -56,7 +56,8 @@ class Tenure(PrefixCacheRequestProgress):
     state: SpecState = RequestState.UNKNOWN
     deliveries: dict[str, SpecState] = field(default_factory=dict)
     # The furthest position any output of this tenure can hold: the end of
-    # every range a save recorded (scheduled rows, or a hit it served). Only
+    # every range a save recorded (scheduled rows, or a hit it served; a
+    # speculative draft's row only once a materialize accepted it). Only
     # grows; once set, a view may not pass it (guard ``within_saved``).
     rows_upto: int = 0
 
@@ -116,6 +117,8 @@ class TenureMove:
     issued: bool = True
     record: IssuedView | None = None
     spent: bool = False
+    # An accept move's: whether the step wrote cached keys (its accepted rows then count as saved).
+    saves: bool = True
 
 
 @dataclass(eq=False, slots=True)
@@ -168,10 +171,27 @@ def _detach_writes(m: TenureMove) -> None:
     m.table.detach_writes(m.tenure)
 
 
+def count_accepted(tenure: Tenure, end: int, saves: bool) -> None:
+    """The rows up to ``end`` (a step's accepted end) count as computed and,
+    when the step wrote cached keys, as saved: each watermark reaches
+    ``end``, never back (a later save may have recorded past it already)."""
+    if end > tenure.computed_upto:
+        tenure.computed_upto = end
+    if saves and end > tenure.saved_upto:
+        tenure.saved_upto = end
+    if end > tenure.rows_upto:
+        tenure.rows_upto = end
+
+
+def _count_accepted(m: TenureMove) -> None:
+    assert m.tenure is not None
+    count_accepted(m.tenure, m.end, m.saves)
+
+
 REQUEST_MACHINE = compile_machine(
     load_spec("request_lifecycle"),
     guards={"resumed_event": _resumed_event},
-    effects={"install_lookup": _install_lookup, "detach_writes": _detach_writes},
+    effects={"install_lookup": _install_lookup, "detach_writes": _detach_writes, "count_accepted": _count_accepted},
     state_enum=RequestState,
 )
 

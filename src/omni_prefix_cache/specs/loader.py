@@ -46,7 +46,7 @@ _MOVE_KEYS = {"trigger", "source", "dest", "conditions", "after", "meaning", "de
 KNOWN_TAGS = frozenset(
     {
         *("rest", "waits", "accepts_chunks", "failure", "owned", "holds_page", "read_baseline", "read_owner"),
-        *("read_pool", "tier_held"),
+        *("read_pool", "read_refused", "tier_held"),
     }
 )
 

@@ -1,12 +1,11 @@
 """Slot occupancy per (slot, key), driven by the compiled ``slot_occupancy`` spec.
 
-Each pool key has three tables with one row per KV slot: ``state`` (int8, a
-``SlotState``), ``tids`` (the owning write task, -1 when none) and
-``slot_version`` (bumped each time a committed slot is reused). A move is
-applied to a whole slot tensor at once: the source states are gathered, the
-spec's move table says where each group goes, guards filter rows and effects
-run once per source-state group, with no Python loop over slots on the
-common path, on numpy views of the tables (cheaper than torch ops here).
+Each pool key has four tables with one row per KV slot (``slot_tables``):
+``state`` (a ``SlotState``), ``tids`` (the owning write, -1 when none),
+``slot_version`` (+1 per reuse of a committed slot) and ``writer`` (the
+save, a tenancy, that last mapped it: a rejection of its speculative drafts
+moves only slots no later save wrote). A move is applied to a whole slot
+tensor at once, per source-state group, on numpy views of the tables.
 
 Threading: a ``SlotOccupancy`` has no lock of its own. The manager calls it
 under its state lock only (the hooks it installs run under that lock too).
@@ -15,8 +14,6 @@ under its state lock only (the hooks it installs run under that lock too).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -27,37 +24,8 @@ from omni_prefix_cache.specs import CompiledMove, compile_machine, load_spec
 from omni_prefix_cache.specs.composition import load_protocol
 from omni_prefix_cache.specs.types.slot_occupancy import SlotOccupancyTrigger
 from omni_prefix_cache.specs.types.slot_occupancy import SlotState as SlotState  # re-exported
-from omni_prefix_cache.steps.slot_tags import OWNED, rows_tagged
+from omni_prefix_cache.steps.slot_tables import NO_OWNER, KeyArrays, KeySlots, SlotGroup, check_tables
 from omni_prefix_cache.steps.validation import listed
-
-_NO_OWNER = -1
-
-
-class SlotGroup(NamedTuple):
-    """The rows of one vectorised move that share a source state; ``owners``
-    per row (map's new owner, commit/drop's writer) or 0-d, one for all."""
-
-    key: TensorName
-    slots: np.ndarray  # int64 KV slot ids
-    owners: np.ndarray  # int64 tids, same length as slots, or 0-d (one for all)
-
-
-@dataclass(eq=False)
-class KeySlots:
-    """The occupancy tables of one pool key (what ``get_slot_status`` returns)."""
-
-    state: torch.Tensor  # int8 SlotState per slot
-    tids: torch.Tensor  # int64 owner tid per slot, -1 when not IN_TRANSIT
-    slot_version: torch.Tensor  # int64, +1 per reuse of a committed slot
-
-
-class _KeyArrays(NamedTuple):
-    """Numpy views of one key's tables (the moves write through them)."""
-
-    state: np.ndarray
-    tids: np.ndarray
-    slot_version: np.ndarray
-
 
 # ------------------------------------------------------------ spec handlers
 # Signature (occupancy, group). Guards return a bool mask over the group's
@@ -69,12 +37,26 @@ def _owned_by_writer(occ: SlotOccupancy, group: SlotGroup) -> np.ndarray:
     return owned
 
 
+def _written_by_step(occ: SlotOccupancy, group: SlotGroup) -> np.ndarray:
+    # No later save, and no restore, wrote the slot since the rejecting step's save.
+    mine: np.ndarray = occ._arrays[group.key].writer[group.slots] == group.tenancy
+    return mine
+
+
 def _set_owner(occ: SlotOccupancy, group: SlotGroup) -> None:
     occ._arrays[group.key].tids[group.slots] = group.owners
 
 
+def _stamp_writer(occ: SlotOccupancy, group: SlotGroup) -> None:
+    occ._arrays[group.key].writer[group.slots] = occ.tenancy
+
+
+def _clear_writer(occ: SlotOccupancy, group: SlotGroup) -> None:
+    occ._arrays[group.key].writer[group.slots] = NO_OWNER
+
+
 def _clear_owner(occ: SlotOccupancy, group: SlotGroup) -> None:
-    occ._arrays[group.key].tids[group.slots] = _NO_OWNER
+    occ._arrays[group.key].tids[group.slots] = NO_OWNER
 
 
 def _bump_version(occ: SlotOccupancy, group: SlotGroup) -> None:
@@ -88,7 +70,8 @@ def _record_takeover(occ: SlotOccupancy, group: SlotGroup) -> None:
     # The spec's `reassign_from_old_owner`. Runs before set_owner (spec
     # order), so `tids` still names the old owner.
     old = occ._arrays[group.key].tids[group.slots]
-    taken = old != group.owners  # a task remapping its own slot loses nothing
+    # A task remapping its own slot loses nothing; a rejection (no new owner) takes every row.
+    taken = old != group.owners if group.tenancy < 0 else old != NO_OWNER
     if not taken.any():
         return
     old, slots = old[taken], group.slots[taken]
@@ -107,9 +90,11 @@ def _preserve_pending_reads(occ: SlotOccupancy, group: SlotGroup) -> None:
 
 SLOT_MACHINE = compile_machine(
     load_spec("slot_occupancy"),
-    guards={"owned_by_writer": _owned_by_writer},
+    guards={"owned_by_writer": _owned_by_writer, "written_by_step": _written_by_step},
     effects={
         "set_owner": _set_owner,
+        "stamp_writer": _stamp_writer,
+        "clear_writer": _clear_writer,
         "reassign_from_old_owner": _record_takeover,
         "preserve_pending_reads": _preserve_pending_reads,
         "bump_version": _bump_version,
@@ -150,8 +135,11 @@ class SlotOccupancy:
         self.num_slots = int(num_slots)
         self.on_takeover = on_takeover
         self.on_reuse = on_reuse
+        # The current tenancy: each take_tenancy (a save) is a new one, and
+        # every slot a map moves records it (effect stamp_writer).
+        self.tenancy = 0
         self._keys: dict[TensorName, KeySlots] = {}
-        self._arrays: dict[TensorName, _KeyArrays] = {}
+        self._arrays: dict[TensorName, KeyArrays] = {}
         self.state: dict[TensorName, torch.Tensor] = {}
         n_states = len(SlotState)
         # Slot tenancy (the spec's couplings): the triggers a save (take_tenancy)
@@ -184,11 +172,14 @@ class SlotOccupancy:
         if table is None:
             table = KeySlots(
                 state=torch.full((self.num_slots,), INITIAL, dtype=torch.int8),
-                tids=torch.full((self.num_slots,), _NO_OWNER, dtype=torch.int64),
+                tids=torch.full((self.num_slots,), NO_OWNER, dtype=torch.int64),
                 slot_version=torch.zeros((self.num_slots,), dtype=torch.int64),
+                writer=torch.full((self.num_slots,), NO_OWNER, dtype=torch.int64),
             )
             self._keys[key] = table
-            self._arrays[key] = _KeyArrays(table.state.numpy(), table.tids.numpy(), table.slot_version.numpy())
+            self._arrays[key] = KeyArrays(
+                table.state.numpy(), table.tids.numpy(), table.slot_version.numpy(), table.writer.numpy()
+            )
             self.state[key] = table.state
         return table
 
@@ -219,13 +210,15 @@ class SlotOccupancy:
         owners: torch.Tensor | int,
         *,
         where_enabled: bool = False,
+        tenancy: int = -1,
     ) -> int:
         """Fire ``trigger`` on every row of ``slots`` for ``key``; returns how
         many rows moved (a guard-refused row stays). Raises
         OmniPrefixCacheUnmatchError naming key, trigger, source state and
         slots when a row has no such move, changing nothing; with
-        ``where_enabled`` (``slot.trigger?``) such rows stay. State lock."""
-        return self._apply(trigger, key, self._as_slots(key, slots), owners, where_enabled)
+        ``where_enabled`` (``slot.trigger?``) such rows stay. ``tenancy``:
+        the rejecting save's (``reject``). State lock."""
+        return self._apply(trigger, key, self._as_slots(key, slots), owners, where_enabled, tenancy)
 
     def _apply(
         self,
@@ -234,9 +227,11 @@ class SlotOccupancy:
         slots: np.ndarray,
         owners: torch.Tensor | np.ndarray | int,
         where_enabled: bool,
+        tenancy: int = -1,
     ) -> int:
         """``apply`` over slots already checked by ``_as_slots`` (owners as
-        given to ``apply``, or already converted by ``_as_owners``)."""
+        given to ``apply``, or already converted by ``_as_owners``;
+        ``tenancy``: the rejecting save's, for reject)."""
         arrays = self._arrays.get(key)
         if arrays is None:
             raise self._unknown(key)
@@ -252,10 +247,14 @@ class SlotOccupancy:
         moved = 0
         recorder = SLOT_MACHINE.recorder
         for move, group in self._groups(key, trigger, moves, src, slots, owner_rows, where_enabled):
+            if tenancy >= 0:
+                group = group._replace(tenancy=tenancy)
             for guard in move.guards:
                 ok = guard(self, group)
                 if not all_set(ok):
-                    group = SlotGroup(key, group.slots[ok], group.owners[ok] if group.owners.ndim else group.owners)
+                    group = SlotGroup(
+                        key, group.slots[ok], group.owners[ok] if group.owners.ndim else group.owners, tenancy
+                    )
             if group.slots.size == 0:
                 continue
             state[group.slots] = int(move.dest)
@@ -315,19 +314,17 @@ class SlotOccupancy:
         its version. Under the state lock."""
         return self.apply(SlotOccupancyTrigger.MAP, key, slots, owners)
 
-    def take_tenancy(self, slots: torch.Tensor, writes: Mapping[TensorName, torch.Tensor | np.ndarray | int]) -> None:
+    def take_tenancy(self, slots: torch.Tensor, writes: Mapping[TensorName, torch.Tensor | np.ndarray | int]) -> int:
         """A save's step takes ``slots`` for its writes (coupling
         ``take_tenancy``): every key in ``writes`` fires the coupling's
         ``fires`` trigger (``map``, owned by the given tids), every other
         open key fires ``others`` (``reset``: its rows become absent, never
-        the previous tenant's). Under the state lock."""
-        if int(slots.numel()) == 0:
-            return
-        first = next(iter(writes), None)
-        if first is None:
-            first = next(iter(self._keys), None)
-        if first is None:
-            return
+        the previous tenant's). Returns the save's tenancy (a new one per
+        call, stamped on the slots it maps). Under the state lock."""
+        self.tenancy += 1
+        first = next(iter(writes), next(iter(self._keys), None))
+        if int(slots.numel()) == 0 or first is None:
+            return self.tenancy
         # One check of the slots for every key's move (named after the key
         # moved first, as a per-key check would be).
         self.get_slot_status(first)
@@ -336,7 +333,21 @@ class SlotOccupancy:
             self._apply(self._tenant_writes, key, rows, owners, False)
         for key in self._keys:
             if key not in writes:
-                self._apply(self._tenant_others, key, rows, _NO_OWNER, False)
+                self._apply(self._tenant_others, key, rows, NO_OWNER, False)
+        return self.tenancy
+
+    def reject(self, slots: torch.Tensor, tenancy: int) -> int:
+        """``slot.reject?`` of a step's rejected drafts (``slots``): every
+        open key the save of ``tenancy`` mapped last moves to REJECTED (an
+        owner skips it at its pool write, a committed row's version moves).
+        Returns the rows moved over all keys. State lock and reads lock."""
+        if int(slots.numel()) == 0 or not self._keys or tenancy < 0:
+            return 0
+        rows = self._as_slots(next(iter(self._keys)), slots)
+        moved = 0
+        for key in self._keys:
+            moved += self._apply(SlotOccupancyTrigger.REJECT, key, rows, NO_OWNER, True, tenancy)
+        return moved
 
     def restore_tenancy(self, slots: torch.Tensor, keys: Collection[TensorName]) -> None:
         """The host tier restores a block into ``slots`` (coupling
@@ -351,7 +362,7 @@ class SlotOccupancy:
         rows = self._as_slots(first, slots)
         for key in self._keys:
             trigger = self._restore_writes if key in keys else self._restore_others
-            self._apply(trigger, key, rows, _NO_OWNER, False)
+            self._apply(trigger, key, rows, NO_OWNER, False)
 
     def commit(self, key: TensorName, slots: torch.Tensor, writers: torch.Tensor | int) -> int:
         """Strict ``commit``: every row must be IN_TRANSIT (else raises);
@@ -402,21 +413,7 @@ class SlotOccupancy:
     def check_invariants(self, live_tids: set[Tid] | None = None) -> None:
         """Raise OmniPrefixCacheUnmatchError naming the key and slots that break
         ``owner_iff_in_transit``, or ``owner_is_live_task`` given ``live_tids``."""
-        for key, table in self._keys.items():
-            in_transit = rows_tagged(table.state, OWNED)
-            owned = table.tids != _NO_OWNER
-            bad = (in_transit != owned).nonzero().flatten()
-            if bad.numel():
-                raise OmniPrefixCacheUnmatchError(
-                    f"slot occupancy {key!r}: owner_iff_in_transit broken at slots {listed(bad)}"
-                )
-            if live_tids is not None and bool(in_transit.any()):
-                owners = table.tids[in_transit]
-                dead = sorted(set(owners.tolist()) - set(live_tids))
-                if dead:
-                    raise OmniPrefixCacheUnmatchError(
-                        f"slot occupancy {key!r}: owner_is_live_task broken: owners {listed(dead)} are not live"
-                    )
+        check_tables(self._keys, live_tids)
 
     # ------------------------------------------------------------ helpers
 

@@ -2,7 +2,7 @@
 
 A tag in spec/slot_occupancy.yaml names a group of states (``owned``: a write
 owns the row; ``read_pool`` / ``read_baseline`` / ``read_owner``: where a
-planned read takes a row from). Each table here is indexed by a slot-state
+planned read takes a row from; ``read_refused``: a row no read may take). Each table here is indexed by a slot-state
 tensor, so "which rows are owned" or "where is each row read from" is one
 ``index_select`` over a whole slot tensor, never a loop over slots.
 
@@ -41,7 +41,25 @@ OWNED = state_mask("owned")
 # Where a planned read takes a row from, by its slot state's tag (read_pool: the pool).
 READ_BASELINE = state_mask("read_baseline")
 READ_OWNER = state_mask("read_owner")
-# Both at once, as bits per slot state (0: the row is read from the pool), so
+# read_refused: no read may take the row (a rejected speculative draft).
+READ_REFUSED = state_mask("read_refused")
+# All at once, as bits per slot state (0: the row is read from the pool), so
 # a read whose rows are all committed is told apart with one lookup.
-READ_FROM_BASELINE, READ_FROM_OWNER = 1, 2
-READ_SOURCE = READ_BASELINE.to(torch.int8) * READ_FROM_BASELINE + READ_OWNER.to(torch.int8) * READ_FROM_OWNER
+READ_FROM_BASELINE, READ_FROM_OWNER, READ_NOWHERE = 1, 2, 4
+READ_SOURCE = (
+    READ_BASELINE.to(torch.int8) * READ_FROM_BASELINE
+    + READ_OWNER.to(torch.int8) * READ_FROM_OWNER
+    + READ_REFUSED.to(torch.int8) * READ_NOWHERE
+)
+
+
+def refuse_rejected(source: torch.Tensor, slots: torch.Tensor, what: str) -> None:
+    """Raise OmniPrefixCacheUnmatchError naming ``what`` and the slots when
+    a row of a planned read (``source``: its ``READ_SOURCE`` bits) is
+    tagged read_refused: a rejected speculative draft no save wrote again."""
+    refused = (source & READ_NOWHERE) != 0
+    if bool(refused.any()):
+        raise OmniPrefixCacheUnmatchError(
+            f"{what} at slots {slots[refused].tolist()[:16]} are rejected "
+            "speculative drafts (REJECTED) that no save wrote again; the omni cache diverged from the KV cache"
+        )

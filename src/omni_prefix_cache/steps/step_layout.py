@@ -56,6 +56,7 @@ class SchedSnapshot:
     # Seed-era (no layout): where a request's rows start when the scheduler output says (its
     # scheduled_cached_reqs); any other request continues its tenure's computed_upto.
     starts: dict[ReqId, int] | None = None
+    drafts: Mapping[ReqId, int] = field(default_factory=dict)  # speculative drafts per request (StepInput.drafts)
 
 
 @dataclass(eq=False)

@@ -11,6 +11,7 @@ lists, indexed once by request id.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -22,7 +23,7 @@ from omni_prefix_cache.interface import ReqId, TensorName
 if TYPE_CHECKING:
     from omni_prefix_cache.requests.tenure import Tenure
 
-__all__ = ["Hit", "StepRecord"]
+__all__ = ["Accepted", "Hit", "StepRecord"]
 
 _NO_SLOTS = torch.empty((0,), dtype=torch.int64)  # never written: a hit not registered yet
 
@@ -75,7 +76,13 @@ class StepRecord:
     ``tenures`` (``record_saved``: the positions ``[start, end)`` the
     step's rows cover, an empty range at the hit end for an unscheduled
     hit, and the tenure, with its owner, each was saved under). Read-only
-    once the step is published."""
+    once the step is published.
+
+    Speculative decoding: ``drafts`` (request -> its draft rows, the last
+    ones of its span) and ``draft_slots`` (their KV slots) for each
+    scheduled request with drafts, ``tenancy`` (the save's, slot occupancy)
+    and ``saves`` (whether it wrote cached keys): what a materialize or a
+    discard needs to reject the rows past each request's accepted end."""
 
     req_ids: list[ReqId]
     row_starts: list[int]
@@ -86,6 +93,10 @@ class StepRecord:
     any_hit: bool = False
     token_ranges: list[tuple[int, int]] = field(default_factory=list)
     tenures: list[Tenure] = field(default_factory=list)
+    drafts: dict[ReqId, int] = field(default_factory=dict)
+    draft_slots: dict[ReqId, torch.Tensor] = field(default_factory=dict)
+    tenancy: int = -1
+    saves: bool = True
 
     @classmethod
     def of_rows(cls, req_ids: list[ReqId], spans: dict[ReqId, tuple[int, int]]) -> StepRecord:
@@ -128,3 +139,64 @@ class StepRecord:
     def hit_of(self, rid: ReqId) -> Hit | None:
         """The hit this step serves ``rid``, else None."""
         return self.hits[self.index[rid]] if self.any_hit else None
+
+    def accepted(self, counts: Mapping[ReqId, int] | None) -> list[Accepted]:
+        """Each drafted request's verdict under ``counts`` (request ->
+        ``len(sampled_token_ids[i])``: its accepted drafts plus one; None:
+        nothing accepted, as a discard without counts): where its valid rows
+        end and the slots of the rows past that. A request without a count
+        accepts none of its drafts (materialize refuses that beforehand)."""
+        out: list[Accepted] = []
+        if not self.drafts:
+            return out
+        for rid, drafts in self.drafts.items():
+            i = self.index[rid]
+            end = self.token_ranges[i][1] if i < len(self.token_ranges) else 0
+            count = 0 if counts is None else counts.get(rid, 0)
+            kept = min(max(count - 1, 0), drafts)  # the drafts it accepted
+            out.append(Accepted(rid, i, end - drafts + kept, end, self.draft_slots[rid][kept:]))
+        return out
+
+    def refused_counts(self, counts: Mapping[ReqId, int] | None, *, need_drafts: bool) -> str:
+        """Why ``counts`` do not fit this step ("" when they do): a request
+        the step did not save, a count past a request's drafts plus one, or
+        (``need_drafts``: materialize) a drafted request without a count.
+        Counts are ints of at least 0 already (``validation.as_accepted_rows``)."""
+        problems: list[str] = []
+        if counts:
+            unknown = [r for r in counts if r not in self.index]
+            if unknown:
+                problems.append(f"requests {unknown[:8]} are not in the step")
+            over = [
+                f"{r!r}: {k} (drafts {self.drafts.get(r, 0)})"
+                for r, k in counts.items()
+                if r in self.index and k > self.drafts.get(r, 0) + 1
+            ]
+            if over:
+                problems.append(
+                    "more accepted rows than the request's drafts plus one (len(sampled_token_ids[i]) is at most "
+                    f"its drafts plus one): {', '.join(over[:8])}"
+                )
+        if need_drafts:
+            missing = [r for r in self.drafts if counts is None or r not in counts]
+            if missing:
+                problems.append(
+                    f"requests {missing[:8]} have speculative drafts this step but no accepted rows (pass "
+                    "accepted_rows: len(ModelRunnerOutput.sampled_token_ids[i]) per request; without it rows "
+                    "past the accepted end would be served)"
+                )
+        return "; ".join(problems)
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """One drafted request's verdict: its entry in the step, where its
+    valid rows end (``accepted_end``: the rows before its drafts plus the
+    drafts it accepted), its token end as scheduled, and the slots of its
+    rejected rows ``[accepted_end, end)``."""
+
+    req_id: ReqId
+    index: int
+    accepted_end: int
+    end: int
+    rejected_slots: torch.Tensor

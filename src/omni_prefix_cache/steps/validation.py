@@ -163,3 +163,31 @@ def check_step_tensors(sid: StepId, hidden: Any, mm: Any) -> None:
                 f"save_outputs (step {sid}): multimodal output names must be str, got {type(key).__name__} {key!r}"
             )
         check_devices(f"save_outputs (step {sid}): mm output {key!r}", value)
+
+
+def as_accepted_rows(what: str, value: Any) -> dict[ReqId, int] | None:
+    """The accepted-rows input of materialize or discard_step (None: none
+    given): a mapping of request id to ``len(sampled_token_ids[i])``, a
+    non-negative int each (numpy ints too; a bool or float is refused). A
+    copy: the caller's mapping is never kept."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise OmniPrefixCacheInvalidTypeError(
+            f"{what}: accepted_rows must be a mapping of request id to len(sampled_token_ids[i]), "
+            f"got {type(value).__name__} {value!r}"[:240]
+        )
+    if set(map(type, value)) <= _STR and set(map(type, value.values())) <= _INT and min(value.values(), default=0) >= 0:
+        return dict(value)  # the usual case (str ids, int counts), checked without a call per entry
+    return {as_req_id(what, r): as_count(f"{what}: accepted_rows[{r!r}]", k) for r, k in value.items()}
+
+
+def drafts_need_layout(sid: StepId, drafts: Mapping[ReqId, int], write_layout: Any) -> None:
+    """A save of a step with speculative drafts needs a write layout: its
+    positions come from the layout, never from a tenure's watermark (which
+    counts a draft only once a materialize accepted it)."""
+    if drafts and write_layout is None:
+        raise OmniPrefixCacheInvalidArgumentError(
+            f"save_outputs (step {sid}): the step has speculative drafts (requests {sorted(drafts)[:8]}); "
+            "it needs a write_layout (PrefixCacheSchedulerAdapter.build_write_layout)"
+        )

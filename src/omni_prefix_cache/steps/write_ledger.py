@@ -271,7 +271,7 @@ class WriteLedger:
         sizes: list[int],
         immediate: list[WriteTask],
         deferred_tids: list[Tid],
-    ) -> None:
+    ) -> int:
         """The step becomes the tenant of its slots (occupancy coupling
         ``take_tenancy``), one move per key for the whole step: a key the
         step writes goes IN_TRANSIT, owned by the step's write (immediate
@@ -279,9 +279,10 @@ class WriteLedger:
         other open key of those slots is reset to ABSENT, so it can never
         serve a previous tenant's rows. ``sizes``: the rows of each scheduled
         request, in step order. State and reads locks held (version
-        bumps and preserved copies change together)."""
+        bumps and preserved copies change together). Returns the save's
+        tenancy (-1 for a step without rows)."""
         if not sizes:
-            return
+            return -1
         # Owners per row: the step's write owns every immediate row (one
         # tid); deferred owners are one int64 array shared by the keys (the
         # occupancy takes numpy owners as they are: no conversion per key).
@@ -293,7 +294,7 @@ class WriteLedger:
             writes.update(dict.fromkeys(split.immediate, per_row_ids([t.tid for t in immediate], rows)))
         if deferred_tids:
             writes.update(dict.fromkeys(split.deferred_clone, per_row_ids(deferred_tids, sizes)))
-        self._occupancy.take_tenancy(slots, writes)
+        return self._occupancy.take_tenancy(slots, writes)
 
     def on_takeover(self, tid: Tid, key: TensorName, slots: torch.Tensor) -> None:
         """Occupancy hook (state lock held): a newer write took these rows

@@ -186,6 +186,31 @@ def _never_lingers(data: dict[str, Any]) -> None:
     data["operations"] = [o for o in data["operations"] if o["name"] != "linger"]
 
 
+def _materialize_keeps_drafts(data: dict[str, Any]) -> None:
+    _op(data, "materialize")["segments"][1]["steps"].remove({"do": "cut_rejected"})
+    _drop_effect(data, "cut_rejected")
+    data["orderings"] = [o for o in data["orderings"] if "cut_rejected" not in o["order"]]
+
+
+def _draft_slots_kept(data: dict[str, Any]) -> None:
+    _op(data, "materialize")["segments"][0]["steps"].remove("slot.reject?")
+    for o in data["orderings"]:
+        if o["operation"] == "materialize":
+            o["order"] = [x for x in o["order"] if x != "slot.reject?"]
+
+
+def _reject_preserves(spec: MachineSpec) -> MachineSpec:
+    move = {
+        "trigger": "reject",
+        "source": "COMMITTED",
+        "dest": "REJECTED",
+        "conditions": ["written_by_step"],
+        "after": ["preserve_pending_reads", "bump_version"],
+        "meaning": "mutant: a read planned on the rejected row keeps a copy of it",
+    }
+    return with_move(without_move(spec, "reject", "COMMITTED"), move)
+
+
 BROKEN: dict[str, Mutation] = {
     "committer-never-lingers": Mutation(
         "without operation linger the committer wakes only when kicked: writes a save queued after the last "
@@ -327,6 +352,24 @@ BROKEN: dict[str, Mutation] = {
         "at_most_once_in_order",
         machines={"delivery": _without_effect("spend_view")},
         model="lifecycle",
+    ),
+    "materialize-keeps-drafts": Mutation(
+        "materialize without cut_rejected: a step's output keeps the rows of the speculative drafts it rejected",
+        "accepted_rows_only",
+        _materialize_keeps_drafts,
+        model="lifecycle",
+    ),
+    "draft-slots-kept": Mutation(
+        "materialize without slot.reject? (discard keeps it): a rejected draft's row stays COMMITTED, and a hit "
+        "planned on it is served",
+        "slot_occupancy.rejected_never_served",
+        _draft_slots_kept,
+    ),
+    "reject-preserves-reads": Mutation(
+        "slot_occupancy's reject from COMMITTED preserves pending reads: a read planned on the rejected row "
+        "keeps a copy of it and is served",
+        "slot_occupancy.rejected_never_served",
+        machines={"slot_occupancy": _reject_preserves},
     ),
     "commit-without-ack": Mutation(
         "commit_output hands off and never acknowledges: the next view delivers the same positions again",

@@ -1,8 +1,9 @@
 """The mutant catalogue: bugs this design has had (or that the seed suite documents), each re-injectable
-into the runtime by a patch that lives only here (and in ``tier_mutants``, ``layout_mutants``, ``thread_mutants``,
-which import nothing of this module); the runtime carries no switch for any. ``applied(name)`` applies one for a
-block (tests/conftest.py does, for a session, with ``OMNI_PREFIX_CACHE_MUTANT=<name>``). ``make mutants`` judges
-them all with ``mutant_runner``, which says what counts as a kill. (``testing.mutants`` mutates *specs*.)"""
+into the runtime by a patch that lives only here (and in ``tier_mutants``, ``layout_mutants``, ``thread_mutants``
+and ``draft_mutants``, which import nothing of this module); the runtime carries no switch for any.
+``applied(name)`` applies one for a block (tests/conftest.py does, for a session, with
+``OMNI_PREFIX_CACHE_MUTANT=<name>``). ``make mutants`` judges them all with ``mutant_runner``, which says
+what counts as a kill. (``testing.mutants`` mutates *specs*.)"""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
-from omni_prefix_cache.testing import layout_mutants, thread_mutants, tier_mutants
+from omni_prefix_cache.testing import draft_mutants, layout_mutants, thread_mutants, tier_mutants
 from omni_prefix_cache.testing.mutant_runner import ENV_VAR as ENV_VAR  # re-exported: conftest, fuzz
 
 
@@ -575,7 +576,7 @@ def _view_acknowledged_twice(stack: contextlib.ExitStack) -> None:
     _before_record(stack, lambda record, view: setattr(record, "spent", False))
 
 
-for _more in (tier_mutants, layout_mutants, thread_mutants):
+for _more in (tier_mutants, layout_mutants, thread_mutants, draft_mutants):
     _more.register(_register, _set)
 
 
@@ -585,8 +586,7 @@ for _more in (tier_mutants, layout_mutants, thread_mutants):
 @contextlib.contextmanager
 def applied(name: str) -> Iterator[Mutant]:
     """Apply mutant ``name`` for the duration of the block."""
-    mutant = MUTANTS.get(name) or CANDIDATES.get(name)
-    if mutant is None:
+    if (mutant := MUTANTS.get(name) or CANDIDATES.get(name)) is None:
         raise KeyError(f"unknown mutant {name!r}; known: {', '.join(sorted(MUTANTS | CANDIDATES))}")
     with contextlib.ExitStack() as stack:
         mutant.patch(stack)

@@ -59,6 +59,8 @@ class SchedOut:
     scheduled_new_reqs: list[NewReq]
     finished_req_ids: set[str]
     num_scheduled_tokens: dict[str, int]
+    # Speculative decoding: each drafted request's draft token ids (vLLM's field).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,10 @@ class PlannedStep:
     mm: dict[str, torch.Tensor]
     n: int
     expects: list[Expect]
+    # Speculative decoding: per drafted request, len(sampled_token_ids[i]) (its accepted drafts plus one).
+    accepted: dict[str, int] = field(default_factory=dict)
+    # Per drafted request: (verified end, draft end, its block ids) as scheduled, for a test's hostile hit.
+    drafted: dict[str, tuple[int, int, list[int]]] = field(default_factory=dict)
 
 
 class RecentFirstAllocator(BlockAllocator):
@@ -166,19 +172,32 @@ class ServingModel:
         run: Callable[[ModelRequest], int],
         capacity: int,
         absent_keys: frozenset[str] = frozenset(),
+        drafts: Callable[[ModelRequest], tuple[int, int]] | None = None,
     ) -> PlannedStep | None:
         """Build one step. ``run(req)`` / ``admit(req)`` say how many tokens
         to schedule for a running / waiting request (0 = skip). mm keys in
         ``absent_keys`` are not token rows this step (the caller passes
-        them as leftovers). Returns None when nothing got scheduled (the
-        finished ids stay pending)."""
+        them as leftovers). ``drafts(req)``, for a running request in
+        decode: ``(d, k)``, speculative decoding with ``d`` drafts of which
+        the first ``k`` are right (the forward accepts them; the next one is
+        wrong, so the rows from there on are rejected drafts'). Returns None
+        when nothing got scheduled (the finished ids stay pending)."""
         budget = capacity
         entries: list[tuple[ModelRequest, int, int, bool]] = []  # req, start, n, manager hit
         new_reqs: list[NewReq] = []
+        spec: dict[str, tuple[list[int], int]] = {}  # drafted request -> (draft tokens, accepted)
         for req in self.running():
-            n = min(run(req), len(req.tokens) - req.computed, budget)
-            if n <= 0 or not self._grow(req, req.computed + n):
-                continue
+            d, k = drafts(req) if drafts is not None and req.computed == len(req.tokens) - 1 else (0, 0)
+            d = max(0, min(d, budget - 1))
+            if d:
+                n = 1 + d
+                if not self._grow(req, req.computed + n):
+                    continue
+                spec[req.rid] = (self._drafts(req, d, min(k, d)), min(k, d))
+            else:
+                n = min(run(req), len(req.tokens) - req.computed, budget)
+                if n <= 0 or not self._grow(req, req.computed + n):
+                    continue
             if req.emit_new:  # streaming continuation: re-enters the new list
                 new_reqs.append(NewReq(req.rid, req.computed, (list(req.blocks),)))
                 req.emit_new = False
@@ -212,7 +231,8 @@ class ServingModel:
         if not entries:
             return None
         for req, start, n, _ in entries:
-            self._register_full_blocks(req, start + n)
+            # vLLM hashes a block once its tokens are computed: never over a draft.
+            self._register_full_blocks(req, start + n - len(spec.get(req.rid, ((), 0))[0]))
             for slot in self._slots(req, start, start + n):
                 for key, present in self.present.items():
                     (present.discard if key in absent_keys else present.add)(slot)
@@ -220,7 +240,13 @@ class ServingModel:
         self.view.set_step(order, {r.rid: r.blocks for r, *_ in entries}, {r.rid: s for r, s, *_ in entries})
         finished, self.finished_pending = self.finished_pending, set()
         out = SchedOut(new_reqs, finished, {r.rid: n for r, _, n, _ in entries})
-        spans = [req.hashes.span(start, start + n) for req, start, n, _ in entries]
+        out.scheduled_spec_decode_tokens = {rid: list(tokens) for rid, (tokens, _) in spec.items()}
+        spans = [
+            req.hashes.span(start, start + n)
+            if req.rid not in spec
+            else torch.cat([req.hashes.span(start, start + 1), req.hashes.chained(spec[req.rid][0])])
+            for req, start, n, _ in entries
+        ]
         hashes = torch.cat(spans)
         hidden = rows_from_hashes(hashes, HIDDEN_KEY, self.widths[HIDDEN_KEY], torch.float32)
         mm = {
@@ -228,20 +254,49 @@ class ServingModel:
             for k, w in self.widths.items()
             if k != HIDDEN_KEY and k not in absent_keys
         }
+        accepted: dict[str, int] = {}
+        drafted: dict[str, tuple[int, int, list[int]]] = {}
+        for req, start, n, _ in entries:
+            if req.rid in spec:  # the accepted drafts join the request's tokens; the rest were wrong
+                tokens, k = spec[req.rid]
+                req.tokens.extend(tokens[:k])
+                req.hashes.extend(tokens[:k])
+                accepted[req.rid] = k + 1  # len(sampled_token_ids[i]): the accepted drafts and the bonus token
+                drafted[req.rid] = (start + 1, start + n, list(req.blocks))
         expects = []
         for req, start, n, hit in entries:
             first = 0 if hit else start
-            slots = self._slots(req, first, start + n)
+            end = start + n if req.rid not in spec else start + 1 + spec[req.rid][1]  # the accepted end
+            slots = self._slots(req, first, end)
             absent = tuple((k, tuple(s not in p for s in slots)) for k, p in self.present.items())
-            expects.append(Expect(req.rid, first, start + n, req.hashes.span(first, start + n).clone(), hit, absent))
+            expects.append(Expect(req.rid, first, end, req.hashes.span(first, end).clone(), hit, absent))
         for req, start, n, _ in entries:
-            req.computed = start + n
+            req.computed = start + n if req.rid not in spec else start + 1 + spec[req.rid][1]
             if req.computed == len(req.tokens):  # sampled the next token
-                nxt = mix64(int(req.hashes.span(req.computed - 1, req.computed)[0]) & 0xFFFFFFFF) % VOCAB
+                nxt = self._next_token(req, req.computed - 1)
                 req.tokens.append(nxt)
                 req.hashes.extend([nxt])
         self.step_no += 1
-        return PlannedStep(out, order, hidden, mm, int(hashes.numel()), expects)
+        return PlannedStep(out, order, hidden, mm, int(hashes.numel()), expects, accepted, drafted)
+
+    @staticmethod
+    def _next_token(req: ModelRequest, position: int) -> int:
+        """The token the model samples after ``position`` (a function of its prefix)."""
+        return mix64(int(req.hashes.span(position, position + 1)[0]) & 0xFFFFFFFF) % VOCAB
+
+    def _drafts(self, req: ModelRequest, d: int, k: int) -> list[int]:
+        """``d`` draft tokens after the request's last token: the first ``k``
+        are the tokens the model will sample, the next one is not (the
+        forward rejects it and every draft after it)."""
+        out: list[int] = []
+        probe = PrefixHashes(len(req.tokens) + d + 8)
+        probe.extend(req.tokens)
+        for j in range(d):
+            right = mix64(int(probe.span(len(probe) - 1, len(probe))[0]) & 0xFFFFFFFF) % VOCAB
+            token = right if j < k else (right + 1 + j) % VOCAB
+            out.append(token)
+            probe.extend([token])
+        return out
 
     def recovered(self, exp: Expect, first: int) -> Expect:
         """``exp`` served from ``first`` on (a resumed request's hit that

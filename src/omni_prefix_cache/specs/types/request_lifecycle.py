@@ -17,8 +17,9 @@ class RequestState(SpecState):
     """
     A request id's tenure under one owner, driven by the adapter's events. A new admission of the id, or an
     accepted replacement, opens a new tenure and retires the old one; an event of an older owner never moves the
-    current tenure. Preemption is not an event: the request resumes (RESUMED) in the same tenure. The cache's
-    shutdown ends no request, so a tenure rests wherever the scheduler left it (the states tagged rest).
+    current tenure. Preemption is not an event: the request resumes (RESUMED) in the same tenure. A speculative
+    draft's row counts for the tenure only once a materialize accepted it (accept). The cache's shutdown ends no
+    request, so a tenure rests wherever the scheduler left it (the states tagged rest).
     """
 
     UNKNOWN = 0
@@ -30,10 +31,13 @@ class RequestState(SpecState):
     FINISHED = 3
     """finished or aborted; its open writes were escalated; its last outputs stay deliverable (tag rest)"""
     RETIRED = 4
-    """superseded by a newer owner of the id; its outputs are filtered at commit (final)"""
+    """
+    superseded by a newer owner of the id; its outputs are filtered at commit. No event moves it again (only
+    accept, which counts a late materialize's accepted drafts) (tag rest)
+    """
 
 
-RequestState.final_states = frozenset({RequestState.RETIRED})
+RequestState.final_states = frozenset()
 INITIAL = RequestState.UNKNOWN
 
 
@@ -53,10 +57,25 @@ class RequestLifecycleTrigger(StrEnum):
     """
     EXTEND = "extend"
     """EXTENDED (or a repeated STARTED of the same owner and lookup) is ordinary progress, no lookup"""
+    ACCEPT = "accept"
+    """
+    the materialize of a step that scheduled speculative drafts for it: the drafts the step accepted count as
+    computed and saved (the tenure's watermarks reach the accepted end, never past it: a save counts only the
+    rows before its drafts); the rejected ones never count
+    """
     FINISH = "finish"
     """FINISHED or ABORTED; the block hashes are public, so its open writes are escalated and must land"""
     RETIRE = "retire"
     """a newer owner took the id; the producer's writes still land, its outputs no longer deliver"""
 
 
-RequestLifecycleTriggerName: TypeAlias = Literal["admit", "start", "lookup", "resume", "extend", "finish", "retire"]
+RequestLifecycleTriggerName: TypeAlias = Literal[
+    "admit",
+    "start",
+    "lookup",
+    "resume",
+    "extend",
+    "accept",
+    "finish",
+    "retire",
+]

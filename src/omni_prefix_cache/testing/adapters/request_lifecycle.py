@@ -58,7 +58,9 @@ class RequestLifecycleAdapter(SpecAdapter):
     what ``install_lookup`` installs) and fires ``RequestBinding.move``.
     Observed: ``install_lookup`` as the tenure's lookup end and
     ``computed_upto``; ``detach_writes`` as the ledger's detach calls, and
-    whether the tenure is still its id's current or its finished one.
+    whether the tenure is still its id's current or its finished one;
+    ``count_accepted`` (accept draws an accepted end and whether the step
+    saved cached keys) as ``computed_upto``, ``saved_upto`` and ``rows_upto``.
     """
 
     handle_name = "tenure"
@@ -66,7 +68,8 @@ class RequestLifecycleAdapter(SpecAdapter):
 
     def __init__(self, spec: MachineSpec | None = None):
         self.spec = spec or load_spec("request_lifecycle")
-        unknown = sorted(set(self.spec.triggers) - {"admit", "start", "lookup", "resume", "extend", "finish", "retire"})
+        known = {"admit", "start", "lookup", "resume", "extend", "finish", "retire", "accept"}
+        unknown = sorted(set(self.spec.triggers) - known)
         if unknown:
             raise SpecError(f"{self.spec.origin}: the request table has no move for triggers {unknown}")
 
@@ -83,6 +86,9 @@ class RequestLifecycleAdapter(SpecAdapter):
         system.tenures[handle] = tenure
 
     def trigger_args(self, data: Any, model: ModelWorld, handle: int, trigger: str) -> dict[str, Any]:
+        if trigger == "accept":
+            end = data.draw(st.integers(0, 8), label="accepted end")
+            return {"kind": "EXTENDED", "hit_end": 0, "end": end, "saves": data.draw(st.booleans(), label="saves")}
         kind = data.draw(st.sampled_from(_KINDS), label="event kind")
         return {"kind": kind, "hit_end": data.draw(st.integers(0, 8), label="hit end")}
 
@@ -95,7 +101,8 @@ class RequestLifecycleAdapter(SpecAdapter):
             tenure.req_id, PrefixCacheEventKind[args["kind"]], 0, args["hit_end"], ((0,),), owner=tenure.owner
         )
         can, run = system.binding.move("request", trigger)
-        move = TenureMove(tenure, system.table, event)
+        move = TenureMove(tenure, system.table, event, end=args.get("end", 0))
+        move.saves = bool(args.get("saves", True))
         if not can(move):
             raise Refused(f"{trigger} is not enabled for {tenure!r}")
         run(move)
@@ -115,6 +122,8 @@ class RequestLifecycleAdapter(SpecAdapter):
             rid = tenure.req_id
             out[("lookup", h)] = tenure.lookup[0] if tenure.lookup is not None else None
             out[("computed", h)] = tenure.computed_upto
+            out[("saved", h)] = tenure.saved_upto
+            out[("rows", h)] = tenure.rows_upto
             out[("detached", h)] = system.detached.get(rid, 0)
             out[("current", h)] = system.table.current.get(rid) is tenure
             out[("finished", h)] = system.table.finished.get(rid) is tenure
@@ -125,6 +134,8 @@ class RequestLifecycleAdapter(SpecAdapter):
             {
                 ("lookup", handle): None,
                 ("computed", handle): 0,
+                ("saved", handle): 0,
+                ("rows", handle): 0,
                 ("detached", handle): 0,
                 ("current", handle): True,
                 ("finished", handle): False,
@@ -149,7 +160,14 @@ class RequestLifecycleAdapter(SpecAdapter):
             elif obs[("finished", h)]:
                 obs[("finished", h)] = False
 
-        return {"install_lookup": install_lookup, "detach_writes": detach_writes}
+        def count_accepted(ctx: MoveCtx) -> None:
+            obs, h, end = ctx.model.obs, ctx.handle, ctx.args["end"]
+            obs[("computed", h)] = max(obs[("computed", h)], end)
+            obs[("rows", h)] = max(obs[("rows", h)], end)
+            if ctx.args["saves"]:
+                obs[("saved", h)] = max(obs[("saved", h)], end)
+
+        return {"install_lookup": install_lookup, "detach_writes": detach_writes, "count_accepted": count_accepted}
 
     def invariants(self) -> Mapping[str, Callable[[GeneratedMachine], None]]:
         def one_current_tenure(m: GeneratedMachine) -> None:
@@ -165,4 +183,7 @@ class RequestLifecycleAdapter(SpecAdapter):
         return {
             "monotonic_owner": "one tenure per id here: the owner order is request_event's, checked by the "
             "lifecycle model (request_lifecycle.monotonic_owner) and the protocol tests",
+            "drafts_count_once_accepted": "which rows are drafts is the step's (record_saved, materialize's "
+            "accepted rows), not the tenure's: the lifecycle model and the protocol tests check it "
+            "(accepted_rows_only)",
         }

@@ -48,6 +48,7 @@ class _OccSystem:
         self.reassigned: dict[int, frozenset[int]] = {}
         self.other_reassigned: dict[int, frozenset[int]] = {}
         self.reuses: dict[int, int] = {}
+        self.rejects: dict[int, int] = {}  # rejections of a committed row (they bump its version too)
         self.seen_versions: dict[int, int] = {}
 
     def _on_takeover(self, tid: int, key: str, slots: torch.Tensor) -> None:
@@ -69,7 +70,11 @@ class SlotOccupancyAdapter(SpecAdapter):
     ``set_owner`` / ``clear_owner`` as the slot's tid, ``bump_version`` as
     its version, ``reassign_from_old_owner`` as the slots the manager's
     on_takeover hook records per old owner, ``preserve_pending_reads`` as
-    the on_reuse hook calls per slot. ``reset`` has no new owner (tid -1).
+    the on_reuse hook calls per slot, ``stamp_writer`` / ``clear_writer`` as
+    the slot's writer (the tenancy current at a map: the occupancy's
+    counter, which take_tenancy advances; -1 after a restore). ``reset`` has
+    no new owner (tid -1); ``reject`` draws the rejecting tenancy (mostly
+    the slot's writer, so guard ``written_by_step`` holds).
     An environment rule applies one trigger to several slots in one
     vectorised call (all or nothing when a row is illegal); another takes
     slot tenancy (the ``take_tenancy`` coupling) writing the key under test
@@ -83,7 +88,7 @@ class SlotOccupancyAdapter(SpecAdapter):
 
     def __init__(self, spec: MachineSpec | None = None):
         self.spec = spec or load_spec("slot_occupancy")
-        unknown = sorted(set(self.spec.triggers) - {"map", "commit", "drop", "reset", "restore"})
+        unknown = sorted(set(self.spec.triggers) - {"map", "commit", "drop", "reset", "restore", "reject"})
         if unknown:
             raise SpecError(f"{self.spec.origin}: SlotOccupancy has no call for triggers {unknown}")
         self.tenancy = {c.name: c for c in self.spec.couplings}.get("take_tenancy")
@@ -95,9 +100,18 @@ class SlotOccupancyAdapter(SpecAdapter):
         pass  # every slot row exists from the start; the handle brings it under test
 
     def fire(self, system: _OccSystem, handle: int, trigger: str, args: Mapping[str, Any], defer: bool) -> None:
-        moved = system.occ.apply(SlotOccupancyTrigger(trigger), HIDDEN_KEY, torch.tensor([handle]), args["tid"])
+        committed = self.read_state(system, handle) == "COMMITTED"
+        moved = system.occ.apply(
+            SlotOccupancyTrigger(trigger),
+            HIDDEN_KEY,
+            torch.tensor([handle]),
+            args["tid"],
+            tenancy=args.get("tenancy", -1),
+        )
         if moved != 1:
             raise Refused(f"{trigger}: {moved} rows moved")
+        if trigger == "reject" and committed:
+            system.rejects[handle] = system.rejects.get(handle, 0) + 1
 
     def read_state(self, system: _OccSystem, handle: int) -> str:
         from omni_prefix_cache.steps.slot_occupancy import SlotState
@@ -110,16 +124,20 @@ class SlotOccupancyAdapter(SpecAdapter):
             out[("owner", h)] = int(system.table.tids[h])
             out[("version", h)] = int(system.table.slot_version[h])
             out[("reuses", h)] = system.reuses.get(h, 0)
+            out[("writer", h)] = int(system.table.writer[h])
         for tid, slots in system.reassigned.items():
             out[("reassigned", tid)] = slots
         return out
 
     # ------------------------------------------------------------ model
     def model_create(self, model: ModelWorld, handle: int, args: Mapping[str, Any]) -> None:
-        model.obs.update({("owner", handle): -1, ("version", handle): 0, ("reuses", handle): 0})
+        model.obs.update({("owner", handle): -1, ("version", handle): 0, ("reuses", handle): 0, ("writer", handle): -1})
 
     def model_guards(self) -> dict[str, Callable[[MoveCtx], bool]]:
-        return {"owned_by_writer": lambda ctx: ctx.model.obs[("owner", ctx.handle)] == ctx.args["tid"]}
+        return {
+            "owned_by_writer": lambda ctx: ctx.model.obs[("owner", ctx.handle)] == ctx.args["tid"],
+            "written_by_step": lambda ctx: ctx.model.obs[("writer", ctx.handle)] == ctx.args.get("tenancy", -1),
+        }
 
     def model_effects(self) -> dict[str, Callable[[MoveCtx], None]]:
         def set_owner(ctx: MoveCtx) -> None:
@@ -140,7 +158,15 @@ class SlotOccupancyAdapter(SpecAdapter):
                 key = ("reassigned", old)
                 ctx.model.obs[key] = ctx.model.obs.get(key, frozenset()) | {ctx.handle}
 
+        def stamp_writer(ctx: MoveCtx) -> None:
+            ctx.model.obs[("writer", ctx.handle)] = ctx.model.env.get("tenancy", 0)
+
+        def clear_writer(ctx: MoveCtx) -> None:
+            ctx.model.obs[("writer", ctx.handle)] = -1
+
         return {
+            "stamp_writer": stamp_writer,
+            "clear_writer": clear_writer,
             "set_owner": set_owner,
             "clear_owner": clear_owner,
             "bump_version": bump_version,
@@ -149,6 +175,11 @@ class SlotOccupancyAdapter(SpecAdapter):
         }
 
     def trigger_args(self, data: Any, model: ModelWorld, handle: int, trigger: str) -> dict[str, Any]:
+        if trigger == "reject":
+            # A rejection takes the row from any owner; its tenancy is mostly the one that wrote the slot.
+            writer = model.obs[("writer", handle)]
+            other = model.env.get("tenancy", 0) + 1
+            return {"tid": -1, "tenancy": data.draw(st.sampled_from(sorted({max(writer, 0), other})), label="tenancy")}
         if trigger == "restore" or (self.tenancy is not None and trigger == self.tenancy.others):
             # The key loses its rows to a tenant that does not write it, or
             # the host tier restores them: no owner either way.
@@ -169,9 +200,16 @@ class SlotOccupancyAdapter(SpecAdapter):
             picked = data.draw(st.lists(st.sampled_from(handles), min_size=2, unique=True), label="slots")
             trigger = data.draw(st.sampled_from(self.spec.triggers), label="trigger")
             rows = [(h, self.trigger_args(data, machine.model, h, trigger)) for h in picked]
+            if trigger == "reject":  # one rejecting tenancy for the whole call
+                rows = [(h, {**a, "tenancy": rows[0][1]["tenancy"]}) for h, a in rows]
             outcomes = [machine.model_outcome(h, trigger, a) for h, a in rows]
+            committed = [h for h, _ in rows if machine.model.states[h] == "COMMITTED"]
             call: Callable[[], Any] = lambda: machine.system.occ.apply(  # noqa: E731
-                trigger, HIDDEN_KEY, torch.tensor(picked), torch.tensor([a["tid"] for _, a in rows])
+                trigger,
+                HIDDEN_KEY,
+                torch.tensor(picked),
+                torch.tensor([a["tid"] for _, a in rows]),
+                tenancy=rows[0][1].get("tenancy", -1),
             )
             where = f"vectorised {trigger} on slots {picked}"
             if any(o == "illegal" for o, _ in outcomes):
@@ -184,6 +222,8 @@ class SlotOccupancyAdapter(SpecAdapter):
             for (h, a), (o, move) in zip(rows, outcomes, strict=True):
                 if o == "moved" and move is not None:
                     machine.apply_model_move(h, move, a)
+                    if trigger == "reject" and h in committed:
+                        machine.system.rejects[h] = machine.system.rejects.get(h, 0) + 1
 
         def take_tenancy(machine: GeneratedMachine, data: Any) -> None:
             assert self.tenancy is not None
@@ -193,6 +233,7 @@ class SlotOccupancyAdapter(SpecAdapter):
             both = data.draw(st.booleans(), label=f"the tenant writes {_OTHER_KEY!r} too")
             writes: dict[str, Any] = {HIDDEN_KEY: tid, **({_OTHER_KEY: tid} if both else {})}
             machine.system.occ.take_tenancy(torch.tensor(picked), writes)
+            machine.model.env["tenancy"] = machine.model.env.get("tenancy", 0) + 1  # a new tenancy stamps the maps
             other = machine.model.env.setdefault("other", {})
             lost = machine.model.env.setdefault("other_reassigned", {})
             for h in picked:
@@ -225,8 +266,9 @@ class SlotOccupancyAdapter(SpecAdapter):
                 v = int(m.system.table.slot_version[h])
                 if v < m.system.seen_versions.get(h, 0):
                     raise Discrepancy(f"slot {h}: version went down to {v}")
-                if v != m.system.reuses.get(h, 0):
-                    raise Discrepancy(f"slot {h}: version {v} after {m.system.reuses.get(h, 0)} reuses")
+                bumps = m.system.reuses.get(h, 0) + m.system.rejects.get(h, 0)
+                if v != bumps:
+                    raise Discrepancy(f"slot {h}: version {v} after {bumps} reuses and rejections of committed rows")
                 m.system.seen_versions[h] = v
 
         def tenant_owns_all_keys(m: GeneratedMachine) -> None:
@@ -250,4 +292,8 @@ class SlotOccupancyAdapter(SpecAdapter):
         }
 
     def unchecked_invariants(self) -> Mapping[str, str]:
-        return {"owner_is_live_task": "needs the manager's task registry; the composed model check covers it"}
+        return {
+            "owner_is_live_task": "needs the manager's task registry; the composed model check covers it",
+            "rejected_never_served": "a hit's planned reads are the manager's: the composed model check "
+            "(copy_on_write, rows_fetched) and the protocol tests' row oracle cover it",
+        }

@@ -28,6 +28,7 @@ from omni_prefix_cache.testing.modelcheck.world import (
     DEF,
     DEFQ,
     IMM,
+    REJECTS,
     STEP,
     TASK,
     Bounds,
@@ -106,10 +107,13 @@ class ModelBinding:
             "set_done": lambda c: self._set_task(c, c.cur_tid, done=True),
             # slot_occupancy
             "owned_by_writer": lambda c: c.slots[c.cur_slot].owner == c.cur_tid,
-            "set_owner": lambda c: self._set_slot(c, owner=c.cur_tid, stale=False),
+            "set_owner": lambda c: self._set_slot(c, owner=c.cur_tid, stale=False, rejected=False),
             "clear_owner": lambda c: self._set_slot(c, owner=-1),
             "reassign_from_old_owner": self._reassign_from_old_owner,
             "bump_version": lambda c: self._set_slot(c, version=c.slots[c.cur_slot].version + 1),
+            "written_by_step": lambda c: c.slots[c.cur_slot].writer == c.sid,
+            "stamp_writer": lambda c: self._set_slot(c, writer=c.sid),
+            "clear_writer": lambda c: self._set_slot(c, writer=-1),
             "preserve_pending_reads": self._unlinked("preserve_pending_reads"),  # the protocol links it below
             # staging_holder
             "is_step_holder": lambda c: c.cur_holder[0] == STEP,
@@ -156,6 +160,18 @@ class ModelBinding:
     @staticmethod
     def _set_read(c: Ctx, rid: int, **kw: Any) -> None:
         c.reads[rid] = rep(c.reads[rid], **kw)
+
+    def _put_step(self, c: Ctx, sid: int, dest: int, trigger: str) -> None:
+        c.steps[sid] = rep(c.steps[sid], state=dest)
+        if c.kind == REJECTS and trigger in ("materialize", "discard"):
+            # Ghost, whatever the spec moves: the step's rows it still holds are rejected drafts now,
+            # and so is what a live read planned on one of them would serve.
+            for cell in c.steps[sid].cells:
+                if c.slots[cell].writer == sid:
+                    c.slots[cell] = rep(c.slots[cell], rejected=True)
+                    for rid, r in enumerate(c.reads):
+                        if r.slot == cell and r.state not in self.f.read_final and r.version == c.slots[cell].version:
+                            self._set_read(c, rid, rejected=True)
 
     def _reassign_from_old_owner(self, c: Ctx) -> None:
         old = c.slots[c.cur_slot].owner
@@ -224,6 +240,8 @@ class ModelBinding:
                 return c.commit_pairs
             if trigger == "drop":
                 return c.drop_pairs
+            if trigger == "reject":  # a materialize or discard whose step's rows were rejected drafts
+                return [(cell, -1) for cell in c.steps[c.sid].cells] if c.kind == REJECTS and c.sid >= 0 else []
             return []  # map / reset: the take_tenancy coupling names its slots
 
         def focus_slot(c: Ctx, i: Any, trigger: str) -> None:
@@ -231,7 +249,11 @@ class ModelBinding:
 
         def put_slot(c: Ctx, i: Any, dest: int, trigger: str) -> None:
             # A cell back at its initial state holds no rows, stale or not.
-            c.slots[i[0]] = rep(c.slots[i[0]], state=dest, stale=c.slots[i[0]].stale and dest != self.f.ABSENT)
+            cell = c.slots[i[0]]
+            absent = dest == self.f.ABSENT
+            c.slots[i[0]] = rep(
+                cell, state=dest, stale=cell.stale and not absent, rejected=cell.rejected and not absent
+            )
 
         def read_instances(c: Ctx, trigger: str) -> list[Any]:
             if c.link_slot >= 0:
@@ -244,6 +266,11 @@ class ModelBinding:
             c.cur_read = i
 
         def put_read(c: Ctx, i: Any, dest: int, trigger: str) -> None:
+            if c.reads[i].rejected and trigger == "serve":
+                raise Violation(
+                    "slot_occupancy.rejected_never_served",
+                    f"a planned read of {self.f.cell(c.reads[i].slot)} is served after its row was rejected",
+                )
             self._set_read(c, i, state=dest)
 
         return {
@@ -267,7 +294,7 @@ class ModelBinding:
                 m["step"],
                 one_step,
                 lambda c, i: c.steps[i].state,
-                lambda c, i, d, t: c.steps.__setitem__(i, rep(c.steps[i], state=d)),
+                self._put_step,
                 lambda c, i, t: setattr(c, "cur_tid", i),
             ),
             "slot": _Role(m["slot"], slot_instances, lambda c, i: c.slots[i[0]].state, put_slot, focus_slot),
@@ -495,7 +522,9 @@ class ModelBinding:
 
     def _pin(self, c: Ctx, tid: int) -> None:
         st = c.steps[c.sid]
-        c.steps[c.sid] = rep(st, tids=tuple(sorted({*st.tids, tid})))
+        c.steps[c.sid] = rep(
+            st, tids=tuple(sorted({*st.tids, tid})), cells=tuple(sorted({*st.cells, *self._written(c)}))
+        )
 
     def _charge_budget(self, c: Ctx) -> None:
         c.steps[c.sid] = rep(c.steps[c.sid], charged=1)
@@ -543,7 +572,8 @@ class ModelBinding:
         c.completed, c.failed = [], []
 
     def _plan_hits(self, c: Ctx) -> None:
-        c.reads.append(Read(int(self.m["read"].initial), c.slot, c.slots[c.slot].version, False, c.sid))
+        cell = c.slots[c.slot]
+        c.reads.append(Read(int(self.m["read"].initial), c.slot, cell.version, False, c.sid, cell.rejected))
         c.rid = len(c.reads) - 1
 
     def _rows_fetched(self, c: Ctx) -> bool:

@@ -33,6 +33,7 @@ from omni_prefix_cache.testing.modelcheck.world import (
     IMM,
     NO_ARGS,
     READER,
+    REJECTS,
     Bounds,
     Ctx,
     Label,
@@ -97,7 +98,7 @@ class ModelEnvironment:
     # ------------------------------------------------------------- world
     @property
     def fresh_slot(self) -> Slot:
-        return Slot(int(self.f.m["slot"].initial), -1, 0, False)
+        return Slot(int(self.f.m["slot"].initial), -1, 0, False, -1)
 
     def initial(self) -> World:
         b = self.bounds
@@ -154,6 +155,8 @@ class ModelEnvironment:
             for sid, st in enumerate(w.steps):
                 if st.state == self.f.SAVED:
                     yield from self._start(w, ENGINE, "discard", op_args(sid=sid))
+                    if st.cells:  # its rows were speculative drafts, all rejected
+                        yield from self._start(w, ENGINE, "discard", op_args(sid=sid, kind=REJECTS))
         # reader: a lagged materialize on another thread
         if th[READER]:
             yield from self._continue(w, READER)
@@ -162,6 +165,8 @@ class ModelEnvironment:
                 # A save still in progress has not returned its step id to anyone yet.
                 if st.state == self.f.SAVED and not (th[ENGINE] and th[ENGINE][2][3] == sid):  # type: ignore[misc]
                     yield from self._start(w, READER, "materialize", op_args(sid=sid))
+                    if st.cells:  # its rows were speculative drafts the step rejected
+                        yield from self._start(w, READER, "materialize", op_args(sid=sid, kind=REJECTS))
         if not th[READER] and "prefetch" in self.ops:
             # the prefetch thread's fetch of a pending read (here on the reader's thread)
             pending = int(self.f.R["PENDING"])
@@ -358,6 +363,12 @@ class ModelEnvironment:
             if st.freed and st.charged:
                 steps = tuple(rep(st, charged=0) if st.freed else st for st in steps)
                 break
+        # A consumed step rejects nothing more: its cells and the stamps naming it are forgotten.
+        done = {sid for sid, st in enumerate(steps) if st.state not in (self.f.UNSAVED, self.f.SAVED)}
+        if done and any(steps[sid].cells for sid in done):
+            steps = tuple(rep(st, cells=()) if sid in done else st for sid, st in enumerate(steps))
+        if done and any(s.writer in done for s in slots):
+            slots = tuple(rep(s, writer=-1) if s.writer in done else s for s in slots)
         completed, failed = w.completed, w.failed
         if len(completed) > 1:
             completed = tuple(sorted(completed))

@@ -85,7 +85,9 @@ class SystemInvariants:
 
     def copy_on_write(self, w: World) -> None:
         for r in w.reads:
-            if r.state not in self.f.read_final and w.slots[r.slot].version != r.version and not r.preserved:
+            # A read whose row was rejected is not preserved on purpose: it fails (rejected_never_served).
+            stale = w.slots[r.slot].version != r.version and not r.preserved and not r.rejected
+            if r.state not in self.f.read_final and stale:
                 raise Violation(
                     "copy_on_write",
                     f"a planned read of {self.f.cell(r.slot)} (version {r.version}) lost its rows: it is now "

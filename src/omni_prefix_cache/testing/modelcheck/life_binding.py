@@ -87,6 +87,7 @@ class LifeBinding:
             "spent_view": self._spent_view,
             "spend_view": self._spend_view,
             "advance_watermark": self._advance_watermark,
+            "count_accepted": self._count_accepted,
             "release_step_holder": nothing,
         }
         self.m: dict[str, CompiledMachine] = {}
@@ -119,7 +120,8 @@ class LifeBinding:
     def _install_lookup(self, c: LCtx) -> None:
         assert c.event is not None
         end, t = c.event.hit_end, c.tenure
-        self._set(c, t, lookup=end, computed=end)
+        # Ghost: a hit's rows are the cache's, verified when they were computed.
+        self._set(c, t, lookup=end, computed=end, verified=max(c.tenures[t].verified, end))
         start = min(c.tenures[t].marks)  # the slowest consumer (every consumer of the model)
         if end > start:
             c.pending = (*(lk for lk in c.pending if lk[0] != t), (t, start, end))
@@ -252,6 +254,7 @@ class LifeBinding:
             "record_saved": self._record_saved,
             "plan_hits": self._plan_hits,
             "merge_outputs": self._merge_outputs,
+            "cut_rejected": self._cut,
             "raise_gap": self._raise_gap,
             "raise_refused": self._raise_refused,
             "clip_outputs": self._clip,
@@ -339,7 +342,9 @@ class LifeBinding:
         start, end = st.sched
         if start < end:
             ten = c.tenures[t]
-            self._set(c, t, computed=end, saved=max(ten.saved, end))
+            verified = end - st.drafts  # a draft counts once a materialize accepts it (request.accept)
+            truth = max(ten.verified, end - st.drafts + st.accepted)  # ghost: what the forward verified
+            self._set(c, t, computed=verified, saved=max(ten.saved, verified), verified=truth)
         elif st.hit and st.hit[0] == t:
             start = end = st.hit[2]  # a hit the step did not schedule: an empty range at its end
         else:
@@ -356,6 +361,19 @@ class LifeBinding:
             ten = c.tenures[st.tenure]
             self._set(c, st.tenure, served=max(ten.served, st.hit[2]))
         c.outputs.append(Out(st.tenure, start, st.end))
+
+    def _count_accepted(self, c: LCtx) -> None:
+        """request_lifecycle's count_accepted: the step's accepted drafts count as computed and saved."""
+        end, t = c.steps[c.sid].accepted_end, c.tenure
+        ten = c.tenures[t]
+        self._set(c, t, computed=max(ten.computed, end), saved=max(ten.saved, end))
+
+    def _cut(self, c: LCtx) -> None:
+        """cut_rejected: the output merge_outputs just made ends at its step's accepted end."""
+        st = c.steps[c.sid]
+        if st.tenure >= 0 and st.drafts and c.outputs:
+            out = c.outputs[-1]
+            c.outputs[-1] = out._replace(end=min(out.end, st.accepted_end))
 
     def _raise_gap(self, c: LCtx) -> None:
         raise GapRaised()

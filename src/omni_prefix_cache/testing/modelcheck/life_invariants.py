@@ -31,6 +31,7 @@ class LifeInvariants:
         "old_owner_never_moves_current",
         "discard_is_not_delivery",
         "resumed_hit_recovers",
+        "accepted_rows_only",
         "can_settle",
     )
 
@@ -44,6 +45,13 @@ class LifeInvariants:
                 raise Violation(
                     "delivered_within_saved",
                     f"tenure {t} delivered up to {max(ten.marks)} but saved {ten.saved} and served {ten.served}",
+                )
+            bound = max(ten.verified, ten.served)
+            if max(ten.saved, ten.computed, *ten.marks) > bound:
+                raise Violation(
+                    "accepted_rows_only",
+                    f"tenure {t} counts positions no forward verified: computed {ten.computed}, saved {ten.saved}, "
+                    f"delivered {list(ten.marks)}, but only [0, {bound}) are the target's rows",
                 )
         active = [t for t, ten in enumerate(w.tenures) if ten.state in self.b.active]
         if len(active) > 1:
@@ -97,6 +105,13 @@ class LifeInvariants:
         self._old_owner(a, b, label)
         if op == "materialize" and len(b.outputs) > len(a.outputs):
             self._resumed(a, b, sid)
+            st, out = a.steps[sid], b.outputs[-1]
+            if out.end > st.accepted_end:
+                raise Violation(
+                    "accepted_rows_only",
+                    f"materialize of step {sid} returns [{out.start}, {out.end}) of tenure {out.tenure}; its drafts "
+                    f"were {st.drafts}, {st.accepted} accepted: rows past {st.accepted_end} are rejected drafts",
+                )
 
     def _old_owner(self, a: LWorld, b: LWorld, label: LLabel) -> None:
         op, _, _, (sid, k, o), _ = label

@@ -135,7 +135,9 @@ class LifecycleModel:
         can take anything new from (and no view refers to) are dropped."""
         held = {run[2][0] for run in (w.engine, w.reader) if run}
         steps = tuple(
-            LStep(self.CONSUMED, None, (0, 0), -1, 0, 0, (), -1) if st.state == self.CONSUMED and i not in held else st
+            LStep(self.CONSUMED, None, (0, 0), -1, 0, 0, (), -1, 0, 0)
+            if st.state == self.CONSUMED and i not in held
+            else st
             for i, st in enumerate(w.steps)
         )
         viewed = {v.output for v in w.views if v is not None}
@@ -155,8 +157,8 @@ class LifecycleModel:
             yield from self._run(w, "engine", op, seg, args)
         else:
             if len(w.steps) < b.steps:
-                for event, sched, scheduled in self._choices(w):
-                    yield from self._new_step(w, event, sched, scheduled)
+                for event, sched, scheduled, drafts in self._choices(w):
+                    yield from self._new_step(w, event, sched, scheduled, drafts)
             for sid, st in enumerate(w.steps):
                 if st.state == self.SAVED:
                     yield from self._run(w, "engine", "discard", 0, (sid, -1, -1))
@@ -218,47 +220,60 @@ class LifecycleModel:
         """The scheduler's record with one hostile call fewer left."""
         return w.sched._replace(hostile=w.sched.hostile - 1)
 
-    def _choices(self, w: LWorld) -> list[tuple[Event, Sched, tuple[int, int]]]:
-        """The scheduler's next step: (event, its view after, positions scheduled)."""
+    def _choices(self, w: LWorld) -> list[tuple[Event, Sched, tuple[int, int], tuple[int, int]]]:
+        """The scheduler's next step: (event, its view after, positions
+        scheduled, (speculative drafts among them, drafts the forward accepts))."""
         b, s = self.bounds, w.sched
         (a, g), P = s.owner, b.positions
+        plain = (0, 0)
 
-        def run(x: Sched) -> tuple[Sched, tuple[int, int]]:
+        def run(x: Sched) -> tuple[Sched, tuple[int, int], tuple[int, int]]:
             if x.status == RUNNING and x.computed < P:
-                return x._replace(computed=x.computed + 1), (x.computed, x.computed + 1)
-            return x, (0, 0)
+                return x._replace(computed=x.computed + 1), (x.computed, x.computed + 1), plain
+            return x, (0, 0), plain
 
-        out: list[tuple[Event, Sched, tuple[int, int]]] = []
+        out: list[tuple[Event, Sched, tuple[int, int], tuple[int, int]]] = []
         if s.status in (NONE, DONE) and a < b.admissions:
             o = (a + 1, 1)
-            # A reused id may hit the prefix its previous tenure saved.
-            for h in sorted({0, min(1, max((t.saved for t in w.tenures), default=0))}):
+            # A reused id may hit the prefix its previous tenure computed (never a rejected draft).
+            for h in sorted({0, min(1, max((t.verified for t in w.tenures), default=0))}):
                 out.append((Event(STARTED, o, h, True), *run(s._replace(owner=o, computed=h, status=RUNNING))))
-            out.append((Event(STARTED, o, 0, False), s._replace(owner=o, computed=0, status=ANNOUNCED), (0, 0)))
+            out.append((Event(STARTED, o, 0, False), s._replace(owner=o, computed=0, status=ANNOUNCED), (0, 0), plain))
         if s.status == ANNOUNCED:
             out.append((Event(STARTED, s.owner, 0, True), *run(s._replace(status=RUNNING))))
         if s.status == RUNNING:
             out.append((Event(EXTENDED, s.owner, s.computed, True), *run(s)))
-            out.append((Event(FINISHED, s.owner, 0, True), s._replace(status=DONE), (0, 0)))
+            # Decode with speculative drafts: the verified position, then d drafts, k of them accepted;
+            # the scheduler rolls back to the accepted end (vLLM: num_computed_tokens -= rejected).
+            c = s.computed
+            for d in range(1, b.drafts + 1):
+                if c + 1 + d > P:
+                    break
+                for k in range(d + 1):
+                    out.append(
+                        (Event(EXTENDED, s.owner, c, True), s._replace(computed=c + 1 + k), (c, c + 1 + d), (d, k))
+                    )
+            out.append((Event(FINISHED, s.owner, 0, True), s._replace(status=DONE), (0, 0), plain))
         if s.status in (RUNNING, PREEMPTED) and g < b.generations:
             o = (a, g + 1)
             out.append((Event(REPLACED, o, 0, True), *run(s._replace(owner=o, computed=0, status=RUNNING))))
         if s.status == PREEMPTED and w.current >= 0:
-            for h in range(min(w.tenures[w.current].saved, P) + 1):
+            # The resumed hit: the blocks of what the tenure computed, never past an accepted end.
+            for h in range(min(w.tenures[w.current].verified, P) + 1):
                 out.append((Event(RESUMED, s.owner, h, True), *run(s._replace(computed=h, status=RUNNING))))
         olds = [t.owner for t in w.tenures if t.owner < s.owner]
         if s.stale > 0 and olds:
             for kind in (STARTED, EXTENDED, FINISHED):
-                out.append((Event(kind, olds[-1], 0, True), s._replace(stale=s.stale - 1), (0, 0)))
+                out.append((Event(kind, olds[-1], 0, True), s._replace(stale=s.stale - 1), (0, 0), plain))
         return out
 
     def _new_step(
-        self, w: LWorld, event: Event, sched: Sched, scheduled: tuple[int, int]
+        self, w: LWorld, event: Event, sched: Sched, scheduled: tuple[int, int], drafts: tuple[int, int]
     ) -> Iterator[tuple[LLabel, LWorld]]:
         low = -1
         if event.kind == RESUMED and w.current >= 0:
             low = min(w.tenures[w.current].marks)  # ghost: the slowest consumer at the resume
-        step = LStep(self.UNSAVED, event, scheduled, -1, 0, 0, (), low)
+        step = LStep(self.UNSAVED, event, scheduled, -1, 0, 0, (), low, *drafts)
         started = w._replace(sched=sched, steps=(*w.steps, step))
         yield from self._run(started, "engine", "new_step", 0, (len(w.steps), -1, -1))
 
@@ -318,7 +333,10 @@ class LifecycleModel:
         if op == "save" or op == "new_step":
             c.tenure = c.current
         elif op in ("materialize", "discard"):
-            c.tenure = c.steps[c.sid].tenure
+            st = c.steps[c.sid]
+            # request.accept? moves the tenure of a drafted step's materialize (a discard here carries no
+            # accepted rows: it rejects every draft and counts none).
+            c.tenure = st.tenure if op == "materialize" and st.drafts else -1
         elif op == "delivery_view":
             out = c.outputs[c.output]
             c.items = [[out.tenure, c.consumer, out.start, out.end]]
@@ -379,10 +397,12 @@ class LifecycleModel:
             parts.append(f"scheduler: owner {s.owner} {SCHED_NAMES[s.status]}, computed {s.computed}")
         for i, st in enumerate(b.steps):
             if i >= len(a.steps):
-                parts.append(f"step {i}: {self._event_text(st.event)}, schedules {list(st.sched)}")
+                drafts = f" ({st.drafts} drafts, {st.accepted} accepted)" if st.drafts else ""
+                parts.append(f"step {i}: {self._event_text(st.event)}, schedules {list(st.sched)}{drafts}")
             elif a.steps[i] != st and st.tenure >= 0:
                 hit = f", hit [{st.hit[1]}, {st.hit[2]})" if st.hit else ""
-                parts.append(f"step {i} {self._step_state(st.state)} saved [{st.start}, {st.end}){hit}")
+                drafts = f", drafts {st.drafts} ({st.accepted} accepted)" if st.drafts else ""
+                parts.append(f"step {i} {self._step_state(st.state)} saved [{st.start}, {st.end}){hit}{drafts}")
             elif a.steps[i].state != st.state:
                 parts.append(f"step {i} {self._step_state(st.state)}")
         for t, ten in enumerate(b.tenures):
@@ -432,7 +452,7 @@ class LifecycleModel:
         dst = ",".join(b.m["delivery"].State(d).name for d in ten.dstates)
         return (
             f"owner {ten.owner} {b.m['request'].State(ten.state).name} computed {ten.computed} saved {ten.saved} "
-            f"delivered {list(ten.marks)} ({dst}) received {list(ten.got)}"
+            f"delivered {list(ten.marks)} ({dst}) received {list(ten.got)} verified {ten.verified}"
         )
 
     # The invariants this model binds, by name (the model's share of invariants_for("model")).

@@ -64,6 +64,7 @@ class Ten(NamedTuple):
     dstates: tuple[int, ...]  # delivery state per consumer
     got: tuple[int, ...]  # ghost: positions each consumer received, in order from 0
     served: int  # ghost: the furthest position a served hit of it covered
+    verified: int = 0  # ghost: the furthest position whose row is the target's (never a draft not yet accepted)
 
 
 class LStep(NamedTuple):
@@ -75,6 +76,13 @@ class LStep(NamedTuple):
     end: int
     hit: tuple[int, int, int] | tuple[()]  # (tenure, start, end) its planned hit, if any
     resume_low: int  # ghost: the lowest watermark when its RESUMED applied (-1: no resume)
+    drafts: int = 0  # speculative drafts: the last positions of ``sched``
+    accepted: int = 0  # how many of them the forward accepted (its materialize is given this)
+
+    @property
+    def accepted_end(self) -> int:
+        """Where the step's valid rows end: its saved end less the drafts it rejected."""
+        return self.end - self.drafts + self.accepted
 
 
 class Out(NamedTuple):
@@ -138,12 +146,14 @@ class LifeBounds:
     preemptions: int = 1
     stale: int = 1  # late events of an older owner
     hostile: int = 1  # hostile delivery calls (an edited output or view, a view used twice)
+    drafts: int = 1  # speculative drafts a decode step may schedule (each accepted or rejected)
 
     def describe(self) -> str:
         return (
             f"lifecycle: {self.positions} positions, {self.steps} steps, {self.consumers} consumers, "
             f"{self.admissions} admissions x {self.generations} generations, {self.preemptions} preemptions, "
-            f"{self.stale} stale events, {self.hostile} hostile delivery calls"
+            f"{self.stale} stale events, {self.hostile} hostile delivery calls, "
+            f"up to {self.drafts} speculative drafts per step"
         )
 
 

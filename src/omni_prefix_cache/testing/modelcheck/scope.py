@@ -144,8 +144,19 @@ WRITE_SCOPE = Scope(
             *("rows_planned", "rows_fetched"),
         }
     ),
-    assumed={"over_budget": False, "eager": False, "replayed_step": False, "tier_loads": False, "tier_joins": False},
+    assumed={
+        "over_budget": False,
+        "eager": False,
+        "replayed_step": False,
+        "tier_loads": False,
+        "tier_joins": False,
+        "accepted_rows_refused": False,
+    },
     left_out={
+        "refuse_accepted_rows": (
+            "the engine passes accepted rows that fit its step (a misfit raises before anything moves: "
+            "tests/test_spec_decode.py)"
+        ),
         "apply_tier": "the host tier is checked by its own spec's generated machine and the tier model check",
         "fill_reused_blocks": "the host tier is checked by its own spec's generated machine and the tier model check",
         "join_for_tier": "tier_joins is false here: the tier holds nothing",
@@ -179,7 +190,7 @@ LIFE_SCOPE = Scope(
         {
             *("apply_events", "ignore_event", "retire_current", "open_tenure", "retire_deliveries"),
             *("record_saved", "plan_hits", "merge_outputs", "raise_gap", "raise_refused", "clip_outputs"),
-            *("filter_retired", "check_handoff", "handoff", "ack_live"),
+            *("filter_retired", "check_handoff", "handoff", "ack_live", "cut_rejected"),
         }
     ),
     guards=frozenset(
@@ -195,8 +206,13 @@ LIFE_SCOPE = Scope(
         "rows_fetched": True,
         "tier_loads": False,
         "tier_joins": False,
+        "accepted_rows_refused": False,
     },
     left_out={
+        "refuse_accepted_rows": (
+            "the engine passes accepted rows that fit its step (a misfit raises before anything moves: "
+            "tests/test_spec_decode.py)"
+        ),
         "apply_tier": "the host tier is checked by its own spec's generated machine and the tier model check",
         "fill_reused_blocks": "the host tier is checked by its own spec's generated machine and the tier model check",
         "join_for_tier": "tier_joins is false here: the tier holds nothing",

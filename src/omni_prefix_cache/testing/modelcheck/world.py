@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 from omni_prefix_cache.testing.modelcheck.life_world import LifeBounds
 
 IMM, DEF, DEFQ = 0, 1, 2  # save kinds: immediate, deferred, deferred submitted queued
+REJECTS = 1  # the ``kind`` argument of a materialize or discard whose step's rows are rejected drafts
 KIND_NAMES = {IMM: "imm", DEF: "def", DEFQ: "def queued"}
 STEP, TASK = 0, 1  # holder kinds
 ENGINE, READER, COMMITTER, FAILER = 0, 1, 2, 3  # threads
@@ -48,6 +49,7 @@ class Step(NamedTuple):
     charged: int  # budget ticket: bytes charged (0 or 1 unit)
     tids: tuple[int, ...]  # tasks pinning the ticket
     freed: bool  # the ticket uncharged
+    cells: tuple[int, ...] = ()  # the cells its save mapped (a materialize may reject their rows as drafts)
 
 
 class Slot(NamedTuple):
@@ -57,6 +59,8 @@ class Slot(NamedTuple):
     owner: int  # -1 when none
     version: int
     stale: bool  # holds rows of a previous tenant of the slot (tenant_owns_all_keys)
+    writer: int = -1  # the step whose save last mapped the cell (the occupancy's tenancy), -1 when none
+    rejected: bool = False  # ghost: holds a row its step's materialize rejected (a draft), until a save maps it
 
 
 class Read(NamedTuple):
@@ -65,6 +69,7 @@ class Read(NamedTuple):
     version: int
     preserved: bool
     step: int  # the step whose materialize serves it
+    rejected: bool = False  # ghost: it would read a rejected draft's row (it must never be served)
 
 
 # An action: (operation, first segment, last segment, arguments, what it raised).

@@ -161,6 +161,16 @@ def _rule_defs(eager: bool) -> dict[str, Callable[[type[ProtocolMachine]], Any]]
             "stale_events", lambda self: idle(self) and bool(self.engine.stale_ids()), data=st.data()
         ),
         "replay_step": plain("replay_step", lambda self: idle(self) and self.engine.last is not None),
+        "optimistic_resume": plain(
+            "optimistic_resume",
+            lambda self: (
+                idle(self)
+                and len(self.expects) < DEPTH
+                and self.model.alloc.can_allocate(1)
+                and bool(self.optimistic_candidates())
+            ),
+            data=st.data(),
+        ),
         "discard": consume("discard"),
         "preempt": plain("preempt", lambda self: self.pending is None and bool(self.model.running()), data=st.data()),
         "prefetch_run": plain("prefetch_run", lambda self: bool(self.prefetch.pending) and self.paused is None),

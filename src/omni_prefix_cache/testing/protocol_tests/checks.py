@@ -22,6 +22,7 @@ from omni_prefix_cache.specs.composition import ProtocolSpec
 from omni_prefix_cache.specs.types.copy_queue import QueuePosition
 from omni_prefix_cache.steps.slot_occupancy import SlotState
 from omni_prefix_cache.testing.protocol_tests.consumers import Desk
+from omni_prefix_cache.testing.protocol_tests.lifecycle import TenureOracle
 from omni_prefix_cache.testing.protocol_tests.workload import (
     BLOCK_SIZE,
     ENTRY_OF,
@@ -46,8 +47,8 @@ class CheckedRun(Protocol):
     violations: dict[str, list[str]]
     escalated: set[int]
     dead: bool
-    served: list[Served]
     desk: Desk
+    oracle: TenureOracle
     prefetch_errors: list[str]
     pending: PlannedStep | None
     paused: threading.Thread | None
@@ -56,7 +57,9 @@ class CheckedRun(Protocol):
 class ProtocolChecks:
     """The invariant checkers of one run ``m``. A checker may mark the run
     dead (``failure_is_sticky`` found the facade raising) and consumes
-    what the drivers queued for the row oracle (``rows_match_reference``)."""
+    what the drivers queued for the row oracle (``rows_match_reference``);
+    ``check_served``, the row oracle on a materialized step, runs in the
+    materialize rule itself, before any consumer takes the output."""
 
     def __init__(self, m: CheckedRun):
         self.m = m
@@ -176,13 +179,11 @@ class ProtocolChecks:
     def rows_match_reference(self) -> None:
         errors, self.m.prefetch_errors = self.m.prefetch_errors, []
         assert not errors, f"row oracle: {errors}"
-        served, self.m.served = self.m.served, []
-        for item in served:
-            self._check_served(item)
         if not self.m.dead and self.m.pending is None and self.m.paused is None:
             self._check_committed_rows()
 
-    def _check_served(self, item: Served) -> None:
+    def check_served(self, item: Served) -> None:
+        """The row oracle on one materialized step: each request's range and rows are the expected ones."""
         sid, outs, planned = item.sid, item.outs, item.planned
         for exp in planned.expects:
             got_range = outs.token_ranges.get(exp.rid)
@@ -264,3 +265,22 @@ class ProtocolChecks:
     def resumed_hit_recovers(self) -> None:
         """A RESUMED hit's output starts at the lowest watermark of the consumers seen."""
         self._reported("resumed_hit_recovers")
+
+    def accepted_rows_only(self) -> None:
+        """No tenure counts a rejected (or not yet accepted) speculative
+        draft: its computed, saved and rows watermarks stay within what the
+        oracle knows its steps verified or its hits served; a hit over
+        rejected drafts' rows is refused (``drive_optimistic_hit``). The row
+        oracle checks that each output ends at its step's accepted end."""
+        self._reported("accepted_rows_only")
+        if self.m.dead:
+            return  # a save that failed after recording its rows is no save to the oracle
+        for tenure in self.m.oracle.every:
+            got = tenure.runtime
+            if got is None:
+                continue
+            bound = tenure.bound()
+            assert max(got.computed_upto, got.saved_upto, got.rows_upto) <= bound, (
+                f"tenure {tenure}: computed {got.computed_upto}, saved {got.saved_upto}, rows {got.rows_upto} count "
+                f"positions past what its steps verified or its hits served ({bound}): a rejected draft's row"
+            )

@@ -29,6 +29,7 @@ from omni_prefix_cache.adapter import (
     PrefixCacheRequestOwner,
     PrefixCacheStep,
 )
+from omni_prefix_cache.spec_decode import draft_counts
 from omni_prefix_cache.testing.serving_model import ModelRequest, SchedOut, ServingModel
 
 K = PrefixCacheEventKind
@@ -173,9 +174,16 @@ class EventEngine:
         """Ids opened under two owners or more: the first is older than the id's latest."""
         return sorted(rid for rid, owners in self.seen.items() if len(owners) > 1)
 
-    def _seal(self, events: list[PrefixCacheRequestEvent], scheduled: dict[str, int]) -> PrefixCacheStep:
+    def _seal(
+        self,
+        events: list[PrefixCacheRequestEvent],
+        scheduled: dict[str, int],
+        drafts: dict[str, list[int]] | None = None,
+    ) -> PrefixCacheStep:
         self.sequence += 1
-        step = PrefixCacheStep(tuple(events), tuple(scheduled.items()), self.sequence)
+        step = PrefixCacheStep(
+            tuple(events), tuple(scheduled.items()), self.sequence, draft_tokens=draft_counts(drafts or {})
+        )
         self.last = step
         return step
 
@@ -221,7 +229,18 @@ class EventEngine:
         for rid, n in sched.items():
             if rid not in new_ids:
                 events.append(PrefixCacheRequestEvent(rid, K.EXTENDED, scheduled_tokens=n, owner=self.owner(rid)))
-        return self._seal(events, sched)
+        return self._seal(events, sched, out.scheduled_spec_decode_tokens)
+
+    def optimistic_resume(self, rid: str, hit_end: int, blocks: list[int], tokens: int) -> PrefixCacheStep:
+        """A step resuming ``rid`` (its current owner) with a hit over
+        ``blocks`` up to ``hit_end``, scheduling ``tokens``: what a runner
+        whose computed count skipped vLLM's rollback of rejected drafts (an
+        optimistic count) would report after a preemption; its hit then
+        covers rejected drafts' rows."""
+        event = PrefixCacheRequestEvent(
+            rid, K.RESUMED, 0, hit_end, (tuple(blocks),), tokens, owner=self.announced.get(rid)
+        )
+        return self._seal(self._controls() + [event], {rid: tokens})
 
     def entry(self, finished: set[str]) -> PrefixCacheStep:
         """A step with nothing scheduled: controls and terminal events only."""

@@ -29,6 +29,7 @@ from omni_prefix_cache.specs.composition import ProtocolSpec
 from omni_prefix_cache.specs.types.copy_queue import QueuePosition
 from omni_prefix_cache.testing.protocol_tests.checks import ProtocolChecks
 from omni_prefix_cache.testing.protocol_tests.consumers import Desk, marks
+from omni_prefix_cache.testing.protocol_tests.draft_drivers import DraftDrivers
 from omni_prefix_cache.testing.protocol_tests.life_drivers import LifecycleDrivers
 from omni_prefix_cache.testing.protocol_tests.lifecycle import EventEngine, OracleTenure, TenureOracle, resumable
 from omni_prefix_cache.testing.protocol_tests.workload import (
@@ -58,7 +59,7 @@ from omni_prefix_cache.testing.write_fakes import install_failing_stages, probe_
 from omni_prefix_cache.writes.staging import StagingBufferHolder
 
 
-class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
+class ProtocolMachine(DraftDrivers, LifecycleDrivers, RuleBasedStateMachine):
     """The drivers (``drive_<rule>``), over the real manager, and its
     checkers (``checks``); ``build_machine`` turns them into rules and
     invariants from the spec. Not a test on its own (no rules)."""
@@ -90,7 +91,6 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
         self.pending: PlannedStep | None = None  # scheduled by new_step, not saved yet
         self.pending_absent: frozenset[str] = frozenset()
         self.expects: dict[int, tuple[PlannedStep, frozenset[str]]] = {}
-        self.served: list[Served] = []
         self.poison: dict[str, set[int]] = {"copy": set(), "write": set()}
         self.dead = False  # a facade entry raised the write failure
         self.max_tid = 0
@@ -110,6 +110,10 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
         self.step_tenures: dict[int, dict[str, OracleTenure]] = {}
         self.recovering: dict[str, int] = {}  # this step's RESUMED hits: where each must start
         self.recover_at: dict[int, dict[str, int]] = {}
+        # Requests whose drafted step was materialized: rid -> (step, verified end, draft end, block ids),
+        # and the last step that scheduled each request.
+        self.drafted: dict[str, tuple[int, int, int, list[int]]] = {}
+        self.last_sched: dict[str, int] = {}
         self.checks = ProtocolChecks(self)
         self._instrument()
 
@@ -365,11 +369,18 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
         # A pool key that is not token-major this step is a leftover: the
         # step's tenant does not write it (hits later get the baseline).
         absent = frozenset(draw(st.sampled_from([(), (), (IMMEDIATE,), (DEFERRED,)]), label="keys as leftovers"))
+
+        def drafts(req: Any) -> tuple[int, int]:
+            # Speculative decoding: a decoding request may carry drafts, the first k of them right.
+            d = draw(st.integers(0, 3), label=f"drafts {req.rid}")
+            return (d, draw(st.integers(0, d), label=f"accepted {req.rid}")) if d else (0, 0)
+
         planned = self.model.schedule(
             admit=lambda req: draw(st.integers(1, 6), label=f"admit {req.rid}") if admit_only in (None, req.rid) else 0,
             run=lambda req: draw(st.integers(1, 3), label=f"run {req.rid}"),
             capacity=CAPACITY,
             absent_keys=absent,
+            drafts=drafts,
         )
         if planned is None:
             return None
@@ -408,6 +419,7 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
         if sid is None:
             return None
         self.saved(int(sid), planned)
+        self.last_sched.update(dict.fromkeys(planned.order, int(sid)))
         for tid in self.previous_immediate:
             task = self.ctrl.parts.registry.get(tid)
             if task is not None and not task.is_terminal:
@@ -504,21 +516,40 @@ class ProtocolMachine(LifecycleDrivers, RuleBasedStateMachine):
             return
         self._resume_paused()  # materialize waits for its prefetches
         planned, absent = self.expects.pop(sid)
+        accepted = planned.accepted or None  # the runner's len(sampled_token_ids[i]) of a drafted step
         try:
-            outs = self._facade(self.mgr.materialize, sid, list(planned.order))
+            outs = self._facade(lambda: self.mgr.materialize(sid, list(planned.order), accepted_rows=accepted))
         except OmniPrefixCacheUnmatchError as exc:
             raise AssertionError(f"row oracle: materialize(step {sid}) refused servable rows: {exc}") from exc
         if outs is not None:
-            self.served.append(Served(sid, outs, planned, absent))
+            if planned.accepted:
+                event("materialized a step with speculative drafts")
+                self.drafted.update({rid: (sid, *where) for rid, where in planned.drafted.items()})
+            # The row oracle before any consumer sees it (a consumer's view of rows past what was
+            # saved would raise first, hiding what was served).
+            self.checks.check_served(Served(sid, outs, planned, absent))
             self.delivered(sid, outs, planned, data)
+            if (
+                planned.accepted
+                and data is not None
+                and self.pending is None
+                and not self.dead
+                and len(self.expects) < DEPTH
+                and self.model.alloc.can_allocate(1)
+                and self.optimistic_candidates()
+                and data.draw(st.booleans(), label="an optimistic resume right away")
+            ):
+                self.drive_optimistic_resume(data)
 
     def drive_discard(self, sid: int | None) -> None:
         if sid is None or sid not in self.expects:
             return
-        self.expects.pop(sid)
+        planned, _ = self.expects.pop(sid)
         self.step_tenures.pop(sid, None)
         before = marks(self.oracle.every)
-        self.mgr.discard_step(sid)  # works after a failure: it only releases
+        # A drafted step's accepted rows on every other discard (without, every draft row is rejected).
+        accepted = planned.accepted if planned.accepted and sid % 2 else None
+        self.mgr.discard_step(sid, accepted_rows=accepted)  # works after a failure: it only releases
         self.desk.unmoved(before, "discard_is_not_delivery", f"discard_step({sid})")
 
     # ------------------------------------------------------------ checkers

@@ -73,6 +73,7 @@ WORKLOAD_RULES = (
     "reuse_id",
     "stale_events",
     "replay_step",
+    "optimistic_resume",
 )
 
 # Invariant name (spec/protocol.yaml, checked_by tests) -> checker method.
@@ -95,6 +96,7 @@ CHECKERS: dict[str, str] = {
     "old_owner_never_moves_current": "old_owner_never_moves_current",
     "discard_is_not_delivery": "discard_is_not_delivery",
     "resumed_hit_recovers": "resumed_hit_recovers",
+    "accepted_rows_only": "accepted_rows_only",
 }
 
 

@@ -10,6 +10,14 @@ engine helper pays it, each part timed on its own: the *adapter*
 the *engine* calls (``new_step_starts(step)`` + ``save_outputs(...,
 write_layout=)``), ``materialize``, and *delivery* (``delivery_view`` +
 ``commit_output`` of one consumer). Ratios are event / seed of the same run.
+
+``decode_spec2`` and ``decode_spec4`` (when named) are ``decode`` with
+speculative drafts: the event side translates the drafts
+(``scheduled_spec_decode_tokens``), saves every scheduled row and
+materializes with the accepted rows (``accepted_rows=``); the seed side runs
+the same rows with the drafts taken as ordinary tokens (it has no
+speculative mode). Their event rows beside ``decode``'s are the engine
+thread's cost of speculative decoding against plain decoding.
 """
 
 from __future__ import annotations
@@ -23,10 +31,10 @@ from typing import Any
 from omni_prefix_cache.adapter import PrefixCacheSchedulerAdapter
 from omni_prefix_cache.tools.bench.floors import Rig
 from omni_prefix_cache.tools.bench.measure import pct, start_manager
-from omni_prefix_cache.tools.bench.scenarios import SCENARIOS, Scenario, StepInput, plan_steps
+from omni_prefix_cache.tools.bench.scenarios import SCENARIOS, SPEC_SCENARIOS, Scenario, StepInput, plan_steps
 from omni_prefix_cache.tools.simulate.batch import SimGroupView
 
-EVENT_SCENARIOS = ("decode", "prefill_hits")
+EVENT_SCENARIOS = ("decode", "prefill_hits")  # the table's default
 
 
 @dataclass
@@ -59,7 +67,8 @@ class ApiPair:
 
 def vllm_shaped(st: StepInput) -> SimpleNamespace:
     """``st``'s scheduler output as vLLM 0.33 shapes it: new requests, and every
-    other scheduled request in ``scheduled_cached_reqs`` (no new blocks)."""
+    other scheduled request in ``scheduled_cached_reqs`` (no new blocks), and
+    the step's drafts (``scheduled_spec_decode_tokens``)."""
     so = st.output
     new = {n.req_id for n in so.scheduled_new_reqs}
     running = [r for r in st.order if r not in new]
@@ -75,6 +84,7 @@ def vllm_shaped(st: StepInput) -> SimpleNamespace:
         scheduled_cached_reqs=cached,
         num_scheduled_tokens=so.num_scheduled_tokens,
         finished_req_ids=so.finished_req_ids,
+        scheduled_spec_decode_tokens=so.scheduled_spec_decode_tokens,
     )
 
 
@@ -111,7 +121,7 @@ def _run_side(sc: Scenario, steps: list[StepInput], warmup: int, eager: bool, ev
                     hidden, mm, num_tokens_unpadded=st.n, num_tokens_padded=st.n, write_layout=layout
                 )
                 t4 = _ns()
-                outs = mgr.materialize(sid, st.order)
+                outs = mgr.materialize(sid, st.order, accepted_rows=st.accepted)
                 t5 = _ns()
                 dv = mgr.delivery_view(outs, st.order, consumer="output")
                 mgr.commit_output(outs, _publish, delivery=dv)
@@ -120,7 +130,7 @@ def _run_side(sc: Scenario, steps: list[StepInput], warmup: int, eager: bool, ev
                 times["delivery"] = t6 - t5
             else:
                 t0 = _ns()
-                mgr.new_step_starts(st.output)
+                mgr.new_step_starts(st.seed_era_output())
                 sid = mgr.save_outputs(hidden, mm, num_tokens_unpadded=st.n, num_tokens_padded=st.n)
                 t1 = _ns()
                 mgr.materialize(sid, st.order)
@@ -162,8 +172,10 @@ def run_api_pair(sc: Scenario, *, eager: bool, index: int, iters: int | None = N
 
 
 def run_event_api(names: list[str] | None, modes: tuple[str, ...], iters: int | None = None) -> list[ApiPair]:
-    """The event-API pairs of the chosen scenarios (``decode``, ``prefill_hits`` among them) and modes."""
-    chosen = [n for n in (names or EVENT_SCENARIOS) if n in EVENT_SCENARIOS]
+    """The event-API pairs of the chosen scenarios (``decode``, ``prefill_hits``,
+    ``decode_spec2`` and ``decode_spec4`` among them; by default the first
+    two) and modes."""
+    chosen = [n for n in (names or EVENT_SCENARIOS) if n in EVENT_SCENARIOS or n in SPEC_SCENARIOS]
     runs = [(SCENARIOS[n](), mode) for n in chosen for mode in modes]
     return [run_api_pair(sc, eager=mode == "eager", index=i, iters=iters) for i, (sc, mode) in enumerate(runs)]
 

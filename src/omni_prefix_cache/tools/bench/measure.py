@@ -294,6 +294,8 @@ def run_scenario(
     ``warm``: the pool's slabs are opened and written once first (``warm_pool``).
     ``profiler`` profiles the timed steps' spans; with ``materialize_profiler``
     too, the engine calls' and materialize's spans each in their own."""
+    if sc.spec_tokens:
+        raise ValueError(f"scenario {sc.name}: speculative drafts run on the event API only (bench.event_api)")
     iters = sc.iters if iters is None else iters
     warmup = sc.warmup if warmup is None else warmup
     steps = plan_steps(sc, warmup + iters, seed)

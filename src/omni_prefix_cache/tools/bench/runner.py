@@ -29,7 +29,7 @@ from omni_prefix_cache.tools.bench.results import (
     apply_baseline,
     load_baseline,
 )
-from omni_prefix_cache.tools.bench.scenarios import MODES, SCENARIOS, Scenario, decode_scenario
+from omni_prefix_cache.tools.bench.scenarios import MODES, SCENARIOS, SPEC_SCENARIOS, Scenario, decode_scenario
 from omni_prefix_cache.tools.bench.sides import METRICS_CHOICES, run_pair, run_scrape_pair, with_metrics
 from omni_prefix_cache.tools.bench.sweep import SWEEP_SIZES, spread
 from omni_prefix_cache.tools.bench.tier_fill import time_tier_fill
@@ -113,7 +113,8 @@ def run_bench(
     vllm_python: str | None = None,
     repeat: int = 1,
 ) -> BenchReport:
-    """Run the named scenarios (default all) in each of ``modes`` (default
+    """Run the named scenarios (default all but ``SPEC_SCENARIOS``, which
+    only the event-API table runs) in each of ``modes`` (default
     both; ``eager`` picks one, for old callers), then the decode sweep
     in each of ``modes``. ``baseline``: a bench ``--json`` report to compare with.
     ``warm``: every run's pool slabs are written once before its first step
@@ -144,14 +145,15 @@ def run_bench(
     metrics choice, a negative or non-finite ``scrape_hz`` (or a positive
     one without ``prometheus_client``), or a baseline that is not a bench
     report."""
-    names = list(SCENARIOS) if not names else names
+    names = [n for n in SCENARIOS if n not in SPEC_SCENARIOS] if not names else names
     if modes is None:
         modes = MODES if eager is None else ("eager" if eager else "threaded",)
     _check_choices(names, modes, metrics, scrape_hz)
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {repeat}")
     base = load_baseline(baseline) if baseline else None
-    plan = [SCENARIOS[n]() for n in names]
+    # Speculative scenarios run in the event-API table only (``run_event_api``).
+    plan = [SCENARIOS[n]() for n in names if n not in SPEC_SCENARIOS]
     sweep_plan = [decode_scenario(r, iters=100) for r in SWEEP_SIZES] if sweep else []
     sweep_modes = [mode for mode in MODES if mode in modes]
     sides = (2 if metrics == "both" else 1) * repeat + (2 if scrape_hz > 0 else 0)

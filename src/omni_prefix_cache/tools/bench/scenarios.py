@@ -10,10 +10,14 @@ scheduler, so the timed loop runs only the manager calls.
   hits the first turn's prompt and answer.
 - ``decode_256``: ``decode`` at 256 requests.
 - ``decode_mm4``: ``decode`` with four token-major mm keys.
+- ``decode_spec2``, ``decode_spec4``: ``decode`` with speculative decoding,
+  up to 2 (4) draft tokens a request a step, some rejected: the event-API
+  table only (``event_api``; the seed-era path has no speculative mode).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +53,7 @@ class Scenario:
     iters: int = 100
     mm_keys: int = 1  # token-major mm keys per step (talker.h, talker.h1, ...)
     targets: tuple[Target, ...] = ()
+    spec_tokens: int = 0  # speculative decoding: up to this many drafts a request a step (event API only)
 
 
 def mm_key(i: int) -> str:
@@ -116,9 +121,9 @@ def _toks(rng: random.Random, n: int) -> tuple[int, ...]:
     return tuple(rng.randrange(32000) for _ in range(n))
 
 
-def _decode_trace(num_reqs: int, prompt: int, steps: int) -> Callable[[random.Random], list[RequestSpec]]:
+def _decode_trace(num_reqs: int, prompt: int, outputs: int) -> Callable[[random.Random], list[RequestSpec]]:
     def make(rng: random.Random) -> list[RequestSpec]:
-        return [RequestSpec(f"d{i}", 0, (_toks(rng, prompt),), max_output=steps + 8) for i in range(num_reqs)]
+        return [RequestSpec(f"d{i}", 0, (_toks(rng, prompt),), max_output=outputs) for i in range(num_reqs)]
 
     return make
 
@@ -152,22 +157,31 @@ def _deferred_trace(steps: int, per_step: int = 2) -> Callable[[random.Random], 
     return make
 
 
-def decode_scenario(num_reqs: int = 64, *, warmup: int = 20, iters: int = 200, mm_keys: int = 1) -> Scenario:
-    """``num_reqs`` requests decoding one token a step, with ``mm_keys`` token-major mm keys."""
+def decode_scenario(
+    num_reqs: int = 64, *, warmup: int = 20, iters: int = 200, mm_keys: int = 1, spec_tokens: int = 0
+) -> Scenario:
+    """``num_reqs`` requests decoding one token a step, with ``mm_keys``
+    token-major mm keys; with ``spec_tokens`` K > 0, up to K draft tokens a
+    request a step besides (the simulator's scheduler draws how many and how
+    many of them are right), so a step saves up to 1 + K rows a request and
+    keeps the accepted ones."""
     steps = warmup + iters + 2
     prompt = 16
-    blocks = num_reqs * (-(-(prompt + steps + 8) // 16) + 1)
+    outputs = steps * (1 + spec_tokens) + 8  # nobody finishes before the last step, however many drafts it accepts
+    blocks = num_reqs * (-(-(prompt + outputs) // 16) + 1)
     name = "decode" if num_reqs == 64 else f"decode_{num_reqs}"
+    name = name if mm_keys == 1 else f"{name}_mm{mm_keys}"
     return Scenario(
-        name=name if mm_keys == 1 else f"{name}_mm{mm_keys}",
-        trace=_decode_trace(num_reqs, prompt, steps),
+        name=name if not spec_tokens else f"{name}_spec{spec_tokens}",
+        trace=_decode_trace(num_reqs, prompt, outputs),
         token_budget=max(2048, num_reqs * prompt),
         max_num_seqs=num_reqs,
         num_blocks=blocks,
         warmup=warmup,
         iters=iters,
         mm_keys=mm_keys,
-        targets=DECODE_TARGETS if num_reqs == 64 and mm_keys == 1 else (),
+        targets=DECODE_TARGETS if num_reqs == 64 and mm_keys == 1 and not spec_tokens else (),
+        spec_tokens=spec_tokens,
     )
 
 
@@ -202,7 +216,11 @@ SCENARIOS: dict[str, Callable[..., Scenario]] = {
     "decode_mm4": lambda **kw: decode_scenario(64, mm_keys=4, **kw),
     "prefill_hits": prefill_hits_scenario,
     "deferred": deferred_scenario,
+    "decode_spec2": lambda **kw: decode_scenario(64, spec_tokens=2, **kw),
+    "decode_spec4": lambda **kw: decode_scenario(64, spec_tokens=4, **kw),
 }
+# Scenarios with speculative drafts: timed in the event-API table only (``event_api``).
+SPEC_SCENARIOS = ("decode_spec2", "decode_spec4")
 
 
 # ---------------------------------------------------------------- planning
@@ -217,6 +235,15 @@ class StepInput:
     blocks: dict[str, list[int]]
     computed: dict[str, int]
     n: int
+    # Speculative decoding: each drafted request's ``len(sampled_token_ids[i])``
+    # (its accepted drafts plus one), for ``materialize(accepted_rows=)``.
+    accepted: dict[str, int] | None = None
+
+    def seed_era_output(self) -> SchedulerOutput:
+        """The scheduler output without its drafts (the seed-era path has no
+        speculative mode: every scheduled row is an ordinary one there)."""
+        so = self.output
+        return dataclasses.replace(so, scheduled_spec_decode_tokens={}) if so.scheduled_spec_decode_tokens else so
 
 
 def plan_steps(sc: Scenario, total: int, seed: int = 0) -> list[StepInput]:
@@ -228,6 +255,8 @@ def plan_steps(sc: Scenario, total: int, seed: int = 0) -> list[StepInput]:
         token_budget=sc.token_budget,
         max_num_seqs=sc.max_num_seqs,
         seed=seed,
+        events=sc.spec_tokens > 0,
+        spec_tokens=sc.spec_tokens,
     )
     batch = PersistentBatch()
     out: list[StepInput] = []
@@ -244,6 +273,7 @@ def plan_steps(sc: Scenario, total: int, seed: int = 0) -> list[StepInput]:
                     blocks={e.req.req_id: list(e.req.blocks) for e in plan.entries},
                     computed={e.req.req_id: e.start for e in plan.entries},
                     n=sum(e.n for e in plan.entries),
+                    accepted={e.req.req_id: e.sampled for e in plan.entries if e.drafts} or None,
                 )
             )
         sched.update(plan)

@@ -9,7 +9,9 @@ from typing import Any
 from omni_prefix_cache.tools.commands.common import HelpFormatter, describe, float_in, non_negative, positive
 
 # Scenario names of bench.SCENARIOS (bench imports torch; tests keep the two in step).
-BENCH_SCENARIOS = ("decode", "decode_256", "decode_mm4", "prefill_hits", "deferred")
+BENCH_SCENARIOS = ("decode", "decode_256", "decode_mm4", "prefill_hits", "deferred", "decode_spec2", "decode_spec4")
+# Of those, the ones with speculative drafts: in the event-API table only.
+SPEC_BENCH_SCENARIOS = ("decode_spec2", "decode_spec4")
 
 
 def bench_scenario(text: str) -> str:
@@ -20,7 +22,9 @@ def bench_scenario(text: str) -> str:
 
 
 def profile_scenario(text: str) -> str:
-    """``--profile``: a scenario name or ``decode_<requests>``."""
+    """``--profile``: a scenario name or ``decode_<requests>`` (not a speculative one)."""
+    if text in SPEC_BENCH_SCENARIOS:
+        raise argparse.ArgumentTypeError(f"{text} runs in the event-API table only; --profile times the seed-era calls")
     if text in BENCH_SCENARIOS:
         return text
     head, _, size = text.partition("_")
@@ -38,8 +42,11 @@ def add_parser(sub: Any) -> None:
         help="engine and materialize cost per step against a memcpy floor, with targets",
         description=describe(
             "Scenarios decode (64x1), decode_256, decode_mm4 (four mm keys), prefill_hits, deferred, each in "
-            "eager and threaded mode, and a decode batch sweep. Each row reports microseconds per step and per "
-            "request and the ratio to floors measured in the same run (a torch clone of the step's row bytes; "
+            "eager and threaded mode, and a decode batch sweep; decode_spec2 and decode_spec4 (decode with up to "
+            "2 or 4 speculative draft tokens a request a step, some rejected) when named, in the event-API table "
+            "only, beside decode's event row: the engine thread's cost of speculative decoding. Each row "
+            "reports microseconds per step and per request and the ratio to floors measured in the same run "
+            "(a torch clone of the step's row bytes; "
             "a staging copy plus a pool index_copy_ of them); the targets table says met or missed (a miss "
             "fails the run only with --strict). With a baseline report (default docs/bench_baseline.json when "
             "present) each row is compared with the baseline's, floor-normalised.",
@@ -67,7 +74,8 @@ def add_parser(sub: Any) -> None:
         action="append",
         type=bench_scenario,
         metavar="{" + ",".join(BENCH_SCENARIOS) + "}",
-        help="run only this scenario (repeatable; all when absent)",
+        help="run only this scenario (repeatable; all but decode_spec2 and decode_spec4 when absent; those two "
+        "run in the event-API table only)",
     )
     p.add_argument("--iters", type=positive, default=None, help="timed steps per scenario (per-scenario default)")
     p.add_argument("--warmup", type=non_negative, default=None, help="untimed steps first (per-scenario default)")
@@ -125,8 +133,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--no-event-api",
         action="store_true",
-        help="skip the event-API table (decode and prefill_hits on the adapter + event calls + delivery, "
-        "beside the seed-era path, back to back)",
+        help="skip the event-API table (decode and prefill_hits, and decode_spec2 and decode_spec4 when named, "
+        "on the adapter + event calls + delivery, beside the seed-era path, back to back)",
     )
     p.add_argument(
         "--warm-pool",

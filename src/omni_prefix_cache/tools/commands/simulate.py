@@ -87,6 +87,14 @@ def add_parser(sub: Any) -> None:
         help="events: the adapter, write layouts, two delivery consumers, preempt/resume, replacements "
         "(--engine vllm through the engine helper); seed: the seed-era scheduler output",
     )
+    p.add_argument(
+        "--spec-tokens",
+        type=non_negative,
+        default=0,
+        metavar="K",
+        help="speculative decoding (event API): decode steps carry up to K draft tokens, some wrong, and each "
+        "materialize gets the accepted rows (--engine vllm: vLLM's SpeculativeConfig(method='ngram', K)); 0: off",
+    )
     p.add_argument("--seed", type=non_negative, default=0, help="seed of the trace and the discard choices")
     p.add_argument("--steps", type=positive, default=2000, help="step cap; requests still live there are aborted")
     p.add_argument("--arrival-steps", type=positive, default=500, help="requests arrive during this many steps")
@@ -161,6 +169,7 @@ def sim_config(args: argparse.Namespace) -> Any:
         lag=args.lag,
         trace_path=None if getattr(args, "trace", None) is None else str(args.trace),
         api=args.api,
+        spec_tokens=args.spec_tokens,
     )
 
 
@@ -169,6 +178,8 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     bad combination is a usage error (argparse's exit) rather than "the manager raised"."""
     from omni_prefix_cache.interface import OmniPrefixCacheUnmatchError
 
+    if args.spec_tokens and args.api != "events":
+        parser.error("--spec-tokens needs --api events (speculative decoding needs write layouts and accepted rows)")
     try:
         sim_config(args).prefix_cache_config()
     except (ValueError, TypeError, OmniPrefixCacheUnmatchError) as exc:

@@ -50,7 +50,7 @@ class EventExpectation:
     req_id: str
     key: tuple[int, int]
     start: int
-    end: int
+    end: int  # the accepted end with speculative drafts (the rejected drafts' rows are never returned)
     resumed: bool  # the step's event was RESUMED (the hit may recover delivered-to-nobody rows)
 
 
@@ -98,7 +98,9 @@ class DeliveryOracle:
     # ------------------------------------------------------- engine thread
 
     def expect(self, req: Any, start: int, end: int, resumed: bool) -> EventExpectation:
-        """Register ``req``'s tenure (its content hashes) and return the step's expectation."""
+        """Register ``req``'s tenure (its content hashes) and return the
+        step's expectation: positions ``[start, end)`` (with speculative
+        drafts ``end`` is the accepted end)."""
         key = tenure_key(req)
         with self._lock:
             if key not in self._tenures:
@@ -161,7 +163,8 @@ class DeliveryOracle:
                 tenure = self._tenures[e.key]
                 span = outs.token_ranges.get(e.req_id)
                 sched = outs.scheduled_token_ranges.get(e.req_id)
-                if span is None or sched != (e.start, e.end) or not 0 <= span[0] <= e.start or span[1] != e.end:
+                end = e.end
+                if span is None or sched != (e.start, end) or not 0 <= span[0] <= e.start or span[1] != end:
                     detail = f"output range {span} scheduled {sched}, computed [{e.start}, {e.end})"
                     found.append(Mismatch(step, step_id, e.req_id, "token_ranges", detail))
                     continue

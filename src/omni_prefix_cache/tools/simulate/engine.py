@@ -69,6 +69,7 @@ class SimConfig:
     replace_prob: float = 0.02  # events: chance per step that a running request's content is replaced
     local_ack_every: int = 3  # events: the local consumer views and acknowledges every this many outputs
     local_drop_prob: float = 0.1  # events: chance the local consumer drops a view unacknowledged
+    spec_tokens: int = 0  # events: speculative decoding, up to this many drafts per decode step (0: off)
 
     @property
     def lagged(self) -> bool:
@@ -191,7 +192,10 @@ class Simulation:
             vocab=cfg.workload.vocab,
             events=cfg.api == "events",
             replace_prob=cfg.replace_prob if cfg.api == "events" else 0.0,
+            spec_tokens=cfg.spec_tokens if cfg.api == "events" else 0,
         )
+        if cfg.spec_tokens and cfg.api != "events":
+            raise ValueError("SimConfig.spec_tokens needs the event API (speculative decoding needs write layouts)")
         self.view = SimGroupView(cfg.block_size)
         self.batch = PersistentBatch()
         self.oracle = Oracle(cfg.widths(), cfg.torch_dtype, expect_no_hidden=not cfg.cache_hidden)
@@ -223,8 +227,7 @@ class Simulation:
         The next forward overwrites them in place, so a manager that kept a
         view instead of a copy serves the wrong rows under a lagging materialize.
         """
-        by_id = {e.req.req_id: e for e in plan.entries}
-        hashes = torch.cat([by_id[r].req.hashes.span(by_id[r].start, by_id[r].start + by_id[r].n) for r in order])
+        hashes = torch.cat([_step_hashes(e) for e in _in_order(order, plan)])
         n = int(hashes.numel())
         cfg = self.cfg
         padded = n
@@ -259,14 +262,15 @@ class Simulation:
     # ------------------------------------------------------------ consume
 
     def _consume(self, job: tuple[Any, ...]) -> None:
-        mgr, step, step_id, req_ids, exps, leftover, discard = job
+        mgr, step, step_id, req_ids, exps, leftover, discard, accepted = job
+        spec = {} if accepted is None else {"accepted_rows": accepted}  # plain decoding passes nothing
         if discard:
-            mgr.discard_step(step_id)
+            mgr.discard_step(step_id, **spec)
             with self._stats_lock:
                 self.result.discarded_steps += 1
             return
         t0 = time.perf_counter_ns()
-        outs = mgr.materialize(step_id, req_ids)
+        outs = mgr.materialize(step_id, req_ids, **spec)
         dt = (time.perf_counter_ns() - t0) / 1000.0
         if self.events is not None:
             self.events.deliver(mgr, step, step_id, exps, outs, leftover)
@@ -395,13 +399,31 @@ class Simulation:
             # The scheduler applies the step first: whether it may be discarded depends on who finished.
             self.sched.update(plan)
             discard = events.after_update(self.sched, plan, exps, discard)
-        job = (mgr, step, step_id, req_ids, exps, leftover, discard)
+        # Speculative decoding: the runner's len(sampled_token_ids[i]) of each drafted request.
+        accepted = {e.req.req_id: e.sampled for e in plan.entries if e.drafts} or None
+        job = (mgr, step, step_id, req_ids, exps, leftover, discard, accepted)
         if worker is None:
             self._consume(job)
         else:
             worker.submit(job)
         if events is None:
             self.sched.update(plan)
+
+
+def _in_order(order: list[str], plan: StepPlan[Any]) -> list[Any]:
+    by_id = {e.req.req_id: e for e in plan.entries}
+    return [by_id[r] for r in order]
+
+
+def _step_hashes(e: Any) -> torch.Tensor:
+    """The prefix hashes of the tokens one request's rows of the step are
+    computed on: its own, then (speculative decoding) its draft tokens,
+    right or wrong, so a rejected draft's row differs from the position's."""
+    if not e.drafts:
+        own: torch.Tensor = e.req.hashes.span(e.start, e.start + e.n)
+        return own
+    verified = e.start + e.n - len(e.drafts)
+    return torch.cat([e.req.hashes.span(e.start, verified), e.req.hashes.chained(e.drafts)])
 
 
 def _default_manager(config: PrefixCacheConfig, view: Any, eager: bool) -> Any:

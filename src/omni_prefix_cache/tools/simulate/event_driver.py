@@ -71,9 +71,9 @@ class EventDriver:
 
     def expectations(self, order: list[str], plan: StepPlan[Any]) -> list[EventExpectation]:
         by_id = {e.req.req_id: e for e in plan.entries}
+        # With speculative drafts the rows end at the accepted end (the rejected drafts' rows never return).
         return [
-            self.oracle.expect(by_id[r].req, by_id[r].start, by_id[r].start + by_id[r].n, by_id[r].resumed)
-            for r in order
+            self.oracle.expect(by_id[r].req, by_id[r].start, by_id[r].accepted_end, by_id[r].resumed) for r in order
         ]
 
     def after_update(self, sched: Any, plan: StepPlan[Any], exps: list[EventExpectation], discard: bool) -> bool:

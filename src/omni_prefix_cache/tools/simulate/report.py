@@ -135,6 +135,21 @@ def _delivery_rows(res: SimResult) -> list[tuple[str, str]]:
     ]
 
 
+def _draft_rows(res: SimResult) -> list[tuple[str, str]]:
+    """Speculative decoding's rows (``--spec-tokens``), when a step drafted."""
+    st = res.scheduler
+    if not st.get("draft_steps"):
+        return []
+    drafts, accepted = st.get("drafts", 0), st.get("drafts_accepted", 0)
+    return [
+        (
+            "speculative steps / drafts (accepted / rejected)",
+            f"{st['draft_steps']} / {drafts} ({accepted} / {drafts - accepted})",
+        ),
+        ("hits on blocks a rejected draft held", str(st.get("hits_over_rejected", 0))),
+    ]
+
+
 def format_table(res: SimResult) -> str:
     """Human summary: the headline numbers, then the verdict."""
     s = summary(res)
@@ -179,6 +194,7 @@ def format_table(res: SimResult) -> str:
         ("engine us/step p50 / p99", f"{_fmt(s['engine_us_p50'])} / {_fmt(s['engine_us_p99'])}"),
         ("materialize us p50 / p99", f"{_fmt(s['materialize_us_p50'])} / {_fmt(s['materialize_us_p99'])}"),
         *_delivery_rows(res),
+        *_draft_rows(res),
         *res.extra_rows(),
         ("rows checked", str(s["rows_checked"])),
         ("mismatches", str(s["mismatches"])),

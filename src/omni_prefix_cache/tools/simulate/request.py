@@ -59,6 +59,7 @@ class SchedulerOutput:
     prefix_cache_terminal_owners: dict[str, PrefixCacheRequestOwner] = field(default_factory=dict)
     aborted_req_ids: set[str] = field(default_factory=set)
     prefix_cache_step_sequence: int | None = None
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)  # speculative decoding
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -129,7 +130,11 @@ class SimRequest:
             parent = self.block_hashes[-1] if self.block_hashes else None
             self.block_hashes.append(block_hash(parent, self.tokens[i * bs : (i + 1) * bs]))
 
+    def next_token(self, position: int) -> int:
+        """The token this request samples at ``position`` (a function of request and position)."""
+        return mix64(self.salt ^ (position * 0x9E3779B1)) % self.vocab
+
     def sample(self) -> None:
-        """Append the next output token (a deterministic function of request and position)."""
-        self.append_tokens([mix64(self.salt ^ (len(self.tokens) * 0x9E3779B1)) % self.vocab])
+        """Append the next output token."""
+        self.append_tokens([self.next_token(len(self.tokens))])
         self.num_output += 1

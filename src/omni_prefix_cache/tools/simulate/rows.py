@@ -73,6 +73,16 @@ class PrefixHashes:
         self._n = need
         self._last = h
 
+    def chained(self, tokens: Iterable[int]) -> torch.Tensor:
+        """The prefix hashes ``tokens`` would get if appended now, without
+        appending them (a speculative draft's positions)."""
+        vals: list[int] = []
+        h = self._last
+        for t in tokens:
+            h = mix64(h ^ (t * 0x100000001B3 & _MASK64))
+            vals.append(to_signed64(h))
+        return torch.tensor(vals, dtype=torch.int64)
+
     def span(self, start: int, end: int) -> torch.Tensor:
         """Hashes of positions ``[start, end)`` (a view; do not mutate)."""
         if not 0 <= start <= end <= self._n:

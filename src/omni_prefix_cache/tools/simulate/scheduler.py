@@ -21,10 +21,10 @@ import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Generic, Protocol, TypeVar
 
 from omni_prefix_cache.adapter import PrefixCacheEventKind, PrefixCacheRequestEvent, PrefixCacheRequestOwner
 from omni_prefix_cache.tools.simulate.blocks import BlockAllocator
+from omni_prefix_cache.tools.simulate.plan import Scheduled, SchedulerStats, SimScheduler, StepPlan
 from omni_prefix_cache.tools.simulate.request import (
     CachedRequestData,
     NewRequestData,
@@ -48,75 +48,6 @@ __all__ = [
 ]
 
 
-# The scheduler's request type: SimRequest here, the vLLM driver's DriverRequest in simulate.vllm_engine.
-R = TypeVar("R")
-
-
-@dataclass
-class Scheduled(Generic[R]):
-    """One request's share of a step."""
-
-    req: R
-    n: int  # tokens computed this step
-    start: int  # first position computed this step
-    new_entry: NewRequestData | None  # set when it appears in scheduled_new_reqs
-    manager_hit: int  # cached rows the manager must prepend (a prefix hit of a request it does not know)
-    resumed: bool = False  # event form: back after a preemption, in scheduled_cached_reqs.resumed_req_ids
-    new_blocks: list[int] | None = None  # event form: blocks allocated this step (all of them when resumed)
-
-
-@dataclass
-class StepPlan(Generic[R]):
-    step: int
-    entries: list[Scheduled[R]]
-    output: SchedulerOutput
-
-
-@dataclass
-class SchedulerStats:
-    arrived: int = 0
-    rejected: int = 0
-    finished: int = 0
-    aborted: int = 0
-    preemptions: int = 0
-    resumes: int = 0
-    resumes_with_hit: int = 0
-    stream_reentries: int = 0
-    hits: int = 0
-    hit_tokens: int = 0
-    same_step_hits: int = 0
-    live_prefix_tokens: int = 0  # prefix blocks reused by live requests (resume): not manager hits
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    followups: int = 0
-    reused_ids: int = 0  # a second turn arriving under its finished first turn's id
-    duplicates: int = 0
-    empty_steps: int = 0
-    max_running: int = 0
-    replacements: int = 0  # event form: REPLACED controls (a newer content generation of a running request)
-    rollbacks: int = 0  # event form: requests preempted because their step's outputs were discarded
-
-
-class SimScheduler(Protocol):
-    """What the engine loop and the progress line use: :class:`Scheduler` or the vLLM driver's ``VllmScheduler``."""
-
-    @property
-    def stats(self) -> SchedulerStats: ...
-    @property
-    def alloc(self) -> Any: ...  # ``alloc.stats`` is a dataclass the result reports
-    @property
-    def idle(self) -> bool: ...
-    @property
-    def running(self) -> Sequence[Any]: ...
-    @property
-    def waiting(self) -> Sequence[Any]: ...
-    def progress(self) -> float: ...
-    def live_requests(self) -> Sequence[Any]: ...
-    def abort_all(self, step: int) -> None: ...
-    def schedule(self, step: int) -> StepPlan[Any]: ...
-    def update(self, plan: StepPlan[Any]) -> None: ...
-
-
 @dataclass
 class Scheduler:
     """Requests, KV blocks and the per-step scheduling decisions."""
@@ -131,6 +62,7 @@ class Scheduler:
     stats: SchedulerStats = field(default_factory=SchedulerStats)
     events: bool = False  # emit the event form (see the module docstring)
     replace_prob: float = 0.0  # event form: chance per step that one running request's content is replaced
+    spec_tokens: int = 0  # event form: speculative decoding with up to this many drafts per decode step
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed ^ 0x7E91ACE)
@@ -143,6 +75,8 @@ class Scheduler:
         self.running: list[SimRequest] = []
         self.requests: dict[str, SimRequest] = {}
         self._finished_pending: list[SimRequest] = []
+        self._spec_rng = random.Random(self.seed ^ 0x5BEC)  # which drafts are right
+        self._rejected_blocks: set[int] = set()  # blocks a rejected draft's row once occupied
 
     # ------------------------------------------------------------ lifecycle
 
@@ -292,6 +226,8 @@ class Scheduler:
                 i += 1
                 continue
             n = min(req.pending, budget)
+            drafts, good = self._drafts(req, budget)
+            n += len(drafts)
             need = self._blocks_needed(req.computed + n) - len(req.blocks)
             while need > self.alloc.num_free:
                 victim = self.running[-1]
@@ -303,12 +239,14 @@ class Scheduler:
                 break
             added = self.alloc.allocate(max(0, need)) or []
             req.blocks.extend(added)
-            self._cache_full_blocks(req, req.computed + n, step)
+            self._cache_full_blocks(req, req.computed + n - len(drafts), step)  # never over a draft
             new_entry = None
             if req.emit_new:
                 new_entry = NewRequestData(req.req_id, req.computed, (list(req.blocks),))
                 self.stats.stream_reentries += 1
-            entries.append(Scheduled(req, n, req.computed, new_entry, 0, new_blocks=added))
+            entries.append(
+                Scheduled(req, n, req.computed, new_entry, 0, new_blocks=added, drafts=drafts, accepted=good)
+            )
             budget -= n
             i += 1
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -321,6 +259,7 @@ class Scheduler:
             if need > self.alloc.num_free - revived:
                 break
             same_step = any(self.alloc.cached_step(b) == step for b in hit_blocks)
+            self.stats.hits_over_rejected += bool(self._rejected_blocks.intersection(hit_blocks))
             self.alloc.touch(hit_blocks)
             req.blocks = hit_blocks + (self.alloc.allocate(need) or [])
             req.computed = hit
@@ -360,6 +299,7 @@ class Scheduler:
             scheduled_new_reqs=[e.new_entry for e in entries if e.new_entry is not None],
             finished_req_ids={r.req_id for r in finished},
             num_scheduled_tokens={e.req.req_id: e.n for e in entries},
+            scheduled_spec_decode_tokens={e.req.req_id: list(e.drafts) for e in entries if e.drafts},
         )
         if self.events:
             out = self._event_form(step, out, entries, finished)
@@ -389,11 +329,28 @@ class Scheduler:
             prefix_cache_step_sequence=step,
         )
 
+    def _drafts(self, req: SimRequest, budget: int) -> tuple[tuple[int, ...], int]:
+        """Speculative decoding (event form): the draft tokens of a request in
+        decode (its next tokens, the ones after the first wrong draft wrong
+        too) and how many of them are right, drawn so every count occurs."""
+        room = min(self.spec_tokens, budget - 1, req.spec.max_output - req.num_output - 1)
+        if not (self.events and room > 0 and req.pending == 1 and req.num_output > 0 and not req.more_segments):
+            return (), 0
+        d = self._spec_rng.randint(1, room)
+        good = self._spec_rng.randint(0, d)
+        right = [req.next_token(len(req.tokens) + j) for j in range(d)]
+        return tuple(t if j < good else (t + 1 + j) % self.vocab for j, t in enumerate(right)), good
+
     def update(self, plan: StepPlan[SimRequest]) -> None:
-        """Apply the forward's results: advance, sample, finish."""
+        """Apply the forward's results: advance, sample, finish. A step with
+        drafts keeps the accepted ones (vLLM's rollback: ``num_computed_tokens
+        -= rejected``) and samples the token after them."""
         for e in plan.entries:
             req = e.req
             decode = e.n == 1 and req.num_output > 0 and req.computed == len(req.tokens) - 1
+            if e.drafts:
+                self._accept(e, plan.step)
+                continue
             req.computed += e.n
             if decode:
                 self.stats.decode_tokens += 1
@@ -408,3 +365,23 @@ class Scheduler:
             req.sample()
             if req.num_output >= req.spec.max_output:
                 self._finish(req, aborted=False, step=plan.step)
+
+    def _accept(self, e: Scheduled[SimRequest], step: int) -> None:
+        """A drafted decode step's result: the accepted drafts are the
+        request's next tokens, the token after them is sampled, and the
+        blocks of the rejected ones' rows are noted (hits on them count)."""
+        req = e.req
+        for _ in range(e.accepted):
+            req.sample()
+        req.computed = e.accepted_end
+        st = self.stats
+        st.draft_steps += 1
+        st.drafts += len(e.drafts)
+        st.drafts_accepted += e.accepted
+        st.decode_tokens += 1 + e.accepted
+        bs = self.block_size
+        for pos in range(e.accepted_end, e.start + e.n):
+            self._rejected_blocks.add(req.blocks[pos // bs])
+        req.sample()
+        if req.num_output >= req.spec.max_output:
+            self._finish(req, aborted=False, step=step)

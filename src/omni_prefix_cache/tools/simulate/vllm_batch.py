@@ -53,6 +53,8 @@ class RunnerBatch:
             slot_mapping_modes=modes,
         )
         self.reordered = 0
+        # A decode step with speculative drafts computes 1 + drafts tokens (the backends' threshold grows so).
+        self.spec_tokens = cfg.spec_tokens
 
     def _state(self, new: Any) -> Any:
         return self.v.CachedRequestState(
@@ -115,26 +117,28 @@ class RunnerBatch:
         if self.opts.reorder_threshold is not None and batch.req_ids:
             self.reordered += bool(
                 self.v.reorder_batch_to_split_decodes_and_prefills(
-                    batch, so, decode_threshold=self.opts.reorder_threshold
+                    batch, so, decode_threshold=self.opts.reorder_threshold + self.spec_tokens
                 )
             )
         batch.refresh_metadata()
         return [r for r in batch.req_ids if r is not None]
 
-    def record_sampled(self, sampled: dict[str, int]) -> None:
-        """The runner's bookkeeping after sampling: append each token to its request and row."""
+    def record_sampled(self, sampled: dict[str, list[int]]) -> None:
+        """The runner's bookkeeping after sampling: append each request's
+        sampled tokens (with speculative decoding, its accepted drafts and the
+        token after them) to its request and row."""
         batch = self.input_batch
-        for rid, tok in sampled.items():
+        for rid, toks in sampled.items():
             state = self.requests.get(rid)
             if state is None:
                 continue
-            state.output_token_ids.append(tok)
+            state.output_token_ids.extend(toks)
             index = batch.req_id_to_index.get(rid)
             if index is not None:
                 end = int(batch.num_tokens_no_spec[index])
-                batch.token_ids_cpu[index, end] = tok
-                batch.is_token_ids[index, end] = True
-                batch.num_tokens_no_spec[index] = end + 1
+                batch.token_ids_cpu[index, end : end + len(toks)] = toks
+                batch.is_token_ids[index, end : end + len(toks)] = True
+                batch.num_tokens_no_spec[index] = end + len(toks)
 
 
 class VllmGroupView(SimGroupView):

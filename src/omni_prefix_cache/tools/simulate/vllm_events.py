@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from omni_prefix_cache.adapter import PrefixCacheEventKind, PrefixCacheRequestOwner
+from omni_prefix_cache.adapter import PrefixCacheEventKind, PrefixCacheRequestOwner, accepted_rows_of
 from omni_prefix_cache.engine_helper import PrefixCacheEngineHelper, SavedStep
 from omni_prefix_cache.interface import ModelCachePolicy, StageCacheOutputs
 from omni_prefix_cache.tools.simulate.engine import (
@@ -103,18 +103,22 @@ class VllmEventSimulation(VllmSimulation):
         res.saved_steps += 1
         res.tokens += n
         reqs = {e.req.req_id: e.req for e in plan.entries}
-        spans = {e.req.req_id: (e.start, e.start + e.n) for e in plan.entries}
-        self.sched.update(plan)  # update_from_output: finishes are decided here
+        # With speculative drafts a request's rows end at its accepted end; the rows before its drafts end
+        # at its verified end (where a tenure retired before the materialize ends).
+        spans = {e.req.req_id: (e.start, e.accepted_end) for e in plan.entries}
+        self.sched.update(plan)  # update_from_output: the rejected drafts' rollback and finishes are decided here
+        # The runner's accepted rows, right after its rejection sampler: len(sampled_token_ids[i]).
+        accepted = accepted_rows_of(self.sched.last_output) if saved.drafts else None
         finished = [r for r in plan.entries if self.sched.sched.requests.get(r.req.req_id) is not r.req.vreq]
         for e in finished:
-            self._final[e.req.incarnation] = (e.req.req_id, e.start + e.n)
+            self._final[e.req.incarnation] = (e.req.req_id, e.accepted_end)
         discard = not finished and self.rng.random() < self.cfg.discard_prob
         if discard:
             res.discarded_steps += 1
             self._preempt(plan)
-            job: Callable[[], Any] = helper.discard_builder(saved)
+            job: Callable[[], Any] = helper.discard_builder(saved, accepted_rows=accepted)
         else:
-            job = self._builder(helper, step, saved, reqs, spans, resumed, (step, n, padded))
+            job = self._builder(helper, step, saved, reqs, spans, resumed, (step, n, padded), accepted)
         if out is None:
             job()
         else:
@@ -153,6 +157,7 @@ class VllmEventSimulation(VllmSimulation):
         spans: dict[str, tuple[int, int]],
         resumed: set[str],
         tag: tuple[int, int, int],
+        accepted: dict[str, int] | None,
     ) -> Callable[[], None]:
         import torch
 
@@ -164,14 +169,18 @@ class VllmEventSimulation(VllmSimulation):
         def publish(payload: StageCacheOutputs, live: frozenset[str]) -> None:
             published.append(live)
 
-        ordered = helper.output_builder(saved, build, publish)
+        # The accepted rows: given with the builder inline (a synchronous runner has them right after its
+        # rejection sampler), or to the builder on the output thread (an async runner's get_output).
+        late = self.cfg.lagged
+        ordered = helper.output_builder(saved, build, publish, accepted_rows=None if late else accepted)
 
         def run() -> None:
             t0 = time.perf_counter_ns()
-            done = ordered()
+            done = ordered(accepted_rows=accepted) if late and accepted is not None else ordered()
             dt = (time.perf_counter_ns() - t0) / 1000.0
             outputs = done.outputs
-            self._check_raw(step, saved, outputs, reqs, spans, torch.tensor(list(tag), dtype=torch.float32))
+            tensor = torch.tensor(list(tag), dtype=torch.float32)
+            self._check_raw(step, saved, outputs, reqs, spans, tensor)
             self._count_output(outputs, done.view, reqs, spans, resumed)
             for rid in set(saved.req_ids) - done.live:
                 if self.sched.reqs.get(rid) is reqs[rid]:
@@ -197,7 +206,7 @@ class VllmEventSimulation(VllmSimulation):
         tag: Any,
     ) -> None:
         """The materialized rows themselves: ``token_ranges`` end at the step's
-        end, start at or before its start, and hold the row function's rows."""
+        (accepted) end, start at or before its start, and hold the row function's rows."""
         exps = []
         for rid in saved.req_ids:
             start, end = outputs.token_ranges[rid]
@@ -223,6 +232,8 @@ class VllmEventSimulation(VllmSimulation):
         c = self.tenure_oracle.counts
         with self._counts_lock:
             for rid in resumed:
+                if rid not in view.token_ranges:
+                    continue  # retired before its builder ran: the helper's view leaves it out
                 start, _ = outputs.token_ranges[rid]
                 s0, _ = spans[rid]
                 vs, _ = view.token_ranges[rid]

@@ -6,6 +6,7 @@ back each step, and what the real scheduler did counted for the report.
 
 from __future__ import annotations
 
+import random
 import tempfile
 from collections import deque
 from collections.abc import Callable
@@ -92,7 +93,10 @@ class VllmScheduler:
         self._manager_live: set[str] = set()  # mirrors the manager's rule: new and not yet finished
         self._owner: dict[int, int] = {}  # block id -> incarnation that last got it fresh
         self._capacity = (cfg.num_blocks - 1) * cfg.block_size  # block 0 is vLLM's null block
-        self.on_sampled: Callable[[dict[str, int]], None] | None = None  # the runner's bookkeeping
+        self.on_sampled: Callable[[dict[str, list[int]]], None] | None = None  # the runner's bookkeeping
+        self.last_output: Any = None  # the ModelRunnerOutput of the last update (its sampled_token_ids)
+        self._spec_rng = random.Random(cfg.seed ^ 0x5BEC)  # the fake proposer: how many drafts, how many right
+        self._rejected_blocks: set[int] = set()  # blocks a rejected draft's row once occupied
         # vLLM 0.33's OffloadingConnector loses an id's state when the id is added again before the
         # connector's metadata reported its finish (KeyError in _update_req_states/_build_store_jobs):
         # behind it, a retry or a follow-up under the same id comes two steps later.
@@ -200,6 +204,7 @@ class VllmScheduler:
         fresh: dict[str, list[int]] = {}
         hit_blocks: dict[str, list[int]] = {}
         g = self.group
+        spec = so.scheduled_spec_decode_tokens or {}
         for n in so.scheduled_new_reqs:
             blocks, k = list(n.block_ids[g]), starts[n.req_id] // self.block_size
             hit_blocks[n.req_id], fresh[n.req_id] = blocks[:k], blocks[k:]
@@ -237,7 +242,12 @@ class VllmScheduler:
                 st.resumes_with_hit += start > 0
                 st.live_prefix_tokens += start
                 req.preempted = False
-            entries.append(Scheduled(req, n, start, new_entry, manager_hit))
+            st.hits_over_rejected += start > 0 and bool(self._rejected_blocks.intersection(hit_blocks.get(rid, ())))
+            drafts = tuple(int(t) for t in spec.get(rid, ()))
+            good = 0  # the fake forward verifies greedily: the drafts that are the tokens it would sample
+            while good < len(drafts) and drafts[good] == self._truth(req, start + 1 + good):
+                good += 1
+            entries.append(Scheduled(req, n, start, new_entry, manager_hit, drafts=drafts, accepted=good))
         self._manager_live -= finished
         self._manager_live |= new_ids
         if not entries:
@@ -255,19 +265,56 @@ class VllmScheduler:
                 self._owner[b] = inc
             bs.null_block_in_table += sum(1 for b in [*blocks, *hits.get(rid, ())] if b == 0)
 
-    def sampled_tokens(self, plan: StepPlan[DriverRequest]) -> dict[str, int]:
-        """The fake forward's sampled token per request that computed all its known tokens."""
-        out: dict[str, int] = {}
+    def _truth(self, req: DriverRequest, position: int) -> int:
+        """The token the fake forward samples at ``position`` (a function of the incarnation and position)."""
+        return mix64(req.salt ^ (position * 0x9E3779B1)) % self.opts.vocab
+
+    def sampled_tokens(self, plan: StepPlan[DriverRequest]) -> dict[str, list[int]]:
+        """The fake forward's sampled tokens per request that computed all its
+        known tokens: the next token, or with drafts (greedy verification)
+        the drafts it accepted and the token after them."""
+        out: dict[str, list[int]] = {}
         for e in plan.entries:
             vreq = e.req.vreq
-            if e.start + e.n < vreq.num_tokens:
+            if e.start + e.n - len(e.drafts) < vreq.num_tokens:
                 self.stats.chunked_prefill_steps += 1
                 continue  # still in chunked prefill: vLLM expects no token
-            out[e.req.req_id] = mix64(e.req.salt ^ (vreq.num_tokens * 0x9E3779B1)) % self.opts.vocab
+            first = vreq.num_tokens  # the position the first sampled token takes
+            out[e.req.req_id] = [self._truth(e.req, first + j) for j in range(e.accepted + 1)]
+            if e.drafts:
+                st, bs = self.stats, self.block_size
+                st.draft_steps += 1
+                st.drafts += len(e.drafts)
+                st.drafts_accepted += e.accepted
+                blocks = self.sched.kv_cache_manager.get_block_ids(e.req.req_id)[0]
+                self._rejected_blocks.update(blocks[p // bs] for p in range(e.accepted_end, e.start + e.n))
         return out
 
+    def propose_drafts(self) -> None:
+        """The fake proposer, after ``update_from_output`` as vLLM's engine
+        core calls it: for each running request in decode, up to
+        ``spec_tokens`` drafts (an n-gram proposer finds none now and then),
+        the first few right, the rest wrong, never more than its remaining
+        output tokens allow."""
+        k = self.cfg.spec_tokens
+        ids, drafts = [], []
+        for vreq in self.sched.running:
+            req = self.reqs.get(vreq.request_id)
+            room = min(k, vreq.max_tokens - vreq.num_output_tokens - 1)
+            if req is None or room <= 0 or vreq.num_computed_tokens != vreq.num_tokens - 1:
+                continue
+            d = self._spec_rng.randint(0, room)
+            good = self._spec_rng.randint(0, d)
+            right = [self._truth(req, vreq.num_tokens + j) for j in range(d)]
+            ids.append(vreq.request_id)
+            drafts.append([t if j < good else (t + 1 + j) % self.opts.vocab for j, t in enumerate(right)])
+        if ids:
+            self.sched.update_draft_token_ids(self.v.DraftTokenIds(ids, drafts))
+
     def update(self, plan: StepPlan[DriverRequest]) -> None:
-        """Feed the fake ``ModelRunnerOutput`` to ``update_from_output``; queue follow-ups of finished turns."""
+        """Feed the fake ``ModelRunnerOutput`` to ``update_from_output`` (the
+        accepted drafts' rollback is vLLM's); propose the next drafts; queue
+        follow-ups of finished turns."""
         sampled = self.sampled_tokens(plan)
         if self.on_sampled is not None:
             self.on_sampled(sampled)
@@ -275,8 +322,9 @@ class VllmScheduler:
         out = self.v.ModelRunnerOutput(
             req_ids=ids,
             req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in ids],
+            sampled_token_ids=[sampled.get(r, []) for r in ids],
         )
+        self.last_output = out
         if self.opts.kv_offload:  # the fake worker completes the connector's transfer jobs
             out.kv_connector_output = setup.offload_worker_output(plan.output)
         for e in plan.entries:
@@ -285,6 +333,11 @@ class VllmScheduler:
             else:
                 self.stats.prefill_tokens += e.n
         self.sched.update_from_output(plan.output, out)
+        for e in plan.entries:
+            if e.drafts:
+                e.req.hash_upto(e.accepted_end)  # the accepted drafts are tokens now: the oracle reads their rows
+        if self.cfg.spec_tokens:
+            self.propose_drafts()
         for e in plan.entries:
             if self.sched.requests.get(e.req.req_id) is not e.req.vreq:
                 self.stats.finished += 1

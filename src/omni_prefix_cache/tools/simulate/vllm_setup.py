@@ -41,7 +41,14 @@ MODEL_CONFIG = {
 
 # Where each vLLM name the driver (and tests_vllm) uses lives in vLLM 0.33.
 VLLM_NAMES: dict[str, tuple[str, ...]] = {
-    "vllm.config": ("CacheConfig", "ModelConfig", "SchedulerConfig", "VllmConfig"),
+    "vllm.config": (
+        "CacheConfig",
+        "ModelConfig",
+        "ParallelConfig",
+        "SchedulerConfig",
+        "SpeculativeConfig",
+        "VllmConfig",
+    ),
     "vllm.sampling_params": ("SamplingParams",),
     "vllm.utils.hashing": ("get_hash_fn_by_name",),
     "vllm.v1.attention.backends.utils": ("reorder_batch_to_split_decodes_and_prefills",),
@@ -60,7 +67,7 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
         "MambaSpec",
         "SlidingWindowSpec",
     ),
-    "vllm.v1.outputs": ("ModelRunnerOutput",),
+    "vllm.v1.outputs": ("DraftTokenIds", "ModelRunnerOutput"),
     "vllm.v1.request": ("Request", "RequestStatus"),
     "vllm.v1.structured_output": ("StructuredOutputManager",),
     "vllm.v1.worker.block_table": ("BlockTable", "MultiGroupBlockTable", "SlotMappingMode"),
@@ -144,8 +151,18 @@ def vllm_config(v: SimpleNamespace, cfg: SimConfig, opts: VllmOptions, model_dir
         # Priority only to let a client's retry jump the queue (VllmScheduler's abort); all else is 0, FCFS.
         policy="priority",
     )
+    spec = None
+    if cfg.spec_tokens:
+        # Speculative decoding as an n-gram proposer sets it up; the driver's fake runner proposes the drafts.
+        spec = v.SpeculativeConfig(
+            method="ngram",
+            num_speculative_tokens=cfg.spec_tokens,
+            prompt_lookup_max=3,
+            target_model_config=model,
+            target_parallel_config=v.ParallelConfig(),
+        )
     if not opts.kv_offload:
-        return v.VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched)
+        return v.VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched, speculative_config=spec)
     from vllm.config import KVEventsConfig, KVTransferConfig  # type: ignore[import-not-found]
 
     transfer = offload_kv_transfer(
@@ -160,6 +177,7 @@ def vllm_config(v: SimpleNamespace, cfg: SimConfig, opts: VllmOptions, model_dir
         scheduler_config=sched,
         kv_transfer_config=KVTransferConfig(**transfer),
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+        speculative_config=spec,
     )
 
 
