@@ -57,7 +57,7 @@ from omni_prefix_cache.interface import (
 from omni_prefix_cache.kv_layout_gate import check_view_group
 from omni_prefix_cache.manager_calls import AbandonCall, NewStepCall, SaveCall, StepCall
 from omni_prefix_cache.manager_ops import FacadeOps
-from omni_prefix_cache.ops.components import ManagerComponents
+from omni_prefix_cache.ops.components import ManagerComponents  # re-exported (__all__)
 from omni_prefix_cache.ops.manager_stats import ManagerStats
 from omni_prefix_cache.ops.trace_session import open_trace
 from omni_prefix_cache.reads.hit_planner import HitPlanner
@@ -173,30 +173,6 @@ class OmniPrefixCacheManager(ManagerStats, DeliveryFacade, FacadeOps, ManagerSea
         self._delivery = DeliveryDesk(self._requests, self._state_lock, self._check_open)
         # The manager's share of spec/protocol.yaml, compiled once, and the runner of its segments (manager_ops).
         self._ops, self._runner = self._compile_facade_ops()
-
-    @property
-    def kv_cache_group_index(self) -> int:
-        """The KV cache group whose slots key the rows
-        (``PrefixCacheConfig.kv_cache_group_index``). Any thread."""
-        return self._group_index
-
-    @property
-    def components(self) -> ManagerComponents:
-        """The components this manager delegates to (diagnostics, tests)."""
-        return ManagerComponents(
-            controller=self._controller,
-            pool=self._pool,
-            occupancy=self._slot_status,
-            ledger=self._ledger,
-            reads=self._reads,
-            hits=self._hits,
-            layout=self._layout,
-            materializer=self._materializer,
-            steps=self._step_ctxs,
-            requests=self._requests,
-            state_lock=self._state_lock,
-            tier_desk=self._tier_desk,
-        )
 
     def register_policy(self, policy: ModelCachePolicy) -> None:
         """Set the model's cache policy (hidden or not, deferred mm keys).

@@ -26,7 +26,6 @@ from typing import Any
 from omni_prefix_cache.controller import OmniPrefixCacheController
 from omni_prefix_cache.interface import (
     ModelCachePolicy,
-    OmniPrefixCacheShutdownError,
     OmniPrefixCacheUnmatchError,
     StepId,
     Tid,
@@ -434,12 +433,9 @@ class FacadeOps(DraftOps):
 
     def _merge_outputs(self, call: StepCall) -> None:
         (ctx,) = call.steps
-        if self._closed:
-            raise OmniPrefixCacheShutdownError(f"{call.call}: omni prefix cache manager is shut down")
+        self._check_open(call.call)  # a shutdown after the consume
         self._ledger.raise_if_failed()
         call.outputs = self._materializer.build(ctx, call.req_ids)
-
-    # ------------------------------------------------------------ shutdown
 
     def _close_facade(self, call: StepCall) -> None:
         """Effect ``close_facade`` (state lock): closed; the pending hits are

@@ -1,5 +1,6 @@
-"""The manager's operator view: ``stats()`` and ``stats_snapshot()`` (a
-mixin of OmniPrefixCacheManager; any thread, takes the state lock briefly)."""
+"""The manager's operator view: ``stats()`` and ``stats_snapshot()`` (any
+thread, takes the state lock briefly), its keyed KV cache group and its
+components (a mixin of OmniPrefixCacheManager)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,16 @@ from typing import Any
 from omni_prefix_cache.block_pool import PrefixBlockPool
 from omni_prefix_cache.controller import OmniPrefixCacheController
 from omni_prefix_cache.interface import ReqId, StepId
+from omni_prefix_cache.ops.components import ManagerComponents
 from omni_prefix_cache.ops.stats import MANAGER_COUNTERS, CacheStats
+from omni_prefix_cache.reads.hit_planner import HitPlanner
+from omni_prefix_cache.reads.materializer import Materializer
+from omni_prefix_cache.reads.planned_read import HitReads
 from omni_prefix_cache.reads.tier_fill import TierDesk
 from omni_prefix_cache.requests.lifecycle import RequestTable
+from omni_prefix_cache.steps.slot_occupancy import SlotOccupancy
 from omni_prefix_cache.steps.step_context import StepContext
+from omni_prefix_cache.steps.step_layout import StepLayout
 from omni_prefix_cache.steps.write_ledger import WriteLedger
 from omni_prefix_cache.telemetry.registry import TELEMETRY
 
@@ -30,6 +37,36 @@ class ManagerStats:
     _controller: OmniPrefixCacheController
     _requests: RequestTable
     _tier_desk: TierDesk
+    _group_index: int
+    _slot_status: SlotOccupancy
+    _reads: HitReads
+    _hits: HitPlanner
+    _layout: StepLayout
+    _materializer: Materializer
+
+    @property
+    def kv_cache_group_index(self) -> int:
+        """The KV cache group whose slots key the rows
+        (``PrefixCacheConfig.kv_cache_group_index``). Any thread."""
+        return self._group_index
+
+    @property
+    def components(self) -> ManagerComponents:
+        """The components this manager delegates to (diagnostics, tests)."""
+        return ManagerComponents(
+            controller=self._controller,
+            pool=self._pool,
+            occupancy=self._slot_status,
+            ledger=self._ledger,
+            reads=self._reads,
+            hits=self._hits,
+            layout=self._layout,
+            materializer=self._materializer,
+            steps=self._step_ctxs,
+            requests=self._requests,
+            state_lock=self._state_lock,
+            tier_desk=self._tier_desk,
+        )
 
     def stats(self) -> dict[str, Any]:
         """Metrics an operator would export, as a dict (any thread; takes the

@@ -22,14 +22,22 @@ from omni_prefix_cache.adapter import PrefixCacheEventKind, PrefixCacheRequestEv
 from omni_prefix_cache.interface import OmniPrefixCacheInvalidArgumentError, ReqId, Tid
 from omni_prefix_cache.requests.drafts import DraftAccounting
 from omni_prefix_cache.requests.tenure import (
+    ACTIVE_STATES,
     DELIVERY_MACHINE,
+    OPENING_KINDS,
     REQUEST_MACHINE,
+    TERMINAL_KINDS,
     RequestState,
     Tenure,
     TenureMove,
     apply_delivery_move,
     apply_request_move,
     enabled,
+    lookup_complete,
+    newer_owner,
+    older,
+    opens_tenure,
+    terminal_event,
 )
 from omni_prefix_cache.specs.composition import CompiledOperation, compile_operation, load_protocol
 from omni_prefix_cache.specs.loader import SpecError, TriggerName
@@ -39,10 +47,8 @@ from omni_prefix_cache.steps.step_record import Hit
 
 __all__ = ["MAX_CONSUMERS", "RequestBinding", "RequestTable"]
 
-_TERMINAL = frozenset({PrefixCacheEventKind.FINISHED, PrefixCacheEventKind.ABORTED})
-_OPENING = frozenset({PrefixCacheEventKind.STARTED, PrefixCacheEventKind.REPLACED})
-_ACTIVE = frozenset({RequestState.ADMITTED, RequestState.RUNNING})
 _EXTEND = REQUEST_MACHINE.move(RequestState.RUNNING, "extend")
+TokenRanges = Mapping[ReqId, tuple[int, int]]  # request -> its rows' token range, as a write layout gives them
 if _EXTEND is None:
     raise SpecError("request_lifecycle.yaml: RUNNING has no extend move (the usual decode event's)")
 
@@ -51,11 +57,6 @@ MAX_CONSUMERS = 64
 
 Pred = Callable[[Any], bool]
 Run = Callable[[Any], None]
-
-
-def older(a: PrefixCacheRequestOwner | None, b: PrefixCacheRequestOwner | None) -> bool:
-    """``a`` is an older owner than ``b`` (owner-less events are never older)."""
-    return a is not None and b is not None and a < b
 
 
 class RequestBinding:
@@ -147,10 +148,10 @@ class RequestTable:
             },
             {
                 "ignored_event": self._ignored_event,
-                "terminal_event": _terminal_event,
-                "newer_owner": _newer_owner,
-                "opens_tenure": _opens_tenure,
-                "lookup_complete": _lookup_complete,
+                "terminal_event": terminal_event,
+                "newer_owner": newer_owner,
+                "opens_tenure": opens_tenure,
+                "lookup_complete": lookup_complete,
             },
         )
 
@@ -207,10 +208,10 @@ class RequestTable:
                 tenure = self.current.get(rid)
                 known = tenure.owner if tenure is not None else None
                 active = tenure is not None
-            if kind in _TERMINAL or older(owner, known):
+            if kind in TERMINAL_KINDS or older(owner, known):
                 continue
             if active and known is not None and owner is not None and owner > known:
-                if kind not in _OPENING:
+                if kind not in OPENING_KINDS:
                     raise OmniPrefixCacheInvalidArgumentError(
                         f"request {rid!r} changed owner {known} -> {owner} with a {kind.name} event "
                         "(only STARTED or REPLACED open a new owner)"
@@ -220,8 +221,8 @@ class RequestTable:
                         f"request {rid!r} changed content generation {known.generation} -> {owner.generation} "
                         "without a REPLACED event"
                     )
-            opens = kind in _OPENING and (not active or owner is None or owner != known)
-            if kind in _OPENING and not opens and rid not in owners:
+            opens = kind in OPENING_KINDS and (not active or owner is None or owner != known)
+            if kind in OPENING_KINDS and not opens and rid not in owners:
                 tenure = self.current.get(rid)
                 lookup = (event.hit_end, event.block_ids)
                 if (
@@ -298,13 +299,12 @@ class RequestTable:
 
     def reached(self, rid: ReqId) -> int:
         """The position ``rid``'s current tenure computed up to (0: none). Engine thread."""
-        tenure = self.current.get(rid)
-        return 0 if tenure is None else tenure.computed_upto
+        return getattr(self.current.get(rid), "computed_upto", 0)
 
     def record_saved(
         self,
         ctx: StepContext,
-        token_ranges: Mapping[ReqId, tuple[int, int]] | None,
+        token_ranges: TokenRanges | None,
         cached: bool,
         starts: Mapping[ReqId, int] | None = None,
     ) -> None:
@@ -385,11 +385,11 @@ class RequestTable:
         assert event is not None
         if cur is not None and older(event.owner, cur.owner):
             return True
-        if event.kind in _TERMINAL:
+        if event.kind in TERMINAL_KINDS:
             return cur is None
-        if _opens_tenure(m):
+        if opens_tenure(m):
             return False
-        if cur is None or cur.state not in _ACTIVE:
+        if cur is None or cur.state not in ACTIVE_STATES:
             return True
         # An owner-less event cannot move an owned tenure.
         return event.owner is None and cur.owner is not None
@@ -435,23 +435,3 @@ def _fires_extend(event: PrefixCacheRequestEvent, cur: Tenure | None) -> bool:
     tenure has no move for). tests/test_telemetry.py checks this against
     the operation run event by event."""
     return cur is not None and (event.owner is not None or cur.owner is None) and bool(event.lookup_complete)
-
-
-def _terminal_event(m: TenureMove) -> bool:
-    return m.event is not None and m.event.kind in _TERMINAL
-
-
-def _newer_owner(m: TenureMove) -> bool:
-    event, cur = m.event, m.tenure
-    return event is not None and cur is not None and older(cur.owner, event.owner)
-
-
-def _opens_tenure(m: TenureMove) -> bool:
-    event, cur = m.event, m.tenure
-    if event is None or event.kind not in _OPENING:
-        return False
-    return cur is None or cur.state not in _ACTIVE or event.owner is None or event.owner != cur.owner
-
-
-def _lookup_complete(m: TenureMove) -> bool:
-    return m.event is not None and bool(m.event.lookup_complete)

@@ -127,7 +127,7 @@ def events_step(
         if e.kind in _QUERIES and e.lookup_complete:
             queried += 1
             query_tokens += int(e.hit_end) + num_sched.get(e.req_id, 0)
-    return StepInput(_terminal_first(events), sequence, num_sched, queried, query_tokens, tier, drafts)
+    return StepInput(_terminal_first(events), sequence, num_sched, queried, query_tokens, tier, drafts=drafts)
 
 
 def _drafts(raw: Any, num_sched: Mapping[ReqId, int]) -> dict[ReqId, int]:
@@ -211,7 +211,7 @@ def seed_step(
     cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
     if cached is not None:
         _cached_requests(cached, live, gone, num_sched, events, starts)
-    return StepInput(tuple(events), None, num_sched, queried, query_tokens, tier, starts or None)
+    return StepInput(tuple(events), None, num_sched, queried, query_tokens, tier, starts=starts or None)
 
 
 def _resumed(rid: ReqId, computed: int, block_ids: Any, num_sched: Mapping[ReqId, int]) -> PrefixCacheRequestEvent:

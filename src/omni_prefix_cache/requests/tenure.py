@@ -20,7 +20,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from omni_prefix_cache.adapter import PrefixCacheEventKind, PrefixCacheRequestEvent
+from omni_prefix_cache.adapter import PrefixCacheEventKind, PrefixCacheRequestEvent, PrefixCacheRequestOwner
 from omni_prefix_cache.interface import PrefixCacheRequestProgress, ReqId
 from omni_prefix_cache.specs import CompiledMove, SpecState, compile_machine, load_spec
 from omni_prefix_cache.specs.types.delivery import DeliveryState
@@ -294,3 +294,35 @@ def apply_delivery_move(move: CompiledMove, m: TenureMove) -> None:
 
 
 MoveFn = Callable[[TenureMove], None]
+
+
+# ---------------------------------------------------------------- request_event's guards
+
+TERMINAL_KINDS = frozenset({PrefixCacheEventKind.FINISHED, PrefixCacheEventKind.ABORTED})
+OPENING_KINDS = frozenset({PrefixCacheEventKind.STARTED, PrefixCacheEventKind.REPLACED})
+ACTIVE_STATES = frozenset({RequestState.ADMITTED, RequestState.RUNNING})
+
+
+def older(a: PrefixCacheRequestOwner | None, b: PrefixCacheRequestOwner | None) -> bool:
+    """``a`` is an older owner than ``b`` (owner-less events are never older)."""
+    return a is not None and b is not None and a < b
+
+
+def terminal_event(m: TenureMove) -> bool:
+    return m.event is not None and m.event.kind in TERMINAL_KINDS
+
+
+def newer_owner(m: TenureMove) -> bool:
+    event, cur = m.event, m.tenure
+    return event is not None and cur is not None and older(cur.owner, event.owner)
+
+
+def opens_tenure(m: TenureMove) -> bool:
+    event, cur = m.event, m.tenure
+    if event is None or event.kind not in OPENING_KINDS:
+        return False
+    return cur is None or cur.state not in ACTIVE_STATES or event.owner is None or event.owner != cur.owner
+
+
+def lookup_complete(m: TenureMove) -> bool:
+    return m.event is not None and bool(m.event.lookup_complete)
