@@ -90,3 +90,28 @@ def test_spec_scenarios_run_in_the_event_api_table_only(capsys: pytest.CaptureFi
     with pytest.raises(SystemExit):
         main(["bench", "--profile", "decode_spec2"])
     assert "event-API table only" in capsys.readouterr().err
+
+
+def test_decode_spec2_is_held_to_its_limit_of_plain_decoding_per_mode() -> None:
+    from omni_prefix_cache.tools.bench.event_api import EVENT_SCENARIOS, ApiPair, spec_verdicts
+
+    assert "decode_spec2" in EVENT_SCENARIOS  # make bench judges it by default
+
+    def pair(name: str, mode: str, adapter: float, engine: float) -> ApiPair:
+        return ApiPair(name, mode, 10, 100.0, 50.0, adapter, engine, 40.0, 10.0)
+
+    pairs = [
+        pair("decode", "eager", 100.0, 300.0),
+        pair("decode_spec2", "eager", 120.0, 400.0),  # 520 / 400 = 1.3: met
+        pair("decode", "threaded", 100.0, 200.0),
+        pair("decode_spec2", "threaded", 120.0, 300.0),  # 420 / 300 = 1.4: missed
+        pair("prefill_hits", "eager", 1.0, 1.0),
+    ]
+    got = {v.name: (v.value, v.met) for v in spec_verdicts(pairs)}
+    assert got == {
+        "spec K=2 / plain eager": (pytest.approx(1.3), True),
+        "spec K=2 / plain threaded": (pytest.approx(1.4), False),
+    }
+    text = format_event_api(pairs)
+    assert "spec K=2 / plain threaded" in text and "MISSED" in text
+    assert spec_verdicts(pairs[:1]) == []  # no spec row: nothing judged
