@@ -59,11 +59,7 @@ def forward(tokens: list[int], start: int) -> torch.Tensor:
 
 
 def main() -> int:
-    config = PrefixCacheConfig(num_blocks=16, block_size=BLOCK_SIZE, staging_capacity_tokens=64)
     batch = InputBatch()
-    mgr = OmniPrefixCacheManager(config)
-    mgr.register_policy(ModelCachePolicy(needs_full_hidden_states=True))
-    cache = PrefixCacheEngineHelper(mgr, FullAttentionGroupView(batch, block_size=BLOCK_SIZE), consumer="talker")
     delivered: dict[str, torch.Tensor] = {}  # what the next stage received, per request
 
     def build(view):  # output thread, no lock held: copy out what the next stage gets
@@ -74,6 +70,11 @@ def main() -> int:
             delivered[rid] = torch.cat([delivered[rid], payload[rid]]) if rid in delivered else payload[rid]
 
     prompt = [11, 12, 13, 14, 15, 16, 17, 18]  # two full blocks
+    # --- README: the engine loop (the README quotes these lines; tests/test_docs.py checks it) ---
+    config = PrefixCacheConfig(num_blocks=16, block_size=BLOCK_SIZE, staging_capacity_tokens=64)
+    mgr = OmniPrefixCacheManager(config)  # the event API: no view
+    mgr.register_policy(ModelCachePolicy(needs_full_hidden_states=True))
+    cache = PrefixCacheEngineHelper(mgr, FullAttentionGroupView(batch, block_size=BLOCK_SIZE), consumer="talker")
     try:
         # Step 1: request "a" prefills its 8 prompt tokens into blocks 0 and 1.
         cache.begin_step(SchedulerOutput({"a": 8}, [NewRequest("a", 0, ([0, 1],))]))
@@ -94,6 +95,7 @@ def main() -> int:
         stats = mgr.stats()
     finally:
         mgr.shutdown()
+    # --- README: end ---
 
     expected_b = forward([*prompt, 19, 20], 0)
     ok = torch.equal(delivered["a"], forward(prompt, 0)) and torch.equal(delivered["b"], expected_b)

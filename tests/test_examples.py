@@ -1,4 +1,4 @@
-"""The examples run, check their own rows, and the README quotes the minimal one verbatim."""
+"""The examples run and check their own rows (tests/test_docs.py: the README quotes the minimal one's engine loop)."""
 
 from __future__ import annotations
 
@@ -45,9 +45,3 @@ def test_example_exits_nonzero_on_wrong_rows(path: Path, monkeypatch: pytest.Mon
 
     monkeypatch.setattr(OmniPrefixCacheManager, "materialize", served_as_zeros)
     assert _load(path).main() == 1
-
-
-def test_readme_quotes_the_minimal_example_verbatim() -> None:
-    readme = (ROOT / "README.md").read_text()
-    source = (ROOT / "examples" / "minimal_engine.py").read_text()
-    assert f"```python\n{source}```" in readme
