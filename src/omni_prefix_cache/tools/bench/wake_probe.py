@@ -1,16 +1,19 @@
 """A machine probe: what waking an idle thread once a step costs the engine
 thread on this host, with no work done by the woken thread.
 
-A threaded manager wakes its committer at every save. On some hosts (seen
-on a 2-vCPU VM: waking a thread that runs on the other vCPU) that wake alone
-makes the waker's next few hundred microseconds of Python markedly slower,
-although the woken thread does nothing and nothing overlaps the timed span.
-So threaded rows carry a cost no change to the manager's bookkeeping
-removes. The probe measures it beside the scenarios: eager ``decode`` at one
-request, alone and with a no-op thread woken after every step (outside the
-timed spans, where a threaded save's wake lands in the step before), the
-sides alternating; where the OS lets a thread pick its CPUs, a third side
-runs the waker and the woken thread on one CPU.
+A threaded manager wakes its committer once a step: a save only queues
+its writes, and ``new_step_starts`` kicks the committer at its end, so the
+wake and the committer's pass land in the forward that follows (with no
+next step, the committer wakes itself after
+``PrefixCacheConfig.committer_linger_s``). On some hosts (seen on a 2-vCPU
+VM: waking a thread that runs on the other vCPU) a wake alone makes the
+waker's next few hundred microseconds of Python markedly slower, although
+the woken thread does nothing and nothing overlaps the timed span; a forward
+shorter than that window leaves the cost in the engine's next calls. The
+probe measures it beside the scenarios: eager ``decode`` at one request,
+alone and with a no-op thread woken after every step (outside the timed
+spans), the sides alternating; where the OS lets a thread pick its CPUs, a
+third side runs the waker and the woken thread on one CPU.
 """
 
 from __future__ import annotations
