@@ -492,13 +492,13 @@ def _discard_counts_as_delivery(stack: contextlib.ExitStack) -> None:
 
     original = OmniPrefixCacheManager.discard_step
 
-    def discard_step(self: OmniPrefixCacheManager, step_id: int) -> None:
+    def discard_step(self: OmniPrefixCacheManager, step_id: int, *args: Any, **kwargs: Any) -> None:
         ctx = self.components.steps.get(step_id)
         if ctx is not None:
             for tenure, (_, end) in zip(ctx.record.tenures, ctx.record.token_ranges):
                 for consumer in tenure.delivered_upto:
                     tenure.delivered_upto[consumer] = max(tenure.delivered_upto[consumer], end)
-        original(self, step_id)
+        original(self, step_id, *args, **kwargs)  # accepted_rows (issue 47) passes through
 
     _set(stack, OmniPrefixCacheManager, "discard_step", discard_step)
 
